@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Side-by-side Envoy load bench: the same mock streaming endpoint behind Envoy with no filter, with
+sluice llm-metrics, and with a Lua filter that does the same TTFT stamping; plus the mock alone.
+
+Every configuration runs in this one invocation, one after the other on the same machine, so the
+figures are comparable with each other (not with another machine's). Loopback only.
+
+For each configuration and stream length (1 and 64 content tokens, no artificial delays) it runs wrk:
+  - 1 connection, closed loop: mean latency per request → added µs per request versus no filter;
+    the difference between the 64-token and 1-token runs, divided by 63, is the added µs per chunk;
+  - 16 connections: requests/s.
+
+Usage: benches/envoy_load.py [--seconds N]   (needs: target/release/sluice-mock-server, the .wasm,
+Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
+"""
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY = os.environ.get("SLUICE_ENVOY", str(ROOT / ".tools/venv/bin/envoy"))
+MOCK = ROOT / "target/release/sluice-mock-server"
+WASM_DIR = ROOT / "target/wasm32-wasip1/release"
+
+CONFIGS = [
+    ("no filter", ROOT / "envoy/bench/none.yaml"),
+    ("sluice llm-metrics", ROOT / "envoy/gateway.yaml"),
+    ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port}")
+
+
+def yaml_string_body(text):
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def render(template, vars_):
+    for k, v in vars_.items():
+        template = template.replace("{{%s}}" % k, v)
+    return template
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.headers["x-mock-tokens"] = "%d"
+wrk.headers["x-mock-ttft-ms"] = "0"
+wrk.headers["x-mock-itl-ms"] = "0"
+wrk.headers["x-sluice-tenant"] = "acme"
+wrk.body = '{"model":"llama-3-70b","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}'
+"""
+
+
+def wrk(port, tokens, connections, seconds, tmp):
+    script = Path(tmp) / f"post{tokens}.lua"
+    script.write_text(WRK_SCRIPT % tokens)
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script),
+         f"http://127.0.0.1:{port}/v1/chat/completions"],
+        capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    m = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out)
+    scale = {"us": 1.0, "ms": 1000.0, "s": 1e6}[m.group(2)]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise RuntimeError(f"wrk saw errors: {out}")
+    return rps, float(m.group(1)) * scale
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=5)
+    args = ap.parse_args()
+    plugin_config = yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text())
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        mock_port = free_port()
+        mock = subprocess.Popen([str(MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
+        try:
+            wait_port(mock_port)
+            runs = [("mock alone (no Envoy)", None)] + CONFIGS
+            for name, config in runs:
+                envoy = None
+                port = mock_port
+                if config is not None:
+                    port, admin = free_port(), free_port()
+                    path = Path(tmp) / "envoy.yaml"
+                    path.write_text(render(config.read_text(), {
+                        "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
+                        "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config}))
+                    envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
+                                              "--base-id", str(os.getpid() % 10000 + 500)],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    wait_port(port)
+                try:
+                    wrk(port, 1, 1, 1, tmp)  # warm-up: connections, VM, JIT
+                    row = {}
+                    for tokens in (1, 64):
+                        _, lat = wrk(port, tokens, 1, args.seconds, tmp)
+                        rps, _ = wrk(port, tokens, 16, args.seconds, tmp)
+                        row[tokens] = (lat, rps)
+                    results[name] = row
+                finally:
+                    if envoy:
+                        envoy.terminate()
+                        envoy.wait()
+        finally:
+            mock.terminate()
+            mock.wait()
+
+    base = results["no filter"]
+    print()
+    print(f"{'configuration':<24} {'1 tok: µs/req':>14} {'req/s':>8} {'64 tok: µs/req':>15} {'req/s':>8} "
+          f"{'added µs/req':>13} {'added µs/chunk':>15}")
+    for name, row in results.items():
+        (l1, r1), (l64, r64) = row[1], row[64]
+        if name.startswith("mock"):
+            added_req = added_chunk = "—"
+        else:
+            added_req = f"{l1 - base[1][0]:.1f}"
+            added_chunk = f"{((l64 - base[64][0]) - (l1 - base[1][0])) / 63:.2f}"
+        print(f"{name:<24} {l1:>14.1f} {r1:>8.0f} {l64:>15.1f} {r64:>8.0f} {added_req:>13} {added_chunk:>15}")
+    print("\nEnvoy --concurrency 1; wrk 1 thread; latency = mean of 1 connection closed loop; req/s at 16 connections.")
+    json.dump(results, sys.stderr)
+    sys.stderr.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+//! sluice-e2e: the support library for sluice's end-to-end tests against a real Envoy.
+//!
+//! A test starts the mock model server ([`MockServer`]) and Envoy ([`Envoy`]) as child processes
+//! on loopback ports, sends requests with the blocking HTTP/1.1 client in [`http`] (which records
+//! when each body chunk arrived), and reads the results back from Envoy's `/stats/prometheus`
+//! ([`prometheus`]) and its JSON access log ([`access_log`]). Every process is killed on drop, and
+//! every wait is bounded, so a broken build fails a test instead of hanging it.
+//!
+//! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN`, else the
+//! workspace's `.tools/venv` and `target/` (what `cargo xtask setup` and `cargo xtask build` make).
+
+pub mod access_log;
+pub mod envoy;
+pub mod gateway;
+pub mod http;
+pub mod mock;
+pub mod prometheus;
+pub mod sse;
+pub mod tools;
+
+pub use access_log::AccessLog;
+pub use envoy::{free_port, render_config, Envoy};
+pub use http::{get, post_json, post_stream, ClientStream, Connection, Response, StreamedResponse};
+pub use mock::MockServer;
+pub use tools::Tools;
+
+use anyhow::{bail, Result};
+use std::time::{Duration, Instant};
+
+/// Calls `check` every 50 ms until it returns `Some`, an error, or `timeout` passes.
+/// Envoy publishes some results asynchronously (access-log flushes, histogram merges), so tests
+/// poll for them rather than sleep a fixed time.
+pub fn wait_until<T>(timeout: Duration, what: &str, mut check: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check()? {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,430 @@
+//! What the mock says, per API: turns a request body plus [`Controls`] into a [`Plan`] (model,
+//! token counts, usage) and renders it as SSE events or as one JSON body, in the shape of the real
+//! OpenAI chat completions, legacy completions, Responses and Anthropic Messages APIs.
+//!
+//! Token `i` (from 0) of every answer is the text `tok{i} ` so tests know the exact content.
+//!
+//! Prompt tokens are a deterministic count tests can recompute: every *text unit* of the request
+//! costs `ceil(chars / 4) + 4` tokens, where `chars` counts Unicode scalar values. Text units are:
+//! - chat completions: each element of `messages` (its `content`: a string, or the `text` of each part);
+//! - legacy completions: `prompt` (a string, or each string of an array);
+//! - Responses: `instructions`, then `input` (a string, or each item's `content`/`output`);
+//! - Anthropic Messages: `system` (if present), then each element of `messages`.
+//!
+//! Output tokens are the content tokens sent plus `x-mock-reasoning-tokens` (as in OpenAI, where
+//! reasoning tokens are part of completion tokens). Cached tokens are part of the prompt tokens for
+//! OpenAI; for Anthropic they are reported as `cache_read_input_tokens` and subtracted from
+//! `input_tokens`, as Anthropic does.
+
+mod anthropic;
+mod openai;
+mod responses;
+
+use crate::controls::{Controls, UsageMode};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The inference APIs the mock serves, one per path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/responses`
+    Responses,
+    /// `POST /v1/messages` (Anthropic)
+    Messages,
+}
+
+impl Api {
+    pub fn from_path(path: &str) -> Option<Api> {
+        match path {
+            "/v1/chat/completions" => Some(Api::Chat),
+            "/v1/completions" => Some(Api::Completions),
+            "/v1/responses" => Some(Api::Responses),
+            "/v1/messages" => Some(Api::Messages),
+            _ => None,
+        }
+    }
+}
+
+/// The text of content token `i`.
+pub fn token_text(i: u64) -> String {
+    format!("tok{i} ")
+}
+
+/// One SSE event: an optional `event:` line and one `data:` line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub name: Option<&'static str>,
+    pub data: String,
+}
+
+impl Event {
+    fn data(v: Value) -> Event {
+        Event {
+            name: None,
+            data: v.to_string(),
+        }
+    }
+    fn named(name: &'static str, v: Value) -> Event {
+        Event {
+            name: Some(name),
+            data: v.to_string(),
+        }
+    }
+    /// Wire form, ending in the blank line that dispatches the event.
+    pub fn render(&self, crlf: bool) -> Vec<u8> {
+        let nl = if crlf { "\r\n" } else { "\n" };
+        let mut s = String::new();
+        if let Some(name) = self.name {
+            s.push_str(&format!("event: {name}{nl}"));
+        }
+        s.push_str(&format!("data: {}{nl}{nl}", self.data));
+        s.into_bytes()
+    }
+}
+
+/// Sets `key` on a JSON object (a no-op on anything else, which the builders here never pass).
+fn set(v: &mut Value, key: &str, value: Value) {
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(key.to_string(), value);
+    }
+}
+
+/// An SSE comment line, as servers send to keep idle connections open.
+pub fn keepalive_comment(crlf: bool) -> Vec<u8> {
+    if crlf {
+        b": keep-alive\r\n\r\n".to_vec()
+    } else {
+        b": keep-alive\n\n".to_vec()
+    }
+}
+
+/// Everything decided before the first byte of the answer.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub api: Api,
+    pub model: String,
+    pub stream: bool,
+    /// Content tokens to send (already capped by the request's max tokens).
+    pub tokens: u64,
+    /// True when the request's max tokens cut the answer short (finish reason "length").
+    pub truncated: bool,
+    pub max_tokens: Option<u64>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub reasoning_tokens: u64,
+    /// Whether usage is reported at all.
+    pub usage: bool,
+    pub id: String,
+    /// Id of the output message item (Responses API).
+    pub item_id: String,
+    pub created: u64,
+}
+
+impl Plan {
+    /// Reads what matters from the request body. Errors are messages for a 400 reply.
+    pub fn new(api: Api, body: &Value, controls: &Controls, model_override: Option<&str>) -> Result<Plan, String> {
+        if !body.is_object() {
+            return Err("request body must be a JSON object".into());
+        }
+        let model = match (model_override, body.get("model")) {
+            (Some(m), _) => m.to_string(),
+            (None, Some(Value::String(m))) => m.clone(),
+            (None, None | Some(Value::Null)) => "mock-model".to_string(),
+            (None, Some(_)) => return Err("model must be a string".into()),
+        };
+        let stream = body.get("stream") == Some(&Value::Bool(true));
+        let max_field: &[&str] = match api {
+            Api::Chat => &["max_completion_tokens", "max_tokens"],
+            Api::Completions | Api::Messages => &["max_tokens"],
+            Api::Responses => &["max_output_tokens"],
+        };
+        let mut max_tokens = None;
+        for field in max_field {
+            match body.get(*field) {
+                None | Some(Value::Null) => {}
+                Some(v) => {
+                    let n = v
+                        .as_u64()
+                        .ok_or_else(|| format!("{field} must be a non-negative integer"))?;
+                    max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
+                }
+            }
+        }
+        let tokens = max_tokens.map_or(controls.tokens, |m| m.min(controls.tokens));
+        let include_usage = body.pointer("/stream_options/include_usage") == Some(&Value::Bool(true));
+        let usage = match controls.usage {
+            UsageMode::Always => true,
+            UsageMode::Never => false,
+            UsageMode::Auto => match api {
+                Api::Chat | Api::Completions => !stream || include_usage,
+                Api::Responses | Api::Messages => true,
+            },
+        };
+        let (id_prefix, item_prefix) = match api {
+            Api::Chat => ("chatcmpl-", "msg_"),
+            Api::Completions => ("cmpl-", "msg_"),
+            Api::Responses => ("resp_", "msg_"),
+            Api::Messages => ("msg_", "msg_"),
+        };
+        Ok(Plan {
+            api,
+            model,
+            stream,
+            tokens,
+            truncated: tokens < controls.tokens,
+            max_tokens,
+            prompt_tokens: prompt_tokens(api, body),
+            cached_tokens: controls.cached_tokens,
+            reasoning_tokens: controls.reasoning_tokens,
+            usage,
+            id: new_id(id_prefix),
+            item_id: new_id(item_prefix),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        })
+    }
+
+    pub fn completion_tokens(&self) -> u64 {
+        self.tokens + self.reasoning_tokens
+    }
+
+    /// The whole answer text.
+    pub fn text(&self) -> String {
+        (0..self.tokens).map(token_text).collect()
+    }
+
+    /// OpenAI chat/completions usage object.
+    fn openai_usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens(),
+            "total_tokens": self.prompt_tokens + self.completion_tokens(),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        })
+    }
+
+    /// Events sent with the response head, before the time to first token has passed.
+    pub fn preamble(&self, seq: &mut u64) -> Vec<Event> {
+        match self.api {
+            Api::Chat => vec![openai::chat_role_chunk(self)],
+            Api::Completions => vec![],
+            Api::Responses => responses::preamble(self, seq),
+            Api::Messages => anthropic::preamble(self),
+        }
+    }
+
+    /// The event carrying content token `i`.
+    pub fn token(&self, i: u64, seq: &mut u64) -> Event {
+        match self.api {
+            Api::Chat => openai::chat_token_chunk(self, i),
+            Api::Completions => openai::completion_token_chunk(self, i),
+            Api::Responses => responses::token(self, i, seq),
+            Api::Messages => anthropic::token(i),
+        }
+    }
+
+    /// Events after the last content token: finish reason, usage, end marker.
+    pub fn epilogue(&self, seq: &mut u64) -> Vec<Event> {
+        match self.api {
+            Api::Chat | Api::Completions => openai::epilogue(self),
+            Api::Responses => responses::epilogue(self, seq),
+            Api::Messages => anthropic::epilogue(self),
+        }
+    }
+
+    /// The API's in-stream error event (`x-mock-fail: error-event-after:N`).
+    pub fn error_event(&self, seq: &mut u64) -> Event {
+        let message = "mock: injected error in stream";
+        match self.api {
+            Api::Chat | Api::Completions => Event::data(json!({
+                "error": {"message": message, "type": "server_error", "param": null, "code": "internal_error"}
+            })),
+            Api::Responses => Event::named(
+                "error",
+                json!({"type": "error", "code": "server_error", "message": message, "param": null,
+                       "sequence_number": responses::next(seq)}),
+            ),
+            Api::Messages => Event::named(
+                "error",
+                json!({"type": "error", "error": {"type": "overloaded_error", "message": message}}),
+            ),
+        }
+    }
+
+    /// The non-streaming response body.
+    pub fn full_body(&self) -> Value {
+        match self.api {
+            Api::Chat => openai::chat_full(self),
+            Api::Completions => openai::completion_full(self),
+            Api::Responses => responses::full(self),
+            Api::Messages => anthropic::full(self),
+        }
+    }
+}
+
+/// A JSON error body in the style of the API at `path`: Anthropic's on `/v1/messages`, OpenAI's
+/// everywhere else.
+pub fn error_body(path: &str, status: u16, message: &str) -> Value {
+    if Api::from_path(path) == Some(Api::Messages) {
+        let kind = match status {
+            400 | 413 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        json!({"type": "error", "error": {"type": kind, "message": message}})
+    } else {
+        let (kind, code) = match status {
+            400 | 413 | 431 => ("invalid_request_error", Value::Null),
+            401 => ("invalid_request_error", json!("invalid_api_key")),
+            404 => ("invalid_request_error", json!("not_found")),
+            429 => ("rate_limit_error", json!("rate_limit_exceeded")),
+            503 => ("server_error", json!("service_unavailable")),
+            _ => ("server_error", Value::Null),
+        };
+        json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+    }
+}
+
+/// Unique enough ids for a mock: a per-process seed and a counter, hex-encoded.
+fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        nanos ^ (u64::from(std::process::id()) << 32)
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}{seed:016x}{n:08x}")
+}
+
+/// Prompt tokens per the rule in the module docs.
+pub fn prompt_tokens(api: Api, body: &Value) -> u64 {
+    let units: Vec<&Value> = match api {
+        Api::Chat => array(body.get("messages"))
+            .iter()
+            .map(|m| m.get("content").unwrap_or(&Value::Null))
+            .collect(),
+        Api::Completions => match body.get("prompt") {
+            Some(Value::Array(items)) => items.iter().collect(),
+            Some(p) => vec![p],
+            None => vec![],
+        },
+        Api::Responses => {
+            let mut units: Vec<&Value> = body.get("instructions").filter(|v| v.is_string()).into_iter().collect();
+            match body.get("input") {
+                Some(Value::Array(items)) => units.extend(
+                    items
+                        .iter()
+                        .map(|it| it.get("content").or_else(|| it.get("output")).unwrap_or(&Value::Null)),
+                ),
+                Some(input) => units.push(input),
+                None => {}
+            }
+            units
+        }
+        Api::Messages => {
+            let mut units: Vec<&Value> = body.get("system").into_iter().collect();
+            units.extend(
+                array(body.get("messages"))
+                    .iter()
+                    .map(|m| m.get("content").unwrap_or(&Value::Null)),
+            );
+            units
+        }
+    };
+    units.into_iter().map(|u| (text_chars(u) as u64).div_ceil(4) + 4).sum()
+}
+
+fn array(v: Option<&Value>) -> &[Value] {
+    v.and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[])
+}
+
+/// Characters of text in a content value: a string, or the `text` of each part of an array.
+fn text_chars(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.chars().count(),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => s.chars().count(),
+                _ => p.get("text").and_then(Value::as_str).map_or(0, |s| s.chars().count()),
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::controls::Defaults;
+
+    fn controls() -> Controls {
+        Controls::from_headers(&Defaults::default(), |_| None).unwrap()
+    }
+
+    #[test]
+    fn prompt_token_rule() {
+        // "Hello" = 5 chars -> 2 + 4; "You are terse." = 14 chars -> 4 + 4
+        let chat = json!({"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]});
+        assert_eq!(prompt_tokens(Api::Chat, &chat), 14);
+        let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]});
+        assert_eq!(prompt_tokens(Api::Chat, &parts), 6);
+        assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": "Hello"})), 6);
+        assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": ["Hello", ""]})), 10);
+        assert_eq!(
+            prompt_tokens(Api::Responses, &json!({"instructions": "Be", "input": "Hello"})),
+            5 + 6
+        );
+        let messages = json!({"system": "You are terse.", "messages": [{"role": "user", "content": "Hello"}]});
+        assert_eq!(prompt_tokens(Api::Messages, &messages), 14);
+        // Multi-byte characters count once each.
+        assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": "ééééé"})), 6);
+    }
+
+    #[test]
+    fn max_tokens_truncates() {
+        let plan = Plan::new(Api::Chat, &json!({"max_tokens": 3}), &controls(), None).unwrap();
+        assert_eq!((plan.tokens, plan.truncated), (3, true));
+        let plan = Plan::new(Api::Chat, &json!({"max_tokens": 30}), &controls(), None).unwrap();
+        assert_eq!((plan.tokens, plan.truncated), (16, false));
+        assert!(Plan::new(Api::Chat, &json!({"max_tokens": "3"}), &controls(), None).is_err());
+        assert!(Plan::new(Api::Chat, &json!([1]), &controls(), None).is_err());
+    }
+
+    #[test]
+    fn model_is_echoed_unless_overridden() {
+        let body = json!({"model": "m1"});
+        assert_eq!(Plan::new(Api::Chat, &body, &controls(), None).unwrap().model, "m1");
+        assert_eq!(
+            Plan::new(Api::Chat, &body, &controls(), Some("fixed")).unwrap().model,
+            "fixed"
+        );
+    }
+
+    #[test]
+    fn crlf_rendering() {
+        let e = Event {
+            name: Some("ping"),
+            data: "{}".into(),
+        };
+        assert_eq!(e.render(false), b"event: ping\ndata: {}\n\n");
+        assert_eq!(e.render(true), b"event: ping\r\ndata: {}\r\n\r\n");
+    }
+}

@@ -1,0 +1,361 @@
+//! The server: accepts connections (a bounded number, one thread each), reads requests in a
+//! keep-alive loop, routes them, and plays out an answer [`Plan`] in time — role chunk with the
+//! response head, keep-alive comments and the time to first token, then one token per inter-token
+//! interval, then the end of the stream — or fails as the request's controls ask.
+
+use crate::api::{self, keepalive_comment, Api, Event, Plan};
+use crate::controls::{Controls, Defaults, Failure};
+use crate::http::{self, ReadError, Request};
+use crate::stats::Stats;
+use serde_json::{json, Value};
+use std::io::{self, BufReader};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub defaults: Defaults,
+    /// Connections served at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// How long an idle kept-alive connection is held open. Long, because Envoy pools upstream
+    /// connections and a server closing one just as Envoy reuses it shows up as a spurious 503.
+    pub idle_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            defaults: Defaults::default(),
+            max_connections: 1024,
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+struct Shared {
+    config: Config,
+    stats: Stats,
+    active: AtomicUsize,
+}
+
+/// A bound, not yet running server.
+pub struct Server {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+}
+
+/// Decrements the open-connection count however the connection thread ends.
+struct ActiveGuard(Arc<Shared>);
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What to do with the connection after a response.
+enum After {
+    KeepAlive,
+    Close,
+}
+
+impl Server {
+    pub fn bind(addr: &str, config: Config) -> io::Result<Server> {
+        let listener = TcpListener::bind(addr)?;
+        Ok(Server {
+            listener,
+            shared: Arc::new(Shared {
+                config,
+                stats: Stats::default(),
+                active: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Accepts connections forever.
+    pub fn run(self) -> io::Result<()> {
+        for conn in self.listener.incoming() {
+            let stream = match conn {
+                Ok(s) => s,
+                Err(_) => {
+                    // Typically EMFILE or a connection reset before accept: back off briefly, go on.
+                    thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let shared = Arc::clone(&self.shared);
+            if shared.active.fetch_add(1, Ordering::Relaxed) >= shared.config.max_connections {
+                shared.active.fetch_sub(1, Ordering::Relaxed);
+                reject_busy(stream);
+                continue;
+            }
+            let guard = ActiveGuard(Arc::clone(&shared));
+            // Small stacks: a thousand mostly idle connection threads should cost little memory.
+            let spawned = thread::Builder::new().stack_size(512 * 1024).spawn(move || {
+                let _guard = guard;
+                serve_connection(stream, &shared);
+            });
+            if spawned.is_err() {
+                thread::sleep(Duration::from_millis(10)); // the guard was dropped with the closure
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the accept loop on a background thread (for in-process tests) and returns the address.
+    pub fn spawn(self) -> io::Result<SocketAddr> {
+        let addr = self.local_addr()?;
+        thread::Builder::new()
+            .name("mock-accept".into())
+            .spawn(move || self.run())?;
+        Ok(addr)
+    }
+}
+
+fn reject_busy(mut stream: TcpStream) {
+    let body = api::error_body("", 503, "mock: too many connections").to_string();
+    let _ = http::write_full(
+        &mut stream,
+        503,
+        &[("content-type", "application/json".into())],
+        body.as_bytes(),
+        false,
+    );
+}
+
+fn serve_connection(stream: TcpStream, shared: &Shared) {
+    // Every SSE event must leave when written: without NODELAY, Nagle would hold small token
+    // chunks back and blur the timing the tests measure.
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(shared.config.idle_timeout));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(60)));
+    let Ok(read_half) = stream.try_clone() else { return };
+    // The reader persists across requests so bytes of a pipelined next request are not lost.
+    let mut reader = BufReader::new(read_half);
+    let mut writer = stream;
+    loop {
+        let req = match http::read_request(&mut reader, &mut writer) {
+            Ok(req) => req,
+            Err(ReadError::Closed | ReadError::Io(_)) => return,
+            Err(ReadError::Bad(status, msg)) => {
+                let body = api::error_body("", status, &msg).to_string();
+                let headers = [
+                    ("content-type", "application/json".to_string()),
+                    served_by(&shared.config.defaults.served_by),
+                ];
+                let _ = http::write_full(&mut writer, status, &headers, body.as_bytes(), false);
+                return;
+            }
+        };
+        match handle(&req, &mut writer, shared) {
+            Ok(After::KeepAlive) if req.keep_alive => continue,
+            Ok(_) | Err(_) => {
+                let _ = writer.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    }
+}
+
+/// The `x-mock-served-by` header. The name may come from a request header and is echoed back,
+/// so control characters are dropped: a CR/LF must never split the response head.
+fn served_by(name: &str) -> (&'static str, String) {
+    ("x-mock-served-by", name.chars().filter(|c| !c.is_control()).collect())
+}
+
+fn json_headers(served: &str, prompt_tokens: u64) -> Vec<(&'static str, String)> {
+    vec![
+        ("content-type", "application/json".into()),
+        served_by(served),
+        ("x-mock-prompt-tokens", prompt_tokens.to_string()),
+    ]
+}
+
+/// Writes a JSON response. The connection stays open unless the request asked to close it,
+/// which the connection loop checks.
+fn write_json(
+    w: &mut TcpStream,
+    status: u16,
+    headers: &[(&str, String)],
+    body: &Value,
+    keep_alive: bool,
+) -> io::Result<After> {
+    http::write_full(w, status, headers, body.to_string().as_bytes(), keep_alive)?;
+    Ok(After::KeepAlive)
+}
+
+fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
+    let served = req
+        .header("x-mock-version")
+        .unwrap_or(&shared.config.defaults.served_by);
+    let ka = req.keep_alive;
+    match (req.method.as_str(), req.path.as_str()) {
+        ("GET", "/health") => {
+            let headers = [("content-type", "text/plain".to_string()), served_by(served)];
+            http::write_full(w, 200, &headers, b"ok", ka)?;
+            Ok(After::KeepAlive)
+        }
+        ("GET", "/v1/models") => {
+            let model = shared.config.defaults.model_name.as_deref().unwrap_or("mock-model");
+            let body = json!({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "sluice-mock"}]});
+            write_json(w, 200, &json_headers(served, 0), &body, ka)
+        }
+        ("GET", "/mock/stats") => {
+            let body = shared.stats.to_json(shared.active.load(Ordering::Relaxed));
+            write_json(w, 200, &json_headers(served, 0), &body, ka)
+        }
+        ("POST", "/mock/reset") => {
+            shared.stats.reset();
+            write_json(w, 200, &json_headers(served, 0), &json!({}), ka)
+        }
+        ("POST", path) if Api::from_path(path).is_some() => inference(req, w, shared),
+        (_, path) => {
+            let known = Api::from_path(path).is_some()
+                || matches!(path, "/health" | "/v1/models" | "/mock/stats" | "/mock/reset");
+            let (status, msg) = if known {
+                (405, "method not allowed")
+            } else {
+                (404, "no such endpoint")
+            };
+            let body = api::error_body(path, status, &format!("mock: {msg}: {} {path}", req.method));
+            write_json(w, status, &json_headers(served, 0), &body, ka)
+        }
+    }
+}
+
+/// Answers one inference request: validate, then fail, answer whole, or stream, as controlled.
+fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
+    let path = req.path.as_str();
+    let Some(api) = Api::from_path(path) else {
+        return Ok(After::Close);
+    };
+    shared.stats.count_request(path);
+    let defaults = &shared.config.defaults;
+    let served = req.header("x-mock-version").unwrap_or(&defaults.served_by);
+    let bad_request = |w: &mut TcpStream, msg: &str| {
+        write_json(
+            w,
+            400,
+            &json_headers(served, 0),
+            &api::error_body(path, 400, msg),
+            req.keep_alive,
+        )
+    };
+    let controls = match Controls::from_headers(defaults, |n| req.header(n)) {
+        Ok(c) => c,
+        Err(msg) => return bad_request(w, &msg),
+    };
+    let body: Value = match serde_json::from_slice(&req.body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(w, &format!("invalid JSON body: {e}")),
+    };
+    let plan = match Plan::new(api, &body, &controls, defaults.model_name.as_deref()) {
+        Ok(p) => p,
+        Err(msg) => return bad_request(w, &msg),
+    };
+    let headers = json_headers(&controls.served_by, plan.prompt_tokens);
+
+    if let Some(Failure::Status(status)) = controls.fail {
+        let mut headers = headers;
+        if status == 429 {
+            headers.push(("retry-after", "1".into()));
+        }
+        let body = api::error_body(path, status, &format!("mock: injected failure with status {status}"));
+        return write_json(w, status, &headers, &body, req.keep_alive);
+    }
+    if plan.stream {
+        stream(&plan, &controls, req.keep_alive, w, shared)
+    } else {
+        // A whole answer takes as long as generating it would.
+        let n = plan.tokens;
+        thread::sleep(controls.ttft + controls.itl * u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX));
+        match controls.fail {
+            // Without a stream there is no "after N tokens": the connection closes with no answer.
+            Some(Failure::ResetAfter(_)) => Ok(After::Close),
+            Some(Failure::ErrorEventAfter(_)) => {
+                let body = api::error_body(path, 500, "mock: injected error");
+                write_json(w, 500, &headers, &body, req.keep_alive)
+            }
+            _ => {
+                let after = write_json(w, 200, &headers, &plan.full_body(), req.keep_alive)?;
+                shared.stats.count_tokens(n);
+                Ok(after)
+            }
+        }
+    }
+}
+
+/// Writes `bytes` as one HTTP chunk, or as chunks of `split` bytes to exercise reassembly.
+fn send(w: &mut TcpStream, bytes: &[u8], split: Option<usize>) -> io::Result<()> {
+    match split {
+        None => http::write_chunk(w, bytes),
+        Some(n) => bytes.chunks(n.max(1)).try_for_each(|piece| http::write_chunk(w, piece)),
+    }
+}
+
+fn send_event(w: &mut TcpStream, event: &Event, c: &Controls) -> io::Result<()> {
+    send(w, &event.render(c.crlf), c.split)
+}
+
+/// Plays a streamed answer out in time.
+fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
+    let headers = [
+        ("content-type", "text/event-stream".to_string()),
+        ("cache-control", "no-cache".to_string()),
+        served_by(&c.served_by),
+        ("x-mock-prompt-tokens", plan.prompt_tokens.to_string()),
+    ];
+    http::start_chunked(w, 200, &headers, keep_alive)?;
+
+    // Sent with the head, before the TTFT delay, so first byte and first token differ in time.
+    let mut seq = 0;
+    for event in plan.preamble(&mut seq) {
+        send_event(w, &event, c)?;
+    }
+    // Keep-alive comments spread evenly over the wait for the first token.
+    let gap = c.ttft / u32::try_from(c.keepalives.saturating_add(1)).unwrap_or(u32::MAX);
+    for _ in 0..c.keepalives {
+        thread::sleep(gap);
+        send(w, &keepalive_comment(c.crlf), c.split)?;
+    }
+    let ttft_rest = c
+        .ttft
+        .saturating_sub(gap * u32::try_from(c.keepalives).unwrap_or(u32::MAX));
+
+    // A failure "after N tokens" with N past the end happens after the last token instead.
+    let fail_at = match c.fail {
+        Some(Failure::ResetAfter(n)) | Some(Failure::ErrorEventAfter(n)) => Some(n.min(plan.tokens)),
+        _ => None,
+    };
+    for i in 0..=plan.tokens {
+        if fail_at == Some(i) {
+            return match c.fail {
+                Some(Failure::ErrorEventAfter(_)) => {
+                    send_event(w, &plan.error_event(&mut seq), c)?;
+                    http::finish_chunked(w)?;
+                    Ok(After::KeepAlive)
+                }
+                // The body is left unterminated: the peer sees the connection close mid-stream.
+                _ => Ok(After::Close),
+            };
+        }
+        if i == plan.tokens {
+            break;
+        }
+        thread::sleep(if i == 0 { ttft_rest } else { c.itl });
+        send_event(w, &plan.token(i, &mut seq), c)?;
+        shared.stats.count_tokens(1);
+    }
+    for event in plan.epilogue(&mut seq) {
+        send_event(w, &event, c)?;
+    }
+    http::finish_chunked(w)?;
+    Ok(After::KeepAlive)
+}

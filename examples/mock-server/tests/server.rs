@@ -1,0 +1,434 @@
+//! The mock binary over real sockets: every API streamed and whole, keep-alive, chunked request
+//! bodies, timing lower bounds, every failure mode and framing control.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod common;
+use common::{chat_body, Mock};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Prompt tokens of `chat_body()`: "You are terse." (14 chars) -> 4+4, "Hello" (5) -> 2+4.
+const CHAT_PROMPT_TOKENS: u64 = 14;
+
+fn texts(events: &[Value], pointer: &str) -> String {
+    events
+        .iter()
+        .filter_map(|e| e.pointer(pointer).and_then(Value::as_str))
+        .collect()
+}
+
+#[test]
+fn chat_stream_with_usage() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let r = mock.conn().post(
+        "/v1/chat/completions",
+        &[("x-mock-cached-tokens", "3"), ("x-mock-reasoning-tokens", "2")],
+        &chat_body(true, true),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.complete);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    assert_eq!(r.header("x-mock-prompt-tokens"), Some("14"));
+    assert_eq!(r.header("x-mock-served-by"), Some("mock"));
+    let events = r.events();
+    // role, 4 tokens, finish, usage, [DONE]; one HTTP chunk per event
+    assert_eq!(events.len(), 8);
+    assert_eq!(r.chunks.len(), 8);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let chunks = r.event_json();
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(texts(&chunks, "/choices/0/delta/content"), "tok0 tok1 tok2 tok3 ");
+    assert_eq!(chunks[5]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[5]["choices"][0]["delta"], json!({}));
+    for c in &chunks[..6] {
+        assert_eq!(c["usage"], Value::Null);
+        assert!(c.as_object().unwrap().contains_key("usage"));
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["model"], "llama-3-70b");
+        assert!(c["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        assert!(c["system_fingerprint"].is_string());
+        assert!(c["created"].is_u64());
+    }
+    assert_eq!(chunks[6]["choices"], json!([]));
+    assert_eq!(
+        chunks[6]["usage"],
+        json!({"prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 6, "total_tokens": CHAT_PROMPT_TOKENS + 6,
+               "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}})
+    );
+}
+
+#[test]
+fn chat_stream_without_usage_and_max_tokens_length() {
+    let mock = Mock::start(&["--model-name", "fixed-model"]);
+    let mut body = chat_body(true, false);
+    body["max_tokens"] = json!(3);
+    let r = mock.conn().post("/v1/chat/completions", &[], &body);
+    let chunks = r.event_json();
+    assert_eq!(chunks.len(), 5); // role, 3 tokens, finish
+    assert!(chunks.iter().all(|c| !c.as_object().unwrap().contains_key("usage")));
+    assert!(chunks.iter().all(|c| c["model"] == "fixed-model"));
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
+    // x-mock-usage: always forces the usage chunk even without include_usage
+    let r = mock.conn().post(
+        "/v1/chat/completions",
+        &[("x-mock-usage", "always"), ("x-mock-tokens", "2")],
+        &chat_body(true, false),
+    );
+    assert_eq!(r.event_json().last().unwrap()["usage"]["completion_tokens"], 2);
+}
+
+#[test]
+fn chat_whole() {
+    let mock = Mock::start(&[]);
+    let r = mock.conn().post(
+        "/v1/chat/completions",
+        &[("x-mock-tokens", "3")],
+        &chat_body(false, false),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2 ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["prompt_tokens"], CHAT_PROMPT_TOKENS);
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn legacy_completions_stream_and_whole() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let body = json!({"model": "m", "prompt": "Hello", "stream": true, "stream_options": {"include_usage": true}});
+    let r = mock.conn().post("/v1/completions", &[], &body);
+    let chunks = r.event_json();
+    assert_eq!(chunks.len(), 5); // 3 tokens, finish, usage
+    assert_eq!(texts(&chunks, "/choices/0/text"), "tok0 tok1 tok2 ");
+    assert_eq!(chunks[0]["object"], "text_completion");
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[4]["usage"]["prompt_tokens"], 6);
+    assert_eq!(r.events().last().unwrap().1, "[DONE]");
+
+    let r = mock.conn().post(
+        "/v1/completions",
+        &[],
+        &json!({"model": "m", "prompt": ["Hello", "Hello"]}),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 ");
+    assert_eq!(v["usage"]["prompt_tokens"], 12);
+}
+
+#[test]
+fn responses_stream_and_whole() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let body = json!({"model": "gpt-x", "input": "Hello", "instructions": "Be", "stream": true});
+    let r = mock.conn().post(
+        "/v1/responses",
+        &[("x-mock-cached-tokens", "4"), ("x-mock-reasoning-tokens", "5")],
+        &body,
+    );
+    let names: Vec<String> = r.events().into_iter().map(|(n, _)| n.unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let events = r.event_json();
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], i as u64);
+        assert_eq!(e["type"].as_str(), Some(names[i].as_str()));
+    }
+    assert_eq!(texts(&events, "/delta"), "tok0 tok1 tok2 ");
+    let done = &events[10]["response"];
+    assert_eq!(done["status"], "completed");
+    assert_eq!(
+        done["usage"],
+        json!({"input_tokens": 11, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 8,
+               "output_tokens_details": {"reasoning_tokens": 5}, "total_tokens": 19})
+    );
+
+    let r = mock.conn().post(
+        "/v1/responses",
+        &[],
+        &json!({"model": "gpt-x", "input": [{"role": "user", "content": "Hello"}]}),
+    );
+    let v = r.json();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["output"][0]["content"][0]["text"], "tok0 tok1 tok2 ");
+    assert_eq!(v["usage"]["input_tokens"], 6);
+}
+
+#[test]
+fn responses_truncated_is_incomplete() {
+    let mock = Mock::start(&[]);
+    let body = json!({"input": "Hello", "stream": true, "max_output_tokens": 2});
+    let r = mock.conn().post("/v1/responses", &[], &body);
+    let last = r.event_json().pop().unwrap();
+    assert_eq!(last["type"], "response.incomplete");
+    assert_eq!(last["response"]["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(last["response"]["usage"]["output_tokens"], 2);
+}
+
+#[test]
+fn anthropic_stream_and_whole() {
+    let mock = Mock::start(&["--tokens", "3"]);
+    let body = json!({"model": "claude-x", "max_tokens": 100, "system": "You are terse.", "stream": true,
+                      "messages": [{"role": "user", "content": "Hello"}]});
+    let r = mock
+        .conn()
+        .post("/v1/messages", &[("x-mock-cached-tokens", "5")], &body);
+    let names: Vec<String> = r.events().into_iter().map(|(n, _)| n.unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    let events = r.event_json();
+    assert_eq!(
+        events[0]["message"]["usage"],
+        json!({"input_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 5, "output_tokens": 1})
+    );
+    assert_eq!(texts(&events, "/delta/text"), "tok0 tok1 tok2 ");
+    assert_eq!(events[7]["delta"]["stop_reason"], "end_turn");
+    assert_eq!(events[7]["usage"]["output_tokens"], 3);
+
+    let mut body = body;
+    body["stream"] = json!(false);
+    body["max_tokens"] = json!(2);
+    let v = mock.conn().post("/v1/messages", &[], &body).json();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["content"][0]["text"], "tok0 tok1 ");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert_eq!(v["usage"]["input_tokens"], CHAT_PROMPT_TOKENS);
+}
+
+#[test]
+fn keep_alive_serves_three_requests_on_one_connection() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    let mut conn = mock.conn();
+    let a = conn.post("/v1/chat/completions", &[], &chat_body(true, true));
+    let b = conn.post("/v1/chat/completions", &[], &chat_body(false, false));
+    let c = conn.post("/v1/messages", &[], &json!({"stream": true, "messages": []}));
+    assert!(a.complete && b.complete && c.complete);
+    assert_eq!((a.status, b.status, c.status), (200, 200, 200));
+    assert_eq!(c.events().last().unwrap().0.as_deref(), Some("message_stop"));
+    let stats = conn.request("GET", "/mock/stats", &[], "").json();
+    assert_eq!(stats["requests"], 3);
+    assert_eq!(stats["tokens_sent"], 6);
+    assert_eq!(stats["by_path"]["/v1/chat/completions"], 2);
+    assert_eq!(stats["connections"], 1);
+}
+
+#[test]
+fn chunked_request_body() {
+    let mock = Mock::start(&["--tokens", "1"]);
+    let mut conn = mock.conn();
+    let body = chat_body(false, false).to_string();
+    let (a, b) = body.split_at(10);
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x};ext=1\r\n{b}\r\n0\r\n\r\n",
+        a.len(),
+        b.len()
+    );
+    let at = conn.send_raw(raw.as_bytes());
+    let r = conn.read_response(at);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["usage"]["prompt_tokens"], CHAT_PROMPT_TOKENS);
+    // and the connection is still usable
+    assert_eq!(conn.request("GET", "/health", &[], "").text(), "ok");
+}
+
+#[test]
+fn ttft_and_itl_are_honored() {
+    let mock = Mock::start(&[]);
+    let headers = [
+        ("x-mock-ttft-ms", "200"),
+        ("x-mock-itl-ms", "50"),
+        ("x-mock-tokens", "4"),
+    ];
+    let r = mock
+        .conn()
+        .post("/v1/chat/completions", &headers, &chat_body(true, false));
+    // chunk 0 is the role-only chunk, sent before the delay; chunks 1..=4 carry tokens
+    let (role_at, _) = r.chunks[0];
+    let (first_at, first) = &r.chunks[1];
+    assert!(String::from_utf8_lossy(first).contains("tok0"));
+    assert!(role_at < *first_at);
+    assert!(first_at.duration_since(r.sent_at) >= Duration::from_millis(200));
+    for w in r.chunks[1..5].windows(2) {
+        assert!(
+            w[1].0.duration_since(w[0].0) >= Duration::from_millis(45),
+            "itl too short"
+        );
+    }
+
+    // Whole answers take the full generation time too.
+    let r = mock
+        .conn()
+        .post("/v1/chat/completions", &headers, &chat_body(false, false));
+    assert!(r.sent_at.elapsed() >= Duration::from_millis(350));
+}
+
+#[test]
+fn cli_timing_defaults() {
+    let mock = Mock::start(&["--ttft-ms", "150", "--tokens", "2"]);
+    let r = mock.conn().post("/v1/chat/completions", &[], &chat_body(true, false));
+    assert!(r.chunks[1].0.duration_since(r.sent_at) >= Duration::from_millis(150));
+}
+
+#[test]
+fn reset_after_closes_mid_stream() {
+    let mock = Mock::start(&["--tokens", "5"]);
+    let mut conn = mock.conn();
+    let r = conn.post(
+        "/v1/chat/completions",
+        &[("x-mock-fail", "reset-after:2")],
+        &chat_body(true, true),
+    );
+    assert_eq!(r.status, 200);
+    assert!(!r.complete, "no terminating chunk");
+    assert_eq!(texts(&r.event_json(), "/choices/0/delta/content"), "tok0 tok1 ");
+    assert!(!r.text().contains("[DONE]"));
+    assert!(conn.is_closed());
+}
+
+#[test]
+fn error_event_after_ends_stream() {
+    let mock = Mock::start(&["--tokens", "5"]);
+    let r = mock.conn().post(
+        "/v1/chat/completions",
+        &[("x-mock-fail", "error-event-after:1")],
+        &chat_body(true, true),
+    );
+    assert!(r.complete);
+    let events = r.event_json();
+    assert_eq!(events.len(), 3); // role, 1 token, error
+    assert_eq!(events[2]["error"]["type"], "server_error");
+
+    let body = json!({"stream": true, "messages": [{"role": "user", "content": "x"}]});
+    let r = mock
+        .conn()
+        .post("/v1/messages", &[("x-mock-fail", "error-event-after:0")], &body);
+    let (name, data) = r.events().pop().unwrap();
+    assert_eq!(name.as_deref(), Some("error"));
+    assert_eq!(
+        serde_json::from_str::<Value>(&data).unwrap()["error"]["type"],
+        "overloaded_error"
+    );
+}
+
+#[test]
+fn status_failures_are_api_styled() {
+    let mock = Mock::start(&[]);
+    let mut conn = mock.conn();
+    let r = conn.post(
+        "/v1/chat/completions",
+        &[("x-mock-fail", "status:503")],
+        &chat_body(true, true),
+    );
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["type"], "server_error");
+    let r = conn.post(
+        "/v1/messages",
+        &[("x-mock-fail", "status:429")],
+        &json!({"messages": []}),
+    );
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        r.json(),
+        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "mock: injected failure with status 429"}})
+    );
+}
+
+#[test]
+fn malformed_requests_get_400_json() {
+    let mock = Mock::start(&[]);
+    let mut conn = mock.conn();
+    let r = conn.request("POST", "/v1/chat/completions", &[], "{not json");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    let r = conn.request("POST", "/v1/messages", &[], "[1,2]");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["type"], "error");
+    let r = conn.request("POST", "/v1/chat/completions", &[("x-mock-tokens", "many")], "{}");
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("x-mock-tokens"));
+    // The connection survives a bad body (the framing was fine).
+    assert_eq!(conn.request("GET", "/health", &[], "").status, 200);
+
+    // Broken HTTP framing gets a 400 and the connection is closed.
+    let mut conn = mock.conn();
+    let at = conn.send_raw(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: nope\r\n\r\n");
+    let r = conn.read_response(at);
+    assert_eq!(r.status, 400);
+    assert!(conn.is_closed());
+}
+
+#[test]
+fn keepalive_comments_crlf_and_split() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    let headers = [
+        ("x-mock-keepalive", "3"),
+        ("x-mock-crlf", "1"),
+        ("x-mock-split", "7"),
+        ("x-mock-ttft-ms", "30"),
+    ];
+    let r = mock
+        .conn()
+        .post("/v1/chat/completions", &headers, &chat_body(true, false));
+    let text = r.text();
+    assert_eq!(text.matches(": keep-alive\r\n\r\n").count(), 3);
+    assert!(!text.replace("\r\n", "").contains('\n'), "only CRLF line ends");
+    assert!(r.chunks.iter().all(|(_, c)| c.len() <= 7));
+    // Comments come after the role chunk and before the first token.
+    let ka = text.find(": keep-alive").unwrap();
+    assert!(text.find("\"role\"").unwrap() < ka && ka < text.find("tok0").unwrap());
+    assert_eq!(texts(&r.event_json(), "/choices/0/delta/content"), "tok0 tok1 ");
+}
+
+#[test]
+fn served_by_health_models_and_404() {
+    let mock = Mock::start(&["--served-by", "blue", "--model-name", "m-fixed"]);
+    let mut conn = mock.conn();
+    let r = conn.post(
+        "/v1/chat/completions",
+        &[("x-mock-version", "green")],
+        &chat_body(false, false),
+    );
+    assert_eq!(r.header("x-mock-served-by"), Some("green"));
+    let r = conn.request("GET", "/health", &[], "");
+    assert_eq!(
+        (r.status, r.text().as_str(), r.header("x-mock-served-by")),
+        (200, "ok", Some("blue"))
+    );
+    let r = conn.request("GET", "/v1/models", &[], "");
+    assert_eq!(r.json()["data"][0]["id"], "m-fixed");
+    assert_eq!(conn.request("GET", "/nope", &[], "").status, 404);
+    assert_eq!(conn.request("GET", "/v1/chat/completions", &[], "").status, 405);
+    conn.request("POST", "/mock/reset", &[], "");
+    assert_eq!(conn.request("GET", "/mock/stats", &[], "").json()["requests"], 0);
+}

@@ -1,0 +1,40 @@
+//! `proxy_log` and `proxy_get_log_level`: the plugin's log lines are kept in order, tagged with the
+//! active context, and echoed to the test's (captured) stderr.
+
+use wasmtime::{Caller, Linker, Result};
+
+use super::MODULE;
+use crate::abi::{reply, HostcallResult, LogLevel, Status};
+use crate::guest;
+use crate::state::{HostState, LogLine};
+
+pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
+    linker.func_wrap(MODULE, "proxy_log", proxy_log)?;
+    linker.func_wrap(MODULE, "proxy_get_log_level", proxy_get_log_level)?;
+    Ok(())
+}
+
+fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) -> HostcallResult {
+    let Some(level) = LogLevel::from_code(level) else {
+        return reply(Status::BadArgument);
+    };
+    let message = guest::read_string(&mut caller, ptr, len)?;
+    let state = caller.data_mut();
+    let context_id = state.effective_context;
+    eprintln!(
+        "[plugin {}] {level} ctx={context_id}: {message}",
+        state.plugin.name
+    );
+    state.logs.push(LogLine {
+        level,
+        context_id,
+        message,
+    });
+    reply(Status::Ok)
+}
+
+fn proxy_get_log_level(mut caller: Caller<'_, HostState>, level_out: u32) -> HostcallResult {
+    let level = caller.data().plugin.log_level as u32;
+    guest::write_u32(&mut caller, level_out, level)?;
+    reply(Status::Ok)
+}

@@ -1,0 +1,143 @@
+//! Properties (Envoy attributes and filter state): `proxy_get_property` and `proxy_set_property`.
+//!
+//! A read looks, in order, at what was set on the current stream (by the plugin or by the test),
+//! what was set on the root context or for the whole gateway, and then at the attributes the host
+//! derives itself:
+//!
+//! | path                                          | value                                            |
+//! |-----------------------------------------------|--------------------------------------------------|
+//! | `plugin_name`, `plugin_root_id`, `plugin_vm_id` | from the [`PluginSpec`](crate::PluginSpec)     |
+//! | `request.path` `.url_path` `.host` `.method` `.scheme` `.id` `.protocol` `.useragent` | from the request headers |
+//! | `request.headers.<name>`, `response.headers.<name>` | a header value                             |
+//! | `request.time`                                | first event of the stream, ns since epoch, i64 LE |
+//! | `response.code`                               | `:status` as i64 LE                              |
+//! | `source.address`, `destination.address`       | `10.0.0.1:50000`, `10.0.0.2:8080`                |
+//! | `source.port`, `destination.port`             | i64 LE                                           |
+//!
+//! Integers and timestamps are 8-byte little-endian, as Envoy serializes them.
+
+use std::collections::BTreeMap;
+
+use wasmtime::{Caller, Linker, Result};
+
+use super::MODULE;
+use crate::abi::{reply, split_property_path, HostcallResult, Status};
+use crate::guest;
+use crate::state::{HostState, HttpStream};
+
+/// Values stored under property paths (in wire form: segments joined by NUL).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Properties(BTreeMap<Vec<u8>, Vec<u8>>);
+
+impl Properties {
+    pub fn get(&self, path: &[u8]) -> Option<&[u8]> {
+        self.0.get(path).map(Vec::as_slice)
+    }
+
+    pub fn set(&mut self, path: Vec<u8>, value: Vec<u8>) {
+        self.0.insert(path, value);
+    }
+}
+
+pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
+    linker.func_wrap(MODULE, "proxy_get_property", proxy_get_property)?;
+    linker.func_wrap(MODULE, "proxy_set_property", proxy_set_property)?;
+    Ok(())
+}
+
+/// Canonical key of a path the plugin sent (a trailing NUL is dropped).
+fn key(raw: &[u8]) -> Vec<u8> {
+    raw.strip_suffix(&[0]).unwrap_or(raw).to_vec()
+}
+
+/// Resolves `path` as the plugin would see it from `stream` (or from the root, with `None`).
+pub(crate) fn lookup(
+    state: &HostState,
+    stream: Option<&HttpStream>,
+    path: &[u8],
+) -> Option<Vec<u8>> {
+    let path = key(path);
+    if let Some(value) = stream.and_then(|s| s.properties.get(&path)) {
+        return Some(value.to_vec());
+    }
+    if let Some(value) = state.properties.get(&path) {
+        return Some(value.to_vec());
+    }
+    builtin(state, stream, &split_property_path(&path))
+}
+
+fn int(value: i64) -> Vec<u8> {
+    value.to_le_bytes().to_vec()
+}
+
+fn builtin(state: &HostState, stream: Option<&HttpStream>, path: &[&[u8]]) -> Option<Vec<u8>> {
+    let plugin = &state.plugin;
+    let request_header = |name: &[u8]| {
+        stream
+            .and_then(|s| s.request.headers.first(name))
+            .map(<[u8]>::to_vec)
+    };
+    match path {
+        [b"plugin_name"] => Some(plugin.name.clone().into_bytes()),
+        [b"plugin_root_id"] => Some(plugin.root_id.clone().into_bytes()),
+        [b"plugin_vm_id"] => Some(plugin.vm_id.clone().into_bytes()),
+        [b"source", b"address"] => Some(b"10.0.0.1:50000".to_vec()),
+        [b"source", b"port"] => Some(int(50000)),
+        [b"destination", b"address"] => Some(b"10.0.0.2:8080".to_vec()),
+        [b"destination", b"port"] => Some(int(8080)),
+        [b"request", b"path"] => request_header(b":path"),
+        [b"request", b"url_path"] => request_header(b":path")
+            .map(|p| p.split(|b| *b == b'?').next().unwrap_or_default().to_vec()),
+        [b"request", b"host"] => request_header(b":authority"),
+        [b"request", b"method"] => request_header(b":method"),
+        [b"request", b"scheme"] => request_header(b":scheme"),
+        [b"request", b"id"] => request_header(b"x-request-id"),
+        [b"request", b"useragent"] => request_header(b"user-agent"),
+        [b"request", b"protocol"] => stream.map(|_| b"HTTP/1.1".to_vec()),
+        [b"request", b"time"] => {
+            stream.map(|s| int(i64::try_from(s.started_ns).unwrap_or(i64::MAX)))
+        }
+        [b"request", b"headers", name] => request_header(name),
+        [b"response", b"headers", name] => stream
+            .and_then(|s| s.response.headers.first(name))
+            .map(<[u8]>::to_vec),
+        [b"response", b"code"] => stream
+            .and_then(|s| s.response.headers.first(b":status"))
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+            .map(int),
+        _ => None,
+    }
+}
+
+fn proxy_get_property(
+    mut caller: Caller<'_, HostState>,
+    path_ptr: u32,
+    path_len: u32,
+    value_out: u32,
+    size_out: u32,
+) -> HostcallResult {
+    let path = guest::read(&mut caller, path_ptr, path_len)?;
+    let state = caller.data();
+    let Some(value) = lookup(state, state.current_stream(), &path) else {
+        return reply(Status::NotFound);
+    };
+    guest::return_bytes(&mut caller, &value, value_out, size_out)?;
+    reply(Status::Ok)
+}
+
+fn proxy_set_property(
+    mut caller: Caller<'_, HostState>,
+    path_ptr: u32,
+    path_len: u32,
+    value_ptr: u32,
+    value_len: u32,
+) -> HostcallResult {
+    let path = key(&guest::read(&mut caller, path_ptr, path_len)?);
+    let value = guest::read(&mut caller, value_ptr, value_len)?;
+    let state = caller.data_mut();
+    match state.current_stream_mut() {
+        Some(stream) => stream.properties.set(path, value),
+        None => state.properties.set(path, value),
+    }
+    reply(Status::Ok)
+}

@@ -1,0 +1,34 @@
+//! Host-agnostic logic of the sluice proxy-wasm LLM filters.
+//!
+//! Everything here is pure: no proxy-wasm, no clock, no threads. A plugin hands this crate the bytes
+//! and timestamps the host gives it and acts on what comes back, so the same code runs in Envoy, in
+//! the wasmtime harness and natively in tests and benches.
+//!
+//! - [`sse`]: incremental, memory-bounded Server-Sent Events framer.
+//! - [`api`]: which LLM API a request speaks, from its path.
+//! - [`request`]: model, stream flags, limits and a prompt-size estimate from a request body.
+//! - [`usage`]: token usage, normalised across OpenAI and Anthropic.
+//! - [`response`]: streaming and non-streaming response inspection (content, usage, errors).
+//! - [`price`]: validated price table, glob lookup and integer micro-USD cost.
+//! - [`report`]: what a finished request becomes: labelled metric samples and the access-log stamp.
+//! - [`timing`]: TTFT / TPOT / tokens-per-second arithmetic on host timestamps.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+pub mod api;
+pub mod price;
+pub mod report;
+pub mod request;
+pub mod response;
+pub mod sse;
+pub mod timing;
+pub mod usage;
+
+mod json;

