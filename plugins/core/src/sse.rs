@@ -334,6 +334,44 @@ pub(crate) fn find_line_end(haystack: &[u8]) -> Option<usize> {
         .map(|p| offset.saturating_add(p))
 }
 
+/// The last (up to) four bytes of a stream: enough to tell whether it ended on an event boundary,
+/// so lines appended to a stream (a summary comment, an error event) start a new event.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StreamTail {
+    bytes: [u8; 4],
+    len: usize,
+}
+
+impl StreamTail {
+    pub fn push(&mut self, chunk: &[u8]) {
+        for &b in chunk.iter().skip(chunk.len().saturating_sub(4)) {
+            if self.len < 4 {
+                self.len += 1;
+            } else {
+                self.bytes.rotate_left(1);
+            }
+            if let Some(slot) = self.bytes.get_mut(self.len - 1) {
+                *slot = b;
+            }
+        }
+    }
+
+    /// What must come before appended SSE lines so they start a new event: nothing after a blank
+    /// line, one line end after a complete line, two after an unterminated line. Servers do end
+    /// streams without the final blank line; appending blindly would glue the comment onto data.
+    pub fn separator_before_new_event(&self) -> &'static str {
+        let tail = self.bytes.get(..self.len).unwrap_or_default();
+        if tail.is_empty() || tail.ends_with(b"\n\n") || tail.ends_with(b"\r\r") || tail.ends_with(b"\r\n\r\n") {
+            ""
+        } else if tail.ends_with(b"\n") || tail.ends_with(b"\r") {
+            "\n"
+        } else {
+            "\n\n"
+        }
+    }
+}
+
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,5 +432,33 @@ mod tests {
             }
             assert_eq!(find_line_end(&vec![0xffu8; len]), None);
         }
+    }
+}
+
+#[cfg(test)]
+mod stream_tail_tests {
+    use super::StreamTail;
+
+    fn separator(chunks: &[&[u8]]) -> &'static str {
+        let mut tail = StreamTail::default();
+        for c in chunks {
+            tail.push(c);
+        }
+        tail.separator_before_new_event()
+    }
+
+    #[test]
+    fn appended_lines_always_start_a_new_event() {
+        assert_eq!(separator(&[]), "");
+        assert_eq!(separator(&[b"data: [DONE]\n\n"]), "");
+        assert_eq!(separator(&[b"data: x\r\n\r\n"]), "");
+        assert_eq!(separator(&[b"data: x\r\r"]), "");
+        assert_eq!(separator(&[b"data: x\n"]), "\n");
+        assert_eq!(separator(&[b"data: x\r\n"]), "\n");
+        assert_eq!(separator(&[b"data: x"]), "\n\n");
+        // The boundary is found across chunk edges, including empty chunks.
+        assert_eq!(separator(&[b"data: x\n", b"\n", b""]), "");
+        assert_eq!(separator(&[b"data: x\r\n\r", b"\n"]), "");
+        assert_eq!(separator(&[b"\n\n", b"da", b"ta"]), "\n\n");
     }
 }

@@ -16,6 +16,7 @@ use sluice_core::api::ApiKind;
 use sluice_core::report::{LabelBound, Labels, MetricKind, Outcome, RequestRecord, OTHER};
 use sluice_core::request::{inspect_request, ContextBucket, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
+use sluice_core::sse::StreamTail;
 use sluice_core::timing::StreamTiming;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -108,6 +109,8 @@ struct Measured {
     response_body: Vec<u8>,
     response_skip: Option<Skip>,
     timing: StreamTiming,
+    /// Last bytes of the streamed body, to know whether it ended on an event boundary.
+    stream_tail: StreamTail,
     response_ended: bool,
     reported: bool,
 }
@@ -153,6 +156,7 @@ impl HttpContext for Stream {
             response_body: Vec::new(),
             response_skip: None,
             timing: StreamTiming::default(),
+            stream_tail: StreamTail::default(),
             response_ended: false,
             reported: false,
         });
@@ -212,6 +216,7 @@ impl HttpContext for Stream {
         let mut sh = shared.borrow_mut();
         if let Some(observer) = m.observer.as_mut() {
             let chunk = host::body(BufferType::HttpResponseBody, body_size);
+            m.stream_tail.push(&chunk);
             let mut outcome = observer.push(&chunk);
             if end_of_stream {
                 let last = observer.finish();
@@ -232,7 +237,9 @@ impl HttpContext for Stream {
             m.response_ended = true;
             let record = m.record(&sh, now, Outcome::Completed);
             if sh.settings.stream_summary_comment && m.observer.is_some() {
-                host::append_response_body(body_size, summary_comment(&record).as_bytes());
+                let mut comment = m.stream_tail.separator_before_new_event().to_string();
+                comment.push_str(&summary_comment(&record));
+                host::append_response_body(body_size, comment.as_bytes());
             }
             m.report(&mut sh, &record);
         }
@@ -329,8 +336,13 @@ impl Measured {
             None => Default::default(),
         };
         let request = self.request.clone().unwrap_or_default();
+        // A 4xx with an error body is the client's mistake, answered properly: not an upstream error.
         let outcome = match outcome {
-            Outcome::Completed if self.status >= 500 || response.upstream_error.is_some() => Outcome::UpstreamError,
+            Outcome::Completed
+                if self.status >= 500 || (self.status < 400 && response.upstream_error.is_some()) =>
+            {
+                Outcome::UpstreamError
+            }
             other => other,
         };
         let prompt_tokens =
@@ -340,7 +352,11 @@ impl Measured {
             model_version: self.in_flight_label.clone().unwrap_or_else(|| OTHER.to_string()),
             tenant: self.tenant_label.clone(),
             api: self.kind.as_str().to_string(),
-            ctx: if have_request { ContextBucket::from_tokens(prompt_tokens).as_str().to_string() } else { "unknown".into() },
+            ctx: if have_request || response.usage_reported {
+                ContextBucket::from_tokens(prompt_tokens).as_str().to_string()
+            } else {
+                "unknown".into()
+            },
             turn: match (have_request, request.follow_up) {
                 (false, _) => "unknown".into(),
                 (true, false) => "first".into(),
@@ -361,7 +377,9 @@ impl Measured {
             outcome,
             prompt_tokens_estimate: request.prompt_tokens_estimate,
         };
-        if let Some(model) = cost_model {
+        // Providers bill what they generated, including streams cut short, but not refused requests.
+        let billable = (200..300).contains(&self.status);
+        if let (true, Some(model)) = (billable, cost_model) {
             let mut usage = record.response.usage;
             usage.input_tokens = record.input_tokens();
             usage.output_tokens = record.output_tokens();
