@@ -21,7 +21,7 @@ pub mod tools;
 pub use access_log::AccessLog;
 pub use envoy::{free_port, render_config, Envoy};
 pub use http::{get, post_json, post_stream, ClientStream, Connection, Response, StreamedResponse};
-pub use mock::MockServer;
+pub use mock::{MockRequest, MockServer};
 pub use tools::Tools;
 
 use anyhow::{bail, Result};

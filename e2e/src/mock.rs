@@ -65,6 +65,64 @@ impl MockServer {
     pub fn stats(&self) -> Result<serde_json::Value> {
         http::get(self.addr, "/mock/stats")?.json()
     }
+
+    /// The mock's per-request ledger (`GET /mock/requests`), oldest first: the last 100,000
+    /// inference requests, each written when its answer ended.
+    pub fn requests(&self) -> Result<Vec<MockRequest>> {
+        let v = http::get(self.addr, "/mock/requests")?.json()?;
+        let items = v.as_array().ok_or_else(|| anyhow!("/mock/requests is not an array: {v}"))?;
+        items.iter().map(MockRequest::from_json).collect()
+    }
+
+    /// `POST /mock/reset`: zeroes the counters and clears the ledger.
+    pub fn reset(&self) -> Result<()> {
+        let r = http::post_json(self.addr, "/mock/reset", &[], "")?;
+        if r.status != 200 {
+            bail!("/mock/reset: status {}", r.status);
+        }
+        Ok(())
+    }
+}
+
+/// One record of the mock's ledger (see examples/mock-server/README.md): what the upstream was
+/// asked and what it actually produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MockRequest {
+    /// The `x-request-id` header as the mock received it.
+    pub request_id: String,
+    pub path: String,
+    pub stream: bool,
+    /// The request's output limit as the mock received it (after any rewrite by a filter).
+    pub max_tokens: Option<u64>,
+    pub prompt_tokens: u64,
+    /// What the usage reported, or would have reported for the whole answer.
+    pub completion_tokens: u64,
+    /// Content tokens whose write to the socket succeeded.
+    pub tokens_flushed: u64,
+    pub usage_reported: bool,
+    pub completed: bool,
+    /// `bad_request`, `status:N`, `reset`, `error_event` or `client_gone`.
+    pub failure: Option<String>,
+}
+
+impl MockRequest {
+    pub fn from_json(v: &serde_json::Value) -> Result<MockRequest> {
+        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64).ok_or_else(|| anyhow!("no {k} in {v}"));
+        let flag = |k: &str| v.get(k).and_then(serde_json::Value::as_bool).ok_or_else(|| anyhow!("no {k} in {v}"));
+        let text = |k: &str| v.get(k).and_then(serde_json::Value::as_str).map(str::to_string);
+        Ok(MockRequest {
+            request_id: text("request_id").ok_or_else(|| anyhow!("no request_id in {v}"))?,
+            path: text("path").unwrap_or_default(),
+            stream: flag("stream")?,
+            max_tokens: v.get("max_tokens").and_then(serde_json::Value::as_u64),
+            prompt_tokens: num("prompt_tokens")?,
+            completion_tokens: num("completion_tokens")?,
+            tokens_flushed: num("tokens_flushed")?,
+            usage_reported: flag("usage_reported")?,
+            completed: flag("completed")?,
+            failure: text("failure"),
+        })
+    }
 }
 
 impl Drop for MockServer {

@@ -263,6 +263,7 @@ fn every_shipped_envoy_config_validates() {
         return;
     }
     let plugin_config = yaml_string_body(&demo_plugin_config().unwrap());
+    let budget_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/tenant-budget.e2e.json")).unwrap());
     let wasm_dir = sluice_e2e::tools::wasm_dir().display().to_string();
     let dir = std::env::temp_dir().join(format!("sluice-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -282,6 +283,7 @@ fn every_shipped_envoy_config_validates() {
                 ("WASM_DIR", &wasm_dir),
                 ("ACCESS_LOG", "/dev/null"),
                 ("PLUGIN_CONFIG", &plugin_config),
+                ("BUDGET_CONFIG", &budget_config),
             ],
         )
         .unwrap();

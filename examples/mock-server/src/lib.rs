@@ -7,11 +7,13 @@
 //! which pass through Envoy, so a test drives the upstream from the client side.
 //!
 //! Modules: [`http`] reads requests and writes responses, [`controls`] turns headers into
-//! behaviour, [`api`] renders each API's payloads, [`server`] ties them together, [`stats`] counts.
+//! behaviour, [`api`] renders each API's payloads, [`server`] ties them together, [`stats`] counts,
+//! [`ledger`] records what happened to each request.
 
 pub mod api;
 pub mod controls;
 pub mod http;
+pub mod ledger;
 pub mod server;
 pub mod stats;
 

@@ -6,6 +6,7 @@
 use crate::api::{self, keepalive_comment, Api, Event, Plan};
 use crate::controls::{Controls, Defaults, Failure};
 use crate::http::{self, ReadError, Request};
+use crate::ledger::{FailureKind, Ledger, Record};
 use crate::stats::Stats;
 use serde_json::{json, Value};
 use std::io::{self, BufReader};
@@ -39,6 +40,7 @@ impl Default for Config {
 struct Shared {
     config: Config,
     stats: Stats,
+    ledger: Ledger,
     active: AtomicUsize,
 }
 
@@ -70,6 +72,7 @@ impl Server {
             shared: Arc::new(Shared {
                 config,
                 stats: Stats::default(),
+                ledger: Ledger::default(),
                 active: AtomicUsize::new(0),
             }),
         })
@@ -211,14 +214,22 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let body = shared.stats.to_json(shared.active.load(Ordering::Relaxed));
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
+        ("GET", "/mock/requests") => {
+            let body = shared.ledger.to_json();
+            write_json(w, 200, &json_headers(served, 0), &body, ka)
+        }
         ("POST", "/mock/reset") => {
             shared.stats.reset();
+            shared.ledger.clear();
             write_json(w, 200, &json_headers(served, 0), &json!({}), ka)
         }
         ("POST", path) if Api::from_path(path).is_some() => inference(req, w, shared),
         (_, path) => {
             let known = Api::from_path(path).is_some()
-                || matches!(path, "/health" | "/v1/models" | "/mock/stats" | "/mock/reset");
+                || matches!(
+                    path,
+                    "/health" | "/v1/models" | "/mock/stats" | "/mock/requests" | "/mock/reset"
+                );
             let (status, msg) = if known {
                 (405, "method not allowed")
             } else {
@@ -230,16 +241,35 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
     }
 }
 
-/// Answers one inference request: validate, then fail, answer whole, or stream, as controlled.
+/// Answers one inference request and records in the ledger what happened to it.
 fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
     let path = req.path.as_str();
     let Some(api) = Api::from_path(path) else {
         return Ok(After::Close);
     };
     shared.stats.count_request(path);
+    let request_id = req
+        .header("x-request-id")
+        .map(str::to_string)
+        .unwrap_or_else(|| api::new_id("mockreq-"));
+    let mut record = Record::new(request_id, path);
+    let result = answer(api, req, w, shared, &mut record);
+    if result.is_err() && record.failure.is_none() {
+        // Every write error means the peer went away (or stopped reading for a minute).
+        record.failure = Some(FailureKind::ClientGone);
+    }
+    shared.ledger.push(record);
+    result
+}
+
+/// Validates, then fails, answers whole, or streams, as the request's controls say; keeps `record`
+/// up to date as it goes, so an early return by `?` leaves an accurate record behind.
+fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &mut Record) -> io::Result<After> {
+    let path = req.path.as_str();
     let defaults = &shared.config.defaults;
     let served = req.header("x-mock-version").unwrap_or(&defaults.served_by);
-    let bad_request = |w: &mut TcpStream, msg: &str| {
+    let bad_request = |w: &mut TcpStream, record: &mut Record, msg: &str| {
+        record.failure = Some(FailureKind::BadRequest);
         write_json(
             w,
             400,
@@ -250,19 +280,24 @@ fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<Af
     };
     let controls = match Controls::from_headers(defaults, |n| req.header(n)) {
         Ok(c) => c,
-        Err(msg) => return bad_request(w, &msg),
+        Err(msg) => return bad_request(w, record, &msg),
     };
     let body: Value = match serde_json::from_slice(&req.body) {
         Ok(v) => v,
-        Err(e) => return bad_request(w, &format!("invalid JSON body: {e}")),
+        Err(e) => return bad_request(w, record, &format!("invalid JSON body: {e}")),
     };
     let plan = match Plan::new(api, &body, &controls, defaults.model_name.as_deref()) {
         Ok(p) => p,
-        Err(msg) => return bad_request(w, &msg),
+        Err(msg) => return bad_request(w, record, &msg),
     };
     let headers = json_headers(&controls.served_by, plan.prompt_tokens);
+    record.stream = plan.stream;
+    record.max_tokens = plan.max_tokens;
+    record.prompt_tokens = plan.prompt_tokens;
+    record.completion_tokens = plan.completion_tokens();
 
     if let Some(Failure::Status(status)) = controls.fail {
+        record.failure = Some(FailureKind::Status(status));
         let mut headers = headers;
         if status == 429 {
             headers.push(("retry-after", "1".into()));
@@ -271,21 +306,28 @@ fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<Af
         return write_json(w, status, &headers, &body, req.keep_alive);
     }
     if plan.stream {
-        stream(&plan, &controls, req.keep_alive, w, shared)
+        stream(&plan, &controls, req.keep_alive, w, shared, record)
     } else {
         // A whole answer takes as long as generating it would.
         let n = plan.tokens;
         thread::sleep(controls.ttft + controls.itl * u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX));
         match controls.fail {
             // Without a stream there is no "after N tokens": the connection closes with no answer.
-            Some(Failure::ResetAfter(_)) => Ok(After::Close),
+            Some(Failure::ResetAfter(_)) => {
+                record.failure = Some(FailureKind::Reset);
+                Ok(After::Close)
+            }
             Some(Failure::ErrorEventAfter(_)) => {
+                record.failure = Some(FailureKind::ErrorEvent);
                 let body = api::error_body(path, 500, "mock: injected error");
                 write_json(w, 500, &headers, &body, req.keep_alive)
             }
             _ => {
                 let after = write_json(w, 200, &headers, &plan.full_body(), req.keep_alive)?;
                 shared.stats.count_tokens(n);
+                record.tokens_flushed = n;
+                record.usage_reported = plan.usage;
+                record.completed = true;
                 Ok(after)
             }
         }
@@ -305,7 +347,14 @@ fn send_event(w: &mut TcpStream, event: &Event, c: &Controls) -> io::Result<()> 
 }
 
 /// Plays a streamed answer out in time.
-fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
+fn stream(
+    plan: &Plan,
+    c: &Controls,
+    keep_alive: bool,
+    w: &mut TcpStream,
+    shared: &Shared,
+    record: &mut Record,
+) -> io::Result<After> {
     let headers = [
         ("content-type", "text/event-stream".to_string()),
         ("cache-control", "no-cache".to_string()),
@@ -340,10 +389,14 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
                 Some(Failure::ErrorEventAfter(_)) => {
                     send_event(w, &plan.error_event(&mut seq), c)?;
                     http::finish_chunked(w)?;
+                    record.failure = Some(FailureKind::ErrorEvent);
                     Ok(After::KeepAlive)
                 }
                 // The body is left unterminated: the peer sees the connection close mid-stream.
-                _ => Ok(After::Close),
+                _ => {
+                    record.failure = Some(FailureKind::Reset);
+                    Ok(After::Close)
+                }
             };
         }
         if i == plan.tokens {
@@ -352,10 +405,15 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
         thread::sleep(if i == 0 { ttft_rest } else { c.itl });
         send_event(w, &plan.token(i, &mut seq), c)?;
         shared.stats.count_tokens(1);
+        record.tokens_flushed += 1;
     }
     for event in plan.epilogue(&mut seq) {
         send_event(w, &event, c)?;
+        if plan.is_final_usage(&event) {
+            record.usage_reported = true;
+        }
     }
     http::finish_chunked(w)?;
+    record.completed = true;
     Ok(After::KeepAlive)
 }

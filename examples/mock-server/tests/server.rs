@@ -432,3 +432,130 @@ fn served_by_health_models_and_404() {
     conn.request("POST", "/mock/reset", &[], "");
     assert_eq!(conn.request("GET", "/mock/stats", &[], "").json()["requests"], 0);
 }
+
+/// `GET /mock/requests`, polled until it holds `n` records (a record is written when the
+/// request's answer ends, which can be just after the client saw the end).
+fn ledger(mock: &Mock, n: usize) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = mock.conn().request("GET", "/mock/requests", &[], "");
+        assert_eq!(r.status, 200);
+        let records = r.json().as_array().unwrap().clone();
+        if records.len() >= n || std::time::Instant::now() > deadline {
+            assert_eq!(records.len(), n, "{records:?}");
+            return records;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn ledger_records_every_inference_request() {
+    let mock = Mock::start(&["--tokens", "4"]);
+    let mut conn = mock.conn();
+    let id = |v: &'static str| ("x-request-id", v);
+    conn.post("/v1/chat/completions", &[id("a"), ("x-mock-reasoning-tokens", "2")], &chat_body(true, true));
+    conn.post("/v1/chat/completions", &[id("b")], &chat_body(true, false));
+    let mut capped = chat_body(false, false);
+    capped["max_completion_tokens"] = json!(3);
+    conn.post("/v1/chat/completions", &[id("c")], &capped);
+    let anthropic = json!({"stream": true, "max_tokens": 10, "system": "You are terse.",
+                           "messages": [{"role": "user", "content": "Hello"}]});
+    conn.post("/v1/messages", &[id("d"), ("x-mock-cached-tokens", "5")], &anthropic);
+    conn.post("/v1/responses", &[id("e")], &json!({"stream": true, "input": "Hello"}));
+    conn.post("/v1/chat/completions", &[id("f"), ("x-mock-fail", "status:503")], &chat_body(true, true));
+    conn.post("/v1/chat/completions", &[id("g"), ("x-mock-fail", "error-event-after:1")], &chat_body(true, true));
+    conn.request("POST", "/v1/chat/completions", &[id("h")], "{not json");
+    conn.post("/v1/chat/completions", &[], &chat_body(false, false)); // no id: one is generated
+    conn.request("GET", "/health", &[id("not-inference")], "");
+    let r = conn.post("/v1/chat/completions", &[id("i"), ("x-mock-fail", "reset-after:3")], &chat_body(true, true));
+    assert!(!r.complete);
+
+    let records = ledger(&mock, 10);
+    let by_id = |id: &str| records.iter().find(|r| r["request_id"] == id).unwrap().clone();
+    assert_eq!(
+        by_id("a"),
+        json!({"request_id": "a", "path": "/v1/chat/completions", "stream": true, "max_tokens": null,
+               "prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 6, "tokens_flushed": 4,
+               "usage_reported": true, "completed": true, "failure": null})
+    );
+    // Streamed without include_usage: the usage that would have been reported, not sent.
+    let b = by_id("b");
+    assert_eq!((b["completion_tokens"].as_u64(), b["tokens_flushed"].as_u64()), (Some(4), Some(4)));
+    assert_eq!((b["usage_reported"].as_bool(), b["completed"].as_bool()), (Some(false), Some(true)));
+    // The request's output limit caps the answer and is recorded.
+    let c = by_id("c");
+    assert_eq!((c["stream"].as_bool(), c["max_tokens"].as_u64()), (Some(false), Some(3)));
+    assert_eq!((c["completion_tokens"].as_u64(), c["tokens_flushed"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(c["usage_reported"], true);
+    // Anthropic: prompt tokens are input + cache read, as the usage adds up.
+    let d = by_id("d");
+    assert_eq!((d["prompt_tokens"].as_u64(), d["completion_tokens"].as_u64()), (Some(CHAT_PROMPT_TOKENS), Some(4)));
+    assert_eq!((d["usage_reported"].as_bool(), d["completed"].as_bool()), (Some(true), Some(true)));
+    assert_eq!(by_id("e")["usage_reported"], true);
+    let f = by_id("f");
+    assert_eq!((f["failure"].as_str(), f["tokens_flushed"].as_u64()), (Some("status:503"), Some(0)));
+    assert_eq!((f["completed"].as_bool(), f["usage_reported"].as_bool()), (Some(false), Some(false)));
+    let g = by_id("g");
+    assert_eq!((g["failure"].as_str(), g["tokens_flushed"].as_u64()), (Some("error_event"), Some(1)));
+    assert_eq!((g["completed"].as_bool(), g["usage_reported"].as_bool()), (Some(false), Some(false)));
+    assert_eq!(by_id("h")["failure"], "bad_request");
+    let generated = records.iter().find(|r| r["request_id"].as_str().unwrap().starts_with("mockreq-"));
+    assert!(generated.is_some(), "{records:?}");
+    let i = by_id("i");
+    assert_eq!((i["failure"].as_str(), i["tokens_flushed"].as_u64()), (Some("reset"), Some(3)));
+    assert_eq!((i["completed"].as_bool(), i["usage_reported"].as_bool()), (Some(false), Some(false)));
+    assert_eq!(i["completion_tokens"], 4);
+
+    // Reset clears the ledger.
+    mock.conn().request("POST", "/mock/reset", &[], "");
+    assert_eq!(ledger(&mock, 0), Vec::<Value>::new());
+}
+
+#[test]
+fn ledger_counts_tokens_flushed_before_the_client_went_away() {
+    let mock = Mock::start(&[]);
+    let mut conn = mock.conn();
+    let headers = [("x-request-id", "gone"), ("x-mock-tokens", "2000"), ("x-mock-itl-ms", "2")];
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\ncontent-length: {}\r\n{}\r\n{}",
+        chat_body(true, true).to_string().len(),
+        headers.iter().map(|(n, v)| format!("{n}: {v}\r\n")).collect::<String>(),
+        chat_body(true, true)
+    );
+    conn.send_raw(raw.as_bytes());
+    // Read a little of the stream, then drop the connection.
+    let mut first = [0u8; 512];
+    assert!(conn.read_some(&mut first) > 0);
+    drop(conn);
+    let records = ledger(&mock, 1);
+    let r = &records[0];
+    assert_eq!(r["request_id"], "gone");
+    assert_eq!(r["failure"], "client_gone");
+    assert_eq!((r["completed"].as_bool(), r["usage_reported"].as_bool()), (Some(false), Some(false)));
+    let flushed = r["tokens_flushed"].as_u64().unwrap();
+    assert!(flushed < 2000, "{r}");
+    assert_eq!(r["completion_tokens"], 2000);
+}
+
+#[test]
+fn ledger_takes_chunked_request_bodies() {
+    let mock = Mock::start(&["--tokens", "9"]);
+    let mut conn = mock.conn();
+    let mut body = chat_body(true, true);
+    body["max_tokens"] = json!(5);
+    let body = body.to_string();
+    let (a, b) = body.split_at(7);
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\nx-request-id: chunked\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n",
+        a.len(),
+        b.len()
+    );
+    let at = conn.send_raw(raw.as_bytes());
+    assert!(conn.read_response(at).complete);
+    let records = ledger(&mock, 1);
+    assert_eq!(records[0]["request_id"], "chunked");
+    assert_eq!(records[0]["max_tokens"], 5);
+    assert_eq!(records[0]["tokens_flushed"], 5);
+    assert_eq!(records[0]["completion_tokens"], 5);
+}

@@ -5,12 +5,17 @@
 //! the wasmtime harness and natively in tests and benches.
 //!
 //! - [`sse`]: incremental, memory-bounded Server-Sent Events framer.
+//! - [`budget`]: per-tenant budgets: policy, windows, CAS ledger, admission and settlement.
 //! - [`api`]: which LLM API a request speaks, from its path.
 //! - [`request`]: model, stream flags, limits and a prompt-size estimate from a request body.
 //! - [`usage`]: token usage, normalised across OpenAI and Anthropic.
 //! - [`response`]: streaming and non-streaming response inspection (content, usage, errors).
 //! - [`price`]: validated price table, glob lookup and integer micro-USD cost.
+//! - [`reply`]: error bodies of replies sluice sends itself, in the API's own error shape.
 //! - [`report`]: what a finished request becomes: labelled metric samples and the access-log stamp.
+//! - [`rewrite`]: request body edits (inject `include_usage`, cap output tokens) and the SSE filter
+//!   that hides the injected usage from the client.
+//! - [`identity`]: API-key hashing and extraction, claims from a verified JWT payload.
 //! - [`timing`]: TTFT / TPOT / tokens-per-second arithmetic on host timestamps.
 #![cfg_attr(
     test,
@@ -23,10 +28,14 @@
 )]
 
 pub mod api;
+pub mod identity;
+pub mod budget;
 pub mod price;
+pub mod reply;
 pub mod report;
 pub mod request;
 pub mod response;
+pub mod rewrite;
 pub mod sse;
 pub mod timing;
 pub mod usage;

@@ -7,9 +7,9 @@
 //! buffers a stream and never delays a request: every callback returns `Continue`.
 
 pub mod config;
-mod host;
 
 use config::{Settings, TenantSource};
+use sluice_proxy_host as host;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;

@@ -240,6 +240,23 @@ impl Plan {
         }
     }
 
+    /// Whether `event` (one of [`Plan::epilogue`]'s) carries the final usage: the OpenAI usage
+    /// chunk, Anthropic's `message_delta` with `usage`, or the Responses terminal event whose
+    /// `response.usage` is an object.
+    pub fn is_final_usage(&self, event: &Event) -> bool {
+        if !self.usage {
+            return false;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
+            return false;
+        };
+        match self.api {
+            Api::Chat | Api::Completions => v.get("usage").is_some_and(Value::is_object),
+            Api::Messages => v.get("type") == Some(&json!("message_delta")) && v.get("usage").is_some_and(Value::is_object),
+            Api::Responses => v.pointer("/response/usage").is_some_and(Value::is_object),
+        }
+    }
+
     /// The API's in-stream error event (`x-mock-fail: error-event-after:N`).
     pub fn error_event(&self, seq: &mut u64) -> Event {
         let message = "mock: injected error in stream";
@@ -298,7 +315,7 @@ pub fn error_body(path: &str, status: u16, message: &str) -> Value {
 }
 
 /// Unique enough ids for a mock: a per-process seed and a counter, hex-encoded.
-fn new_id(prefix: &str) -> String {
+pub(crate) fn new_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let seed = *SEED.get_or_init(|| {

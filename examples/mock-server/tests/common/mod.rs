@@ -196,6 +196,11 @@ impl Conn {
         resp
     }
 
+    /// Reads whatever bytes have arrived, at most `buf.len()` (blocks until at least one).
+    pub fn read_some(&mut self, buf: &mut [u8]) -> usize {
+        self.reader.read(buf).unwrap()
+    }
+
     /// True once the server has closed the connection (EOF on read).
     pub fn is_closed(&mut self) -> bool {
         matches!(self.reader.fill_buf(), Ok(b) if b.is_empty())

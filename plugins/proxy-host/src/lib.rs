@@ -1,4 +1,4 @@
-//! The few hostcalls the plugin makes, with every result handled. The SDK's trait helpers
+//! The hostcalls the sluice plugins make, with every result handled. The SDK's trait helpers
 //! `unwrap()` results and decode header values as UTF-8 with a panic on failure; a panic here would
 //! kill the VM for every request on the worker, so this module calls the byte-level hostcalls and
 //! decodes lossily.
@@ -114,11 +114,69 @@ impl Metrics {
         }
     }
 
+    /// Sets a gauge to `value`.
+    pub fn set_gauge(&mut self, name: &str, value: u64) {
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            if let Err(status) = hostcalls::record_metric(id, value) {
+                log::warn!("setting {name} failed: {status:?}");
+            }
+        }
+    }
+
     pub fn record(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
             if let Err(status) = hostcalls::record_metric(id, value) {
                 log::warn!("recording {name} failed: {status:?}");
             }
+        }
+    }
+}
+
+/// Replaces bytes `[0, size)` of the current body chunk (the whole chunk when `size` is its length).
+pub fn replace_body(buffer: BufferType, size: usize, bytes: &[u8]) {
+    if let Err(status) = hostcalls::set_buffer(buffer, 0, size, bytes) {
+        log::warn!("replacing a body chunk failed: {status:?}");
+    }
+}
+
+pub fn set_header(map: MapType, name: &str, value: Option<&str>) {
+    if let Err(status) = hostcalls::set_map_value(map, name, value) {
+        log::warn!("setting header {name} failed: {status:?}");
+    }
+}
+
+/// Sends a reply from the proxy; the stream goes no further upstream.
+pub fn local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) {
+    if let Err(e) = hostcalls::send_http_response(status, headers.to_vec(), Some(body)) {
+        log::warn!("sending a local reply failed: {e:?}");
+    }
+}
+
+/// Lets a paused request continue upstream.
+pub fn resume_request() {
+    if let Err(status) = hostcalls::resume_http_request() {
+        log::warn!("resuming the request failed: {status:?}");
+    }
+}
+
+/// proxy-wasm shared data (one Envoy process, every worker and VM) as a CAS store for
+/// `sluice_core::budget::ledger`.
+pub struct SharedData;
+
+impl sluice_core::budget::SharedStore for SharedData {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), sluice_core::budget::StoreError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((value, cas)) => Ok((value, cas.unwrap_or(0))),
+            Err(status) => Err(sluice_core::budget::StoreError::Unavailable(format!("{status:?}"))),
+        }
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), sluice_core::budget::StoreError> {
+        let cas = if cas == 0 { None } else { Some(cas) };
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(proxy_wasm::types::Status::CasMismatch) => Err(sluice_core::budget::StoreError::CasMismatch),
+            Err(status) => Err(sluice_core::budget::StoreError::Unavailable(format!("{status:?}"))),
         }
     }
 }

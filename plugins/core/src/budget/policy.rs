@@ -1,0 +1,526 @@
+//! The tenant-budget policy: who a request belongs to (org → team → key) and which budgets apply at
+//! each level. Parsed from JSON once, validated, and compiled into flat tables the hot path indexes.
+
+use super::window::Window;
+use crate::price::{PriceEntry, PriceTable};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Policy as written by the operator (Envoy `configuration` / Istio `pluginConfig`). See
+/// docs/tenant-budget.md and policies/tenant-budget.schema.json.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    #[serde(default)]
+    pub mode: Mode,
+    pub identity: IdentityConfig,
+    #[serde(default)]
+    pub unknown: UnknownConfig,
+    pub orgs: Vec<OrgConfig>,
+    #[serde(default)]
+    pub prices: Vec<PriceEntry>,
+    /// Output limit reserved (and written into the request) when neither the request nor the key sets one.
+    #[serde(default = "default_max_output_tokens")]
+    pub default_max_output_tokens: u64,
+    #[serde(default)]
+    pub clamp: ClampConfig,
+    /// Add `stream_options.include_usage` to OpenAI streaming requests that lack it (and hide the extra
+    /// usage chunk from the client), so streams are charged from reported usage.
+    #[serde(default = "yes")]
+    pub include_usage: bool,
+    /// End a stream with an SSE error event once its charge passes what was reserved plus the room
+    /// left in its budgets (only reachable in `estimate` mode).
+    #[serde(default)]
+    pub cut_off_streams: bool,
+    /// How long an unsettled reservation holds budget; must exceed the route timeout.
+    #[serde(default = "default_ttl")]
+    pub reservation_ttl_minutes: u32,
+    /// `estimate` mode: reserve the prompt estimate plus this margin.
+    #[serde(default = "default_margin")]
+    pub estimate_margin_percent: u32,
+    #[serde(default = "default_filter_state_key")]
+    pub filter_state_key: String,
+    /// Request header carrying the model version label of the charge metrics.
+    #[serde(default = "default_model_version_header")]
+    pub model_version_header: String,
+}
+
+/// How the prompt side of a reservation is sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Reserve a true upper bound: the request body's size in bytes (no tokenizer emits more tokens
+    /// than the bytes of the text it encodes plus the JSON framing around each message). Zero overshoot.
+    #[default]
+    Strict,
+    /// Reserve the calibrated estimate (≈ 4 characters a token) plus `estimate_margin_percent`;
+    /// overshoot is bounded by the estimate's error.
+    Estimate,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityConfig {
+    /// Look up `Authorization: Bearer <key>` / `x-api-key` by SHA-256 in `keys[].api_key_sha256`.
+    #[serde(default)]
+    pub api_key: bool,
+    /// A header written by an authentication filter in front of sluice, naming the key id.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// A claim of the JWT payload that Envoy's jwt_authn filter verified and forwards.
+    #[serde(default)]
+    pub jwt: Option<JwtConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// jwt_authn's `forward_payload_header`.
+    pub header: String,
+    /// Claim (dot path) naming the key id.
+    pub claim: String,
+}
+
+/// What to do with a request whose key is not in the policy.
+#[derive(Debug, Deserialize, Default, Clone, PartialEq)]
+#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+pub enum UnknownConfig {
+    #[default]
+    Reject,
+    /// Charge it to this key of the policy.
+    Default { key: String },
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ClampConfig {
+    /// Lower the request's output limit to what the budget can still pay for, instead of rejecting.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Never clamp below this; reject instead.
+    #[serde(default = "default_min_output")]
+    pub min_output_tokens: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrgConfig {
+    pub id: String,
+    #[serde(default)]
+    pub budgets: Vec<BudgetConfig>,
+    #[serde(default)]
+    pub teams: Vec<TeamConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TeamConfig {
+    pub id: String,
+    #[serde(default)]
+    pub budgets: Vec<BudgetConfig>,
+    #[serde(default)]
+    pub keys: Vec<KeyConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyConfig {
+    pub id: String,
+    #[serde(default)]
+    pub api_key_sha256: Option<String>,
+    #[serde(default)]
+    pub budgets: Vec<BudgetConfig>,
+    /// Ceiling on any request's output limit for this key.
+    #[serde(default)]
+    pub max_output_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowName {
+    Minute,
+    Hour,
+    Day,
+    Month,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Count {
+    #[default]
+    Total,
+    Input,
+    Output,
+}
+
+/// One budget: a window and exactly one of `tokens`, `requests`, `usd`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetConfig {
+    pub window: WindowName,
+    /// Month windows: the day of the month (1–28) the budget resets, 00:00 UTC.
+    #[serde(default)]
+    pub reset_day: Option<u8>,
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// Which tokens a `tokens` budget counts (default: input + output).
+    #[serde(default)]
+    pub count: Option<Count>,
+    /// Weights for a `tokens` budget (override `count`): charge = input × w_in + output × w_out.
+    #[serde(default)]
+    pub input_weight: Option<u64>,
+    #[serde(default)]
+    pub output_weight: Option<u64>,
+    #[serde(default)]
+    pub requests: Option<u64>,
+    #[serde(default)]
+    pub usd: Option<f64>,
+    /// Announce (header, metric, log) once usage in the window passes this percent of the limit.
+    #[serde(default)]
+    pub soft_limit_percent: Option<u8>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_max_output_tokens() -> u64 {
+    4096
+}
+fn default_ttl() -> u32 {
+    10
+}
+fn default_margin() -> u32 {
+    10
+}
+fn default_min_output() -> u64 {
+    16
+}
+fn default_filter_state_key() -> String {
+    "sluice_budget".into()
+}
+fn default_model_version_header() -> String {
+    "x-model-version".into()
+}
+
+/// A compiled policy.
+#[derive(Debug)]
+pub struct Policy {
+    pub mode: Mode,
+    pub identity: IdentityConfig,
+    pub unknown_default: Option<usize>,
+    pub keys: Vec<KeyNode>,
+    pub counters: Vec<CounterSpec>,
+    pub prices: PriceTable,
+    pub default_max_output_tokens: u64,
+    pub clamp: ClampConfig,
+    pub include_usage: bool,
+    pub cut_off_streams: bool,
+    pub reservation_ttl_minutes: u32,
+    pub estimate_margin_percent: u32,
+    pub filter_state_key: String,
+    pub model_version_header: String,
+    key_by_id: BTreeMap<String, usize>,
+    key_by_hash: BTreeMap<String, usize>,
+}
+
+/// A key and the counters it must fit, org first.
+#[derive(Debug, Clone)]
+pub struct KeyNode {
+    pub id: String,
+    pub team: String,
+    pub org: String,
+    pub counters: Vec<usize>,
+    pub max_output_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Org,
+    Team,
+    Key,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Org => "org",
+            Level::Team => "team",
+            Level::Key => "key",
+        }
+    }
+}
+
+/// What a budget counts and up to how much, in integers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Tokens { limit: u64, input_weight: u64, output_weight: u64 },
+    Requests(u64),
+    MicroUsd(u64),
+}
+
+impl Limit {
+    pub fn value(&self) -> u64 {
+        match self {
+            Limit::Tokens { limit, .. } | Limit::Requests(limit) | Limit::MicroUsd(limit) => *limit,
+        }
+    }
+
+    pub fn unit(&self) -> &'static str {
+        match self {
+            Limit::Tokens { .. } => "tokens",
+            Limit::Requests(_) => "requests",
+            Limit::MicroUsd(_) => "micro_usd",
+        }
+    }
+
+    /// The amount one request of `input`/`output` tokens costing `cost_micro_usd` takes from this budget.
+    pub fn amount(&self, input: u64, output: u64, cost_micro_usd: u64) -> u64 {
+        match self {
+            Limit::Tokens { input_weight, output_weight, .. } => {
+                input.saturating_mul(*input_weight).saturating_add(output.saturating_mul(*output_weight))
+            }
+            Limit::Requests(_) => 1,
+            Limit::MicroUsd(_) => cost_micro_usd,
+        }
+    }
+}
+
+/// One budget of one level: a counter in the shared store.
+#[derive(Debug, Clone)]
+pub struct CounterSpec {
+    /// Shared-data key: `sluice/tenant-budget/<level>/<id>/<n>`.
+    pub store_key: String,
+    pub level: Level,
+    pub owner: String,
+    pub window: Window,
+    pub limit: Limit,
+    /// Absolute soft limit, if configured.
+    pub soft_limit: Option<u64>,
+    /// Stable name of the budget for errors and metrics: `team:search:minute:tokens`.
+    pub code: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PolicyError {
+    #[error("tenant-budget policy is not valid JSON: {0}")]
+    Json(String),
+    #[error("{field}: {problem}")]
+    Invalid { field: String, problem: String },
+}
+
+fn invalid(field: impl Into<String>, problem: impl Into<String>) -> PolicyError {
+    PolicyError::Invalid { field: field.into(), problem: problem.into() }
+}
+
+/// Identifiers become parts of metric names and store keys.
+fn check_id(field: &str, id: &str) -> Result<(), PolicyError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(invalid(field, format!("must be 1–64 letters, digits, '-' or '_', got {id:?}")));
+    }
+    Ok(())
+}
+
+/// Largest money budget accepted: $1e9.
+const MAX_USD: f64 = 1e9;
+
+impl Policy {
+    pub fn from_json(bytes: &[u8]) -> Result<Policy, PolicyError> {
+        let config: PolicyConfig = serde_json::from_slice(bytes).map_err(|e| PolicyError::Json(e.to_string()))?;
+        Policy::compile(config)
+    }
+
+    pub fn compile(c: PolicyConfig) -> Result<Policy, PolicyError> {
+        if !c.identity.api_key && c.identity.header.is_none() && c.identity.jwt.is_none() {
+            return Err(invalid("identity", "name at least one source: api_key, header or jwt"));
+        }
+        if let Some(h) = &c.identity.header {
+            if h.is_empty() {
+                return Err(invalid("identity.header", "must not be empty"));
+            }
+        }
+        if let Some(j) = &c.identity.jwt {
+            if j.header.is_empty() || j.claim.is_empty() {
+                return Err(invalid("identity.jwt", "header and claim must not be empty"));
+            }
+        }
+        if !(1..=60).contains(&c.reservation_ttl_minutes) {
+            return Err(invalid("reservation_ttl_minutes", format!("must be 1–60, got {}", c.reservation_ttl_minutes)));
+        }
+        if c.default_max_output_tokens == 0 {
+            return Err(invalid("default_max_output_tokens", "must be at least 1"));
+        }
+        if c.estimate_margin_percent > 1000 {
+            return Err(invalid("estimate_margin_percent", format!("at most 1000, got {}", c.estimate_margin_percent)));
+        }
+        let prices = PriceTable::new(c.prices).map_err(|e| invalid("prices", e.to_string()))?;
+        if c.orgs.is_empty() {
+            return Err(invalid("orgs", "must list at least one org"));
+        }
+
+        let mut counters = Vec::new();
+        let mut keys = Vec::new();
+        let mut key_by_id = BTreeMap::new();
+        let mut key_by_hash = BTreeMap::new();
+        let mut seen_levels: BTreeMap<String, String> = BTreeMap::new();
+        for (oi, org) in c.orgs.iter().enumerate() {
+            let of = format!("orgs[{oi}]");
+            check_id(&format!("{of}.id"), &org.id)?;
+            unique(&mut seen_levels, format!("org:{}", org.id), &of)?;
+            let org_counters = compile_budgets(&mut counters, &org.budgets, Level::Org, &org.id, &of)?;
+            for (ti, team) in org.teams.iter().enumerate() {
+                let tf = format!("{of}.teams[{ti}]");
+                check_id(&format!("{tf}.id"), &team.id)?;
+                unique(&mut seen_levels, format!("team:{}", team.id), &tf)?;
+                let team_counters = compile_budgets(&mut counters, &team.budgets, Level::Team, &team.id, &tf)?;
+                for (ki, key) in team.keys.iter().enumerate() {
+                    let kf = format!("{tf}.keys[{ki}]");
+                    check_id(&format!("{kf}.id"), &key.id)?;
+                    if key_by_id.contains_key(&key.id) {
+                        return Err(invalid(format!("{kf}.id"), format!("key {:?} is defined twice", key.id)));
+                    }
+                    let own = compile_budgets(&mut counters, &key.budgets, Level::Key, &key.id, &kf)?;
+                    if let Some(hash) = &key.api_key_sha256 {
+                        let hash = hash.to_ascii_lowercase();
+                        if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                            return Err(invalid(format!("{kf}.api_key_sha256"), "must be 64 hex digits (the SHA-256 of the key)"));
+                        }
+                        if key_by_hash.insert(hash, keys.len()).is_some() {
+                            return Err(invalid(format!("{kf}.api_key_sha256"), "the same API key hash is used by two keys"));
+                        }
+                    }
+                    if key.max_output_tokens == Some(0) {
+                        return Err(invalid(format!("{kf}.max_output_tokens"), "must be at least 1"));
+                    }
+                    key_by_id.insert(key.id.clone(), keys.len());
+                    keys.push(KeyNode {
+                        id: key.id.clone(),
+                        team: team.id.clone(),
+                        org: org.id.clone(),
+                        counters: org_counters.iter().chain(&team_counters).chain(&own).copied().collect(),
+                        max_output_tokens: key.max_output_tokens,
+                    });
+                }
+            }
+        }
+        if keys.is_empty() {
+            return Err(invalid("orgs", "no keys defined: budgets apply to requests through their key"));
+        }
+        let unknown_default = match &c.unknown {
+            UnknownConfig::Reject => None,
+            UnknownConfig::Default { key } => Some(*key_by_id.get(key).ok_or_else(|| {
+                invalid("unknown.key", format!("{key:?} is not a key of the policy"))
+            })?),
+        };
+        if c.filter_state_key.is_empty() || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
+            return Err(invalid("filter_state_key", format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key)));
+        }
+        Ok(Policy {
+            mode: c.mode,
+            identity: c.identity,
+            unknown_default,
+            keys,
+            counters,
+            prices,
+            default_max_output_tokens: c.default_max_output_tokens,
+            clamp: c.clamp,
+            include_usage: c.include_usage,
+            cut_off_streams: c.cut_off_streams,
+            reservation_ttl_minutes: c.reservation_ttl_minutes,
+            estimate_margin_percent: c.estimate_margin_percent,
+            filter_state_key: c.filter_state_key,
+            model_version_header: c.model_version_header.to_ascii_lowercase(),
+            key_by_id,
+            key_by_hash,
+        })
+    }
+
+    pub fn key_by_id(&self, id: &str) -> Option<usize> {
+        self.key_by_id.get(id).copied()
+    }
+
+    /// Key whose `api_key_sha256` is `hash_hex` (lowercase hex).
+    pub fn key_by_api_key_hash(&self, hash_hex: &str) -> Option<usize> {
+        self.key_by_hash.get(hash_hex).copied()
+    }
+}
+
+fn unique(seen: &mut BTreeMap<String, String>, name: String, field: &str) -> Result<(), PolicyError> {
+    if let Some(first) = seen.insert(name.clone(), field.to_string()) {
+        return Err(invalid(format!("{field}.id"), format!("{name} is already defined at {first}")));
+    }
+    Ok(())
+}
+
+fn compile_budgets(
+    counters: &mut Vec<CounterSpec>,
+    budgets: &[BudgetConfig],
+    level: Level,
+    owner: &str,
+    field: &str,
+) -> Result<Vec<usize>, PolicyError> {
+    let mut out = Vec::with_capacity(budgets.len());
+    for (bi, b) in budgets.iter().enumerate() {
+        let bf = format!("{field}.budgets[{bi}]");
+        let window = match (b.window, b.reset_day) {
+            (WindowName::Month, day) => {
+                let day = day.unwrap_or(1);
+                if !(1..=28).contains(&day) {
+                    return Err(invalid(format!("{bf}.reset_day"), format!("must be 1–28 (a day every month has), got {day}")));
+                }
+                Window::Month { reset_day: day }
+            }
+            (_, Some(_)) => return Err(invalid(format!("{bf}.reset_day"), "only month windows have a reset day")),
+            (WindowName::Minute, None) => Window::Minute,
+            (WindowName::Hour, None) => Window::Hour,
+            (WindowName::Day, None) => Window::Day,
+        };
+        let limit = match (b.tokens, b.requests, b.usd) {
+            (Some(tokens), None, None) => {
+                let (w_in, w_out) = match (b.input_weight, b.output_weight, b.count) {
+                    (None, None, count) => match count.unwrap_or_default() {
+                        Count::Total => (1, 1),
+                        Count::Input => (1, 0),
+                        Count::Output => (0, 1),
+                    },
+                    (w_in, w_out, None) => (w_in.unwrap_or(0), w_out.unwrap_or(0)),
+                    (_, _, Some(_)) => {
+                        return Err(invalid(&bf, "give either count or input_weight/output_weight, not both"))
+                    }
+                };
+                if w_in == 0 && w_out == 0 {
+                    return Err(invalid(&bf, "weights must not both be 0"));
+                }
+                Limit::Tokens { limit: tokens, input_weight: w_in, output_weight: w_out }
+            }
+            (None, Some(requests), None) => Limit::Requests(requests),
+            (None, None, Some(usd)) => {
+                if !usd.is_finite() || !(0.0..=MAX_USD).contains(&usd) {
+                    return Err(invalid(format!("{bf}.usd"), format!("must be a finite amount 0–{MAX_USD}, got {usd}")));
+                }
+                // Integer micro-USD from here on.
+                Limit::MicroUsd((usd * 1_000_000.0).round() as u64)
+            }
+            _ => return Err(invalid(&bf, "set exactly one of tokens, requests, usd")),
+        };
+        if !matches!(limit, Limit::Tokens { .. }) && (b.count.is_some() || b.input_weight.is_some() || b.output_weight.is_some()) {
+            return Err(invalid(&bf, "count and weights apply to tokens budgets only"));
+        }
+        let soft_limit = match b.soft_limit_percent {
+            None => None,
+            Some(p) if (1..=100).contains(&p) => Some(limit.value().saturating_mul(u64::from(p)) / 100),
+            Some(p) => return Err(invalid(format!("{bf}.soft_limit_percent"), format!("must be 1–100, got {p}"))),
+        };
+        let index = counters.len();
+        counters.push(CounterSpec {
+            store_key: format!("sluice/tenant-budget/{}/{owner}/{bi}", level.as_str()),
+            level,
+            owner: owner.to_string(),
+            window,
+            limit,
+            soft_limit,
+            code: format!("{}:{owner}:{}:{}", level.as_str(), window.as_str(), limit.unit()),
+        });
+        out.push(index);
+    }
+    Ok(out)
+}

@@ -1,0 +1,778 @@
+//! Request body rewrites (inject `stream_options.include_usage`, cap the output limit) and the SSE
+//! filter that hides the injected usage from the client again ([`UsageChunkStripper`]).
+//!
+//! Both edit the raw bytes in place instead of re-serialising JSON: a body is parsed only to *decide*
+//! (syntax is validated with serde_json, members are located by a small scanner), then the few bytes
+//! that must change are replaced. Everything else — key order, whitespace, number spelling (`1e400`,
+//! integers beyond 64 bits, `1.0`), string escapes — stays byte for byte what the client sent, so no
+//! serde_json feature (`preserve_order`, `arbitrary_precision`) is needed and no value can be
+//! corrupted by a round-trip.
+
+use crate::api::ApiKind;
+use crate::sse::{bounded_growth, find_line_end};
+use serde::de::IgnoredAny;
+
+/// Result of rewriting a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRewrite {
+    /// The body to send upstream: the original bytes with only the edited members changed or added.
+    pub body: Vec<u8>,
+    /// `stream_options.include_usage` was set to `true` by sluice (it was absent, `false` or `null`):
+    /// strip the usage from the response with [`UsageChunkStripper`] so the client sees the stream it
+    /// asked for.
+    pub injected_include_usage: bool,
+    /// The output limit written into the body (the value passed in), if any.
+    pub max_output_tokens_set: Option<u64>,
+    /// `body` differs from the input (when `false`, the original body can be left alone).
+    pub changed: bool,
+}
+
+/// Why a request body could not be rewritten. The body is then forwarded unchanged or refused,
+/// whichever the plugin's failure mode says.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum RewriteError {
+    /// The body is not valid JSON (message from the parser, with line and column).
+    #[error("request body is not valid JSON: {0}")]
+    NotJson(String),
+    /// The body is JSON but not an object.
+    #[error("request body is not a JSON object")]
+    NotObject,
+}
+
+/// Rewrite a request body for the API `kind` (pass the kind after [`crate::request::refine_kind`],
+/// e.g. from [`crate::request::inspect_request_with_kind`]).
+///
+/// - `inject_include_usage`: for [`ApiKind::ChatCompletions`] and [`ApiKind::Completions`] requests
+///   with `"stream": true` whose `stream_options.include_usage` is not `true`, set it to `true`
+///   (other `stream_options` members are kept; a `null` or absent `stream_options` becomes
+///   `{"include_usage":true}`). Never for other kinds or non-streaming requests, nor when
+///   `stream_options` has another type (the upstream rejects such a request anyway).
+/// - `max_output_tokens`: write the output limit member for the kind — chat: `max_completion_tokens`
+///   and/or `max_tokens`, every one of the two the body already has, else `max_tokens`; completions
+///   and Anthropic: `max_tokens`; Responses: `max_output_tokens`. The caller has already taken the
+///   minimum with the requested limit ([`crate::request::RequestInfo::max_output_tokens`]).
+///
+/// When a key occurs more than once at the top level, decisions follow the *last* occurrence (as
+/// serde_json, Python and Go do) and edits apply to *every* occurrence, so an upstream that keeps the
+/// first one is capped too. New members are appended after the last member, compact
+/// (`,"max_tokens":100`). Keys spelled with escapes (`"max\u005ftokens"`) are recognised.
+///
+/// Numbers the client sent are never reinterpreted: the body is validated syntactically, so `1e400`
+/// or a 30-digit integer elsewhere in it is kept as written and is not an error.
+pub fn rewrite_request(
+    kind: ApiKind,
+    body: &[u8],
+    inject_include_usage: bool,
+    max_output_tokens: Option<u64>,
+) -> Result<RequestRewrite, RewriteError> {
+    // serde_json does not check UTF-8 inside strings it skips; JSON text must be UTF-8.
+    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    let open = skip_ws(body, 0);
+    if body.get(open) != Some(&b'{') {
+        return Err(RewriteError::NotObject);
+    }
+    let obj = scan_object(body, open)
+        .ok_or_else(|| RewriteError::NotJson("unbalanced JSON object".to_owned()))?;
+
+    let mut edits: Vec<Edit> = Vec::new();
+    let mut appended: Vec<(&str, Vec<u8>)> = Vec::new();
+
+    let mut injected = false;
+    if inject_include_usage
+        && matches!(kind, ApiKind::ChatCompletions | ApiKind::Completions)
+        && obj.last_value(body, "stream") == Some(b"true".as_slice())
+    {
+        let wants = match obj.last(body, "stream_options") {
+            None => true,
+            Some(m) => match body.get(m.value_start) {
+                Some(b'n') => true, // null
+                Some(b'{') => {
+                    let inner = scan_object(body, m.value_start);
+                    inner.is_some_and(|o| o.last_value(body, "include_usage") != Some(b"true"))
+                }
+                _ => false,
+            },
+        };
+        if wants {
+            injected = true;
+            let mut found = false;
+            for m in obj
+                .members
+                .iter()
+                .filter(|m| m.key_is(body, "stream_options"))
+            {
+                found = true;
+                let replacement = match scan_object(body, m.value_start) {
+                    Some(inner) => set_member(body, &inner, "include_usage", b"true"),
+                    None => br#"{"include_usage":true}"#.to_vec(),
+                };
+                edits.push(Edit::new(m.value_start, m.value_end, replacement));
+            }
+            if !found {
+                appended.push(("stream_options", br#"{"include_usage":true}"#.to_vec()));
+            }
+        }
+    }
+
+    if let Some(limit) = max_output_tokens {
+        let value = limit.to_string().into_bytes();
+        let (keys, default): (&[&str], &str) = match kind {
+            ApiKind::ChatCompletions => (&["max_completion_tokens", "max_tokens"], "max_tokens"),
+            ApiKind::Completions | ApiKind::AnthropicMessages => (&["max_tokens"], "max_tokens"),
+            ApiKind::Responses => (&["max_output_tokens"], "max_output_tokens"),
+        };
+        let mut found = false;
+        for m in &obj.members {
+            if keys.iter().any(|k| m.key_is(body, k)) {
+                found = true;
+                edits.push(Edit::new(m.value_start, m.value_end, value.clone()));
+            }
+        }
+        if !found {
+            appended.push((default, value));
+        }
+    }
+
+    if !appended.is_empty() {
+        let mut text = Vec::new();
+        let mut need_comma = !obj.members.is_empty();
+        for (key, value) in appended {
+            if need_comma {
+                text.push(b',');
+            }
+            need_comma = true;
+            push_member(&mut text, key, &value);
+        }
+        let at = obj.insert_pos();
+        edits.push(Edit::new(at, at, text));
+    }
+
+    let out = apply_edits(body, 0, body.len(), edits);
+    Ok(RequestRewrite {
+        changed: out != body,
+        body: out,
+        injected_include_usage: injected,
+        max_output_tokens_set: max_output_tokens,
+    })
+}
+
+/// The object at `obj` (in `s`) with every `key` member set to `value`, or `key` appended.
+fn set_member(s: &[u8], obj: &Object, key: &str, value: &[u8]) -> Vec<u8> {
+    let mut edits: Vec<Edit> = obj
+        .members
+        .iter()
+        .filter(|m| m.key_is(s, key))
+        .map(|m| Edit::new(m.value_start, m.value_end, value.to_vec()))
+        .collect();
+    if edits.is_empty() {
+        let mut text = Vec::new();
+        if !obj.members.is_empty() {
+            text.push(b',');
+        }
+        push_member(&mut text, key, value);
+        let at = obj.insert_pos();
+        edits.push(Edit::new(at, at, text));
+    }
+    apply_edits(s, obj.open, obj.close.saturating_add(1), edits)
+}
+
+/// `"key":value` (the keys used here need no escaping).
+fn push_member(out: &mut Vec<u8>, key: &str, value: &[u8]) {
+    out.push(b'"');
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(value);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Usage stripping on the response stream.
+// ---------------------------------------------------------------------------------------------------
+
+/// Streaming filter for an OpenAI chat/completions SSE stream whose `include_usage` sluice injected:
+/// the client sees the stream it asked for.
+///
+/// - An event whose data is a JSON object with a non-null `usage` and empty, `null` or absent
+///   `choices` (the usage chunk) is removed entirely, its blank line included.
+/// - From every other event, top-level `usage` members are removed from the raw text (`,"usage":null`,
+///   `"usage": null,` …), the rest of the event byte for byte as sent. This covers both the
+///   `"usage":null` servers put in every chunk and a non-null usage riding on a chunk with choices.
+///   Only events with a single `data:` line are edited this way (a JSON split over several `data:`
+///   lines is passed as is, unless it is a usage chunk to remove).
+/// - Everything else passes byte for byte: comments, `[DONE]`, events without data or with data that
+///   is not a JSON object, and line endings (LF, CRLF, CR, also split across chunks).
+///
+/// Complete events are emitted as soon as their blank line arrives; only the unfinished last event is
+/// held, up to `max_event_bytes`. An event longer than that is passed through unmodified (counted in
+/// [`Self::overflowed_events`]), wherever the chunk boundaries fall, so memory stays bounded.
+///
+/// Feed the upstream chunks to the response observer *before* this filter: the observer needs the
+/// usage this filter removes.
+#[derive(Debug, Clone)]
+pub struct UsageChunkStripper {
+    max_event_bytes: usize,
+    /// Bytes of the unfinished current event (empty in pass-through).
+    held: Vec<u8>,
+    /// The current event outgrew the cap: its bytes go out as they come until its blank line.
+    passthrough: bool,
+    /// The current line has at least one byte (so a line end does not end the event).
+    line_nonempty: bool,
+    pending_cr: PendingCr,
+    /// No event has been completed yet (a UTF-8 BOM may start the first line).
+    at_stream_start: bool,
+    removed: u64,
+    stripped: u64,
+    overflowed: u64,
+}
+
+/// The last byte seen was a CR line end: an LF at the start of the next chunk completes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PendingCr {
+    None,
+    /// Inside the current event.
+    InEvent,
+    /// The CR ended an event (its blank line); `removed` tells whether that event was dropped, in
+    /// which case the LF goes too.
+    AfterEvent {
+        removed: bool,
+    },
+}
+
+/// What to do with one complete event.
+enum Verdict {
+    Keep,
+    Remove,
+    /// Replace the bytes `start..end` of the event with `json`.
+    Replace {
+        start: usize,
+        end: usize,
+        json: Vec<u8>,
+    },
+}
+
+impl UsageChunkStripper {
+    /// A stripper that holds at most `max_event_bytes` of an unfinished event
+    /// ([`crate::sse::DEFAULT_MAX_EVENT_BYTES`] is a good value).
+    pub fn new(max_event_bytes: usize) -> Self {
+        Self {
+            max_event_bytes,
+            held: Vec::new(),
+            passthrough: false,
+            line_nonempty: false,
+            pending_cr: PendingCr::None,
+            at_stream_start: true,
+            removed: 0,
+            stripped: 0,
+            overflowed: 0,
+        }
+    }
+
+    /// Feed one upstream body chunk; returns the bytes to send downstream now.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(chunk.len().saturating_add(self.held.len()));
+        if chunk.is_empty() {
+            return out;
+        }
+        let mut rest = chunk;
+        let mut scan_from = 0;
+        match std::mem::replace(&mut self.pending_cr, PendingCr::None) {
+            PendingCr::AfterEvent { removed } if rest.first() == Some(&b'\n') => {
+                if !removed {
+                    out.push(b'\n');
+                }
+                rest = rest.get(1..).unwrap_or_default();
+            }
+            // The LF completes a CRLF inside the current event: it is event bytes, not a line end.
+            PendingCr::InEvent if rest.first() == Some(&b'\n') => scan_from = 1,
+            _ => {}
+        }
+
+        let mut event_start = 0;
+        let mut pos = scan_from;
+        while let Some(found) = find_line_end(rest.get(pos..).unwrap_or_default()) {
+            let at = pos.saturating_add(found);
+            let blank = !self.line_nonempty && found == 0;
+            let (term_len, cr_at_end) = match (rest.get(at), rest.get(at.saturating_add(1))) {
+                (Some(b'\r'), Some(b'\n')) => (2, false),
+                (Some(b'\r'), None) => (1, true),
+                _ => (1, false),
+            };
+            pos = at.saturating_add(term_len);
+            self.line_nonempty = false;
+            if blank {
+                let event = rest.get(event_start..pos).unwrap_or_default();
+                let removed = self.complete_event(event, &mut out);
+                event_start = pos;
+                if cr_at_end {
+                    self.pending_cr = PendingCr::AfterEvent { removed };
+                }
+            } else if cr_at_end {
+                self.pending_cr = PendingCr::InEvent;
+            }
+        }
+        if pos < rest.len() {
+            self.line_nonempty = true;
+        }
+        self.hold(rest.get(event_start..).unwrap_or_default(), &mut out);
+        out
+    }
+
+    /// End of stream: returns whatever is held back, unmodified (an event without its blank line is
+    /// not complete), and resets the stripper for reuse (counters are kept).
+    pub fn finish(&mut self) -> Vec<u8> {
+        let out = std::mem::take(&mut self.held);
+        self.passthrough = false;
+        self.line_nonempty = false;
+        self.pending_cr = PendingCr::None;
+        self.at_stream_start = true;
+        out
+    }
+
+    /// Usage chunks removed entirely.
+    pub fn removed_usage_events(&self) -> u64 {
+        self.removed
+    }
+
+    /// Events kept with their `usage` member(s) cut out.
+    pub fn stripped_usage_members(&self) -> u64 {
+        self.stripped
+    }
+
+    /// Events longer than the cap, passed through unmodified.
+    pub fn overflowed_events(&self) -> u64 {
+        self.overflowed
+    }
+
+    /// Bytes currently held back; never more than the cap given to [`Self::new`].
+    pub fn held_bytes(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Keep the unfinished tail of the current event (or pass it on if the event is over the cap).
+    fn hold(&mut self, tail: &[u8], out: &mut Vec<u8>) {
+        if tail.is_empty() {
+            return;
+        }
+        if self.passthrough {
+            out.extend_from_slice(tail);
+            return;
+        }
+        if self.held.len().saturating_add(tail.len()) > self.max_event_bytes {
+            self.overflowed = self.overflowed.saturating_add(1);
+            self.passthrough = true;
+            self.at_stream_start = false;
+            out.append(&mut self.held);
+            out.extend_from_slice(tail);
+            return;
+        }
+        let extra = bounded_growth(
+            self.held.capacity(),
+            self.held.len(),
+            tail.len(),
+            self.max_event_bytes,
+        );
+        self.held.reserve_exact(extra);
+        self.held.extend_from_slice(tail);
+    }
+
+    /// The current event ends with `tail` (its blank line included). Returns whether it was removed.
+    fn complete_event(&mut self, tail: &[u8], out: &mut Vec<u8>) -> bool {
+        let at_start = std::mem::replace(&mut self.at_stream_start, false);
+        if self.passthrough {
+            self.passthrough = false;
+            out.extend_from_slice(tail);
+            return false;
+        }
+        let mut held = std::mem::take(&mut self.held);
+        let event: &[u8] = if held.is_empty() {
+            tail
+        } else {
+            held.extend_from_slice(tail);
+            &held
+        };
+        let mut removed = false;
+        if event.len() > self.max_event_bytes {
+            self.overflowed = self.overflowed.saturating_add(1);
+            out.extend_from_slice(event);
+        } else {
+            match judge_event(event, at_start) {
+                Verdict::Keep => out.extend_from_slice(event),
+                Verdict::Remove => {
+                    self.removed = self.removed.saturating_add(1);
+                    removed = true;
+                }
+                Verdict::Replace { start, end, json } => {
+                    self.stripped = self.stripped.saturating_add(1);
+                    out.extend_from_slice(event.get(..start).unwrap_or_default());
+                    out.extend_from_slice(&json);
+                    out.extend_from_slice(event.get(end..).unwrap_or_default());
+                }
+            }
+        }
+        // Give the allocation back (it never grew past the cap plus one chunk's tail).
+        held.clear();
+        if held.capacity() <= self.max_event_bytes {
+            self.held = held;
+        }
+        removed
+    }
+}
+
+/// Decide what happens to one complete event (raw bytes, blank line included).
+fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
+    let mut data_lines: Vec<(usize, usize)> = Vec::new();
+    let mut line_start = 0;
+    if at_stream_start && event.starts_with(b"\xEF\xBB\xBF") {
+        line_start = 3;
+    }
+    while let Some(found) = find_line_end(event.get(line_start..).unwrap_or_default()) {
+        let line_end = line_start.saturating_add(found);
+        let line = event.get(line_start..line_end).unwrap_or_default();
+        if let Some(value) = data_value(line) {
+            data_lines.push((line_start.saturating_add(value), line_end));
+        }
+        let term_len = match (event.get(line_end), event.get(line_end.saturating_add(1))) {
+            (Some(b'\r'), Some(b'\n')) => 2,
+            _ => 1,
+        };
+        line_start = line_end.saturating_add(term_len);
+    }
+    let joined;
+    let data: &[u8] = match data_lines.as_slice() {
+        [] => return Verdict::Keep,
+        [(start, end)] => event.get(*start..*end).unwrap_or_default(),
+        many => {
+            let mut buf = Vec::new();
+            for (i, (start, end)) in many.iter().enumerate() {
+                if i > 0 {
+                    buf.push(b'\n');
+                }
+                buf.extend_from_slice(event.get(*start..*end).unwrap_or_default());
+            }
+            joined = buf;
+            &joined
+        }
+    };
+    if serde_json::from_slice::<IgnoredAny>(data).is_err() {
+        return Verdict::Keep;
+    }
+    let open = skip_ws(data, 0);
+    if data.get(open) != Some(&b'{') {
+        return Verdict::Keep;
+    }
+    let Some(obj) = scan_object(data, open) else {
+        return Verdict::Keep;
+    };
+    let Some(usage) = obj.last_value(data, "usage") else {
+        return Verdict::Keep;
+    };
+    let no_choices = match obj.last_value(data, "choices") {
+        None => true,
+        Some(v) => v == b"null" || is_empty_array(v),
+    };
+    if usage != b"null" && no_choices {
+        return Verdict::Remove;
+    }
+    let [(start, end)] = data_lines.as_slice() else {
+        return Verdict::Keep;
+    };
+    Verdict::Replace {
+        start: *start,
+        end: *end,
+        json: remove_members(data, "usage"),
+    }
+}
+
+/// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.
+fn data_value(line: &[u8]) -> Option<usize> {
+    let rest = line.strip_prefix(b"data")?;
+    match rest.first() {
+        None => Some(4),
+        Some(b':') => Some(if rest.get(1) == Some(&b' ') { 6 } else { 5 }),
+        Some(_) => None,
+    }
+}
+
+fn is_empty_array(v: &[u8]) -> bool {
+    v.first() == Some(&b'[')
+        && skip_ws(v, 1).saturating_add(1) == v.len()
+        && v.last() == Some(&b']')
+}
+
+/// `json` (an object) without any top-level `key` member, separators tidied: a member is removed
+/// with the separator before it (`,"usage":null`), or, when first, with the one after it.
+fn remove_members(json: &[u8], key: &str) -> Vec<u8> {
+    let mut text = json.to_vec();
+    // One member per round; a round can only remove, so this ends (bounded by the member count).
+    loop {
+        let open = skip_ws(&text, 0);
+        let Some(obj) = scan_object(&text, open) else {
+            return text;
+        };
+        let Some(i) = obj.members.iter().position(|m| m.key_is(&text, key)) else {
+            return text;
+        };
+        let range = match (
+            i.checked_sub(1).and_then(|p| obj.members.get(p)),
+            obj.members.get(i),
+            obj.members.get(i.saturating_add(1)),
+        ) {
+            (Some(prev), Some(m), _) => prev.value_end..m.value_end,
+            (None, Some(m), Some(next)) => m.key_start..next.key_start,
+            (None, Some(m), None) => m.key_start..m.value_end,
+            (_, None, _) => return text,
+        };
+        if range.start >= range.end || range.end > text.len() {
+            return text;
+        }
+        text.drain(range);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A minimal scanner over JSON that serde_json has already validated. It never panics on any input
+// (it returns `None` where the text is not what it expects) and is iterative, so depth is no issue.
+// ---------------------------------------------------------------------------------------------------
+
+/// One `"key": value` member of an object, as byte offsets into the text.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    /// The opening quote of the key.
+    key_start: usize,
+    /// One past the closing quote of the key.
+    key_end: usize,
+    value_start: usize,
+    value_end: usize,
+}
+
+impl Member {
+    /// The key, unescaped, equals `want`.
+    fn key_is(&self, s: &[u8], want: &str) -> bool {
+        let Some(raw) = s.get(self.key_start..self.key_end) else {
+            return false;
+        };
+        let inner = raw.get(1..raw.len().saturating_sub(1)).unwrap_or_default();
+        if !inner.contains(&b'\\') {
+            return inner == want.as_bytes();
+        }
+        serde_json::from_slice::<String>(raw).is_ok_and(|k| k == want)
+    }
+}
+
+/// The members of an object and where its braces are.
+#[derive(Debug, Clone)]
+struct Object {
+    open: usize,
+    close: usize,
+    members: Vec<Member>,
+}
+
+impl Object {
+    /// The last member named `key`.
+    fn last(&self, s: &[u8], key: &str) -> Option<Member> {
+        self.members
+            .iter()
+            .rev()
+            .find(|m| m.key_is(s, key))
+            .copied()
+    }
+
+    /// The raw value text of the last member named `key`.
+    fn last_value<'a>(&self, s: &'a [u8], key: &str) -> Option<&'a [u8]> {
+        self.last(s, key)
+            .and_then(|m| s.get(m.value_start..m.value_end))
+    }
+
+    /// Where a new member goes: right after the last value, or after `{` when empty.
+    fn insert_pos(&self) -> usize {
+        self.members
+            .last()
+            .map_or(self.open.saturating_add(1), |m| m.value_end)
+    }
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+fn skip_ws(s: &[u8], mut i: usize) -> usize {
+    while s.get(i).copied().is_some_and(is_ws) {
+        i = i.saturating_add(1);
+    }
+    i
+}
+
+/// `s[i]` is `"`: the index one past the closing quote.
+fn string_end(s: &[u8], i: usize) -> Option<usize> {
+    let mut j = i.saturating_add(1);
+    loop {
+        let rest = s.get(j..)?;
+        let k = rest.iter().position(|&b| b == b'"' || b == b'\\')?;
+        let at = j.saturating_add(k);
+        if s.get(at) == Some(&b'\\') {
+            j = at.saturating_add(2);
+        } else {
+            return Some(at.saturating_add(1));
+        }
+    }
+}
+
+/// The index one past the value starting at `s[i]`.
+fn value_end(s: &[u8], i: usize) -> Option<usize> {
+    match s.get(i)? {
+        b'"' => string_end(s, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match s.get(j)? {
+                    b'"' => {
+                        j = string_end(s, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth = depth.saturating_add(1),
+                    b'}' | b']' => {
+                        depth = depth.checked_sub(1)?;
+                        if depth == 0 {
+                            return Some(j.saturating_add(1));
+                        }
+                    }
+                    _ => {}
+                }
+                j = j.saturating_add(1);
+            }
+        }
+        _ => {
+            // Number or literal: runs to the next delimiter.
+            let rest = s.get(i..)?;
+            let len = rest
+                .iter()
+                .position(|&b| matches!(b, b',' | b'}' | b']') || is_ws(b))
+                .unwrap_or(rest.len());
+            (len > 0).then(|| i.saturating_add(len))
+        }
+    }
+}
+
+/// The object whose `{` is at `s[open]`.
+fn scan_object(s: &[u8], open: usize) -> Option<Object> {
+    if s.get(open) != Some(&b'{') {
+        return None;
+    }
+    let mut members = Vec::new();
+    let mut i = skip_ws(s, open.saturating_add(1));
+    if s.get(i) == Some(&b'}') {
+        return Some(Object {
+            open,
+            close: i,
+            members,
+        });
+    }
+    loop {
+        if s.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_start = i;
+        let key_end = string_end(s, i)?;
+        i = skip_ws(s, key_end);
+        if s.get(i) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_ws(s, i.saturating_add(1));
+        let value_end = value_end(s, value_start)?;
+        members.push(Member {
+            key_start,
+            key_end,
+            value_start,
+            value_end,
+        });
+        i = skip_ws(s, value_end);
+        match s.get(i)? {
+            b',' => i = skip_ws(s, i.saturating_add(1)),
+            b'}' => {
+                return Some(Object {
+                    open,
+                    close: i,
+                    members,
+                })
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// Replace `start..end` with `text`.
+struct Edit {
+    start: usize,
+    end: usize,
+    text: Vec<u8>,
+}
+
+impl Edit {
+    fn new(start: usize, end: usize, text: Vec<u8>) -> Self {
+        Self { start, end, text }
+    }
+}
+
+/// `s[from..to]` with the (non-overlapping) edits applied; edits outside the range are ignored.
+fn apply_edits(s: &[u8], from: usize, to: usize, mut edits: Vec<Edit>) -> Vec<u8> {
+    edits.sort_by_key(|e| (e.start, e.end));
+    let extra: usize = edits.iter().map(|e| e.text.len()).sum();
+    let mut out = Vec::with_capacity(to.saturating_sub(from).saturating_add(extra));
+    let mut at = from;
+    for e in edits {
+        if e.start < at || e.end < e.start || e.end > to {
+            continue;
+        }
+        out.extend_from_slice(s.get(at..e.start).unwrap_or_default());
+        out.extend_from_slice(&e.text);
+        at = e.end;
+    }
+    out.extend_from_slice(s.get(at..to).unwrap_or_default());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scanner_finds_members() {
+        let s = br#" { "a" : 1 , "b\"c":[1,{"x":"}"}], "d":{"e":null} ,"f":"\\"} "#;
+        let obj = scan_object(s, 1).unwrap();
+        let keys: Vec<_> = obj
+            .members
+            .iter()
+            .map(|m| std::str::from_utf8(&s[m.key_start..m.key_end]).unwrap())
+            .collect();
+        assert_eq!(keys, [r#""a""#, r#""b\"c""#, r#""d""#, r#""f""#]);
+        assert_eq!(obj.last_value(s, "a"), Some(&b"1"[..]));
+        assert_eq!(obj.last_value(s, "b\"c"), Some(&br#"[1,{"x":"}"}]"#[..]));
+        assert_eq!(obj.last_value(s, "f"), Some(&br#""\\""#[..]));
+        assert_eq!(s[obj.close], b'}');
+    }
+
+    #[test]
+    fn scanner_rejects_garbage_without_panicking() {
+        for s in [
+            &b"{"[..],
+            b"{\"a",
+            b"{\"a\":",
+            b"{\"a\":1",
+            b"{\"a\" 1}",
+            b"{1:2}",
+            b"{\"a\":[}",
+        ] {
+            assert!(scan_object(s, 0).is_none(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn empty_array_detection() {
+        assert!(is_empty_array(b"[]"));
+        assert!(is_empty_array(b"[ \n ]"));
+        assert!(!is_empty_array(b"[1]"));
+        assert!(!is_empty_array(b"["));
+        assert!(!is_empty_array(b"null"));
+    }
+}

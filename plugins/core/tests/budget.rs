@@ -1,0 +1,214 @@
+//! Budgets: policy validation, hierarchy, reservation and settlement, clamping, windows, and
+//! concurrent admissions through a CAS store.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use sluice_core::budget::ledger::{Counter, SharedStore, StoreError};
+use sluice_core::budget::{AdmitError, Demand, MemoryStore, Policy};
+use sluice_core::usage::Usage;
+use std::sync::{Arc, Mutex};
+
+const NS: u64 = 1_000_000_000;
+/// 2026-03-31T23:59:50Z: ten seconds before a minute, day and month boundary.
+const T0: u64 = 1_775_001_590 * NS;
+
+fn policy(json: &str) -> Policy {
+    Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn refused(json: &str) -> String {
+    match Policy::from_json(json.as_bytes()) {
+        Ok(_) => panic!("accepted: {json}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+const ORG: &str = r#"{
+  "identity": {"header": "x-sluice-key"},
+  "prices": [{"model": "m*", "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 4.0}],
+  "clamp": {"enabled": CLAMP, "min_output_tokens": 10},
+  "orgs": [{"id": "acme", "budgets": [{"window": "month", "usd": 0.01}],
+    "teams": [
+      {"id": "search", "budgets": [{"window": "minute", "tokens": 1000}],
+       "keys": [{"id": "search-prod", "budgets": [{"window": "minute", "tokens": 5000}]},
+                {"id": "search-dev", "budgets": [{"window": "day", "requests": 2}]}]},
+      {"id": "ads", "keys": [{"id": "ads-batch", "budgets": [{"window": "minute", "tokens": 300, "count": "output"}]}]}]}]
+}"#;
+
+fn org(clamp: bool) -> Policy {
+    policy(&ORG.replace("CLAMP", if clamp { "true" } else { "false" }))
+}
+
+fn demand(input: u64, output: u64) -> Demand {
+    Demand { input_tokens: input, output_tokens: output, model: Some("m1".into()) }
+}
+
+fn usage(input: u64, output: u64) -> Usage {
+    Usage { input_tokens: input, output_tokens: output, ..Usage::default() }
+}
+
+#[test]
+fn a_request_must_fit_every_level_team_exhausted_while_key_has_room() {
+    let p = org(false);
+    let mut store = MemoryStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let a = p.admit(&mut store, prod, &demand(300, 300), T0).unwrap();
+    p.settle(&mut store, &a, &usage(300, 300), T0);
+    // Team budget (1000/min) has 400 left; the key's own (5000/min) has 4400.
+    match p.admit(&mut store, prod, &demand(300, 300), T0) {
+        Err(AdmitError::Exceeded(r)) => {
+            assert_eq!(p.counters[r.counter].code, "team:search:minute:tokens");
+            assert_eq!((r.used, r.reserved, r.limit), (600, 0, 1000));
+            assert_eq!(r.retry_after_s, 10, "the minute ends in 10 s");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Nothing was left reserved by the refused attempt (the org and key leases were rolled back).
+    let b = p.admit(&mut store, prod, &demand(200, 200), T0).unwrap();
+    assert_eq!(b.leases.len(), 3, "org, team and key budgets");
+}
+
+#[test]
+fn reservation_then_refund_to_the_actual_charge() {
+    let p = org(false);
+    let mut store = MemoryStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let a = p.admit(&mut store, prod, &demand(100, 800), T0).unwrap();
+    assert_eq!(a.after[1].reserved(), 900, "team counter holds the worst case");
+    let s = p.settle(&mut store, &a, &usage(100, 50), T0 + NS);
+    assert_eq!(s.after[1].as_ref().unwrap().committed(), 150, "only the actual charge remains");
+    assert_eq!(s.over_estimates[1], 750);
+    // Money: 100 × $1/M + 50 × $4/M = 300 µUSD.
+    assert_eq!(s.micro_usd, 300);
+    assert_eq!(s.after[0].as_ref().unwrap().used, 300);
+}
+
+#[test]
+fn clamping_lowers_the_output_limit_to_what_the_budget_can_pay() {
+    let p = org(true);
+    let mut store = MemoryStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let a = p.admit(&mut store, prod, &demand(100, 700), T0).unwrap();
+    p.settle(&mut store, &a, &usage(100, 700), T0);
+    // 200 team tokens left: 100 input + at most 100 output.
+    let b = p.admit(&mut store, prod, &demand(100, 500), T0).unwrap();
+    assert!(b.clamped);
+    assert_eq!(b.output_tokens, 100);
+    // Below min_output_tokens (10) it is refused instead.
+    p.settle(&mut store, &b, &usage(100, 95), T0);
+    assert!(matches!(p.admit(&mut store, prod, &demand(0, 500), T0), Err(AdmitError::Exceeded(_))));
+}
+
+#[test]
+fn requests_and_output_only_budgets_count_their_own_unit() {
+    let p = org(false);
+    let mut store = MemoryStore::default();
+    let dev = p.key_by_id("search-dev").unwrap();
+    for _ in 0..2 {
+        let a = p.admit(&mut store, dev, &demand(1, 1), T0).unwrap();
+        p.settle(&mut store, &a, &usage(1, 1), T0);
+    }
+    assert!(matches!(p.admit(&mut store, dev, &demand(1, 1), T0), Err(AdmitError::Exceeded(_))));
+    let ads = p.key_by_id("ads-batch").unwrap();
+    // 300 output tokens a minute, input free.
+    let a = p.admit(&mut store, ads, &demand(5000, 300), T0).unwrap_or_else(|e| panic!("{e:?}"));
+    p.settle(&mut store, &a, &usage(5000, 300), T0);
+}
+
+#[test]
+fn a_request_straddling_the_minute_is_charged_to_its_admission_window() {
+    let p = org(false);
+    let mut store = MemoryStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let a = p.admit(&mut store, prod, &demand(100, 800), T0).unwrap();
+    // Settles 20 s later, in the next minute: the new minute starts empty and stays so.
+    let s = p.settle(&mut store, &a, &usage(100, 800), T0 + 20 * NS);
+    let team = s.after[1].as_ref().unwrap();
+    assert_eq!((team.used, team.reserved()), (0, 0));
+    // The month (also rolled over at midnight) starts empty too.
+    let org = s.after[0].as_ref().unwrap();
+    assert_eq!(org.used, 0);
+    assert!(p.admit(&mut store, prod, &demand(100, 890), T0 + 20 * NS).is_ok());
+}
+
+#[test]
+fn money_budget_without_a_price_is_refused() {
+    let p = org(false);
+    let mut store = MemoryStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let d = Demand { input_tokens: 1, output_tokens: 1, model: Some("unknown-model".into()) };
+    assert!(matches!(p.admit(&mut store, prod, &d, T0), Err(AdmitError::Unpriced { .. })));
+}
+
+#[test]
+fn policy_errors_name_the_field() {
+    assert!(refused(r#"{"identity":{},"orgs":[]}"#).starts_with("identity: name at least one source"));
+    let base = |budget: &str| {
+        format!(r#"{{"identity":{{"header":"x"}},"orgs":[{{"id":"o","teams":[{{"id":"t","keys":[{{"id":"k","budgets":[{budget}]}}]}}]}}]}}"#)
+    };
+    assert!(refused(&base(r#"{"window":"week","tokens":1}"#)).contains("unknown variant `week`"));
+    assert!(refused(&base(r#"{"window":"minute"}"#)).starts_with("orgs[0].teams[0].keys[0].budgets[0]: set exactly one of"));
+    assert!(refused(&base(r#"{"window":"minute","tokens":1,"usd":1}"#)).contains("exactly one"));
+    assert!(refused(&base(r#"{"window":"month","usd":1,"reset_day":31}"#)).contains("reset_day: must be 1–28"));
+    assert!(refused(&base(r#"{"window":"day","usd":-1}"#)).contains("usd: must be a finite amount"));
+    assert!(refused(&base(r#"{"window":"day","tokens":1,"count":"total","input_weight":2}"#)).contains("not both"));
+    assert!(refused(&base(r#"{"window":"day","requests":1,"count":"input"}"#)).contains("tokens budgets only"));
+    assert!(refused(&base(r#"{"window":"day","tokens":1,"soft_limit_percent":0}"#)).contains("soft_limit_percent"));
+    assert!(refused(&base(r#"{"window":"day","tokens":1,"typo":1}"#)).contains("unknown field `typo`"));
+    let dup = r#"{"identity":{"header":"x"},"orgs":[{"id":"o","teams":[{"id":"t","keys":[{"id":"k"},{"id":"k"}]}]}]}"#;
+    assert!(refused(dup).contains("defined twice"));
+    let bad_hash = r#"{"identity":{"api_key":true},"orgs":[{"id":"o","teams":[{"id":"t","keys":[{"id":"k","api_key_sha256":"abc"}]}]}]}"#;
+    assert!(refused(bad_hash).contains("api_key_sha256: must be 64 hex digits"));
+    let unknown = r#"{"identity":{"header":"x"},"unknown":{"action":"default","key":"nobody"},"orgs":[{"id":"o","teams":[{"id":"t","keys":[{"id":"k"}]}]}]}"#;
+    assert!(refused(unknown).starts_with("unknown.key:"));
+    assert!(refused(r#"{"identity":{"header":"x"},"orgs":[{"id":"o.x"}]}"#).starts_with("orgs[0].id:"));
+}
+
+/// Shared store behind a mutex: every get/set is atomic, but a thread's get→set is not, exactly as
+/// with Envoy shared data across worker threads.
+#[derive(Clone, Default)]
+struct ThreadedStore(Arc<Mutex<MemoryStore>>);
+
+impl SharedStore for ThreadedStore {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
+        let r = self.0.lock().unwrap().get(key);
+        std::thread::yield_now();
+        r
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        self.0.lock().unwrap().set(key, value, cas)
+    }
+}
+
+#[test]
+fn concurrent_admissions_never_overshoot_in_strict_mode() {
+    let p = Arc::new(org(true));
+    let store = ThreadedStore::default();
+    let prod = p.key_by_id("search-prod").unwrap();
+    let charged = Arc::new(Mutex::new(0u64));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (p, mut store, charged) = (p.clone(), store.clone(), charged.clone());
+            std::thread::spawn(move || {
+                for i in 0..200u64 {
+                    let (input, output) = (10 + (t * 7 + i) % 40, 20 + (i * 13 + t) % 60);
+                    if let Ok(a) = p.admit(&mut store, prod, &demand(input, output), T0) {
+                        // Actual usage never exceeds the (possibly clamped) grant: strict mode's guarantee.
+                        let actual_out = a.output_tokens.saturating_sub((i % 3) * 5);
+                        p.settle(&mut store, &a, &usage(input, actual_out), T0);
+                        *charged.lock().unwrap() += input + actual_out;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let team_key = &p.counters[p.keys[prod].counters[1]].store_key;
+    let team = Counter::decode(&store.0.lock().unwrap().get(team_key).unwrap().0.unwrap()).unwrap();
+    let total = *charged.lock().unwrap();
+    assert_eq!(team.used, total, "every settled charge is in the ledger, none lost or doubled");
+    assert_eq!(team.reserved(), 0);
+    assert!(total <= 1000, "team budget overshot: {total}");
+    assert!(total >= 900, "admissions stopped far below the limit: {total}");
+}

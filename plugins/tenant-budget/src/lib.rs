@@ -1,0 +1,545 @@
+//! sluice tenant-budget: a proxy-wasm HTTP filter that decides, before a request reaches the model,
+//! whether its key (and the key's team and org) may spend, reserves the worst case, and settles
+//! exactly what was spent when the response ends — or is cut short.
+//!
+//! The adapter only moves bytes and time between Envoy and `sluice-core::budget`; every decision is
+//! made there. The request body is held until admission, because a request that does not fit must
+//! never reach the model; the response is never held.
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use sluice_core::api::ApiKind;
+use sluice_core::budget::ledger::{Counter, SharedStore};
+use sluice_core::budget::policy::{CounterSpec, Limit, Mode};
+use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
+use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
+use sluice_core::reply::error_body;
+use sluice_core::report::sanitize_label;
+use sluice_core::request::{inspect_request, RequestInfo};
+use sluice_core::response::{inspect_response_body, StreamObserver};
+use sluice_core::rewrite::{rewrite_request, UsageChunkStripper};
+use sluice_core::sse::DEFAULT_MAX_EVENT_BYTES;
+use sluice_core::usage::Usage;
+use sluice_proxy_host as host;
+use sluice_proxy_host::SharedData;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Largest request body the plugin will hold to admit it. A larger body cannot be sized, so it is
+/// refused (413) rather than let through unbudgeted.
+const MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Largest non-streaming response body copied to read its usage.
+const MAX_RESPONSE_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+struct Shared {
+    policy: Policy,
+    metrics: host::Metrics,
+}
+
+#[derive(Default)]
+struct Root {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = match proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(bytes) => bytes.unwrap_or_default(),
+            Err(status) => {
+                log::error!("cannot read the plugin configuration: {status:?}");
+                return false;
+            }
+        };
+        let policy = match Policy::from_json(&bytes) {
+            Ok(p) => p,
+            Err(e) => {
+                log::error!("tenant-budget policy refused: {e}");
+                return false;
+            }
+        };
+        // Create every counter once, so admissions always update an existing key with a real CAS
+        // token (Envoy treats CAS 0 as "unconditional").
+        let mut store = SharedData;
+        for spec in &policy.counters {
+            if let Ok((None, _)) = store.get(&spec.store_key) {
+                if let Err(e) = store.set(&spec.store_key, &Counter::default().encode(), 0) {
+                    log::warn!("creating budget counter {} failed: {e}", spec.store_key);
+                }
+            }
+        }
+        log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
+        self.shared = Some(Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default() })));
+        true
+    }
+
+    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { shared: self.shared.clone(), state: None }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Stream {
+    shared: Option<Rc<RefCell<Shared>>>,
+    state: Option<Box<Budgeted>>,
+}
+
+/// A request on an LLM path, from identification to settlement.
+struct Budgeted {
+    kind: ApiKind,
+    key: Option<usize>,
+    model_version: Option<String>,
+    request: Option<RequestInfo>,
+    admission: Option<Admission>,
+    decision: &'static str,
+    reject_code: Option<String>,
+    injected_usage: bool,
+    /// Budget past its soft limit, announced in a response header.
+    soft_warning: Option<String>,
+    status: u16,
+    observer: Option<StreamObserver>,
+    stripper: Option<UsageChunkStripper>,
+    response_body: Vec<u8>,
+    settled: bool,
+    stamp: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Context for Stream {}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
+        let sh = shared.borrow();
+        let policy = &sh.policy;
+        let key = identify(policy);
+        let model_version = host::header(MapType::HttpRequestHeaders, &policy.model_version_header);
+        let mut b = Box::new(Budgeted {
+            kind,
+            key,
+            model_version,
+            request: None,
+            admission: None,
+            decision: "pending",
+            reject_code: None,
+            injected_usage: false,
+            soft_warning: None,
+            status: 0,
+            observer: None,
+            stripper: None,
+            response_body: Vec::new(),
+            settled: false,
+            stamp: serde_json::Map::new(),
+        });
+        let Some(key) = key else {
+            drop(sh);
+            b.decision = "rejected";
+            b.reject_code = Some("unknown_key".into());
+            self.state = Some(b);
+            self.reject(401, "authentication_error", "unknown_key", "the request's API key or tenant is not in the budget policy", None);
+            return Action::Pause;
+        };
+        if let Some(node) = policy.keys.get(key) {
+            b.stamp.insert("key".into(), node.id.clone().into());
+            b.stamp.insert("team".into(), node.team.clone().into());
+            b.stamp.insert("org".into(), node.org.clone().into());
+        }
+        if let Some(enc) = host::header(MapType::HttpRequestHeaders, "content-encoding") {
+            if !enc.eq_ignore_ascii_case("identity") {
+                drop(sh);
+                self.state = Some(b);
+                self.reject(415, "invalid_request_error", "encoded_body", "compressed request bodies cannot be budgeted; send identity encoding", None);
+                return Action::Pause;
+            }
+        }
+        drop(sh);
+        self.state = Some(b);
+        if end_of_stream {
+            // No body at all: nothing to size.
+            self.reject(400, "invalid_request_error", "no_body", "an LLM request needs a JSON body", None);
+            return Action::Pause;
+        }
+        // The body may be rewritten (output limit, include_usage): its length will change.
+        host::set_header(MapType::HttpRequestHeaders, "content-length", None);
+        // Headers continue: Envoy's wasm host turns a paused header phase into "stop everything",
+        // and the body would then never reach this filter. The body is held instead (below) until
+        // admission, so a refused request reaches the upstream as headers and a reset, no body —
+        // the model never sees it.
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(b) = self.state.as_ref() else { return Action::Continue };
+        if b.decision != "pending" {
+            return Action::Pause;
+        }
+        if body_size > MAX_REQUEST_BODY_BYTES {
+            self.reject(413, "request_too_large", "body_too_large", "request body too large to budget", None);
+            return Action::Pause;
+        }
+        if !end_of_stream {
+            // Envoy buffers until the whole body is here (bounded by its buffer limits and ours).
+            return Action::Pause;
+        }
+        let body = host::body(BufferType::HttpRequestBody, body_size);
+        self.admit(&body, body_size)
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(b) = self.state.as_mut() else { return Action::Continue };
+        b.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let Some(admission) = &b.admission else { return Action::Continue };
+        let streaming = host::header(MapType::HttpResponseHeaders, "content-type")
+            .is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
+        if streaming {
+            b.observer = Some(StreamObserver::new(b.kind));
+            if b.injected_usage {
+                b.stripper = Some(UsageChunkStripper::new(DEFAULT_MAX_EVENT_BYTES));
+            }
+        }
+        let sh = shared.borrow();
+        for (name, value) in rate_headers(&sh.policy, admission) {
+            host::set_header(MapType::HttpResponseHeaders, &name, Some(&value));
+        }
+        if let Some(code) = &b.soft_warning {
+            host::set_header(MapType::HttpResponseHeaders, "x-sluice-budget-warning", Some(&format!("soft limit reached: {code}")));
+        }
+        if admission.clamped {
+            host::set_header(MapType::HttpResponseHeaders, "x-sluice-clamped-max-tokens", Some(&admission.output_tokens.to_string()));
+        }
+        if b.stripper.is_some() {
+            // The body changes length when the usage chunk is removed.
+            host::set_header(MapType::HttpResponseHeaders, "content-length", None);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(b) = self.state.as_mut() else { return Action::Continue };
+        if b.admission.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host::body(BufferType::HttpResponseBody, body_size);
+        if let Some(observer) = b.observer.as_mut() {
+            observer.push(&chunk);
+            if end_of_stream {
+                observer.finish();
+            }
+        } else if b.response_body.len() + chunk.len() <= MAX_RESPONSE_BODY_BYTES {
+            b.response_body.extend_from_slice(&chunk);
+        }
+        if let Some(stripper) = b.stripper.as_mut() {
+            let mut out = stripper.push(&chunk);
+            if end_of_stream {
+                out.extend_from_slice(&stripper.finish());
+            }
+            if out != chunk {
+                host::replace_body(BufferType::HttpResponseBody, body_size, &out);
+            }
+        }
+        if end_of_stream {
+            self.settle(Outcome::Completed);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if self.state.as_ref().is_some_and(|b| !b.settled) {
+            let outcome = interrupted_outcome();
+            if let Some(observer) = self.state.as_mut().and_then(|b| b.observer.as_mut()) {
+                observer.finish();
+            }
+            self.settle(outcome);
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Completed,
+    ClientDisconnect,
+    UpstreamError,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::ClientDisconnect => "client_disconnect",
+            Outcome::UpstreamError => "upstream_error",
+        }
+    }
+}
+
+fn interrupted_outcome() -> Outcome {
+    let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
+    if details.contains("upstream") {
+        Outcome::UpstreamError
+    } else {
+        Outcome::ClientDisconnect
+    }
+}
+
+/// Resolves the request's key from the configured authenticated sources, in order: API key hash,
+/// auth-filter header, JWT claim; falls back to the policy's default key for unknown callers.
+fn identify(policy: &Policy) -> Option<usize> {
+    let id = &policy.identity;
+    let mut found = None;
+    if id.api_key {
+        let bytes = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
+        if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
+            found = policy.key_by_api_key_hash(&sha256_hex(&key));
+        }
+    }
+    if found.is_none() {
+        if let Some(header) = &id.header {
+            found = host::header(MapType::HttpRequestHeaders, header).and_then(|v| policy.key_by_id(v.trim()));
+        }
+    }
+    if found.is_none() {
+        if let Some(jwt) = &id.jwt {
+            let payload = proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, &jwt.header).ok().flatten();
+            found = payload.and_then(|p| jwt_payload_claim(&p, &jwt.claim)).and_then(|k| policy.key_by_id(&k));
+        }
+    }
+    found.or(policy.unknown_default)
+}
+
+/// `x-ratelimit-*` headers for the tightest window of each unit (least room left).
+fn rate_headers(policy: &Policy, admission: &Admission) -> Vec<(String, String)> {
+    let mut tightest: [Option<(u64, u64, u64)>; 3] = [None, None, None];
+    let now = host::now_ns();
+    for ((index, _), counter) in admission.leases.iter().zip(&admission.after) {
+        let Some(spec) = policy.counters.get(*index) else { continue };
+        let slot = match spec.limit {
+            Limit::Tokens { .. } => 0,
+            Limit::Requests(_) => 1,
+            Limit::MicroUsd(_) => 2,
+        };
+        let limit = spec.limit.value();
+        let remaining = limit.saturating_sub(counter.committed());
+        let reset_s = spec.window.end_ns(now).saturating_sub(now).div_ceil(1_000_000_000);
+        if let Some(entry) = tightest.get_mut(slot) {
+            if entry.is_none_or(|(_, r, _)| remaining < r) {
+                *entry = Some((limit, remaining, reset_s));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (unit, entry) in ["tokens", "requests", "micro-usd"].iter().zip(tightest) {
+        if let Some((limit, remaining, reset)) = entry {
+            out.push((format!("x-ratelimit-limit-{unit}"), limit.to_string()));
+            out.push((format!("x-ratelimit-remaining-{unit}"), remaining.to_string()));
+            out.push((format!("x-ratelimit-reset-{unit}"), format!("{reset}s")));
+        }
+    }
+    out
+}
+
+fn counter_label(spec: &CounterSpec) -> String {
+    format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.unit())
+}
+
+impl Stream {
+    fn reject(&mut self, status: u32, error_type: &str, code: &str, message: &str, retry_after_s: Option<u64>) {
+        let kind = self.state.as_ref().map(|b| b.kind);
+        if let (Some(shared), Some(b)) = (self.shared.as_ref(), self.state.as_mut()) {
+            b.decision = "rejected";
+            b.reject_code = Some(code.to_string());
+            b.settled = true;
+            let key = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+            shared.borrow_mut().metrics.add(
+                MetricType::Counter,
+                &format!("sluice.budget.rejections_total.key.{}.reason.{}", sanitize_label(&key), sanitize_label(code)),
+                1,
+            );
+            b.stamp.insert("decision".into(), "rejected".into());
+            b.stamp.insert("reject_code".into(), code.into());
+            write_stamp(&shared.borrow().policy.filter_state_key, &b.stamp);
+        }
+        let body = error_body(kind, message, error_type, code);
+        let retry = retry_after_s.map(|s| s.to_string());
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(r) = retry.as_deref() {
+            headers.push(("retry-after", r));
+        }
+        host::local_reply(status, &headers, body.as_bytes());
+    }
+
+    fn admit(&mut self, body: &[u8], body_size: usize) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(b) = self.state.as_mut() else { return Action::Continue };
+        let Some(key) = b.key else { return Action::Pause };
+        let info = match inspect_request(b.kind, body) {
+            Ok(info) => info,
+            Err(e) => {
+                let message = format!("request body cannot be budgeted: {e}");
+                self.reject(400, "invalid_request_error", "malformed_body", &message, None);
+                return Action::Pause;
+            }
+        };
+        let sh = shared.borrow();
+        let policy = &sh.policy;
+        let ceiling = policy.keys.get(key).and_then(|k| k.max_output_tokens).unwrap_or(policy.default_max_output_tokens);
+        let output = info.max_output_tokens.map_or(ceiling, |requested| requested.min(ceiling));
+        let input = match policy.mode {
+            // Every prompt token comes from at least one byte of the body (message text, tool
+            // definitions), and a chat template's per-message tokens are fewer than the JSON framing
+            // bytes of each message: the body size bounds the prompt for any tokenizer.
+            Mode::Strict => body.len() as u64,
+            Mode::Estimate => info.prompt_tokens_estimate.saturating_mul(100 + u64::from(policy.estimate_margin_percent)).div_ceil(100),
+        };
+        let demand = Demand { input_tokens: input, output_tokens: output, model: info.model.clone() };
+        let now = host::now_ns();
+        let result = policy.admit(&mut SharedData, key, &demand, now);
+        let inject = policy.include_usage && info.stream && !info.include_usage;
+        drop(sh);
+        match result {
+            Ok(admission) => {
+                let set_limit = (info.max_output_tokens != Some(admission.output_tokens)).then_some(admission.output_tokens);
+                if inject || set_limit.is_some() {
+                    match rewrite_request(b.kind, body, inject, set_limit) {
+                        Ok(rewrite) => {
+                            b.injected_usage = rewrite.injected_include_usage;
+                            host::replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body);
+                        }
+                        Err(e) => {
+                            // Parsed once already, so this is a number serde cannot round-trip: the
+                            // output limit cannot be enforced, so the request cannot be admitted.
+                            let policy = &shared.borrow().policy;
+                            policy.settle(&mut SharedData, &admission, &Usage::default(), now);
+                            let message = format!("request body cannot be rewritten to enforce the budget: {e}");
+                            self.reject(400, "invalid_request_error", "unrewritable_body", &message, None);
+                            return Action::Pause;
+                        }
+                    }
+                }
+                b.decision = if admission.clamped { "clamped" } else { "admitted" };
+                let mut sh = shared.borrow_mut();
+                if admission.clamped {
+                    let key_id = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or_default().to_string();
+                    sh.metrics.add(MetricType::Counter, &format!("sluice.budget.clamps_total.key.{key_id}"), 1);
+                }
+                let key_id = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or_default().to_string();
+                for ((index, lease), counter) in admission.leases.iter().zip(&admission.after) {
+                    if let Some(spec) = sh.policy.counters.get(*index).cloned() {
+                        if publish_counter(&mut sh, &spec, counter, lease.amount, &key_id) && b.soft_warning.is_none() {
+                            b.soft_warning = Some(spec.code.clone());
+                        }
+                    }
+                }
+                b.stamp.insert("decision".into(), b.decision.into());
+                b.stamp.insert("reserved_input_tokens".into(), admission.input_tokens.into());
+                b.stamp.insert("reserved_output_tokens".into(), admission.output_tokens.into());
+                b.stamp.insert("reserved_tokens".into(), admission.input_tokens.saturating_add(admission.output_tokens).into());
+                b.stamp.insert("reserved_micro_usd".into(), admission.reserved_micro_usd.into());
+                write_stamp(&sh.policy.filter_state_key, &b.stamp);
+                b.request = Some(info);
+                b.admission = Some(admission);
+                Action::Continue
+            }
+            Err(AdmitError::Exceeded(refusal)) => {
+                let code = shared.borrow().policy.counters.get(refusal.counter).map(|c| c.code.clone()).unwrap_or_default();
+                let message = format!(
+                    "budget {code} exceeded: {} used and {} reserved of {}; resets in {} s",
+                    refusal.used, refusal.reserved, refusal.limit, refusal.retry_after_s
+                );
+                self.reject(429, "budget_exceeded", &code, &message, Some(refusal.retry_after_s));
+                Action::Pause
+            }
+            Err(AdmitError::Unpriced { model, .. }) => {
+                let message = format!("no price is configured for model {model:?}, and a money budget applies");
+                self.reject(400, "invalid_request_error", "unpriced_model", &message, None);
+                Action::Pause
+            }
+            Err(AdmitError::Store(e)) => {
+                log::warn!("budget store failed, refusing: {e}");
+                self.reject(503, "overloaded", "budget_store_unavailable", "budget ledger busy, retry", Some(1));
+                Action::Pause
+            }
+        }
+    }
+
+    fn settle(&mut self, outcome: Outcome) {
+        let (Some(shared), Some(b)) = (self.shared.clone(), self.state.as_mut()) else { return };
+        if b.settled {
+            return;
+        }
+        b.settled = true;
+        let Some(admission) = b.admission.take() else { return };
+        let summary = match &b.observer {
+            Some(observer) => observer.summary(),
+            None => inspect_response_body(b.kind, &b.response_body),
+        };
+        let request = b.request.clone().unwrap_or_default();
+        let produced = (200..300).contains(&b.status);
+        let outcome = if outcome == Outcome::Completed && b.status >= 500 { Outcome::UpstreamError } else { outcome };
+        // Charge what the upstream reports; without a report, what was seen (output) and the prompt
+        // estimate (input). A refused or failed upstream answer produced nothing to charge.
+        let actual = match (produced, summary.usage_reported) {
+            (true, true) => summary.usage,
+            (true, false) => Usage {
+                input_tokens: if summary.usage.input_tokens > 0 { summary.usage.input_tokens } else { request.prompt_tokens_estimate },
+                output_tokens: summary.estimated_output_tokens,
+                ..summary.usage
+            },
+            (false, _) => Usage::default(),
+        };
+        let now = host::now_ns();
+        let mut sh = shared.borrow_mut();
+        let settlement = sh.policy.settle(&mut SharedData, &admission, &actual, now);
+        let key = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+        let team = b.stamp.get("team").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+        let org = b.stamp.get("org").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+        let mv = sanitize_label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
+        let labels = format!(".key.{key}.team.{team}.org.{org}.model_version.{mv}");
+        let charged_tokens = actual.input_tokens.saturating_add(actual.output_tokens);
+        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_tokens_total{labels}"), i64::try_from(charged_tokens).unwrap_or(i64::MAX));
+        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_micro_usd_total{labels}"), i64::try_from(settlement.micro_usd).unwrap_or(i64::MAX));
+        let reserved_tokens = admission.input_tokens.saturating_add(admission.output_tokens);
+        sh.metrics.record(&format!("sluice.budget.overestimate_tokens.key.{key}"), reserved_tokens.saturating_sub(charged_tokens));
+        for ((index, _), after) in admission.leases.iter().zip(&settlement.after) {
+            if let (Some(spec), Some(counter)) = (sh.policy.counters.get(*index).cloned(), after) {
+                publish_counter(&mut sh, &spec, counter, 0, &key);
+            }
+        }
+        b.stamp.insert("input_tokens".into(), actual.input_tokens.into());
+        b.stamp.insert("output_tokens".into(), actual.output_tokens.into());
+        b.stamp.insert("charged_tokens".into(), charged_tokens.into());
+        b.stamp.insert("charged_micro_usd".into(), settlement.micro_usd.into());
+        b.stamp.insert("usage".into(), if summary.usage_reported { "reported" } else { "estimated" }.into());
+        b.stamp.insert("outcome".into(), outcome.as_str().into());
+        write_stamp(&sh.policy.filter_state_key, &b.stamp);
+    }
+}
+
+/// Remaining-budget gauge for a counter, and the soft-limit announcement when it is crossed.
+/// Returns whether the counter is at or past its soft limit (announced to the client); a crossing —
+/// this request's `added` amount took it past — is counted and logged once.
+fn publish_counter(sh: &mut Shared, spec: &CounterSpec, counter: &Counter, added: u64, key: &str) -> bool {
+    let label = counter_label(spec);
+    let committed = counter.committed();
+    sh.metrics.set_gauge(&format!("sluice.budget.remaining{label}"), spec.limit.value().saturating_sub(committed));
+    let Some(soft) = spec.soft_limit else { return false };
+    if committed >= soft && committed.saturating_sub(added) < soft {
+        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.soft_limit_crossings_total{label}"), 1);
+        log::info!("soft limit of {} crossed by key {key}: {committed} of {} committed (soft limit {soft})", spec.code, spec.limit.value());
+    }
+    committed >= soft
+}
+
+fn write_stamp(key: &str, stamp: &serde_json::Map<String, serde_json::Value>) {
+    let json = serde_json::Value::Object(stamp.clone()).to_string();
+    host::set_property(key, json.as_bytes());
+}
