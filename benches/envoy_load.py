@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side Envoy load bench: the same mock streaming endpoint behind Envoy with no filter, with
-sluice llm-metrics, and with a Lua filter that does the same TTFT stamping; plus the mock alone.
+sluice llm-metrics, with a Lua filter that does the same TTFT stamping, and with tenant-budget in
+front of llm-metrics; plus the mock alone.
 
 Every configuration runs in this one invocation, one after the other on the same machine, so the
 figures are comparable with each other (not with another machine's). Loopback only.
@@ -34,6 +35,9 @@ CONFIGS = [
     ("no filter", ROOT / "envoy/bench/none.yaml"),
     ("sluice llm-metrics", ROOT / "envoy/gateway.yaml"),
     ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),
+    # tenant-budget (5 counters: org month $, team minute tokens, key minute tokens + day requests)
+    # in front of llm-metrics, limits far above the load so every request is admitted.
+    ("budget + llm-metrics", ROOT / "envoy/budget-gateway.yaml"),
 ]
 
 
@@ -71,6 +75,7 @@ wrk.headers["x-mock-tokens"] = "%d"
 wrk.headers["x-mock-ttft-ms"] = "0"
 wrk.headers["x-mock-itl-ms"] = "0"
 wrk.headers["x-sluice-tenant"] = "acme"
+wrk.headers["x-sluice-key"] = "search-prod"
 wrk.body = '{"model":"llama-3-70b","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}'
 """
 
@@ -96,6 +101,7 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     args = ap.parse_args()
     plugin_config = yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text())
+    budget_config = yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = free_port()
@@ -111,7 +117,8 @@ def main():
                     path = Path(tmp) / "envoy.yaml"
                     path.write_text(render(config.read_text(), {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
-                        "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config}))
+                        "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
+                        "BUDGET_CONFIG": budget_config}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

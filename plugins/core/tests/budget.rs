@@ -212,3 +212,25 @@ fn concurrent_admissions_never_overshoot_in_strict_mode() {
     assert!(total <= 1000, "team budget overshot: {total}");
     assert!(total >= 900, "admissions stopped far below the limit: {total}");
 }
+
+#[test]
+fn the_shipped_policies_are_valid() {
+    for name in ["tenant-budget.example.json", "tenant-budget.e2e.json", "tenant-budget.bench.json"] {
+        let path = format!("{}/../../policies/{name}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let p = Policy::from_json(text.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(!p.keys.is_empty(), "{name}");
+    }
+    let p = policy(&std::fs::read_to_string(format!("{}/../../policies/tenant-budget.example.json", env!("CARGO_MANIFEST_DIR"))).unwrap());
+    assert_eq!(p.keys.len(), 10);
+    // "test" hashes to 9f86…0a08: the staging key.
+    let staging = p.key_by_api_key_hash(&sluice_core::identity::sha256_hex(b"test")).unwrap();
+    assert_eq!(p.keys[staging].id, "search-staging");
+    assert_eq!(p.keys[staging].counters.len(), 1 + 2 + 2, "org, team and key budgets");
+}
+
+#[test]
+fn cut_off_streams_is_refused_not_silently_ignored() {
+    let json = r#"{"identity":{"header":"x"},"cut_off_streams":true,"orgs":[{"id":"o","teams":[{"id":"t","keys":[{"id":"k"}]}]}]}"#;
+    assert!(refused(json).starts_with("cut_off_streams: not supported yet"));
+}

@@ -343,6 +343,13 @@ impl Policy {
                 return Err(invalid("identity.jwt", "header and claim must not be empty"));
             }
         }
+        if c.cut_off_streams {
+            // Refused rather than ignored: an operator who asks for it must not believe it is on.
+            return Err(invalid(
+                "cut_off_streams",
+                "not supported yet: a proxy-wasm filter in Envoy 1.40 cannot end a response it has started cleanly; in strict mode a stream cannot pass its reservation anyway",
+            ));
+        }
         if !(1..=60).contains(&c.reservation_ttl_minutes) {
             return Err(invalid("reservation_ttl_minutes", format!("must be 1–60, got {}", c.reservation_ttl_minutes)));
         }
