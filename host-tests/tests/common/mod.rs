@@ -3,6 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+pub mod budget;
 pub mod llm;
 
 use std::path::{Path, PathBuf};

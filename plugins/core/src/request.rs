@@ -40,6 +40,9 @@ pub struct RequestInfo {
     /// End user: body `user` (OpenAI) or `metadata.user_id` (Anthropic). Client-supplied: fine for
     /// labels, never for identity or budgets.
     pub user: Option<String>,
+    /// Tool (function) definitions are present: providers then add hidden tool-use instructions
+    /// to the prompt (Anthropic documents 159–530 tokens), which no body-size bound covers.
+    pub has_tools: bool,
 }
 
 /// Why a request body could not be inspected.
@@ -125,6 +128,7 @@ fn inspect_value(kind: ApiKind, v: &Value) -> RequestInfo {
     // Tool definitions are sent to the model as part of the prompt.
     for key in ["tools", "functions"] {
         if let Some(tools) = v.get(key).filter(|t| !t.is_null()) {
+            info.has_tools = true;
             text.chars = text.chars.saturating_add(json_chars(tools));
         }
     }

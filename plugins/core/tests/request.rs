@@ -98,6 +98,7 @@ fn chat_request() {
             // ceil(55 / 4) = 14, + 4 messages × 4
             prompt_tokens_estimate: 14 + 16,
             user: Some("user-1234".into()),
+            has_tools: false,
         }
     );
 }
@@ -344,4 +345,13 @@ fn context_buckets() {
         .map(|b| b.as_str())
         .collect();
     assert_eq!(labels, ["1k", "2k", "4k", "8k", "16k", "over_16k"]);
+}
+
+#[test]
+fn tool_definitions_are_flagged() {
+    let with = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]});
+    assert!(inspect(ApiKind::ChatCompletions, with).has_tools);
+    let without = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": null});
+    assert!(!inspect(ApiKind::ChatCompletions, without).has_tools);
 }

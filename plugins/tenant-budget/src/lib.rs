@@ -15,7 +15,7 @@ use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
 use sluice_core::reply::error_body;
 use sluice_core::report::sanitize_label;
-use sluice_core::request::{inspect_request, RequestInfo};
+use sluice_core::request::{inspect_request_with_kind, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
 use sluice_core::rewrite::{rewrite_request, UsageChunkStripper};
 use sluice_core::sse::DEFAULT_MAX_EVENT_BYTES;
@@ -33,6 +33,10 @@ proxy_wasm::main! {{
 /// Largest request body the plugin will hold to admit it. A larger body cannot be sized, so it is
 /// refused (413) rather than let through unbudgeted.
 const MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Strict mode: tokens added to the body-size bound of a request that defines tools, for the
+/// tool-use instructions providers add to the prompt (Anthropic documents up to 530 tokens;
+/// DeepSeek's template adds 103). See docs/estimate-calibration.md.
+const TOOL_PROMPT_ALLOWANCE: u64 = 1024;
 /// Largest non-streaming response body copied to read its usage.
 const MAX_RESPONSE_BODY_BYTES: usize = 4 * 1024 * 1024;
 
@@ -254,6 +258,15 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
+    fn on_http_response_trailers(&mut self, _n: usize) -> Action {
+        // Trailers end the response: the body saw no end_of_stream.
+        if let Some(observer) = self.state.as_mut().and_then(|b| b.observer.as_mut()) {
+            observer.finish();
+        }
+        self.settle(Outcome::Completed);
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         if self.state.as_ref().is_some_and(|b| !b.settled) {
             let outcome = interrupted_outcome();
@@ -381,8 +394,13 @@ impl Stream {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
         let Some(b) = self.state.as_mut() else { return Action::Continue };
         let Some(key) = b.key else { return Action::Pause };
-        let info = match inspect_request(b.kind, body) {
-            Ok(info) => info,
+        let info = match inspect_request_with_kind(b.kind, body) {
+            Ok((kind, info)) => {
+                // A chat body posted to a completions path is a chat request: size, rewrite and
+                // read the response as one.
+                b.kind = kind;
+                info
+            }
             Err(e) => {
                 let message = format!("request body cannot be budgeted: {e}");
                 self.reject(400, "invalid_request_error", "malformed_body", &message, None);
@@ -397,7 +415,7 @@ impl Stream {
             // Every prompt token comes from at least one byte of the body (message text, tool
             // definitions), and a chat template's per-message tokens are fewer than the JSON framing
             // bytes of each message: the body size bounds the prompt for any tokenizer.
-            Mode::Strict => body.len() as u64,
+            Mode::Strict => (body.len() as u64).saturating_add(if info.has_tools { TOOL_PROMPT_ALLOWANCE } else { 0 }),
             Mode::Estimate => info.prompt_tokens_estimate.saturating_mul(100 + u64::from(policy.estimate_margin_percent)).div_ceil(100),
         };
         let demand = Demand { input_tokens: input, output_tokens: output, model: info.model.clone() };
@@ -432,9 +450,9 @@ impl Stream {
                     sh.metrics.add(MetricType::Counter, &format!("sluice.budget.clamps_total.key.{key_id}"), 1);
                 }
                 let key_id = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or_default().to_string();
-                for ((index, lease), counter) in admission.leases.iter().zip(&admission.after) {
+                for ((index, _), counter) in admission.leases.iter().zip(&admission.after) {
                     if let Some(spec) = sh.policy.counters.get(*index).cloned() {
-                        if publish_counter(&mut sh, &spec, counter, lease.amount, &key_id) && b.soft_warning.is_none() {
+                        if publish_counter(&mut sh, &spec, counter, 0, &key_id) && b.soft_warning.is_none() {
                             b.soft_warning = Some(spec.code.clone());
                         }
                     }
@@ -509,9 +527,10 @@ impl Stream {
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_micro_usd_total{labels}"), i64::try_from(settlement.micro_usd).unwrap_or(i64::MAX));
         let reserved_tokens = admission.input_tokens.saturating_add(admission.output_tokens);
         sh.metrics.record(&format!("sluice.budget.overestimate_tokens.key.{key}"), reserved_tokens.saturating_sub(charged_tokens));
-        for ((index, _), after) in admission.leases.iter().zip(&settlement.after) {
+        for (((index, lease), after), over) in admission.leases.iter().zip(&settlement.after).zip(&settlement.over_estimates) {
             if let (Some(spec), Some(counter)) = (sh.policy.counters.get(*index).cloned(), after) {
-                publish_counter(&mut sh, &spec, counter, 0, &key);
+                let charged = u64::try_from(i128::from(lease.amount) - over).unwrap_or(0);
+                publish_counter(&mut sh, &spec, counter, charged, &key);
             }
         }
         b.stamp.insert("input_tokens".into(), actual.input_tokens.into());
@@ -525,18 +544,20 @@ impl Stream {
 }
 
 /// Remaining-budget gauge for a counter, and the soft-limit announcement when it is crossed.
-/// Returns whether the counter is at or past its soft limit (announced to the client); a crossing —
-/// this request's `added` amount took it past — is counted and logged once.
-fn publish_counter(sh: &mut Shared, spec: &CounterSpec, counter: &Counter, added: u64, key: &str) -> bool {
+/// Publishes the remaining-budget gauge; returns whether the counter's *usage* is at or past its
+/// soft limit (announced to the client). A crossing — this request's charge `charged` took usage
+/// past it — is counted and logged once. Reservations do not count: a worst case that never
+/// happens must not announce anything.
+fn publish_counter(sh: &mut Shared, spec: &CounterSpec, counter: &Counter, charged: u64, key: &str) -> bool {
     let label = counter_label(spec);
-    let committed = counter.committed();
-    sh.metrics.set_gauge(&format!("sluice.budget.remaining{label}"), spec.limit.value().saturating_sub(committed));
+    sh.metrics.set_gauge(&format!("sluice.budget.remaining{label}"), spec.limit.value().saturating_sub(counter.committed()));
     let Some(soft) = spec.soft_limit else { return false };
-    if committed >= soft && committed.saturating_sub(added) < soft {
+    let used = counter.used;
+    if charged > 0 && used >= soft && used.saturating_sub(charged) < soft {
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.soft_limit_crossings_total{label}"), 1);
-        log::info!("soft limit of {} crossed by key {key}: {committed} of {} committed (soft limit {soft})", spec.code, spec.limit.value());
+        log::info!("soft limit of {} crossed by key {key}: {used} of {} used (soft limit {soft})", spec.code, spec.limit.value());
     }
-    committed >= soft
+    used >= soft
 }
 
 fn write_stamp(key: &str, stamp: &serde_json::Map<String, serde_json::Value>) {
