@@ -94,6 +94,8 @@ pub struct MockRequest {
     pub stream: bool,
     /// The request's output limit as the mock received it (after any rewrite by a filter).
     pub max_tokens: Option<u64>,
+    /// The body's `model` as the mock received it.
+    pub model: Option<String>,
     pub prompt_tokens: u64,
     /// What the usage reported, or would have reported for the whole answer.
     pub completion_tokens: u64,
@@ -115,6 +117,7 @@ impl MockRequest {
             path: text("path").unwrap_or_default(),
             stream: flag("stream")?,
             max_tokens: v.get("max_tokens").and_then(serde_json::Value::as_u64),
+            model: v.get("model").and_then(serde_json::Value::as_str).map(str::to_string),
             prompt_tokens: num("prompt_tokens")?,
             completion_tokens: num("completion_tokens")?,
             tokens_flushed: num("tokens_flushed")?,

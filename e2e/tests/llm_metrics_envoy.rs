@@ -264,6 +264,7 @@ fn every_shipped_envoy_config_validates() {
     }
     let plugin_config = yaml_string_body(&demo_plugin_config().unwrap());
     let budget_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/tenant-budget.e2e.json")).unwrap());
+    let router_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/model-router.demo.json")).unwrap());
     let wasm_dir = sluice_e2e::tools::wasm_dir().display().to_string();
     let dir = std::env::temp_dir().join(format!("sluice-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -284,6 +285,9 @@ fn every_shipped_envoy_config_validates() {
                 ("ACCESS_LOG", "/dev/null"),
                 ("PLUGIN_CONFIG", &plugin_config),
                 ("BUDGET_CONFIG", &budget_config),
+                ("ROUTER_CONFIG", &router_config),
+                ("UPSTREAM_PORT_V2", "18001"),
+                ("SHADOW_PORT", "18002"),
             ],
         )
         .unwrap();
@@ -292,6 +296,6 @@ fn every_shipped_envoy_config_validates() {
         Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
         checked += 1;
     }
-    assert!(checked >= 3, "expected envoy/gateway.yaml and the bench configs, checked {checked}");
+    assert!(checked >= 5, "expected the gateways and the bench configs, checked {checked}");
     let _ = std::fs::remove_dir_all(&dir);
 }

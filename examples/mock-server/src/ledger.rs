@@ -51,6 +51,8 @@ pub struct Record {
     pub stream: bool,
     /// The request's output limit (`max_tokens` / `max_completion_tokens` / `max_output_tokens`).
     pub max_tokens: Option<u64>,
+    /// The body's `model`, as received (after any rewrite by a filter in front).
+    pub model: Option<String>,
     /// Prompt tokens, as the usage reports them (OpenAI `prompt_tokens`; for Anthropic, input +
     /// cache read tokens).
     pub prompt_tokens: u64,
@@ -75,6 +77,7 @@ impl Record {
             path: path.to_string(),
             stream: false,
             max_tokens: None,
+            model: None,
             prompt_tokens: 0,
             completion_tokens: 0,
             tokens_flushed: 0,
@@ -90,6 +93,7 @@ impl Record {
             "path": self.path,
             "stream": self.stream,
             "max_tokens": self.max_tokens,
+            "model": self.model,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "tokens_flushed": self.tokens_flushed,

@@ -293,6 +293,7 @@ fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &
     let headers = json_headers(&controls.served_by, plan.prompt_tokens);
     record.stream = plan.stream;
     record.max_tokens = plan.max_tokens;
+    record.model = body.get("model").and_then(Value::as_str).map(str::to_string);
     record.prompt_tokens = plan.prompt_tokens;
     record.completion_tokens = plan.completion_tokens();
 

@@ -476,7 +476,7 @@ fn ledger_records_every_inference_request() {
     assert_eq!(
         by_id("a"),
         json!({"request_id": "a", "path": "/v1/chat/completions", "stream": true, "max_tokens": null,
-               "prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 6, "tokens_flushed": 4,
+               "model": "llama-3-70b", "prompt_tokens": CHAT_PROMPT_TOKENS, "completion_tokens": 6, "tokens_flushed": 4,
                "usage_reported": true, "completed": true, "failure": null})
     );
     // Streamed without include_usage: the usage that would have been reported, not sent.

@@ -17,6 +17,8 @@
 //!   that hides the injected usage from the client.
 //! - [`identity`]: API-key hashing and extraction, claims from a verified JWT payload.
 //! - [`timing`]: TTFT / TPOT / tokens-per-second arithmetic on host timestamps.
+//! - [`routing`]: model-version routing: sticky weighted splits, canary ramps, fallback, shadow
+//!   sampling, and the similarity score of shadow comparisons.
 #![cfg_attr(
     test,
     allow(
@@ -36,6 +38,7 @@ pub mod report;
 pub mod request;
 pub mod response;
 pub mod rewrite;
+pub mod routing;
 pub mod sse;
 pub mod timing;
 pub mod usage;

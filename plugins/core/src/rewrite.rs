@@ -157,6 +157,23 @@ pub fn rewrite_request(
     })
 }
 
+/// The body with the top-level string member `key` set to `value` (every occurrence; appended when
+/// absent), every other byte kept — e.g. the `model` a router sends to the chosen version.
+pub fn set_top_level_string(body: &[u8], key: &str, value: &str) -> Result<Vec<u8>, RewriteError> {
+    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    let open = skip_ws(body, 0);
+    if body.get(open) != Some(&b'{') {
+        return Err(RewriteError::NotObject);
+    }
+    let obj = scan_object(body, open).ok_or_else(|| RewriteError::NotJson("unbalanced JSON object".to_owned()))?;
+    let encoded = serde_json::to_string(value).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    let mut out = body.get(..open).unwrap_or_default().to_vec();
+    out.extend_from_slice(&set_member(body, &obj, key, encoded.as_bytes()));
+    out.extend_from_slice(body.get(obj.close.saturating_add(1)..).unwrap_or_default());
+    Ok(out)
+}
+
 /// The object at `obj` (in `s`) with every `key` member set to `value`, or `key` appended.
 fn set_member(s: &[u8], obj: &Object, key: &str, value: &[u8]) -> Vec<u8> {
     let mut edits: Vec<Edit> = obj

@@ -181,8 +181,17 @@ impl SharedStore for ThreadedStore {
 
 #[test]
 fn concurrent_admissions_never_overshoot_in_strict_mode() {
+    // Repeated: interleavings differ from run to run.
+    for _ in 0..5 {
+        concurrent_run();
+    }
+}
+
+fn concurrent_run() {
     let p = Arc::new(org(true));
-    let store = ThreadedStore::default();
+    let mut store = ThreadedStore::default();
+    // As the plugin does at configure time: every later update is then a real CAS.
+    assert_eq!(p.ensure_counters(&mut store).unwrap(), p.counters.len());
     let prod = p.key_by_id("search-prod").unwrap();
     let charged = Arc::new(Mutex::new(0u64));
     let threads: Vec<_> = (0..8)

@@ -798,3 +798,18 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn set_top_level_string_keeps_every_other_byte() {
+    use sluice_core::rewrite::set_top_level_string;
+    let body = br#"  {"model" : "llama-3-70b", "messages":[{"role":"user","content":"model \"x\" \u00e9"}], "n": 1e400 }  "#;
+    let out = set_top_level_string(body, "model", "llama-3-70b-v2").unwrap();
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        r#"  {"model" : "llama-3-70b-v2", "messages":[{"role":"user","content":"model \"x\" \u00e9"}], "n": 1e400 }  "#
+    );
+    let appended = set_top_level_string(br#"{"a":1}"#, "model", "q\"uote").unwrap();
+    assert_eq!(appended, br#"{"a":1,"model":"q\"uote"}"#.to_vec());
+    assert!(set_top_level_string(b"[1]", "model", "m").is_err());
+    assert!(set_top_level_string(b"{", "model", "m").is_err());
+}

@@ -9,7 +9,7 @@
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
-use sluice_core::budget::ledger::{Counter, SharedStore};
+use sluice_core::budget::ledger::Counter;
 use sluice_core::budget::policy::{CounterSpec, Limit, Mode};
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
@@ -68,15 +68,8 @@ impl RootContext for Root {
                 return false;
             }
         };
-        // Create every counter once, so admissions always update an existing key with a real CAS
-        // token (Envoy treats CAS 0 as "unconditional").
-        let mut store = SharedData;
-        for spec in &policy.counters {
-            if let Ok((None, _)) = store.get(&spec.store_key) {
-                if let Err(e) = store.set(&spec.store_key, &Counter::default().encode(), 0) {
-                    log::warn!("creating budget counter {} failed: {e}", spec.store_key);
-                }
-            }
+        if let Err(e) = policy.ensure_counters(&mut SharedData) {
+            log::warn!("creating budget counters failed: {e}");
         }
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
         self.shared = Some(Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default() })));

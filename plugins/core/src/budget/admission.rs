@@ -72,6 +72,21 @@ fn minute_of(now_ns: u64) -> u32 {
 }
 
 impl Policy {
+    /// Creates every counter that does not exist yet; returns how many it created. Call once at
+    /// configure time, before traffic: the store's CAS cannot make a *create* conditional (Envoy
+    /// accepts any CAS token for a missing key), so two first reservations racing on a missing key
+    /// could lose one. With every counter created up front, each later update is a real CAS.
+    pub fn ensure_counters(&self, store: &mut dyn SharedStore) -> Result<usize, StoreError> {
+        let mut created = 0;
+        for spec in &self.counters {
+            if let (None, _) = store.get(&spec.store_key)? {
+                store.set(&spec.store_key, &Counter::default().encode(), 0)?;
+                created += 1;
+            }
+        }
+        Ok(created)
+    }
+
     fn cost(&self, model: Option<&str>, input: u64, output: u64) -> Option<u64> {
         let usage = Usage { input_tokens: input, output_tokens: output, ..Usage::default() };
         self.prices.cost_micro_usd(model?, &usage)

@@ -1,0 +1,529 @@
+//! sluice model-router: a proxy-wasm HTTP filter that assigns each LLM request to a version of the
+//! model it asks for — sticky per user by consistent hashing, weighted, with ramps, trusted
+//! overrides and fallback — and optionally sends a sample to a shadow version whose answer is
+//! compared with the primary's and never reaches the client.
+//!
+//! Envoy routes on headers, before a proxy-wasm filter can see the body, so the requested `model`
+//! comes from Envoy's `json_to_metadata` filter placed in front (it holds the headers until it has
+//! read `model` from the body). The decision is a request header the route table matches on (Envoy
+//! re-selects the route when a filter changes headers); the body's `model` is then rewritten to the
+//! version's upstream name. See docs/model-router.md.
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use sluice_core::api::ApiKind;
+use sluice_core::report::sanitize_label;
+use sluice_core::response::{inspect_response_body, ResponseSummary, StreamObserver};
+use sluice_core::rewrite::set_top_level_string;
+use sluice_core::routing::similarity::{jaccard_per_mille, response_text};
+use sluice_core::routing::{Decision, RoutingPolicy, ShadowVerdict};
+use sluice_core::timing::StreamTiming;
+use sluice_proxy_host as host;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::rc::Rc;
+use std::time::Duration;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Where `json_to_metadata` puts the body's `model` (see envoy/router-gateway.yaml).
+const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+/// Bytes of a response kept to compare texts (primary and shadow).
+const TEXT_CAPTURE_BYTES: usize = 64 * 1024;
+/// Characters of text compared.
+const TEXT_COMPARE_CHARS: usize = 4096;
+/// How long a version whose cluster had no healthy upstream is skipped.
+const UNHEALTHY_FOR_NS: u64 = 10_000_000_000;
+/// Shadow results or primaries waiting for their other half; older ones are dropped.
+const MAX_PENDING_COMPARISONS: usize = 1024;
+const SHADOW_TIMEOUT: Duration = Duration::from_secs(300);
+const NS_PER_MS: u64 = 1_000_000;
+
+/// One side of a comparison.
+#[derive(Clone, Debug)]
+struct Side {
+    status: u16,
+    duration_ns: u64,
+    ttft_ns: Option<u64>,
+    output_tokens: u64,
+    finish_reason: Option<String>,
+    error: bool,
+    text: String,
+}
+
+struct ShadowJob {
+    request_id: String,
+    cluster: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    kind: ApiKind,
+    primary_version: String,
+    shadow_version: String,
+}
+
+struct InFlightShadow {
+    request_id: String,
+    kind: ApiKind,
+    started_ns: u64,
+    primary_version: String,
+    shadow_version: String,
+}
+
+#[derive(Default)]
+struct Pending {
+    primary: Option<Side>,
+    shadow: Option<Side>,
+    versions: (String, String),
+}
+
+struct Shared {
+    policy: RoutingPolicy,
+    metrics: host::Metrics,
+    jobs: Vec<ShadowJob>,
+    in_flight: BTreeMap<u32, InFlightShadow>,
+    pending: BTreeMap<String, Pending>,
+    pending_order: VecDeque<String>,
+}
+
+impl Shared {
+    fn count(&mut self, name: &str) {
+        self.metrics.add(MetricType::Counter, name, 1);
+    }
+
+    /// Stores one side of a comparison; emits the comparison when both sides are in.
+    fn offer(&mut self, request_id: &str, versions: (String, String), primary: Option<Side>, shadow: Option<Side>) {
+        if !self.pending.contains_key(request_id) {
+            while self.pending.len() >= MAX_PENDING_COMPARISONS {
+                let Some(old) = self.pending_order.pop_front() else { break };
+                self.pending.remove(&old);
+            }
+            self.pending_order.push_back(request_id.to_string());
+        }
+        let entry = self.pending.entry(request_id.to_string()).or_default();
+        entry.versions = versions;
+        if primary.is_some() {
+            entry.primary = primary;
+        }
+        if shadow.is_some() {
+            entry.shadow = shadow;
+        }
+        let complete = entry.primary.is_some() && entry.shadow.is_some();
+        if complete {
+            if let Some(done) = self.pending.remove(request_id) {
+                self.pending_order.retain(|id| id != request_id);
+                self.compare(request_id, done);
+            }
+        }
+    }
+
+    fn compare(&mut self, request_id: &str, done: Pending) {
+        let (Some(p), Some(s)) = (done.primary, done.shadow) else { return };
+        let labels = format!(".primary.{}.shadow.{}", sanitize_label(&done.versions.0), sanitize_label(&done.versions.1));
+        for (side, v) in [("primary", &p), ("shadow", &s)] {
+            self.metrics.record(&format!("sluice.router.compare_duration_ms{labels}.side.{side}"), v.duration_ns / NS_PER_MS);
+            self.metrics.record(&format!("sluice.router.compare_output_tokens{labels}.side.{side}"), v.output_tokens);
+            if v.error {
+                self.count(&format!("sluice.router.compare_errors_total{labels}.side.{side}"));
+            }
+        }
+        if let Some(ttft) = p.ttft_ns {
+            self.metrics.record(&format!("sluice.router.compare_ttft_ms{labels}.side.primary"), ttft / NS_PER_MS);
+        }
+        let agree = p.finish_reason == s.finish_reason;
+        self.count(&format!("sluice.router.compare_total{labels}.finish_agree.{agree}"));
+        let similarity = jaccard_per_mille(&p.text, &s.text);
+        self.metrics.record(&format!("sluice.router.compare_similarity_per_mille{labels}"), similarity);
+        log::info!(
+            "shadow comparison {{\"request_id\":{},\"primary\":{:?},\"shadow\":{:?},\"duration_ms\":[{},{}],\"output_tokens\":[{},{}],\"finish\":[{:?},{:?}],\"status\":[{},{}],\"similarity_per_mille\":{}}}",
+            serde_json::Value::from(request_id),
+            done.versions.0,
+            done.versions.1,
+            p.duration_ns / NS_PER_MS,
+            s.duration_ns / NS_PER_MS,
+            p.output_tokens,
+            s.output_tokens,
+            p.finish_reason,
+            s.finish_reason,
+            p.status,
+            s.status,
+            similarity
+        );
+    }
+}
+
+#[derive(Default)]
+struct Root {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(shared) = self.shared.clone() else { return };
+        let mut sh = shared.borrow_mut();
+        let Some(call) = sh.in_flight.remove(&token) else { return };
+        let now = host::now_ns();
+        let status = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
+        let body = host::body(BufferType::HttpCallResponseBody, body_size.min(TEXT_CAPTURE_BYTES * 4));
+        let labels = format!(".primary.{}.shadow.{}", sanitize_label(&call.primary_version), sanitize_label(&call.shadow_version));
+        if status == 0 {
+            sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+        }
+        let summary = inspect_response_body(call.kind, &body);
+        let side = Side {
+            status,
+            duration_ns: now.saturating_sub(call.started_ns),
+            ttft_ns: None,
+            output_tokens: output_tokens(&summary),
+            finish_reason: summary.finish_reason.clone(),
+            error: status == 0 || status >= 500 || summary.upstream_error.is_some(),
+            text: response_text(call.kind, &body, TEXT_COMPARE_CHARS),
+        };
+        sh.offer(&call.request_id, (call.primary_version, call.shadow_version), None, Some(side));
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = match proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(bytes) => bytes.unwrap_or_default(),
+            Err(status) => {
+                log::error!("cannot read the plugin configuration: {status:?}");
+                return false;
+            }
+        };
+        match RoutingPolicy::from_json(&bytes) {
+            Ok(policy) => {
+                // Shadow requests are sent from the root context (a stream's callouts die with the
+                // stream), on a short tick.
+                if let Err(status) = proxy_wasm::hostcalls::set_tick_period(Duration::from_millis(20)) {
+                    log::warn!("setting the shadow tick failed: {status:?}");
+                }
+                self.shared = Some(Rc::new(RefCell::new(Shared {
+                    policy,
+                    metrics: host::Metrics::default(),
+                    jobs: Vec::new(),
+                    in_flight: BTreeMap::new(),
+                    pending: BTreeMap::new(),
+                    pending_order: VecDeque::new(),
+                })));
+                true
+            }
+            Err(e) => {
+                log::error!("model-router policy refused: {e}");
+                false
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = self.shared.clone() else { return };
+        let jobs: Vec<ShadowJob> = std::mem::take(&mut shared.borrow_mut().jobs);
+        for job in jobs {
+            let headers: Vec<(&str, &str)> = job.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&job.primary_version), sanitize_label(&job.shadow_version));
+            match self.dispatch_http_call(&job.cluster, headers, Some(&job.body), vec![], SHADOW_TIMEOUT) {
+                Ok(token) => {
+                    let mut sh = shared.borrow_mut();
+                    sh.count(&format!("sluice.router.shadow_total{labels}.result.sent"));
+                    sh.in_flight.insert(
+                        token,
+                        InFlightShadow {
+                            request_id: job.request_id,
+                            kind: job.kind,
+                            started_ns: host::now_ns(),
+                            primary_version: job.primary_version,
+                            shadow_version: job.shadow_version,
+                        },
+                    );
+                }
+                Err(status) => {
+                    log::warn!("shadow request to cluster {} failed to start: {status:?}", job.cluster);
+                    shared.borrow_mut().count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                }
+            }
+        }
+    }
+
+    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { shared: self.shared.clone(), state: None }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Stream {
+    shared: Option<Rc<RefCell<Shared>>>,
+    state: Option<Box<Routed>>,
+}
+
+struct Routed {
+    kind: ApiKind,
+    path: String,
+    authority: String,
+    request_id: String,
+    model: String,
+    decision: Decision,
+    /// The shadow version's (name, upstream model, cluster, authority), when this request is shadowed.
+    shadow: Option<(String, String, String, String)>,
+    rewrite_model: bool,
+    status: u16,
+    timing: StreamTiming,
+    observer: Option<StreamObserver>,
+    captured: Vec<u8>,
+    finished: bool,
+}
+
+impl Context for Stream {}
+
+fn output_tokens(summary: &ResponseSummary) -> u64 {
+    if summary.usage_reported {
+        summary.usage.output_tokens
+    } else {
+        summary.estimated_output_tokens
+    }
+}
+
+/// The sticky key of a request: the first configured source that is present.
+fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
+    let mut header = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
+    let mut property = |path: &[String]| host::property(path).map(String::into_bytes);
+    policy.sticky_key(&mut header, &mut property).map(|k| k.bytes)
+}
+
+fn unhealthy_key(route: &str) -> String {
+    format!("sluice/model-router/unhealthy/{route}")
+}
+
+/// Routes of versions whose cluster recently had no healthy upstream (shared by every worker).
+fn unhealthy_routes(routes: &[String], now: u64) -> Vec<String> {
+    routes
+        .iter()
+        .filter(|route| {
+            let until = proxy_wasm::hostcalls::get_shared_data(&unhealthy_key(route))
+                .ok()
+                .and_then(|(v, _)| v)
+                .and_then(|v| v.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes))
+                .unwrap_or(0);
+            until > now
+        })
+        .cloned()
+        .collect()
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let mut sh = shared.borrow_mut();
+        // A client never chooses its version or route: whatever it sent is removed, and only the
+        // router writes them.
+        let (route_header, version_header) = (sh.policy.route_header().to_string(), sh.policy.version_header().to_string());
+        let client_override = sh.policy.override_client_header().map(str::to_string);
+        for name in [Some(route_header.as_str()), Some(version_header.as_str()), client_override.as_deref()].into_iter().flatten() {
+            host::set_header(MapType::HttpRequestHeaders, name, None);
+        }
+        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
+        let Some(model) = host::property(&MODEL_METADATA.map(String::from)) else {
+            sh.count("sluice.router.unrouted_total.reason.no_model");
+            return Action::Continue;
+        };
+        let Some(index) = sh.policy.model_for(&model) else {
+            sh.count("sluice.router.unrouted_total.reason.unknown_model");
+            return Action::Continue;
+        };
+        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default();
+        let key = sticky_key(&sh.policy);
+        let forced = sh.policy.override_property().and_then(host::property);
+        let now = host::now_ns();
+        let routes: Vec<String> = sh.policy.model(index).map(|m| m.versions.iter().map(|v| v.route.clone()).collect()).unwrap_or_default();
+        let unhealthy_routes = unhealthy_routes(&routes, now);
+        let unhealthy: Vec<&str> = sh
+            .policy
+            .model(index)
+            .map(|m| m.versions.iter().filter(|v| unhealthy_routes.contains(&v.route)).map(|v| v.name.as_str()).collect())
+            .unwrap_or_default();
+        let Some(decision) = sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy) else {
+            sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{}", sanitize_label(&model)));
+            return Action::Continue;
+        };
+        host::set_header(MapType::HttpRequestHeaders, &route_header, Some(&decision.route));
+        host::set_header(MapType::HttpRequestHeaders, &version_header, Some(&decision.version));
+        let model_label = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());
+        sh.count(&format!(
+            "sluice.router.requests_total.model.{model_label}.version.{}.reason.{}",
+            sanitize_label(&decision.version),
+            decision.reason.as_str()
+        ));
+        let tenant = sh
+            .policy
+            .model(index)
+            .and_then(|m| m.shadow.as_ref())
+            .and_then(|s| s.tenant_header.clone())
+            .and_then(|h| host::header(MapType::HttpRequestHeaders, &h));
+        let shadow = match sh.policy.shadow_sampled(index, request_id.as_bytes(), tenant.as_deref()) {
+            ShadowVerdict::Sampled => sh.policy.model(index).and_then(|m| m.shadow.as_ref()).map(|s| {
+                (s.version.name.clone(), s.version.upstream_model.clone(), s.version.cluster.clone(), s.version.authority.clone())
+            }),
+            ShadowVerdict::ExcludedTenant => {
+                sh.count(&format!("sluice.router.shadow_total.primary.{}.shadow.any.result.excluded", sanitize_label(&decision.version)));
+                None
+            }
+            ShadowVerdict::NotSampled | ShadowVerdict::NotConfigured => None,
+        };
+        let rewrite_model = decision.upstream_model != model;
+        if (rewrite_model || shadow.is_some()) && !end_of_stream {
+            // The body is edited or copied: its length may change.
+            host::set_header(MapType::HttpRequestHeaders, "content-length", None);
+        }
+        let stamp = serde_json::json!({
+            "model": model, "version": decision.version, "reason": decision.reason.as_str(),
+            "route": decision.route, "upstream_model": decision.upstream_model,
+            "shadow": shadow.as_ref().map(|s| s.0.clone()),
+        });
+        host::set_property("sluice_route", stamp.to_string().as_bytes());
+        self.state = Some(Box::new(Routed {
+            kind,
+            path,
+            authority: host::header(MapType::HttpRequestHeaders, ":authority").unwrap_or_default(),
+            request_id,
+            model,
+            decision,
+            shadow,
+            rewrite_model,
+            status: 0,
+            timing: StreamTiming::new(now),
+            observer: None,
+            captured: Vec::new(),
+            finished: false,
+        }));
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let (Some(shared), Some(r)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
+        if !r.rewrite_model && r.shadow.is_none() {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = host::body(BufferType::HttpRequestBody, body_size);
+        if r.rewrite_model {
+            match set_top_level_string(&body, "model", &r.decision.upstream_model) {
+                Ok(new_body) => host::replace_body(BufferType::HttpRequestBody, body_size, &new_body),
+                Err(e) => log::warn!("model not rewritten ({e}); the request goes to {} as sent", r.decision.route),
+            }
+        }
+        if let Some((name, upstream_model, cluster, authority)) = r.shadow.clone() {
+            let mut sh = shared.borrow_mut();
+            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), sanitize_label(&name));
+            let cap = sh.policy.model_for(&r.model).and_then(|i| sh.policy.model(i)).and_then(|m| m.shadow.as_ref()).map_or(0, |s| s.max_concurrent);
+            let busy = sh.in_flight.len() + sh.jobs.len();
+            sh.count(&format!("sluice.router.shadow_total{labels}.result.sampled"));
+            if busy >= cap as usize {
+                sh.count(&format!("sluice.router.shadow_total{labels}.result.skipped_cap"));
+                r.shadow = None;
+            } else if let Ok(shadow_body) = set_top_level_string(&body, "model", &upstream_model) {
+                let authority = if authority.is_empty() { r.authority.clone() } else { authority };
+                sh.jobs.push(ShadowJob {
+                    request_id: r.request_id.clone(),
+                    cluster,
+                    headers: vec![
+                        (":method".into(), "POST".into()),
+                        (":path".into(), r.path.clone()),
+                        (":authority".into(), authority),
+                        ("content-type".into(), "application/json".into()),
+                        ("x-sluice-shadow".into(), "1".into()),
+                        ("x-request-id".into(), r.request_id.clone()),
+                    ],
+                    body: shadow_body,
+                    kind: r.kind,
+                    primary_version: r.decision.version.clone(),
+                    shadow_version: name,
+                });
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let Some(r) = self.state.as_mut() else { return Action::Continue };
+        r.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let streaming = host::header(MapType::HttpResponseHeaders, "content-type")
+            .is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
+        if streaming {
+            r.observer = Some(StreamObserver::new(r.kind));
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(r) = self.state.as_mut() else { return Action::Continue };
+        if r.shadow.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host::body(BufferType::HttpResponseBody, body_size);
+        let room = TEXT_CAPTURE_BYTES.saturating_sub(r.captured.len());
+        r.captured.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
+        if let Some(observer) = r.observer.as_mut() {
+            let outcome = observer.push(&chunk);
+            if outcome.content_events > 0 {
+                r.timing.on_content(host::now_ns(), outcome.content_events);
+            }
+        }
+        if end_of_stream {
+            self.finish_primary();
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(r) = self.state.as_ref() else { return };
+        // Passive health: a version whose cluster has no healthy upstream is skipped for a while,
+        // by every worker, and its traffic falls back in the policy's order.
+        let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
+        if details.contains("no_healthy_upstream") {
+            let until = host::now_ns().saturating_add(UNHEALTHY_FOR_NS);
+            if let Err(status) = proxy_wasm::hostcalls::set_shared_data(&unhealthy_key(&r.decision.route), Some(&until.to_le_bytes()), None) {
+                log::warn!("marking {} unhealthy failed: {status:?}", r.decision.route);
+            }
+            log::info!("route {} has no healthy upstream: version {} skipped for 10 s", r.decision.route, r.decision.version);
+        }
+        self.finish_primary();
+    }
+}
+
+impl Stream {
+    /// The primary side of a shadowed request, handed to the root for comparison.
+    fn finish_primary(&mut self) {
+        let (Some(shared), Some(r)) = (self.shared.clone(), self.state.as_mut()) else { return };
+        if r.finished || r.shadow.is_none() {
+            return;
+        }
+        r.finished = true;
+        let now = host::now_ns();
+        let summary = match r.observer.as_mut() {
+            Some(observer) => {
+                observer.finish();
+                observer.summary()
+            }
+            None => inspect_response_body(r.kind, &r.captured),
+        };
+        let side = Side {
+            status: r.status,
+            duration_ns: r.timing.duration_ns(now),
+            ttft_ns: r.timing.ttft_ns(),
+            output_tokens: output_tokens(&summary),
+            finish_reason: summary.finish_reason.clone(),
+            error: r.status == 0 || r.status >= 500 || summary.upstream_error.is_some(),
+            text: response_text(r.kind, &r.captured, TEXT_COMPARE_CHARS),
+        };
+        let versions = (r.decision.version.clone(), r.shadow.as_ref().map(|s| s.0.clone()).unwrap_or_default());
+        shared.borrow_mut().offer(&r.request_id, versions, Some(side), None);
+    }
+}
