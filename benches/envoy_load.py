@@ -9,7 +9,9 @@ figures are comparable with each other (not with another machine's). Loopback on
 For each configuration and stream length (1 and 64 content tokens, no artificial delays) it runs wrk:
   - 1 connection, closed loop: mean latency per request → added µs per request versus no filter;
     the difference between the 64-token and 1-token runs, divided by 63, is the added µs per chunk;
-  - 16 connections: requests/s.
+  - 16 connections: requests/s, and the proxy's own CPU time per request (user + system, read
+    from /proc around the run): the figure other load on the machine does not move. Added CPU per
+    request and per chunk are derived from it the same way.
 
 Usage: benches/envoy_load.py [--seconds N]   (needs: target/release/sluice-mock-server, the .wasm,
 Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
@@ -38,7 +40,23 @@ CONFIGS = [
     # tenant-budget (5 counters: org month $, team minute tokens, key minute tokens + day requests)
     # in front of llm-metrics, limits far above the load so every request is admitted.
     ("budget + llm-metrics", ROOT / "envoy/budget-gateway.yaml"),
+    # json_to_metadata + model-router (2 versions, 50/50) + llm-metrics; then the same with 10 % of
+    # requests shadowed to a third cluster (the same mock).
+    ("router + llm-metrics", ROOT / "envoy/router-gateway.yaml"),
+    ("router, shadow 10 %", ROOT / "envoy/router-gateway.yaml"),
 ]
+
+
+def router_policy(shadow_fraction):
+    """The demo router policy with an even split (so both routes carry load) and the given shadow share."""
+    policy = json.loads((ROOT / "policies/model-router.demo.json").read_text())
+    model = policy["models"][0]
+    model["model"] = "llama-3-70b*"
+    for version in model["versions"]:
+        version["weight"] = 50
+    model["shadow"]["fraction"] = shadow_fraction
+    model["shadow"]["max_concurrent"] = 64
+    return json.dumps(policy)
 
 
 def free_port():
@@ -76,8 +94,26 @@ wrk.headers["x-mock-ttft-ms"] = "0"
 wrk.headers["x-mock-itl-ms"] = "0"
 wrk.headers["x-sluice-tenant"] = "acme"
 wrk.headers["x-sluice-key"] = "search-prod"
+wrk.headers["x-request-id"] = "bench"
+request_count = 0
+request = function()
+  -- A distinct request id and tenant per request: shadow sampling and the split hash on them.
+  request_count = request_count + 1
+  wrk.headers["x-request-id"] = "bench-" .. request_count
+  wrk.headers["x-sluice-tenant"] = "tenant-" .. (request_count %% 1000)
+  return wrk.format()
+end
 wrk.body = '{"model":"llama-3-70b","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}'
 """
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far (from /proc; other processes do not count)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def wrk(port, tokens, connections, seconds, tmp):
@@ -88,12 +124,13 @@ def wrk(port, tokens, connections, seconds, tmp):
          f"http://127.0.0.1:{port}/v1/chat/completions"],
         capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
     m = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out)
     scale = {"us": 1.0, "ms": 1000.0, "s": 1e6}[m.group(2)]
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
         raise RuntimeError(f"wrk saw errors: {out}")
-    return rps, float(m.group(1)) * scale
+    return rps, float(m.group(1)) * scale, total
 
 
 def main():
@@ -118,7 +155,9 @@ def main():
                     path.write_text(render(config.read_text(), {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
-                        "BUDGET_CONFIG": budget_config}))
+                        "BUDGET_CONFIG": budget_config,
+                        "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
+                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port)}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,9 +166,14 @@ def main():
                     wrk(port, 1, 1, 1, tmp)  # warm-up: connections, VM, JIT
                     row = {}
                     for tokens in (1, 64):
-                        _, lat = wrk(port, tokens, 1, args.seconds, tmp)
-                        rps, _ = wrk(port, tokens, 16, args.seconds, tmp)
-                        row[tokens] = (lat, rps)
+                        _, lat, _ = wrk(port, tokens, 1, args.seconds, tmp)
+                        # CPU per request of the proxy (the mock's when there is no Envoy): unlike
+                        # latency, it is not moved by whatever else the machine runs.
+                        pid = envoy.pid if envoy else mock.pid
+                        before = cpu_seconds(pid)
+                        rps, _, total = wrk(port, tokens, 16, args.seconds, tmp)
+                        cpu_us = (cpu_seconds(pid) - before) * 1e6 / max(total, 1)
+                        row[tokens] = (lat, rps, cpu_us)
                     results[name] = row
                 finally:
                     if envoy:
@@ -141,17 +185,18 @@ def main():
 
     base = results["no filter"]
     print()
-    print(f"{'configuration':<24} {'1 tok: µs/req':>14} {'req/s':>8} {'64 tok: µs/req':>15} {'req/s':>8} "
-          f"{'added µs/req':>13} {'added µs/chunk':>15}")
+    print(f"{'configuration':<24} {'1 tok: µs/req':>13} {'req/s':>7} {'CPU µs':>7} {'64 tok: µs/req':>14} {'req/s':>7} "
+          f"{'CPU µs':>7} {'added CPU µs/req':>17} {'added CPU µs/chunk':>19}")
     for name, row in results.items():
-        (l1, r1), (l64, r64) = row[1], row[64]
+        (l1, r1, c1), (l64, r64, c64) = row[1], row[64]
         if name.startswith("mock"):
             added_req = added_chunk = "—"
         else:
-            added_req = f"{l1 - base[1][0]:.1f}"
-            added_chunk = f"{((l64 - base[64][0]) - (l1 - base[1][0])) / 63:.2f}"
-        print(f"{name:<24} {l1:>14.1f} {r1:>8.0f} {l64:>15.1f} {r64:>8.0f} {added_req:>13} {added_chunk:>15}")
-    print("\nEnvoy --concurrency 1; wrk 1 thread; latency = mean of 1 connection closed loop; req/s at 16 connections.")
+            added_req = f"{c1 - base[1][2]:.1f}"
+            added_chunk = f"{((c64 - base[64][2]) - (c1 - base[1][2])) / 63:.2f}"
+        print(f"{name:<24} {l1:>13.1f} {r1:>7.0f} {c1:>7.1f} {l64:>14.1f} {r64:>7.0f} {c64:>7.1f} {added_req:>17} {added_chunk:>19}")
+    print("\nEnvoy --concurrency 1; wrk 1 thread. µs/req: mean latency of 1 connection in a closed loop;"
+          "\nreq/s and CPU µs (Envoy's own CPU time per request, from /proc) at 16 connections.")
     json.dump(results, sys.stderr)
     sys.stderr.write("\n")
 

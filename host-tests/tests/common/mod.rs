@@ -5,6 +5,7 @@
 
 pub mod budget;
 pub mod llm;
+pub mod router;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
