@@ -43,13 +43,7 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = match proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(bytes) => bytes.unwrap_or_default(),
-            Err(status) => {
-                log::error!("sluice llm-metrics: cannot read the plugin configuration: {status:?}");
-                return false;
-            }
-        };
+        let Some(bytes) = host::plugin_configuration() else { return false };
         match Settings::parse(&bytes) {
             Ok(settings) => {
                 let model_versions =

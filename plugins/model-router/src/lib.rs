@@ -187,13 +187,7 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = match proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(bytes) => bytes.unwrap_or_default(),
-            Err(status) => {
-                log::error!("cannot read the plugin configuration: {status:?}");
-                return false;
-            }
-        };
+        let Some(bytes) = host::plugin_configuration() else { return false };
         match RoutingPolicy::from_json(&bytes) {
             Ok(policy) => {
                 // Shadow requests are sent from the root context (a stream's callouts die with the

@@ -20,6 +20,18 @@ pub fn now_ns() -> u64 {
     }
 }
 
+/// The plugin configuration (Envoy `configuration`, Istio `pluginConfig`); `None`, logged, when the
+/// host cannot give it. An empty configuration is an empty vector.
+pub fn plugin_configuration() -> Option<Vec<u8>> {
+    match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+        Ok(bytes) => Some(bytes.unwrap_or_default()),
+        Err(status) => {
+            log::error!("cannot read the plugin configuration: {status:?}");
+            None
+        }
+    }
+}
+
 /// A header value, decoded lossily (non-UTF-8 bytes become U+FFFD rather than an error).
 pub fn header(map: MapType, name: &str) -> Option<String> {
     match hostcalls::get_map_value_bytes(map, name) {

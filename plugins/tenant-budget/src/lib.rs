@@ -54,13 +54,7 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = match proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(bytes) => bytes.unwrap_or_default(),
-            Err(status) => {
-                log::error!("cannot read the plugin configuration: {status:?}");
-                return false;
-            }
-        };
+        let Some(bytes) = host::plugin_configuration() else { return false };
         let policy = match Policy::from_json(&bytes) {
             Ok(p) => p,
             Err(e) => {
