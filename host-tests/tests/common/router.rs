@@ -14,7 +14,12 @@ use super::llm::{self, chat, Call};
 /// Where `json_to_metadata` puts the body's `model` (envoy/router-gateway.yaml).
 pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 /// The demo policy's trusted override property (jwt_authn metadata in the demo gateway).
-pub const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
+pub const FORCE_PROPERTY: [&str; 4] = [
+    "metadata",
+    "filter_metadata",
+    "sluice_trusted",
+    "force_version",
+];
 /// `policies/model-router.demo.json`, as shipped.
 pub const DEMO: &str = include_str!("../../../policies/model-router.demo.json");
 
@@ -234,11 +239,19 @@ pub struct Routed {
 impl Routed {
     /// The one route sent upstream (panics unless exactly one).
     pub fn route(&self) -> &str {
-        assert_eq!(self.routes.len(), 1, "exactly one route header upstream: {self:?}");
+        assert_eq!(
+            self.routes.len(),
+            1,
+            "exactly one route header upstream: {self:?}"
+        );
         &self.routes[0]
     }
     pub fn version(&self) -> &str {
-        assert_eq!(self.versions.len(), 1, "exactly one version header upstream: {self:?}");
+        assert_eq!(
+            self.versions.len(),
+            1,
+            "exactly one version header upstream: {self:?}"
+        );
         &self.versions[0]
     }
     pub fn reason(&self) -> &str {

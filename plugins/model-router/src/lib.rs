@@ -31,8 +31,10 @@ proxy_wasm::main! {{
 
 /// Where `json_to_metadata` puts the body's `model` (see envoy/router-gateway.yaml).
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
-/// Bytes of a response kept to compare texts (primary and shadow).
+/// Bytes of a streamed primary response kept to compare texts (figures come from the stream itself).
 const TEXT_CAPTURE_BYTES: usize = 64 * 1024;
+/// Largest whole response body (non-streamed primary, or any shadow answer) read for its figures.
+const MAX_WHOLE_BODY_BYTES: usize = 4 * 1024 * 1024;
 /// Characters of text compared.
 const TEXT_COMPARE_CHARS: usize = 4096;
 /// How long a version whose cluster had no healthy upstream is skipped.
@@ -136,21 +138,18 @@ impl Shared {
         self.count(&format!("sluice.router.compare_total{labels}.finish_agree.{agree}"));
         let similarity = jaccard_per_mille(&p.text, &s.text);
         self.metrics.record(&format!("sluice.router.compare_similarity_per_mille{labels}"), similarity);
-        log::info!(
-            "shadow comparison {{\"request_id\":{},\"primary\":{:?},\"shadow\":{:?},\"duration_ms\":[{},{}],\"output_tokens\":[{},{}],\"finish\":[{:?},{:?}],\"status\":[{},{}],\"similarity_per_mille\":{}}}",
-            serde_json::Value::from(request_id),
-            done.versions.0,
-            done.versions.1,
-            p.duration_ns / NS_PER_MS,
-            s.duration_ns / NS_PER_MS,
-            p.output_tokens,
-            s.output_tokens,
-            p.finish_reason,
-            s.finish_reason,
-            p.status,
-            s.status,
-            similarity
-        );
+        let record = serde_json::json!({
+            "request_id": request_id,
+            "primary": done.versions.0,
+            "shadow": done.versions.1,
+            "duration_ms": [p.duration_ns / NS_PER_MS, s.duration_ns / NS_PER_MS],
+            "ttft_ms": [p.ttft_ns.map(|t| t / NS_PER_MS), serde_json::Value::Null],
+            "output_tokens": [p.output_tokens, s.output_tokens],
+            "finish": [p.finish_reason, s.finish_reason],
+            "status": [p.status, s.status],
+            "similarity_per_mille": similarity,
+        });
+        log::info!("shadow comparison {record}");
     }
 }
 
@@ -166,7 +165,7 @@ impl Context for Root {
         let Some(call) = sh.in_flight.remove(&token) else { return };
         let now = host::now_ns();
         let status = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-        let body = host::body(BufferType::HttpCallResponseBody, body_size.min(TEXT_CAPTURE_BYTES * 4));
+        let body = host::body(BufferType::HttpCallResponseBody, body_size.min(MAX_WHOLE_BODY_BYTES));
         let labels = format!(".primary.{}.shadow.{}", sanitize_label(&call.primary_version), sanitize_label(&call.shadow_version));
         if status == 0 {
             sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
@@ -235,14 +234,18 @@ impl RootContext for Root {
                 }
                 Err(status) => {
                     log::warn!("shadow request to cluster {} failed to start: {status:?}", job.cluster);
-                    shared.borrow_mut().count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                    let mut sh = shared.borrow_mut();
+                    sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                    // The comparison still completes, as a shadow error, so nothing waits for it.
+                    let failed = Side { status: 0, duration_ns: 0, ttft_ns: None, output_tokens: 0, finish_reason: None, error: true, text: String::new() };
+                    sh.offer(&job.request_id, (job.primary_version, job.shadow_version), None, Some(failed));
                 }
             }
         }
     }
 
-    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream { shared: self.shared.clone(), state: None }))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { context_id, shared: self.shared.clone(), state: None }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -251,6 +254,7 @@ impl RootContext for Root {
 }
 
 struct Stream {
+    context_id: u32,
     shared: Option<Rc<RefCell<Shared>>>,
     state: Option<Box<Routed>>,
 }
@@ -330,7 +334,11 @@ impl HttpContext for Stream {
             sh.count("sluice.router.unrouted_total.reason.unknown_model");
             return Action::Continue;
         };
-        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default();
+        // Envoy sets x-request-id unless configured not to; without one, a per-stream id keeps
+        // sampling and comparisons apart.
+        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id")
+            .filter(|id| !id.is_empty())
+            .unwrap_or_else(|| format!("sluice-{}-{}", host::now_ns(), self.context_id));
         let key = sticky_key(&sh.policy);
         let forced = sh.policy.override_property().and_then(host::property);
         let now = host::now_ns();
@@ -364,23 +372,18 @@ impl HttpContext for Stream {
                 (s.version.name.clone(), s.version.upstream_model.clone(), s.version.cluster.clone(), s.version.authority.clone())
             }),
             ShadowVerdict::ExcludedTenant => {
-                sh.count(&format!("sluice.router.shadow_total.primary.{}.shadow.any.result.excluded", sanitize_label(&decision.version)));
+                let shadow_name = sh.policy.model(index).and_then(|m| m.shadow.as_ref()).map(|s| sanitize_label(&s.version.name)).unwrap_or_default();
+                sh.count(&format!("sluice.router.shadow_total.primary.{}.shadow.{shadow_name}.result.excluded", sanitize_label(&decision.version)));
                 None
             }
             ShadowVerdict::NotSampled | ShadowVerdict::NotConfigured => None,
         };
         let rewrite_model = decision.upstream_model != model;
-        if (rewrite_model || shadow.is_some()) && !end_of_stream {
-            // The body is edited or copied: its length may change.
+        if rewrite_model && !end_of_stream {
+            // The body's model is rewritten: its length may change.
             host::set_header(MapType::HttpRequestHeaders, "content-length", None);
         }
-        let stamp = serde_json::json!({
-            "model": model, "version": decision.version, "reason": decision.reason.as_str(),
-            "route": decision.route, "upstream_model": decision.upstream_model,
-            "shadow": shadow.as_ref().map(|s| s.0.clone()),
-        });
-        host::set_property("sluice_route", stamp.to_string().as_bytes());
-        self.state = Some(Box::new(Routed {
+        let routed = Box::new(Routed {
             kind,
             path,
             authority: host::header(MapType::HttpRequestHeaders, ":authority").unwrap_or_default(),
@@ -394,7 +397,9 @@ impl HttpContext for Stream {
             observer: None,
             captured: Vec::new(),
             finished: false,
-        }));
+        });
+        write_stamp(&routed);
+        self.state = Some(routed);
         Action::Continue
     }
 
@@ -419,10 +424,11 @@ impl HttpContext for Stream {
             let cap = sh.policy.model_for(&r.model).and_then(|i| sh.policy.model(i)).and_then(|m| m.shadow.as_ref()).map_or(0, |s| s.max_concurrent);
             let busy = sh.in_flight.len() + sh.jobs.len();
             sh.count(&format!("sluice.router.shadow_total{labels}.result.sampled"));
+            let shadow_body = set_top_level_string(&body, "model", &upstream_model);
             if busy >= cap as usize {
                 sh.count(&format!("sluice.router.shadow_total{labels}.result.skipped_cap"));
                 r.shadow = None;
-            } else if let Ok(shadow_body) = set_top_level_string(&body, "model", &upstream_model) {
+            } else if let Ok(shadow_body) = shadow_body {
                 let authority = if authority.is_empty() { r.authority.clone() } else { authority };
                 sh.jobs.push(ShadowJob {
                     request_id: r.request_id.clone(),
@@ -440,6 +446,13 @@ impl HttpContext for Stream {
                     primary_version: r.decision.version.clone(),
                     shadow_version: name,
                 });
+            } else {
+                // Not JSON: nothing to send the shadow.
+                sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                r.shadow = None;
+            }
+            if r.shadow.is_none() {
+                write_stamp(r);
             }
         }
         Action::Continue
@@ -462,7 +475,10 @@ impl HttpContext for Stream {
             return Action::Continue;
         }
         let chunk = host::body(BufferType::HttpResponseBody, body_size);
-        let room = TEXT_CAPTURE_BYTES.saturating_sub(r.captured.len());
+        // A stream's figures come from the observer, so only a text prefix is kept; a whole body is
+        // kept (bounded) to read its figures at the end.
+        let cap = if r.observer.is_some() { TEXT_CAPTURE_BYTES } else { MAX_WHOLE_BODY_BYTES };
+        let room = cap.saturating_sub(r.captured.len());
         r.captured.extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
         if let Some(observer) = r.observer.as_mut() {
             let outcome = observer.push(&chunk);
@@ -490,6 +506,16 @@ impl HttpContext for Stream {
         }
         self.finish_primary();
     }
+}
+
+/// The access-log stamp of the decision (`%FILTER_STATE(wasm.sluice_route:PLAIN)%`).
+fn write_stamp(r: &Routed) {
+    let stamp = serde_json::json!({
+        "model": r.model, "version": r.decision.version, "reason": r.decision.reason.as_str(),
+        "route": r.decision.route, "upstream_model": r.decision.upstream_model,
+        "shadow": r.shadow.as_ref().map(|s| s.0.clone()),
+    });
+    host::set_property("sluice_route", stamp.to_string().as_bytes());
 }
 
 impl Stream {
