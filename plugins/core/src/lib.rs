@@ -19,6 +19,8 @@
 //! - [`timing`]: TTFT / TPOT / tokens-per-second arithmetic on host timestamps.
 //! - [`routing`]: model-version routing: sticky weighted splits, canary ramps, fallback, shadow
 //!   sampling, and the similarity score of shadow comparisons.
+//! - [`latency`]: latency guard: quantile sketch, rolling latency windows, SLO circuit breaker,
+//!   priority shedding and the latency-guard policy.
 #![cfg_attr(
     test,
     allow(
@@ -31,6 +33,7 @@
 
 pub mod api;
 pub mod identity;
+pub mod latency;
 pub mod budget;
 pub mod price;
 pub mod reply;

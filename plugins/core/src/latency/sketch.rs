@@ -152,6 +152,27 @@ impl QuantileSketch {
         s
     }
 
+    /// An empty sketch of the same parameters, without recomputing its constants.
+    pub fn empty_like(&self) -> QuantileSketch {
+        QuantileSketch { count: 0, zeros: 0, min: 0, max: 0, offset: 0, counts: Vec::new(), collapsed: false, ..*self }
+    }
+
+    /// Bucket range in use, `(lowest, highest)` index.
+    pub(crate) fn range(&self) -> Option<(u32, u32)> {
+        (!self.counts.is_empty()).then(|| (self.offset, self.top()))
+    }
+
+    /// Makes room for buckets `lo..=hi` at once (before merging several sketches).
+    pub(crate) fn reserve_range(&mut self, lo: u32, hi: u32) {
+        let (lo, hi) = match self.range() {
+            Some((a, b)) => (a.min(lo), b.max(hi)),
+            None => (lo.min(hi), hi.max(lo)),
+        };
+        if self.range() != Some((lo, hi)) {
+            self.reshape(lo, hi);
+        }
+    }
+
     pub fn params(&self) -> SketchParams {
         self.params
     }
@@ -341,9 +362,14 @@ impl QuantileSketch {
     /// Compact versioned bytes: version, α (bp), max buckets, flags, then varints: zero count, min,
     /// max, first bucket index, bucket count, counts.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + 2 * self.counts.len());
+        let mut out = Vec::with_capacity(self.encoded_len_hint());
         self.encode_into(&mut out);
         out
+    }
+
+    /// About the encoded size (exact for counts below 16,384 a bucket).
+    pub(crate) fn encoded_len_hint(&self) -> usize {
+        24 + 2 * self.counts.len()
     }
 
     pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
@@ -364,11 +390,13 @@ impl QuantileSketch {
     /// `None` for bytes this version did not write or that are inconsistent.
     pub fn decode(bytes: &[u8]) -> Option<QuantileSketch> {
         let mut r = Reader::new(bytes);
-        let s = Self::decode_from(&mut r)?;
+        let s = Self::decode_from(&mut r, None)?;
         r.is_empty().then_some(s)
     }
 
-    pub(crate) fn decode_from(r: &mut Reader<'_>) -> Option<QuantileSketch> {
+    /// Decodes one sketch; `template` (an empty sketch) saves recomputing the constants when its
+    /// parameters match.
+    pub(crate) fn decode_from(r: &mut Reader<'_>, template: Option<&QuantileSketch>) -> Option<QuantileSketch> {
         if r.u8()? != FORMAT_VERSION {
             return None;
         }
@@ -377,7 +405,10 @@ impl QuantileSketch {
         if flags & !FLAG_COLLAPSED != 0 {
             return None;
         }
-        let mut s = QuantileSketch::new(params);
+        let mut s = match template {
+            Some(t) if t.params == params => t.empty_like(),
+            _ => QuantileSketch::new(params),
+        };
         s.collapsed = flags & FLAG_COLLAPSED != 0;
         s.zeros = r.varint()?;
         s.min = r.varint()?;
@@ -403,7 +434,11 @@ impl QuantileSketch {
         match (first, last) {
             (Some(first), Some(last)) => {
                 s.offset = offset.checked_add(u32::try_from(first).ok()?)?;
-                s.counts = counts.get(first..=last)?.to_vec();
+                counts.truncate(last + 1);
+                if first > 0 {
+                    counts.drain(..first);
+                }
+                s.counts = counts;
             }
             _ => {
                 s.offset = 0;

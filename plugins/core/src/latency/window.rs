@@ -1,0 +1,404 @@
+//! A rolling window of request latencies for one model version: `N` time slots (e.g. 6 × 10 s for
+//! 60 s), each with a [`QuantileSketch`] of TTFT, one of time per output token, and request/error
+//! counters. Slots are addressed by `now_ns / slot_ns`, so every Envoy worker agrees on them; a slot
+//! left from an earlier turn of the ring is reset lazily when it is next written, and skipped when
+//! read. Memory is bounded by `N × 2 × max_buckets`.
+//!
+//! A snapshot merges the slots of the last `N` slot periods, the current (partial) one included:
+//! it covers between `(N−1) × slot` and `N × slot` of history.
+//!
+//! The window is shared by every worker through a [`SharedStore`] value updated with
+//! compare-and-swap ([`update`]), like the budget ledger.
+
+use super::codec::{put_varint, Reader};
+use super::sketch::{QuantileSketch, SketchParams};
+use super::UpdateError;
+use crate::budget::ledger::{SharedStore, StoreError, MAX_CAS_ATTEMPTS};
+
+const FORMAT_VERSION: u8 = 1;
+
+/// Most slots a window may have.
+pub const MAX_SLOTS: u8 = 60;
+
+/// Geometry of a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowConfig {
+    slots: u8,
+    slot_ns: u64,
+    sketch: SketchParams,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WindowConfigError {
+    #[error("slots must be 1–{MAX_SLOTS}, got {0}")]
+    Slots(u32),
+    #[error("the slot length must be at least 1 ms, got {0} ns")]
+    SlotLength(u64),
+}
+
+impl WindowConfig {
+    /// A window of `slots` slots of `slot_ns` each.
+    pub fn new(slots: u32, slot_ns: u64, sketch: SketchParams) -> Result<WindowConfig, WindowConfigError> {
+        let slots = match u8::try_from(slots) {
+            Ok(s) if (1..=MAX_SLOTS).contains(&s) => s,
+            _ => return Err(WindowConfigError::Slots(slots)),
+        };
+        if slot_ns < 1_000_000 {
+            return Err(WindowConfigError::SlotLength(slot_ns));
+        }
+        Ok(WindowConfig { slots, slot_ns, sketch })
+    }
+
+    pub fn slots(&self) -> u32 {
+        u32::from(self.slots)
+    }
+
+    pub fn slot_ns(&self) -> u64 {
+        self.slot_ns
+    }
+
+    /// `slots × slot_ns`.
+    pub fn window_ns(&self) -> u64 {
+        self.slot_ns.saturating_mul(u64::from(self.slots))
+    }
+
+    pub fn sketch(&self) -> SketchParams {
+        self.sketch
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Slot {
+    /// Absolute slot number (`now_ns / slot_ns`) the data belongs to.
+    epoch: u64,
+    requests: u64,
+    errors: u64,
+    ttft: QuantileSketch,
+    tpot: QuantileSketch,
+}
+
+impl Slot {
+    fn new(epoch: u64, empty: &QuantileSketch) -> Slot {
+        Slot { epoch, requests: 0, errors: 0, ttft: empty.empty_like(), tpot: empty.empty_like() }
+    }
+}
+
+/// The window. See the module documentation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RollingWindow {
+    config: WindowConfig,
+    slots: Vec<Slot>,
+}
+
+/// What a window holds at one moment. `WindowStats::default()` is an empty window: what to pass
+/// the breaker at admission, where only time can change its state (open → half-open).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WindowStats {
+    /// Requests recorded.
+    pub samples: u64,
+    /// Of which failed.
+    pub errors: u64,
+    /// `errors × 1000 / samples`, rounded down (0 without samples). Display only: the breaker
+    /// compares `errors` and `samples` exactly.
+    pub error_rate_per_mille: u64,
+    /// Time to first token, µs.
+    pub ttft: QuantileSketch,
+    /// Time per output token, µs.
+    pub tpot: QuantileSketch,
+    /// The window's nominal length.
+    pub window_ns: u64,
+}
+
+impl WindowStats {
+    /// TTFT at quantile `q` (µs); `None` without TTFT samples.
+    pub fn ttft_quantile(&self, q: f64) -> Option<u64> {
+        self.ttft.quantile(q)
+    }
+
+    /// Time per output token at quantile `q` (µs); `None` without samples.
+    pub fn tpot_quantile(&self, q: f64) -> Option<u64> {
+        self.tpot.quantile(q)
+    }
+}
+
+impl RollingWindow {
+    pub fn new(config: WindowConfig) -> RollingWindow {
+        let empty = QuantileSketch::new(config.sketch);
+        RollingWindow { config, slots: (0..config.slots).map(|_| Slot::new(0, &empty)).collect() }
+    }
+
+    fn empty_sketch(&self) -> QuantileSketch {
+        match self.slots.first() {
+            Some(slot) => slot.ttft.empty_like(),
+            None => QuantileSketch::new(self.config.sketch),
+        }
+    }
+
+    pub fn config(&self) -> &WindowConfig {
+        &self.config
+    }
+
+    fn epoch(&self, now_ns: u64) -> u64 {
+        now_ns / self.config.slot_ns.max(1)
+    }
+
+    /// Records one finished request. Returns `false` (and records nothing) when `now_ns` falls in a
+    /// slot the ring has already reused for a later period (a clock that went backwards).
+    pub fn record(&mut self, now_ns: u64, ttft_us: Option<u64>, tpot_us: Option<u64>, error: bool) -> bool {
+        let epoch = self.epoch(now_ns);
+        let n = u64::from(self.config.slots).max(1);
+        let empty = self.empty_sketch();
+        let Some(slot) = self.slots.get_mut((epoch % n) as usize) else {
+            return false;
+        };
+        if slot.epoch < epoch || (slot.requests == 0 && slot.epoch != epoch) {
+            *slot = Slot::new(epoch, &empty);
+        } else if slot.epoch > epoch {
+            return false;
+        }
+        slot.requests = slot.requests.saturating_add(1);
+        if error {
+            slot.errors = slot.errors.saturating_add(1);
+        }
+        if let Some(v) = ttft_us {
+            slot.ttft.add(v);
+        }
+        if let Some(v) = tpot_us {
+            slot.tpot.add(v);
+        }
+        true
+    }
+
+    /// Merges the slots inside the window ending at `now_ns`.
+    pub fn snapshot(&self, now_ns: u64) -> WindowStats {
+        let epoch = self.epoch(now_ns);
+        let n = u64::from(self.config.slots);
+        let empty = self.empty_sketch();
+        let mut stats = WindowStats {
+            samples: 0,
+            errors: 0,
+            error_rate_per_mille: 0,
+            ttft: empty.empty_like(),
+            tpot: empty,
+            window_ns: self.config.window_ns(),
+        };
+        // The slot just after `now` counts too: another worker may have read the clock a moment later.
+        let inside = |s: &&Slot| s.requests > 0 && s.epoch.saturating_add(n) > epoch && s.epoch <= epoch.saturating_add(1);
+        // One allocation per merged sketch: reserve the union of the slots' ranges first.
+        let union = |pick: fn(&Slot) -> &QuantileSketch| {
+            self.slots.iter().filter(inside).filter_map(|s| pick(s).range()).reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)))
+        };
+        if let Some((lo, hi)) = union(|s| &s.ttft) {
+            stats.ttft.reserve_range(lo, hi);
+        }
+        if let Some((lo, hi)) = union(|s| &s.tpot) {
+            stats.tpot.reserve_range(lo, hi);
+        }
+        for slot in self.slots.iter().filter(inside) {
+            stats.samples = stats.samples.saturating_add(slot.requests);
+            stats.errors = stats.errors.saturating_add(slot.errors);
+            // Same parameters by construction; a mismatch cannot happen and would only lose data.
+            let _ = stats.ttft.merge(&slot.ttft);
+            let _ = stats.tpot.merge(&slot.tpot);
+        }
+        if stats.samples > 0 {
+            stats.error_rate_per_mille =
+                u64::try_from(u128::from(stats.errors) * 1000 / u128::from(stats.samples)).unwrap_or(u64::MAX);
+        }
+        stats
+    }
+
+    /// Version, slot count, slot length, sketch parameters; then per slot: epoch, requests and (when
+    /// it holds requests) errors and the two sketches.
+    pub fn encode(&self) -> Vec<u8> {
+        let hint: usize = self.slots.iter().map(|s| 24 + s.ttft.encoded_len_hint() + s.tpot.encoded_len_hint()).sum();
+        let mut out = Vec::with_capacity(16 + hint);
+        out.push(FORMAT_VERSION);
+        out.push(self.config.slots);
+        out.extend_from_slice(&self.config.slot_ns.to_le_bytes());
+        out.extend_from_slice(&self.config.sketch.accuracy_bp().to_le_bytes());
+        out.extend_from_slice(&(self.config.sketch.max_buckets() as u16).to_le_bytes());
+        for slot in &self.slots {
+            put_varint(&mut out, slot.epoch);
+            put_varint(&mut out, slot.requests);
+            if slot.requests > 0 {
+                put_varint(&mut out, slot.errors);
+                slot.ttft.encode_into(&mut out);
+                slot.tpot.encode_into(&mut out);
+            }
+        }
+        out
+    }
+
+    /// `None` for bytes this version did not write or that are inconsistent.
+    pub fn decode(bytes: &[u8]) -> Option<RollingWindow> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != FORMAT_VERSION {
+            return None;
+        }
+        let slots = r.u8()?;
+        let slot_ns = r.u64_le()?;
+        let sketch = SketchParams::new(r.u16_le()?, r.u16_le()?).ok()?;
+        let config = WindowConfig::new(u32::from(slots), slot_ns, sketch).ok()?;
+        let mut window = RollingWindow { config, slots: Vec::with_capacity(usize::from(slots)) };
+        let empty = QuantileSketch::new(sketch);
+        for _ in 0..slots {
+            let epoch = r.varint()?;
+            let requests = r.varint()?;
+            let mut slot = Slot::new(epoch, &empty);
+            if requests > 0 {
+                slot.requests = requests;
+                slot.errors = r.varint()?;
+                slot.ttft = QuantileSketch::decode_from(&mut r, Some(&empty))?;
+                slot.tpot = QuantileSketch::decode_from(&mut r, Some(&empty))?;
+                if slot.errors > requests || slot.ttft.params() != sketch || slot.tpot.params() != sketch {
+                    return None;
+                }
+            }
+            window.slots.push(slot);
+        }
+        r.is_empty().then_some(window)
+    }
+}
+
+fn load(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<(RollingWindow, u32), StoreError> {
+    let (bytes, cas) = store.get(key)?;
+    let window = bytes
+        .as_deref()
+        .and_then(RollingWindow::decode)
+        // A window written under another geometry (the policy changed) starts over.
+        .filter(|w| w.config == *config)
+        .unwrap_or_else(|| RollingWindow::new(*config));
+    Ok((window, cas))
+}
+
+/// Reads the shared window (a fresh one when absent, unreadable or of another geometry).
+pub fn read(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<RollingWindow, StoreError> {
+    load(store, key, config).map(|(w, _)| w)
+}
+
+/// Creates the shared window if it does not exist; `true` when it did. Call at configure time,
+/// before traffic: the store cannot make a *create* conditional (Envoy accepts any CAS token for a
+/// missing key), so two first updates racing on a missing key could lose a sample. With the key
+/// created up front every later update is a real CAS.
+pub fn ensure(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<bool, StoreError> {
+    if let (None, _) = store.get(key)? {
+        store.set(key, &RollingWindow::new(*config).encode(), 0)?;
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// Records one finished request into the shared window with compare-and-swap, retrying at most
+/// [`MAX_CAS_ATTEMPTS`] times. Returns the window as written (snapshot it for the breaker). A
+/// missing key is created empty first (see [`ensure`] for why that should have happened already).
+pub fn update(
+    store: &mut dyn SharedStore,
+    key: &str,
+    config: &WindowConfig,
+    now_ns: u64,
+    ttft_us: Option<u64>,
+    tpot_us: Option<u64>,
+    error: bool,
+) -> Result<RollingWindow, UpdateError> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        if ensure(store, key, config)? {
+            continue;
+        }
+        let (mut window, cas) = load(store, key, config)?;
+        if !window.record(now_ns, ttft_us, tpot_us, error) {
+            return Ok(window);
+        }
+        match store.set(key, &window.encode(), cas) {
+            Ok(()) => return Ok(window),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(UpdateError::Store(e)),
+        }
+    }
+    Err(UpdateError::Contended)
+}
+
+/// Replaces the shared window by an empty one (the breaker asks for it when it starts probing, so
+/// that the probes are judged on their own).
+pub fn reset(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<(), StoreError> {
+    store.set(key, &RollingWindow::new(*config).encode(), 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::ledger::MemoryStore;
+
+    const S: u64 = 1_000_000_000;
+    const MS: u64 = 1_000_000;
+
+    fn config() -> WindowConfig {
+        WindowConfig::new(6, 10 * S, SketchParams::DEFAULT).unwrap()
+    }
+
+    #[test]
+    fn old_slots_leave_the_window_and_are_reset_lazily() {
+        let mut w = RollingWindow::new(config());
+        let t0 = 1_000 * S;
+        for i in 0..10 {
+            assert!(w.record(t0 + i, Some(100_000), Some(20_000), i == 0));
+        }
+        let s = w.snapshot(t0);
+        assert_eq!((s.samples, s.errors, s.error_rate_per_mille), (10, 1, 100));
+        // 50 s later: same window; 60 s later: the first slot has left it.
+        assert_eq!(w.snapshot(t0 + 59 * S).samples, 10);
+        assert_eq!(w.snapshot(t0 + 60 * S).samples, 0);
+        // Writing into the ring position again resets it.
+        assert!(w.record(t0 + 60 * S, Some(1), None, false));
+        let s = w.snapshot(t0 + 60 * S);
+        assert_eq!((s.samples, s.errors, s.ttft.count(), s.tpot.count()), (1, 0, 1, 0));
+        // A sample from a period the ring already reused is dropped.
+        assert!(!w.record(t0, Some(1), None, false));
+    }
+
+    #[test]
+    fn a_snapshot_is_the_sketch_of_the_values_inside_the_window() {
+        let mut w = RollingWindow::new(config());
+        let mut inside = QuantileSketch::default();
+        let t0 = 3_000 * S;
+        for i in 0..900u64 {
+            let v = 1 + (i * 7919) % 2_000_000 * (1 + i % 5);
+            let now = t0 + i * 100 * MS;
+            w.record(now, Some(v), None, false);
+            if now >= t0 + 30 * S {
+                inside.add(v);
+            }
+        }
+        // At 89.9 s the window holds slots 30–89.9 s.
+        assert_eq!(w.snapshot(t0 + 89_900 * MS).ttft, inside);
+    }
+
+    #[test]
+    fn encoding_round_trips_and_rejects_garbage() {
+        let mut w = RollingWindow::new(config());
+        let t0 = 77 * S;
+        for i in 0..100u64 {
+            w.record(t0 + i * S / 2, Some(200_000 + i * 1000), Some(30_000), i % 7 == 0);
+        }
+        let bytes = w.encode();
+        assert_eq!(RollingWindow::decode(&bytes), Some(w.clone()));
+        for cut in 0..bytes.len() {
+            assert_eq!(RollingWindow::decode(&bytes[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(RollingWindow::decode(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 100, 0, 0, 4]), None);
+    }
+
+    #[test]
+    fn shared_updates_accumulate_and_a_changed_geometry_starts_over() {
+        let mut store = MemoryStore::default();
+        let c = config();
+        for i in 0..5 {
+            update(&mut store, "k", &c, 100 * S + i, Some(1000), Some(10), false).unwrap();
+        }
+        assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(100 * S).samples, 5);
+        let other = WindowConfig::new(12, 5 * S, SketchParams::DEFAULT).unwrap();
+        assert_eq!(read(&mut store, "k", &other).unwrap().snapshot(100 * S).samples, 0);
+        reset(&mut store, "k", &c).unwrap();
+        assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(100 * S).samples, 0);
+    }
+}
