@@ -265,6 +265,8 @@ struct Routed {
     authority: String,
     request_id: String,
     model: String,
+    /// The policy's entry for `model`, found once in the header phase.
+    model_index: usize,
     decision: Decision,
     /// The shadow version's (name, upstream model, cluster, authority), when this request is shadowed.
     shadow: Option<(String, String, String, String)>,
@@ -389,6 +391,7 @@ impl HttpContext for Stream {
             authority: host::header(MapType::HttpRequestHeaders, ":authority").unwrap_or_default(),
             request_id,
             model,
+            model_index: index,
             decision,
             shadow,
             rewrite_model,
@@ -421,7 +424,7 @@ impl HttpContext for Stream {
         if let Some((name, upstream_model, cluster, authority)) = r.shadow.clone() {
             let mut sh = shared.borrow_mut();
             let labels = format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), sanitize_label(&name));
-            let cap = sh.policy.model_for(&r.model).and_then(|i| sh.policy.model(i)).and_then(|m| m.shadow.as_ref()).map_or(0, |s| s.max_concurrent);
+            let cap = sh.policy.model(r.model_index).and_then(|m| m.shadow.as_ref()).map_or(0, |s| s.max_concurrent);
             let busy = sh.in_flight.len() + sh.jobs.len();
             sh.count(&format!("sluice.router.shadow_total{labels}.result.sampled"));
             let shadow_body = set_top_level_string(&body, "model", &upstream_model);

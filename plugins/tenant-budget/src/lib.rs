@@ -347,6 +347,14 @@ fn rate_headers(policy: &Policy, admission: &Admission) -> Vec<(String, String)>
     out
 }
 
+/// Ids of the request's key, its team and its org (`unknown` before the key is identified).
+fn key_path(policy: &Policy, key: Option<usize>) -> (String, String, String) {
+    match key.and_then(|k| policy.keys.get(k)) {
+        Some(node) => (node.id.clone(), node.team.clone(), node.org.clone()),
+        None => ("unknown".into(), "unknown".into(), "unknown".into()),
+    }
+}
+
 fn counter_label(spec: &CounterSpec) -> String {
     format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.unit())
 }
@@ -358,7 +366,7 @@ impl Stream {
             b.decision = "rejected";
             b.reject_code = Some(code.to_string());
             b.settled = true;
-            let key = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+            let (key, _, _) = key_path(&shared.borrow().policy, b.key);
             shared.borrow_mut().metrics.add(
                 MetricType::Counter,
                 &format!("sluice.budget.rejections_total.key.{}.reason.{}", sanitize_label(&key), sanitize_label(code)),
@@ -432,11 +440,10 @@ impl Stream {
                 }
                 b.decision = if admission.clamped { "clamped" } else { "admitted" };
                 let mut sh = shared.borrow_mut();
+                let (key_id, _, _) = key_path(&sh.policy, b.key);
                 if admission.clamped {
-                    let key_id = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or_default().to_string();
                     sh.metrics.add(MetricType::Counter, &format!("sluice.budget.clamps_total.key.{key_id}"), 1);
                 }
-                let key_id = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or_default().to_string();
                 for ((index, _), counter) in admission.leases.iter().zip(&admission.after) {
                     if let Some(spec) = sh.policy.counters.get(*index).cloned() {
                         if publish_counter(&mut sh, &spec, counter, 0, &key_id) && b.soft_warning.is_none() {
@@ -504,9 +511,7 @@ impl Stream {
         let now = host::now_ns();
         let mut sh = shared.borrow_mut();
         let settlement = sh.policy.settle(&mut SharedData, &admission, &actual, now);
-        let key = b.stamp.get("key").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
-        let team = b.stamp.get("team").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
-        let org = b.stamp.get("org").and_then(|k| k.as_str()).unwrap_or("unknown").to_string();
+        let (key, team, org) = key_path(&sh.policy, b.key);
         let mv = sanitize_label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
         let labels = format!(".key.{key}.team.{team}.org.{org}.model_version.{mv}");
         let charged_tokens = actual.input_tokens.saturating_add(actual.output_tokens);
