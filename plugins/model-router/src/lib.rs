@@ -16,7 +16,7 @@ use sluice_core::report::sanitize_label;
 use sluice_core::response::{inspect_response_body, ResponseSummary, StreamObserver};
 use sluice_core::rewrite::set_top_level_string;
 use sluice_core::routing::similarity::{jaccard_per_mille, response_text};
-use sluice_core::routing::{Decision, RoutingPolicy, ShadowVerdict};
+use sluice_core::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
 use sluice_core::timing::StreamTiming;
 use sluice_proxy_host as host;
 use std::cell::RefCell;
@@ -295,6 +295,22 @@ fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
     policy.sticky_key(&mut header, &mut property).map(|k| k.bytes)
 }
 
+/// Filter state latency-guard writes: `version>preferred-fallback` entries, comma-separated.
+const AVOID_PROPERTY: &str = "sluice_latency_avoid";
+
+/// The versions latency-guard asked this request to avoid, with the fallback it prefers (may be empty).
+fn avoided_versions() -> Vec<(String, String)> {
+    let Some(list) = host::property(&[AVOID_PROPERTY.to_string()]) else { return Vec::new() };
+    list.split(',')
+        .filter(|e| !e.is_empty())
+        .take(64)
+        .map(|e| match e.split_once('>') {
+            Some((v, f)) => (v.to_string(), f.to_string()),
+            None => (e.to_string(), String::new()),
+        })
+        .collect()
+}
+
 fn unhealthy_key(route: &str) -> String {
     format!("sluice/model-router/unhealthy/{route}")
 }
@@ -346,15 +362,33 @@ impl HttpContext for Stream {
         let now = host::now_ns();
         let routes: Vec<String> = sh.policy.model(index).map(|m| m.versions.iter().map(|v| v.route.clone()).collect()).unwrap_or_default();
         let unhealthy_routes = unhealthy_routes(&routes, now);
-        let unhealthy: Vec<&str> = sh
+        let mut unhealthy: Vec<&str> = sh
             .policy
             .model(index)
             .map(|m| m.versions.iter().filter(|v| unhealthy_routes.contains(&v.route)).map(|v| v.name.as_str()).collect())
             .unwrap_or_default();
-        let Some(decision) = sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy) else {
+        // latency-guard (in front) lists versions this request must not go to: their SLO breaker is
+        // open and the tenant's class fails over. Filter state, so a client cannot forge it.
+        let avoid = avoided_versions();
+        unhealthy.extend(avoid.iter().map(|(v, _)| v.as_str()));
+        let Some(mut decision) = sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy) else {
             sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{}", sanitize_label(&model)));
             return Action::Continue;
         };
+        // The guard may name the fallback it wants for the avoided version; the router's own
+        // fallback order applies when it does not, or when that version is not available.
+        let preferred = avoid
+            .iter()
+            .find(|(v, _)| decision.fallback_from.as_deref() == Some(v.as_str()))
+            .map(|(_, f)| f.as_str())
+            .filter(|f| !f.is_empty() && !unhealthy.contains(f));
+        if let (Reason::Fallback, Some(preferred)) = (decision.reason, preferred) {
+            if let Some(d) = sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), Some(preferred), now, &unhealthy) {
+                if d.version == preferred {
+                    decision = Decision { reason: Reason::Fallback, fallback_from: decision.fallback_from.take(), ..d };
+                }
+            }
+        }
         host::set_header(MapType::HttpRequestHeaders, &route_header, Some(&decision.route));
         host::set_header(MapType::HttpRequestHeaders, &version_header, Some(&decision.version));
         let model_label = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());

@@ -192,3 +192,48 @@ impl sluice_core::budget::SharedStore for SharedData {
         }
     }
 }
+
+// The SDK's wrappers for these panic on any status they do not expect (e.g. a context that ended
+// between a tick and the call); the raw imports return the status instead.
+#[link(wasm_import_module = "env")]
+#[allow(clashing_extern_declarations)]
+extern "C" {
+    fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_close_stream(stream_type: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+}
+
+const STREAM_RESPONSE: u32 = 1;
+const STATUS_OK: u32 = 0;
+
+/// Makes `context_id` the stream later hostcalls act on (from the root context, e.g. on a tick).
+/// `false`, logged at debug, when the host no longer knows the stream.
+pub fn set_effective_context(context_id: u32) -> bool {
+    // SAFETY: a proxy-wasm ABI 0.2.1 import taking and returning plain integers.
+    let status = unsafe { proxy_set_effective_context(context_id) };
+    if status != STATUS_OK {
+        log::debug!("proxy_set_effective_context({context_id}) returned status {status}");
+    }
+    status == STATUS_OK
+}
+
+/// Lets a paused response continue to the client.
+pub fn resume_response() -> bool {
+    // SAFETY: as above.
+    let status = unsafe { proxy_continue_stream(STREAM_RESPONSE) };
+    if status != STATUS_OK {
+        log::warn!("resuming the response failed: status {status}");
+    }
+    status == STATUS_OK
+}
+
+/// Resets the stream (both directions): the only way to end a response whose headers already
+/// reached the client.
+pub fn reset_stream() -> bool {
+    // SAFETY: as above.
+    let status = unsafe { proxy_close_stream(STREAM_RESPONSE) };
+    if status != STATUS_OK {
+        log::warn!("resetting the stream failed: status {status}");
+    }
+    status == STATUS_OK
+}

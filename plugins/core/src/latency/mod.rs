@@ -20,7 +20,7 @@ pub mod sketch;
 pub mod window;
 
 pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, State, Transition};
-pub use policy::{BreakerPolicy, LatencyPolicy, OpenAction, PolicyError, TenantClass, VersionPolicy};
+pub use policy::{BreakerPolicy, LatencyPolicy, OpenAction, PolicyError, TenantClass, TenantSource, VersionPolicy};
 pub use shed::{should_shed, InFlightLimit, Priority};
 pub use sketch::{QuantileSketch, SketchParams};
 pub use window::{RollingWindow, WindowConfig, WindowStats};

@@ -1,0 +1,816 @@
+//! sluice latency-guard: per-tenant-class latency policies in Envoy — TTFT and total deadlines, an
+//! SLO circuit breaker per model version with fallback through model-router, and priority shedding
+//! against per-version in-flight limits. The decisions are `sluice_core::latency`'s; this crate
+//! reads the host, keeps each worker's watch list of streams, and acts.
+//!
+//! Where it sits (docs/latency-guard.md has the whole picture and the reasons):
+//!
+//! ```text
+//! json_to_metadata → latency-guard → model-router → llm-metrics → router
+//! ```
+//!
+//! - request headers: the tenant's class; for every version whose breaker blocks this request and
+//!   whose action for the class is `fallback`, an entry in filter state `sluice_latency_avoid`,
+//!   which model-router honours when it picks the version;
+//! - first request body chunk (model-router has decided by then): the final version; breaker
+//!   refusal (503 + `retry-after`), in-flight shedding (503), deadlines armed;
+//! - response headers of a stream: held until llm-metrics (behind the guard) marks the first
+//!   content token in filter state `sluice_first_token`, so at the TTFT deadline nothing has reached
+//!   the client and the answer can still be a clean 504;
+//! - a 1 ms root tick: releases held streams, fires deadlines, lets open breakers start probing;
+//! - end of stream: TTFT, time per output token and error into the version's shared window, breaker
+//!   evaluated, every transition logged with the numbers that caused it.
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use sluice_core::api::ApiKind;
+use sluice_core::budget::SharedStore;
+use sluice_core::latency::{
+    self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, TenantSource, Transition,
+    VersionPolicy,
+};
+use sluice_core::reply::error_body;
+use sluice_core::report::sanitize_label;
+use sluice_core::response::StreamObserver;
+use sluice_core::timing::StreamTiming;
+use sluice_proxy_host as host;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Filter state the guard writes for model-router: `version>fallback` entries, comma-separated.
+pub const AVOID_PROPERTY: &str = "sluice_latency_avoid";
+/// Filter state llm-metrics writes: "0" while a stream waits for its first content token, then
+/// the token's host time in nanoseconds.
+pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
+/// Filter state model-router writes with its decision (JSON with `version`).
+const ROUTE_PROPERTY: &str = "sluice_route";
+/// Metadata json_to_metadata lifts the request's model into (used when no router decided).
+const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+/// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
+const STAMP_PROPERTY: &str = "sluice_latency";
+
+/// The tick that releases held streams and fires deadlines: deadlines fire at most this late.
+const TICK: Duration = Duration::from_millis(1);
+/// How often each worker looks at open breakers (their way to half-open is time alone).
+const BREAKER_SWEEP_NS: u64 = 100_000_000;
+/// After the error event that ends a stream at its total deadline, the stream is reset this much
+/// later, so the event is written to the client before the reset.
+const END_GRACE_NS: u64 = 20_000_000;
+/// Compare-and-swap attempts on the in-flight counter before giving up (and not counting).
+const MAX_CAS_ATTEMPTS: usize = 16;
+
+struct Shared {
+    policy: LatencyPolicy,
+    metrics: host::Metrics,
+    /// Streams the tick watches, by context id.
+    watched: BTreeMap<u32, Watch>,
+    next_breaker_sweep_ns: u64,
+    warned_no_first_token_signal: bool,
+}
+
+/// What the tick needs of a stream.
+#[derive(Debug, Clone)]
+struct Watch {
+    kind: ApiKind,
+    version: String,
+    start_ns: u64,
+    ttft_deadline_ns: Option<u64>,
+    total_deadline_ns: Option<u64>,
+    /// Response headers are held (nothing has reached the client).
+    held: bool,
+    /// Response headers reached the client (released or never held).
+    started: bool,
+    /// A content token passed (the TTFT deadline no longer applies).
+    first_token_ns: Option<u64>,
+    /// A deadline fired; what it did.
+    fired: Option<Fired>,
+    /// Reset the stream at this time (after the error event that ended it).
+    reset_at_ns: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fired {
+    TtftReply,
+    TtftReset,
+    TotalReply,
+    TotalEvent,
+    TotalReset,
+}
+
+impl Fired {
+    fn kind(self) -> &'static str {
+        match self {
+            Fired::TtftReply | Fired::TtftReset => "ttft",
+            Fired::TotalReply | Fired::TotalEvent | Fired::TotalReset => "total",
+        }
+    }
+    fn action(self) -> &'static str {
+        match self {
+            Fired::TtftReply | Fired::TotalReply => "reply_504",
+            Fired::TtftReset | Fired::TotalReset => "reset",
+            Fired::TotalEvent => "error_event",
+        }
+    }
+}
+
+#[derive(Default)]
+struct Root {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let Some(bytes) = host::plugin_configuration() else { return false };
+        let policy = match LatencyPolicy::from_json(&bytes) {
+            Ok(p) => p,
+            Err(e) => {
+                log::error!("sluice latency-guard: configuration refused: {e}");
+                return false;
+            }
+        };
+        // Every shared value exists before traffic: Envoy accepts any CAS token for a missing key,
+        // so a create could not be conditional.
+        let mut store = host::SharedData;
+        for v in &policy.versions {
+            if let Some(b) = &v.breaker {
+                let w = window::ensure(&mut store, &v.window_key(), &b.window);
+                let s = breaker::ensure(&mut store, &v.breaker_key());
+                if let Err(e) = w.and(s) {
+                    log::error!("sluice latency-guard: cannot create the shared state of {}: {e}", v.name);
+                    return false;
+                }
+            }
+            if v.in_flight.is_some() {
+                if let Ok((None, _)) = store.get(&v.in_flight_key()) {
+                    if let Err(e) = store.set(&v.in_flight_key(), &0u64.to_le_bytes(), 0) {
+                        log::error!("sluice latency-guard: cannot create the in-flight counter of {}: {e}", v.name);
+                        return false;
+                    }
+                }
+            }
+        }
+        if let Err(status) = proxy_wasm::hostcalls::set_tick_period(TICK) {
+            log::error!("sluice latency-guard: cannot set the tick ({status:?}); deadlines would never fire");
+            return false;
+        }
+        log::info!(
+            "sluice latency-guard: configured ({} classes, {} versions, {} with a breaker)",
+            policy.classes.len(),
+            policy.versions.len(),
+            policy.versions.iter().filter(|v| v.breaker.is_some()).count()
+        );
+        self.shared = Some(Rc::new(RefCell::new(Shared {
+            policy,
+            metrics: host::Metrics::default(),
+            watched: BTreeMap::new(),
+            next_breaker_sweep_ns: 0,
+            warned_no_first_token_signal: false,
+        })));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = self.shared.clone() else { return };
+        let now = host::now_ns();
+        let mut sh = shared.borrow_mut();
+        let ids: Vec<u32> = sh.watched.keys().copied().collect();
+        for id in ids {
+            sh.tick_stream(id, now);
+        }
+        if now >= sh.next_breaker_sweep_ns {
+            sh.next_breaker_sweep_ns = now.saturating_add(BREAKER_SWEEP_NS);
+            sh.sweep_open_breakers(now);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Guard { context_id, shared: self.shared.clone(), state: None }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Guard {
+    context_id: u32,
+    shared: Option<Rc<RefCell<Shared>>>,
+    state: Option<Box<Guarded>>,
+}
+
+/// A request the guard follows.
+struct Guarded {
+    kind: ApiKind,
+    class: String,
+    priority: Priority,
+    /// Deterministic per request: picks half-open probes.
+    draw: u64,
+    start_ns: u64,
+    /// Set once the final version is known and the request admitted.
+    admitted: Option<Admitted>,
+    decided: bool,
+    status: u16,
+    streaming: bool,
+    observer: Option<StreamObserver>,
+    timing: StreamTiming,
+    observed: bool,
+}
+
+struct Admitted {
+    version: String,
+    probe: bool,
+    counted_in_flight: bool,
+}
+
+impl Context for Guard {}
+
+impl HttpContext for Guard {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
+        let sh = shared.borrow();
+        let tenant = match &sh.policy.tenant {
+            None => None,
+            Some(TenantSource::Header(name)) => host::header(MapType::HttpRequestHeaders, name),
+            Some(TenantSource::Property(p)) => host::property(p),
+        };
+        let (class, priority) = sh.policy.classify(tenant.as_deref().map(str::trim).filter(|t| !t.is_empty()));
+        let class = class.to_string();
+        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default();
+        let draw = draw_of(&request_id, self.context_id);
+        let now = host::now_ns();
+        // Which versions this request must not be sent to: blocked by their breaker, and failing over
+        // is what this class does. model-router reads the list when it picks the version.
+        let mut avoid = String::new();
+        let mut store = host::SharedData;
+        for v in &sh.policy.versions {
+            let Some(b) = &v.breaker else { continue };
+            if b.action(priority) != OpenAction::Fallback {
+                continue;
+            }
+            let Ok(breaker) = breaker::read(&mut store, &v.breaker_key(), &b.config) else { continue };
+            if breaker.admit(draw) == Admission::Blocked {
+                if !avoid.is_empty() {
+                    avoid.push(',');
+                }
+                avoid.push_str(&v.name);
+                avoid.push('>');
+                avoid.push_str(b.fallback.as_deref().unwrap_or(""));
+            }
+        }
+        if !avoid.is_empty() {
+            host::set_property(AVOID_PROPERTY, avoid.as_bytes());
+        }
+        drop(sh);
+        self.state = Some(Box::new(Guarded {
+            kind,
+            class,
+            priority,
+            draw,
+            start_ns: now,
+            admitted: None,
+            decided: false,
+            status: 0,
+            streaming: false,
+            observer: None,
+            timing: StreamTiming::new(now),
+            observed: false,
+        }));
+        if end_of_stream {
+            // No body: decide now (there is no later request event).
+            return self.decide();
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, _size: usize, _end_of_stream: bool) -> Action {
+        match &self.state {
+            Some(g) if !g.decided => self.decide(),
+            _ => Action::Continue,
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
+        if !g.decided {
+            // A request without a body event (or a reply before it): decide now, no refusal possible.
+            g.decided = true;
+        }
+        g.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let content_type = host::header(MapType::HttpResponseHeaders, "content-type").unwrap_or_default();
+        g.streaming = content_type.to_ascii_lowercase().starts_with("text/event-stream");
+        if g.streaming {
+            g.observer = Some(StreamObserver::new(g.kind));
+        }
+        let mut sh = shared.borrow_mut();
+        let Some(w) = sh.watched.get(&self.context_id).cloned() else { return Action::Continue };
+        let wants_hold = w.ttft_deadline_ns.is_some() && g.streaming && !end_of_stream && (200..300).contains(&g.status);
+        if wants_hold && w.first_token_ns.is_none() && w.fired.is_none() {
+            match host::property(&[FIRST_TOKEN_PROPERTY.to_string()]) {
+                // llm-metrics is behind the guard and waits for the first token: hold until it has.
+                Some(v) if v == "0" => {
+                    if let Some(w) = sh.watched.get_mut(&self.context_id) {
+                        w.held = true;
+                    }
+                    return Action::Pause;
+                }
+                Some(_) => {}
+                None => {
+                    if !sh.warned_no_first_token_signal {
+                        sh.warned_no_first_token_signal = true;
+                        log::warn!(
+                            "sluice latency-guard: no first-token signal from llm-metrics (install it after the guard); \
+                             TTFT deadlines can only reset streams whose headers were sent"
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(w) = sh.watched.get_mut(&self.context_id) {
+            w.started = true;
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
+        let now = host::now_ns();
+        let mut sh = shared.borrow_mut();
+        let ended = sh.watched.get(&self.context_id).and_then(|w| w.fired).is_some_and(|f| f == Fired::TotalEvent);
+        if ended {
+            // The stream was ended with an error event: nothing after it reaches the client.
+            host::replace_body(BufferType::HttpResponseBody, body_size, b"");
+            return Action::Continue;
+        }
+        if let Some(observer) = g.observer.as_mut() {
+            let chunk = host::body(BufferType::HttpResponseBody, body_size);
+            let mut outcome = observer.push(&chunk);
+            if end_of_stream {
+                let last = observer.finish();
+                outcome.content_events = outcome.content_events.saturating_add(last.content_events);
+            }
+            if outcome.content_events > 0 {
+                g.timing.on_content(now, outcome.content_events);
+                if let Some(w) = sh.watched.get_mut(&self.context_id) {
+                    w.first_token_ns.get_or_insert(now);
+                }
+            }
+        }
+        let past_total = sh.watched.get(&self.context_id).is_some_and(|w| {
+            w.fired.is_none() && w.total_deadline_ns.is_some_and(|d| now >= d) && !end_of_stream
+        });
+        if past_total && g.streaming {
+            let event = deadline_event(g.kind, "total", sh.watched.get(&self.context_id).map(|w| w.total_ms()).unwrap_or(0));
+            host::replace_body(BufferType::HttpResponseBody, body_size, event.as_bytes());
+            if let Some(w) = sh.watched.get_mut(&self.context_id) {
+                w.fired = Some(Fired::TotalEvent);
+                w.reset_at_ns = Some(now.saturating_add(END_GRACE_NS));
+            }
+            sh.count_deadline(self.context_id, Fired::TotalEvent);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return };
+        let mut sh = shared.borrow_mut();
+        let watch = sh.watched.remove(&self.context_id);
+        let Some(a) = g.admitted.take() else { return };
+        if a.counted_in_flight {
+            sh.leave_in_flight(&a.version);
+        }
+        if g.observed {
+            return;
+        }
+        g.observed = true;
+        let now = host::now_ns();
+        if let Some(observer) = g.observer.as_mut() {
+            let last = observer.finish();
+            if last.content_events > 0 {
+                g.timing.on_content(now, last.content_events);
+            }
+        }
+        // The first token as llm-metrics saw it (earlier than the guard does while holding).
+        if let Some(first) = watch.as_ref().and_then(|w| w.first_token_ns) {
+            if g.timing.first_content_ns.is_none_or(|t| first < t) {
+                g.timing.first_content_ns = Some(first);
+            }
+        }
+        let summary = g.observer.as_ref().map(StreamObserver::summary).unwrap_or_default();
+        let fired = watch.as_ref().and_then(|w| w.fired);
+        let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
+        let upstream_failed = details.contains("upstream") && !details.contains("via_upstream");
+        let error = fired.is_some() || g.status >= 500 || upstream_failed || summary.upstream_error.is_some() && g.status < 400;
+        let client_gone = !error && !summary.done && g.streaming && details.contains("downstream");
+        let ttft_us = match fired {
+            // The TTFT is at least the deadline; the window sees the deadline.
+            Some(Fired::TtftReply | Fired::TtftReset) => watch.as_ref().and_then(|w| w.ttft_deadline_ns).map(|d| d.saturating_sub(g.start_ns) / 1000),
+            _ => g.timing.ttft_ns().map(|v| v / 1000),
+        };
+        let output_tokens = summary.usage.output_tokens;
+        let tpot_us = g.timing.tpot_ns(output_tokens).map(|v| v / 1000);
+        let outcome = match (fired, error) {
+            (Some(f), _) => f.kind(),
+            (None, true) => "error",
+            (None, false) if client_gone => "client_disconnect",
+            _ => "ok",
+        };
+        let version_label = sanitize_label(&a.version);
+        sh.metrics.add(
+            MetricType::Counter,
+            &format!("sluice.latency.requests_total.version.{version_label}.class.{}.outcome.{outcome}", sanitize_label(&g.class)),
+            1,
+        );
+        write_stamp(g, &a, outcome, ttft_us);
+        if client_gone {
+            // Says nothing about the version's latency.
+            return;
+        }
+        sh.observe(&a.version, now, ttft_us, tpot_us, error);
+    }
+}
+
+impl Guard {
+    /// The final version is known (model-router decided in its header phase): admit or refuse.
+    fn decide(&mut self) -> Action {
+        let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
+        g.decided = true;
+        let Some(version) = final_version() else { return Action::Continue };
+        let mut sh = shared.borrow_mut();
+        let Some(vp) = sh.policy.version(&version).cloned() else { return Action::Continue };
+        let now = host::now_ns();
+        let version_label = sanitize_label(&vp.name);
+        let priority = g.priority;
+        let mut probe = false;
+        if let Some(b) = &vp.breaker {
+            let mut store = host::SharedData;
+            let breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or_else(|_| Breaker::new(b.config.clone()));
+            match breaker.admit(g.draw) {
+                Admission::Pass => {}
+                Admission::Probe => probe = true,
+                Admission::Blocked => match b.action(priority) {
+                    OpenAction::Reject => {
+                        let retry = breaker.retry_after_s(now);
+                        sh.count_shed(&version_label, priority, "breaker_open");
+                        let message = format!(
+                            "model version {} is failing its latency objective (circuit open); {} requests are refused until it recovers",
+                            vp.name,
+                            priority.as_str()
+                        );
+                        refuse(g.kind, 503, retry, &message, "overloaded", "breaker_open");
+                        return Action::Pause;
+                    }
+                    OpenAction::Fallback => {
+                        // model-router was asked to avoid this version and could not (no router in the
+                        // chain, or no available fallback): better served slowly than not at all.
+                        sh.metrics.add(
+                            MetricType::Counter,
+                            &format!("sluice.latency.fallback_unavailable_total.version.{version_label}.priority.{}", priority.as_str()),
+                            1,
+                        );
+                    }
+                },
+            }
+        }
+        let mut counted_in_flight = false;
+        if let Some(limit) = vp.in_flight {
+            match enter_in_flight(&vp, priority, &limit) {
+                InFlight::Entered(n) => {
+                    counted_in_flight = true;
+                    sh.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{version_label}"), n);
+                }
+                InFlight::Shed(n) => {
+                    sh.count_shed(&version_label, priority, "in_flight");
+                    let message = format!(
+                        "model version {} has {n} requests in flight (limit {} for {} requests); try again shortly",
+                        vp.name,
+                        match priority {
+                            Priority::Standard => limit.standard_limit(),
+                            _ => limit.limit,
+                        },
+                        priority.as_str()
+                    );
+                    refuse(g.kind, 503, 1, &message, "overloaded", "in_flight_limit");
+                    return Action::Pause;
+                }
+                InFlight::Unavailable => {}
+            }
+        }
+        g.admitted = Some(Admitted { version: vp.name.clone(), probe, counted_in_flight });
+        if probe {
+            sh.metrics.add(MetricType::Counter, &format!("sluice.latency.probes_total.version.{version_label}"), 1);
+        }
+        let deadline = |d: Option<u64>| d.map(|d| g.start_ns.saturating_add(d));
+        sh.watched.insert(
+            self.context_id,
+            Watch {
+                kind: g.kind,
+                version: vp.name.clone(),
+                start_ns: g.start_ns,
+                ttft_deadline_ns: deadline(vp.ttft_deadline_ns),
+                total_deadline_ns: deadline(vp.total_deadline_ns),
+                held: false,
+                started: false,
+                first_token_ns: None,
+                fired: None,
+                reset_at_ns: None,
+            },
+        );
+        Action::Continue
+    }
+}
+
+/// The version the request goes to: model-router's decision, else the model json_to_metadata read.
+fn final_version() -> Option<String> {
+    if let Some(stamp) = host::property(&[ROUTE_PROPERTY.to_string()]) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&stamp) {
+            if let Some(version) = v.get("version").and_then(|v| v.as_str()) {
+                return Some(version.to_string());
+            }
+        }
+    }
+    host::property(&MODEL_METADATA.map(String::from)).filter(|m| !m.is_empty())
+}
+
+/// FNV-1a of the request id (or the context id): a stable per-request number for probe picking.
+fn draw_of(request_id: &str, context_id: u32) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let bytes: Vec<u8> = if request_id.is_empty() { context_id.to_le_bytes().to_vec() } else { request_id.as_bytes().to_vec() };
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    // Mix the high bits down: `draw % 100` must not depend on the last byte alone.
+    h ^ (h >> 29)
+}
+
+fn refuse(kind: ApiKind, status: u32, retry_after_s: u64, message: &str, error_type: &str, code: &str) {
+    let body = error_body(Some(kind), message, error_type, code);
+    let retry = retry_after_s.to_string();
+    host::local_reply(
+        status,
+        &[("content-type", "application/json"), ("retry-after", &retry), ("x-sluice-refused-by", "latency-guard")],
+        body.as_bytes(),
+    );
+}
+
+/// The SSE event that ends a stream at a deadline: the API's own error event (Anthropic `event:
+/// error`), or an OpenAI-style `error` chunk followed by `[DONE]` so clients stop reading.
+fn deadline_event(kind: ApiKind, which: &str, ms: u64) -> String {
+    let message = format!("sluice latency-guard: {which} deadline of {ms} ms exceeded; the response was cut here");
+    let body = error_body(Some(kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
+    match kind {
+        ApiKind::AnthropicMessages => format!("event: error\ndata: {body}\n\n"),
+        _ => format!("data: {body}\n\ndata: [DONE]\n\n"),
+    }
+}
+
+fn write_stamp(g: &Guarded, a: &Admitted, outcome: &str, ttft_us: Option<u64>) {
+    let stamp = serde_json::json!({
+        "version": a.version, "class": g.class, "priority": g.priority.as_str(), "probe": a.probe,
+        "outcome": outcome, "ttft_ms": ttft_us.map(|v| v / 1000),
+    });
+    host::set_property(STAMP_PROPERTY, stamp.to_string().as_bytes());
+}
+
+enum InFlight {
+    Entered(u64),
+    Shed(u64),
+    /// The counter could not be read or updated: not counted, not shed.
+    Unavailable,
+}
+
+fn read_counter(bytes: Option<&[u8]>) -> u64 {
+    bytes.and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0)
+}
+
+fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFlightLimit) -> InFlight {
+    let mut store = host::SharedData;
+    let key = vp.in_flight_key();
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let Ok((bytes, cas)) = store.get(&key) else { return InFlight::Unavailable };
+        let n = read_counter(bytes.as_deref());
+        if latency::should_shed(priority, n, limit) {
+            return InFlight::Shed(n);
+        }
+        match store.set(&key, &n.saturating_add(1).to_le_bytes(), cas) {
+            Ok(()) => return InFlight::Entered(n.saturating_add(1)),
+            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
+            Err(_) => return InFlight::Unavailable,
+        }
+    }
+    log::warn!("sluice latency-guard: in-flight counter of {} too contended; request not counted", vp.name);
+    InFlight::Unavailable
+}
+
+impl Watch {
+    fn ttft_ms(&self) -> u64 {
+        self.ttft_deadline_ns.map(|d| d.saturating_sub(self.start_ns) / 1_000_000).unwrap_or(0)
+    }
+    fn total_ms(&self) -> u64 {
+        self.total_deadline_ns.map(|d| d.saturating_sub(self.start_ns) / 1_000_000).unwrap_or(0)
+    }
+}
+
+impl Shared {
+    /// One watched stream on a tick: release it at its first token, or fire its deadline.
+    fn tick_stream(&mut self, id: u32, now: u64) {
+        let Some(w) = self.watched.get(&id).cloned() else { return };
+        if let Some(at) = w.reset_at_ns {
+            if now >= at {
+                if host::set_effective_context(id) {
+                    host::reset_stream();
+                }
+                if let Some(w) = self.watched.get_mut(&id) {
+                    w.reset_at_ns = None;
+                }
+            }
+            return;
+        }
+        if w.fired.is_some() {
+            return;
+        }
+        if w.held {
+            if !host::set_effective_context(id) {
+                self.watched.remove(&id);
+                return;
+            }
+            let first = host::property(&[FIRST_TOKEN_PROPERTY.to_string()]).and_then(|v| v.parse::<u64>().ok()).filter(|&t| t > 0);
+            if let Some(first) = first {
+                if let Some(w) = self.watched.get_mut(&id) {
+                    w.held = false;
+                    w.started = true;
+                    w.first_token_ns = Some(first);
+                }
+                host::resume_response();
+                return;
+            }
+        }
+        let ttft_due = w.first_token_ns.is_none() && w.ttft_deadline_ns.is_some_and(|d| now >= d);
+        let total_due = w.total_deadline_ns.is_some_and(|d| now >= d);
+        if !ttft_due && !total_due {
+            return;
+        }
+        if !host::set_effective_context(id) {
+            self.watched.remove(&id);
+            return;
+        }
+        let which = if ttft_due { "ttft" } else { "total" };
+        let ms = if ttft_due { w.ttft_ms() } else { w.total_ms() };
+        let fired = if !w.started {
+            // Nothing has reached the client: a clean 504 in the API's error shape. Envoy resets
+            // the upstream request.
+            let message = format!(
+                "sluice latency-guard: {} of model version {} did not arrive within the {which} deadline of {ms} ms",
+                if ttft_due { "the first token" } else { "the response" },
+                w.version
+            );
+            let body = error_body(Some(w.kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
+            host::local_reply(
+                504,
+                &[("content-type", "application/json"), ("x-sluice-deadline", which), ("x-sluice-refused-by", "latency-guard")],
+                body.as_bytes(),
+            );
+            if ttft_due { Fired::TtftReply } else { Fired::TotalReply }
+        } else {
+            // Headers went out and no data is flowing to carry an error event: all that is left.
+            host::reset_stream();
+            if ttft_due { Fired::TtftReset } else { Fired::TotalReset }
+        };
+        if let Some(w) = self.watched.get_mut(&id) {
+            w.fired = Some(fired);
+            w.held = false;
+        }
+        log::info!(
+            "sluice latency-guard: {which} deadline of {ms} ms fired for a request to {} after {} ms: {}",
+            w.version,
+            now.saturating_sub(w.start_ns) / 1_000_000,
+            fired.action()
+        );
+        self.count_deadline(id, fired);
+    }
+
+    fn count_deadline(&mut self, id: u32, fired: Fired) {
+        let version = self.watched.get(&id).map(|w| sanitize_label(&w.version)).unwrap_or_default();
+        self.metrics.add(
+            MetricType::Counter,
+            &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind(), fired.action()),
+            1,
+        );
+    }
+
+    fn count_shed(&mut self, version_label: &str, priority: Priority, reason: &str) {
+        self.metrics.add(
+            MetricType::Counter,
+            &format!("sluice.latency.shed_total.version.{version_label}.priority.{}.reason.{reason}", priority.as_str()),
+            1,
+        );
+    }
+
+    fn leave_in_flight(&mut self, version: &str) {
+        let Some(vp) = self.policy.version(version) else { return };
+        let key = vp.in_flight_key();
+        let mut store = host::SharedData;
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let Ok((bytes, cas)) = store.get(&key) else { return };
+            let n = read_counter(bytes.as_deref()).saturating_sub(1);
+            match store.set(&key, &n.to_le_bytes(), cas) {
+                Ok(()) => {
+                    self.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{}", sanitize_label(version)), n);
+                    return;
+                }
+                Err(sluice_core::budget::StoreError::CasMismatch) => continue,
+                Err(_) => return,
+            }
+        }
+        log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high");
+    }
+
+    /// A finished request into its version's window; the breaker judged on the result.
+    fn observe(&mut self, version: &str, now: u64, ttft_us: Option<u64>, tpot_us: Option<u64>, error: bool) {
+        let Some(vp) = self.policy.version(version) else { return };
+        let Some(b) = vp.breaker.clone() else { return };
+        let (window_key, breaker_key, name) = (vp.window_key(), vp.breaker_key(), vp.name.clone());
+        let mut store = host::SharedData;
+        let window = match window::update(&mut store, &window_key, &b.window, now, ttft_us, tpot_us, error) {
+            Ok(w) => w,
+            Err(e) => {
+                log::warn!("sluice latency-guard: window of {name} not updated: {e}");
+                return;
+            }
+        };
+        let stats = window.snapshot(now);
+        self.judge(&name, &breaker_key, &window_key, &b, now, &stats);
+    }
+
+    fn judge(
+        &mut self,
+        name: &str,
+        breaker_key: &str,
+        window_key: &str,
+        b: &latency::BreakerPolicy,
+        now: u64,
+        stats: &latency::WindowStats,
+    ) {
+        let mut store = host::SharedData;
+        match breaker::update(&mut store, breaker_key, &b.config, now, stats) {
+            Ok((breaker, transition)) => {
+                let label = sanitize_label(name);
+                self.metrics.set_gauge(&format!("sluice.latency.breaker_state.version.{label}"), u64::from(breaker.state().state.code()));
+                if let Some(t) = transition {
+                    self.on_transition(name, window_key, b, &t);
+                }
+            }
+            Err(e) => log::warn!("sluice latency-guard: breaker of {name} not evaluated: {e}"),
+        }
+    }
+
+    fn on_transition(&mut self, name: &str, window_key: &str, b: &latency::BreakerPolicy, t: &Transition) {
+        let label = sanitize_label(name);
+        log::warn!("sluice latency-guard: breaker of {name} {} → {}: {}", t.from.as_str(), t.to.as_str(), t.reason);
+        self.metrics.add(
+            MetricType::Counter,
+            &format!("sluice.latency.breaker_transitions_total.version.{label}.to.{}", t.to.as_str()),
+            1,
+        );
+        if t.reset_window {
+            if let Err(e) = window::reset(&mut host::SharedData, window_key, &b.window) {
+                log::warn!("sluice latency-guard: window of {name} not reset: {e}");
+            }
+        }
+    }
+
+    /// Open breakers go half-open on time alone, and traffic may not reach them to notice.
+    fn sweep_open_breakers(&mut self, now: u64) {
+        let versions: Vec<(String, String, String, latency::BreakerPolicy)> = self
+            .policy
+            .versions
+            .iter()
+            .filter_map(|v| v.breaker.clone().map(|b| (v.name.clone(), v.breaker_key(), v.window_key(), b)))
+            .collect();
+        let mut store = host::SharedData;
+        for (name, breaker_key, window_key, b) in versions {
+            let Ok(current) = breaker::read(&mut store, &breaker_key, &b.config) else { continue };
+            self.metrics.set_gauge(
+                &format!("sluice.latency.breaker_state.version.{}", sanitize_label(&name)),
+                u64::from(current.state().state.code()),
+            );
+            if current.state().state != State::Open {
+                continue;
+            }
+            let Ok(window) = window::read(&mut store, &window_key, &b.window) else { continue };
+            let stats = window.snapshot(now);
+            self.judge(&name, &breaker_key, &window_key, &b, now, &stats);
+        }
+    }
+}
