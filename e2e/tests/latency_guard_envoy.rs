@@ -88,3 +88,157 @@ fn stalled_upstream_is_answered_504_at_the_ttft_deadline_and_healthy_streams_pas
     assert!(err["error"]["message"].as_str().unwrap().contains("1000 ms"), "{err}");
     drop(gw);
 }
+
+#[test]
+fn total_deadline_ends_a_slow_stream_with_an_error_event() {
+    let gw = start();
+    // 40 tokens 250 ms apart: 10 s of stream against a 4 s total deadline.
+    let extra = [("x-mock-itl-ms", "250"), ("x-mock-tokens", "40")];
+    let s = post_stream(gw.envoy.listen_addr(), CHAT, &headers("std-a", &extra), &body(true)).unwrap().collect().unwrap();
+    assert_eq!(s.status, 200);
+    let text = s.text();
+    let cut = s.time_to("total_deadline_exceeded").unwrap_or_else(|| panic!("no deadline event in {text}"));
+    let last = s.chunks.last().map(|c| c.at.duration_since(s.sent_at)).unwrap_or_default();
+    println!("total deadline event after {cut:?}, last byte after {last:?}, complete={}", s.complete);
+    assert!(cut >= Duration::from_millis(4000) && cut < Duration::from_millis(4600), "{cut:?}");
+    // Nothing after the error event (the [DONE] that follows it), and the stream ends soon after.
+    let after = text.split("total_deadline_exceeded").nth(1).unwrap_or_default();
+    assert!(!after.contains("\"content\""), "tokens after the deadline event: {after}");
+    assert!(last < Duration::from_millis(5000), "{last:?}");
+    // Tokens before the cut reached the client.
+    let before = text.split("total_deadline_exceeded").next().unwrap_or_default();
+    assert!(before.matches("\"content\"").count() >= 10, "{before}");
+}
+
+/// One request of the scenario, as the client saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    at: Duration,
+    class: &'static str,
+    status: u16,
+    served_by: String,
+    retry_after: Option<String>,
+}
+
+fn breaker_transitions(envoy: &Envoy, to: &str) -> f64 {
+    let m = envoy.metrics().unwrap();
+    m.value("sluice_latency_breaker_transitions_total", &[("version", "v1"), ("to", to)]).unwrap_or(0.0)
+}
+
+#[test]
+fn slow_version_trips_the_breaker_critical_fails_over_sheddable_is_refused_and_it_closes_on_recovery() {
+    let gw = start();
+    let addr = gw.envoy.listen_addr();
+    let v1_control = gw._v1.addr();
+    let t0 = Instant::now();
+    let (slow_at, recover_at, end_at) = (Duration::from_secs(3), Duration::from_secs(11), Duration::from_secs(22));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Seen>::new()));
+    let mut clients = Vec::new();
+    for (i, (class, tenant)) in
+        [("critical", "crit-1"), ("critical", "crit-2"), ("standard", "std-1"), ("standard", "std-2"), ("sheddable", "batch-1"), ("sheddable", "batch-2")]
+            .into_iter()
+            .enumerate()
+    {
+        let seen = seen.clone();
+        clients.push(std::thread::spawn(move || {
+            let mut n = 0u64;
+            while t0.elapsed() < end_at {
+                n += 1;
+                let id = format!("{tenant}-{n}-{i}");
+                let h = [("content-type", "application/json"), ("x-sluice-tenant", tenant), ("x-request-id", id.as_str())];
+                let at = t0.elapsed();
+                match post_json(addr, CHAT, &h, &body(true)) {
+                    Ok(r) => {
+                        let served_by = r.header("x-mock-served-by").unwrap_or("-").to_string();
+                        let retry_after = r.header("retry-after").map(str::to_string);
+                        seen.lock().unwrap().push(Seen { at, class, status: r.status, served_by, retry_after });
+                        if r.status == 503 {
+                            // A refused client backs off briefly, as retry-after asks (shortened).
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                    Err(e) => panic!("{class} request failed at {at:?}: {e:#}"),
+                }
+            }
+        }));
+    }
+    let set_ttft = |ms: u64| {
+        let r = post_json(v1_control, "/mock/ttft", &[("content-type", "application/json")], &json!({ "ms": ms }).to_string()).unwrap();
+        assert_eq!(r.status, 200);
+    };
+    let mut opened_at = None;
+    let mut closed_at = None;
+    std::thread::sleep(slow_at);
+    set_ttft(600);
+    while t0.elapsed() < recover_at {
+        if opened_at.is_none() && breaker_transitions(&gw.envoy, "open") > 0.0 {
+            opened_at = Some(t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    set_ttft(40);
+    while t0.elapsed() < end_at {
+        if closed_at.is_none() && breaker_transitions(&gw.envoy, "closed") > 0.0 {
+            closed_at = Some(t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for c in clients {
+        c.join().unwrap();
+    }
+    let seen = seen.lock().unwrap().clone();
+    let metrics = gw.envoy.metrics().unwrap();
+
+    // The timeline, one line per second: what each class got.
+    println!("t(s)  critical(v1/v2/503)  standard(v1/v2/503)  sheddable(v1/v2/503)   [slow at {slow_at:?}, recovered at {recover_at:?}]");
+    for s in 0..end_at.as_secs() {
+        let mut line = format!("{s:>4}");
+        for class in ["critical", "standard", "sheddable"] {
+            let in_second = |what: &dyn Fn(&Seen) -> bool| {
+                seen.iter().filter(|x| x.class == class && x.at.as_secs() == s && what(x)).count()
+            };
+            let v1 = in_second(&|x| x.status == 200 && x.served_by == "llama-v1");
+            let v2 = in_second(&|x| x.status == 200 && x.served_by == "llama-v2");
+            let refused = in_second(&|x| x.status == 503);
+            line.push_str(&format!("  {:>19}", format!("{v1}/{v2}/{refused}")));
+        }
+        println!("{line}");
+    }
+    println!("breaker opened (seen in stats) at {opened_at:?}, closed at {closed_at:?}");
+    for to in ["open", "half_open", "closed"] {
+        println!("transitions to {to}: {}", breaker_transitions(&gw.envoy, to));
+    }
+    println!("envoy log:\n{}", gw.envoy.stderr_tail(40));
+
+    // Before the switch: everyone on v1.
+    let before: Vec<&Seen> = seen.iter().filter(|x| x.at < slow_at).collect();
+    assert!(before.len() > 30, "{}", before.len());
+    assert!(before.iter().all(|x| x.status == 200 && x.served_by == "llama-v1"), "{before:?}");
+    // The breaker opens within its 4 s window of the switch (plus the stats flush).
+    let opened_at = opened_at.expect("the breaker never opened");
+    assert!(opened_at > slow_at && opened_at < slow_at + Duration::from_secs(5), "{opened_at:?}");
+    // Critical tenants are never refused and are answered by v2 while v1 is open.
+    assert!(seen.iter().filter(|x| x.class == "critical").all(|x| x.status == 200), "a critical request was refused");
+    let open_phase = |x: &&Seen| x.at > opened_at + Duration::from_millis(500) && x.at < recover_at;
+    let critical_open: Vec<&Seen> = seen.iter().filter(|x| x.class == "critical").filter(open_phase).collect();
+    let on_v2 = critical_open.iter().filter(|x| x.served_by == "llama-v2").count();
+    assert!(critical_open.len() >= 10 && on_v2 * 10 >= critical_open.len() * 7, "critical while open: {on_v2} of {} on v2", critical_open.len());
+    let standard_open: Vec<&Seen> = seen.iter().filter(|x| x.class == "standard").filter(open_phase).collect();
+    assert!(standard_open.iter().all(|x| x.status == 200), "a standard request was refused while failing over");
+    // Sheddable tenants are refused with 503 and retry-after while open.
+    let shed: Vec<&Seen> = seen.iter().filter(|x| x.class == "sheddable" && x.status == 503).collect();
+    assert!(shed.len() >= 5, "sheddable refusals: {}", shed.len());
+    assert!(shed.iter().all(|x| x.retry_after.as_deref().and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s >= 1)));
+    assert!(shed.iter().all(|x| x.at > slow_at), "refused before the slowdown");
+    let shed_metric = metrics
+        .value("sluice_latency_shed_total", &[("version", "v1"), ("priority", "sheddable"), ("reason", "breaker_open")])
+        .unwrap_or(0.0);
+    assert_eq!(shed_metric as usize, shed.len());
+    // Recovery: the breaker closes and traffic comes back to v1 for every class.
+    let closed_at = closed_at.expect("the breaker never closed after recovery");
+    assert!(closed_at > recover_at, "{closed_at:?}");
+    let after: Vec<&Seen> = seen.iter().filter(|x| x.at > closed_at + Duration::from_millis(1500)).collect();
+    assert!(after.len() >= 10, "{}", after.len());
+    assert!(after.iter().all(|x| x.status == 200 && x.served_by == "llama-v1"), "after closing: {after:?}");
+    assert_eq!(metrics.value("sluice_latency_breaker_state", &[("version", "v1")]), Some(0.0));
+}

@@ -42,7 +42,7 @@ struct Shared {
     stats: Stats,
     ledger: Ledger,
     active: AtomicUsize,
-    /// Default TTFT set at run time by `POST /mock/ttft?ms=N` (`u64::MAX`: the configured one), so
+    /// Default TTFT set at run time by `POST /mock/ttft` with `{"ms": N}` (`u64::MAX`: the configured one), so
     /// a test can make the upstream slow and fast again without the clients' help.
     ttft_override_ms: std::sync::atomic::AtomicU64,
 }
@@ -222,14 +222,14 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let body = shared.ledger.to_json();
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
-        ("POST", p) if p.starts_with("/mock/ttft") => {
-            let ms = p.split_once("ms=").and_then(|(_, v)| v.parse::<u64>().ok());
+        ("POST", "/mock/ttft") => {
+            let ms = serde_json::from_slice::<Value>(&req.body).ok().and_then(|v| v.get("ms").and_then(Value::as_u64));
             match ms {
                 Some(ms) => {
                     shared.ttft_override_ms.store(ms, Ordering::Relaxed);
                     write_json(w, 200, &json_headers(served, 0), &json!({"ttft_ms": ms}), ka)
                 }
-                None => write_json(w, 400, &json_headers(served, 0), &json!({"error": "use POST /mock/ttft?ms=N"}), ka),
+                None => write_json(w, 400, &json_headers(served, 0), &json!({"error": "send {\"ms\": N}"}), ka),
             }
         }
         ("POST", "/mock/reset") => {

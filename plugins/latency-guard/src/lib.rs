@@ -63,6 +63,9 @@ const BREAKER_SWEEP_NS: u64 = 100_000_000;
 /// After the error event that ends a stream at its total deadline, the stream is reset this much
 /// later, so the event is written to the client before the reset.
 const END_GRACE_NS: u64 = 20_000_000;
+/// At the total deadline of a stream whose headers went out, the guard waits this long for a chunk
+/// to carry the error event; a stream that sends nothing in that time is reset.
+const CHUNK_WAIT_NS: u64 = 500_000_000;
 /// Compare-and-swap attempts on the in-flight counter before giving up (and not counting).
 const MAX_CAS_ATTEMPTS: usize = 16;
 
@@ -93,6 +96,8 @@ struct Watch {
     fired: Option<Fired>,
     /// Reset the stream at this time (after the error event that ended it).
     reset_at_ns: Option<u64>,
+    /// Past the total deadline, waiting until then for a chunk to carry the error event.
+    chunk_wait_until_ns: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -524,6 +529,7 @@ impl Guard {
                 first_token_ns: None,
                 fired: None,
                 reset_at_ns: None,
+                chunk_wait_until_ns: None,
             },
         );
         Action::Continue
@@ -664,6 +670,20 @@ impl Shared {
         if !host::set_effective_context(id) {
             self.watched.remove(&id);
             return;
+        }
+        if !ttft_due && w.started {
+            // Headers went out: the error event needs a chunk to ride on (the body callback puts it
+            // there); a stream that stays silent is reset.
+            match w.chunk_wait_until_ns {
+                None => {
+                    if let Some(w) = self.watched.get_mut(&id) {
+                        w.chunk_wait_until_ns = Some(now.saturating_add(CHUNK_WAIT_NS));
+                    }
+                    return;
+                }
+                Some(until) if now < until => return,
+                Some(_) => {}
+            }
         }
         let which = if ttft_due { "ttft" } else { "total" };
         let ms = if ttft_due { w.ttft_ms() } else { w.total_ms() };
