@@ -265,6 +265,7 @@ fn every_shipped_envoy_config_validates() {
     let plugin_config = yaml_string_body(&demo_plugin_config().unwrap());
     let budget_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/tenant-budget.e2e.json")).unwrap());
     let router_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/model-router.demo.json")).unwrap());
+    let latency_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/latency-guard.demo.json")).unwrap());
     let wasm_dir = sluice_e2e::tools::wasm_dir().display().to_string();
     let dir = std::env::temp_dir().join(format!("sluice-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -286,6 +287,7 @@ fn every_shipped_envoy_config_validates() {
                 ("PLUGIN_CONFIG", &plugin_config),
                 ("BUDGET_CONFIG", &budget_config),
                 ("ROUTER_CONFIG", &router_config),
+                ("LATENCY_CONFIG", &latency_config),
                 ("UPSTREAM_PORT_V2", "18001"),
                 ("SHADOW_PORT", "18002"),
             ],

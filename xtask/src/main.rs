@@ -291,7 +291,7 @@ fn up(root: &Path) -> Result<()> {
         wait_for_port(port, Duration::from_secs(10))?;
     }
 
-    let template = std::fs::read_to_string(root.join("envoy/router-gateway.yaml"))?;
+    let template = std::fs::read_to_string(root.join("envoy/latency-gateway.yaml"))?;
     let access_log = run_dir.join("access.log");
     let policy = |name: &str| -> Result<String> { Ok(yaml_string_body(&std::fs::read_to_string(root.join("policies").join(name))?)) };
     let config = render(
@@ -306,6 +306,7 @@ fn up(root: &Path) -> Result<()> {
             ("ACCESS_LOG", access_log.display().to_string()),
             ("PLUGIN_CONFIG", policy("llm-metrics.demo.json")?),
             ("ROUTER_CONFIG", policy("model-router.demo.json")?),
+            ("LATENCY_CONFIG", policy("latency-guard.demo.json")?),
         ],
     );
     let config_path = run_dir.join("envoy.yaml");
@@ -342,6 +343,9 @@ for e in c.chat.completions.create(model="llama-3-70b", stream=True, stream_opti
 
 Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
   routing decisions:   sluice_router_requests_total      shadow comparisons: sluice_router_compare_*
+  latency guard:       sluice_latency_breaker_state, sluice_latency_shed_total, sluice_latency_deadline_total
+Make v1 slow and watch its SLO breaker open (tenant acme fails over to v2, batch-* tenants get 503):
+  curl -s -XPOST 127.0.0.1:{DEMO_UPSTREAM_PORT}/mock/ttft -d '{{"ms":900}}'   (back to normal: '{{"ms":180}}')
 Per-request stamps:    tail -f {}
 Stop with Ctrl-C."#,
         DEMO_UPSTREAM_PORT + 1,
