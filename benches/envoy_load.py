@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side Envoy load bench: the same mock streaming endpoint behind Envoy with no filter, with
-sluice llm-metrics, with a Lua filter that does the same TTFT stamping, and with tenant-budget in
-front of llm-metrics; plus the mock alone.
+sluice llm-metrics, with a Lua filter that does the same TTFT stamping, with tenant-budget in front of
+llm-metrics, with model-router (with and without shadowing) and with latency-guard in front of the
+router; plus the mock alone.
 
 Every configuration runs in this one invocation, one after the other on the same machine, so the
 figures are comparable with each other (not with another machine's). Loopback only.
@@ -44,6 +45,9 @@ CONFIGS = [
     # requests shadowed to a third cluster (the same mock).
     ("router + llm-metrics", ROOT / "envoy/router-gateway.yaml"),
     ("router, shadow 10 %", ROOT / "envoy/router-gateway.yaml"),
+    # latency-guard (demo policy: breaker, deadlines and in-flight limit on v1, none of them
+    # tripping) in front of the router + llm-metrics chain above, no shadow.
+    ("guard + router + metrics", ROOT / "envoy/latency-gateway.yaml"),
 ]
 
 
@@ -139,6 +143,7 @@ def main():
     args = ap.parse_args()
     plugin_config = yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text())
     budget_config = yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
+    latency_config = yaml_string_body((ROOT / "policies/latency-guard.demo.json").read_text())
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = free_port()
@@ -157,6 +162,7 @@ def main():
                         "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
                         "BUDGET_CONFIG": budget_config,
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
+                        "LATENCY_CONFIG": latency_config,
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port)}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],

@@ -86,6 +86,18 @@ fn stalled_upstream_is_answered_504_at_the_ttft_deadline_and_healthy_streams_pas
     let err: Value = stalled.json().unwrap();
     assert_eq!(err["error"]["code"], "ttft_deadline_exceeded");
     assert!(err["error"]["message"].as_str().unwrap().contains("1000 ms"), "{err}");
+    let m = gw.envoy.metrics().unwrap();
+    let fired = m.value("sluice_latency_deadline_total", &[("version", "v1"), ("kind", "ttft"), ("action", "reply_504")]);
+    assert_eq!(fired, Some(1.0));
+
+    // An upstream error event before any token is the upstream's answer: it is released at the end
+    // of the stream, not held until the deadline.
+    let t = Instant::now();
+    let failed = post_json(gw.envoy.listen_addr(), CHAT, &headers("std-a", &[("x-mock-fail", "error-event-after:0")]), &body(true)).unwrap();
+    println!("upstream error event: {} after {:?}", failed.status, t.elapsed());
+    assert_eq!(failed.status, 200);
+    assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+    assert!(failed.text().contains("error"), "{}", failed.text());
     drop(gw);
 }
 

@@ -30,6 +30,8 @@ use sluice_core::latency::{
     VersionPolicy,
 };
 use sluice_core::reply::error_body;
+use sluice_core::request::inspect_request_with_kind;
+use sluice_core::rewrite::rewrite_request;
 use sluice_core::report::sanitize_label;
 use sluice_core::response::StreamObserver;
 use sluice_core::timing::StreamTiming;
@@ -47,10 +49,16 @@ proxy_wasm::main! {{
 /// Filter state the guard writes for model-router: `version>fallback` entries, comma-separated.
 pub const AVOID_PROPERTY: &str = "sluice_latency_avoid";
 /// Filter state llm-metrics writes: "0" while a stream waits for its first content token, then
-/// the token's host time in nanoseconds.
+/// the token's host time in nanoseconds (or the end time of a stream that had none).
 pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
 /// Filter state model-router writes with its decision (JSON with `version`).
 const ROUTE_PROPERTY: &str = "sluice_route";
+/// Filter state the guard writes on a held stream: `<context id> <queue name> <vm id>`. llm-metrics
+/// enqueues the context id there at the first token, and the guard releases the stream at once
+/// instead of at its next tick.
+pub const RELEASE_PROPERTY: &str = "sluice_latency_release";
+/// Shared-data counter that gives each guard VM (one per worker) its own release queue.
+const VM_SEQUENCE_KEY: &str = "sluice/latency-guard/vm-sequence";
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 /// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
@@ -76,6 +84,9 @@ struct Shared {
     watched: BTreeMap<u32, Watch>,
     next_breaker_sweep_ns: u64,
     warned_no_first_token_signal: bool,
+    /// This VM's release queue (name, id) and the VM id llm-metrics resolves it under.
+    release_queue: Option<(String, u32)>,
+    vm_id: String,
 }
 
 /// What the tick needs of a stream.
@@ -142,6 +153,17 @@ impl RootContext for Root {
                 return false;
             }
         };
+        // A fallback the policy does not know is a typo that would silently disable failing over.
+        for (i, v) in policy.versions.iter().enumerate() {
+            if let Some(f) = v.breaker.as_ref().and_then(|b| b.fallback.as_deref()) {
+                if policy.version(f).is_none() {
+                    log::error!(
+                        "sluice latency-guard: configuration refused: versions[{i}].breaker.fallback: {f:?} is not a version of the policy"
+                    );
+                    return false;
+                }
+            }
+        }
         // Every shared value exists before traffic: Envoy accepts any CAS token for a missing key,
         // so a create could not be conditional.
         let mut store = host::SharedData;
@@ -163,6 +185,8 @@ impl RootContext for Root {
                 }
             }
         }
+        let vm_id = host::property(&["plugin_vm_id".to_string()]).unwrap_or_default();
+        let release_queue = register_release_queue();
         if let Err(status) = proxy_wasm::hostcalls::set_tick_period(TICK) {
             log::error!("sluice latency-guard: cannot set the tick ({status:?}); deadlines would never fire");
             return false;
@@ -179,6 +203,8 @@ impl RootContext for Root {
             watched: BTreeMap::new(),
             next_breaker_sweep_ns: 0,
             warned_no_first_token_signal: false,
+            release_queue,
+            vm_id,
         })));
         true
     }
@@ -194,6 +220,28 @@ impl RootContext for Root {
         if now >= sh.next_breaker_sweep_ns {
             sh.next_breaker_sweep_ns = now.saturating_add(BREAKER_SWEEP_NS);
             sh.sweep_open_breakers(now);
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(shared) = self.shared.clone() else { return };
+        let mut sh = shared.borrow_mut();
+        // Bounded per call: the host calls again while items remain.
+        for _ in 0..1024 {
+            let item = match proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
+                Ok(Some(item)) => item,
+                Ok(None) => break,
+                Err(status) => {
+                    log::warn!("sluice latency-guard: release queue unreadable: {status:?}");
+                    break;
+                }
+            };
+            let id = std::str::from_utf8(&item).ok().and_then(|t| t.trim().parse::<u32>().ok());
+            if let Some(id) = id {
+                if sh.watched.get(&id).is_some_and(|w| w.held) {
+                    sh.release_if_ready(id);
+                }
+            }
         }
     }
 
@@ -223,6 +271,8 @@ struct Guarded {
     /// Set once the final version is known and the request admitted.
     admitted: Option<Admitted>,
     decided: bool,
+    /// The version's output-token ceiling, applied once the whole request body is in.
+    clamp_to: Option<u64>,
     status: u16,
     streaming: bool,
     observer: Option<StreamObserver>,
@@ -276,6 +326,11 @@ impl HttpContext for Guard {
         if !avoid.is_empty() {
             host::set_property(AVOID_PROPERTY, avoid.as_bytes());
         }
+        if !end_of_stream && sh.policy.versions.iter().any(|v| v.max_output_tokens.is_some()) {
+            // The output ceiling may rewrite the body after these headers are gone (the version is
+            // only known later): its length may change.
+            host::set_header(MapType::HttpRequestHeaders, "content-length", None);
+        }
         drop(sh);
         self.state = Some(Box::new(Guarded {
             kind,
@@ -285,6 +340,7 @@ impl HttpContext for Guard {
             start_ns: now,
             admitted: None,
             decided: false,
+            clamp_to: None,
             status: 0,
             streaming: false,
             observer: None,
@@ -298,11 +354,44 @@ impl HttpContext for Guard {
         Action::Continue
     }
 
-    fn on_http_request_body(&mut self, _size: usize, _end_of_stream: bool) -> Action {
-        match &self.state {
-            Some(g) if !g.decided => self.decide(),
-            _ => Action::Continue,
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.state.as_ref().is_some_and(|g| !g.decided) {
+            if let Action::Pause = self.decide() {
+                return Action::Pause;
+            }
         }
+        let Some(g) = self.state.as_mut() else { return Action::Continue };
+        let Some(ceiling) = g.clamp_to else { return Action::Continue };
+        if !end_of_stream {
+            // The ceiling is written into the whole body (Envoy buffers it, within its limit).
+            return Action::Pause;
+        }
+        g.clamp_to = None;
+        let body = host::body(BufferType::HttpRequestBody, body_size);
+        match inspect_request_with_kind(g.kind, &body) {
+            Ok((kind, info)) => {
+                let target = info.max_output_tokens.map_or(ceiling, |asked| asked.min(ceiling));
+                if info.max_output_tokens != Some(target) {
+                    match rewrite_request(kind, &body, false, Some(target)) {
+                        Ok(rewrite) => {
+                            host::replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body);
+                            let version = g.admitted.as_ref().map(|a| sanitize_label(&a.version)).unwrap_or_default();
+                            if let Some(shared) = &self.shared {
+                                shared.borrow_mut().metrics.add(
+                                    MetricType::Counter,
+                                    &format!("sluice.latency.output_capped_total.version.{version}"),
+                                    1,
+                                );
+                            }
+                        }
+                        Err(e) => log::debug!("sluice latency-guard: output ceiling not written: {e}"),
+                    }
+                }
+            }
+            // Not an LLM request body the guard understands: forwarded as it is, the upstream judges it.
+            Err(e) => log::debug!("sluice latency-guard: request body not inspected, output ceiling not applied: {e}"),
+        }
+        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -326,6 +415,9 @@ impl HttpContext for Guard {
                 Some(v) if v == "0" => {
                     if let Some(w) = sh.watched.get_mut(&self.context_id) {
                         w.held = true;
+                    }
+                    if let Some((name, _)) = &sh.release_queue {
+                        host::set_property(RELEASE_PROPERTY, format!("{} {name} {}", self.context_id, sh.vm_id).as_bytes());
                     }
                     return Action::Pause;
                 }
@@ -405,9 +497,10 @@ impl HttpContext for Guard {
                 g.timing.on_content(now, last.content_events);
             }
         }
-        // The first token as llm-metrics saw it (earlier than the guard does while holding).
+        // The first token as llm-metrics saw it (earlier than the guard does while holding); a
+        // stream without content has no TTFT, whatever released it.
         if let Some(first) = watch.as_ref().and_then(|w| w.first_token_ns) {
-            if g.timing.first_content_ns.is_none_or(|t| first < t) {
+            if g.timing.first_content_ns.is_some_and(|t| first < t) {
                 g.timing.first_content_ns = Some(first);
             }
         }
@@ -512,6 +605,7 @@ impl Guard {
             }
         }
         g.admitted = Some(Admitted { version: vp.name.clone(), probe, counted_in_flight });
+        g.clamp_to = vp.max_output_tokens;
         if probe {
             sh.metrics.add(MetricType::Counter, &format!("sluice.latency.probes_total.version.{version_label}"), 1);
         }
@@ -534,6 +628,32 @@ impl Guard {
         );
         Action::Continue
     }
+}
+
+/// Registers this VM's release queue under a name no other VM of the process uses. `None` (logged):
+/// held streams are then released by the tick alone, a few milliseconds later.
+fn register_release_queue() -> Option<(String, u32)> {
+    let mut store = host::SharedData;
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let Ok((bytes, cas)) = store.get(VM_SEQUENCE_KEY) else { break };
+        let n = read_counter(bytes.as_deref()).saturating_add(1);
+        match store.set(VM_SEQUENCE_KEY, &n.to_le_bytes(), cas) {
+            Ok(()) => {
+                let name = format!("sluice_latency_release_{n}");
+                return match proxy_wasm::hostcalls::register_shared_queue(&name) {
+                    Ok(id) => Some((name, id)),
+                    Err(status) => {
+                        log::warn!("sluice latency-guard: no release queue ({status:?}); held streams wait for the tick");
+                        None
+                    }
+                };
+            }
+            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
+            Err(_) => break,
+        }
+    }
+    log::warn!("sluice latency-guard: no release queue (shared data unavailable); held streams wait for the tick");
+    None
 }
 
 /// The version the request goes to: model-router's decision, else the model json_to_metadata read.
@@ -646,21 +766,8 @@ impl Shared {
         if w.fired.is_some() {
             return;
         }
-        if w.held {
-            if !host::set_effective_context(id) {
-                self.watched.remove(&id);
-                return;
-            }
-            let first = host::property(&[FIRST_TOKEN_PROPERTY.to_string()]).and_then(|v| v.parse::<u64>().ok()).filter(|&t| t > 0);
-            if let Some(first) = first {
-                if let Some(w) = self.watched.get_mut(&id) {
-                    w.held = false;
-                    w.started = true;
-                    w.first_token_ns = Some(first);
-                }
-                host::resume_response();
-                return;
-            }
+        if w.held && self.release_if_ready(id) {
+            return;
         }
         let ttft_due = w.first_token_ns.is_none() && w.ttft_deadline_ns.is_some_and(|d| now >= d);
         let total_due = w.total_deadline_ns.is_some_and(|d| now >= d);
@@ -718,6 +825,24 @@ impl Shared {
             fired.action()
         );
         self.count_deadline(id, fired);
+    }
+
+    /// Releases a held stream whose first token llm-metrics has marked; `true` when released (or
+    /// gone).
+    fn release_if_ready(&mut self, id: u32) -> bool {
+        if !host::set_effective_context(id) {
+            self.watched.remove(&id);
+            return true;
+        }
+        let first = host::property(&[FIRST_TOKEN_PROPERTY.to_string()]).and_then(|v| v.parse::<u64>().ok()).filter(|&t| t > 0);
+        let Some(first) = first else { return false };
+        if let Some(w) = self.watched.get_mut(&id) {
+            w.held = false;
+            w.started = true;
+            w.first_token_ns = Some(first);
+        }
+        host::resume_response();
+        true
     }
 
     fn count_deadline(&mut self, id: u32, fired: Fired) {

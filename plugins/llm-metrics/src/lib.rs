@@ -27,7 +27,8 @@ proxy_wasm::main! {{
 }}
 
 /// Per-VM state shared by the root and every stream (a VM is single-threaded).
-/// Filter state marking a stream's first content token (host time, ns), for latency-guard.
+/// Filter state for latency-guard: "0" while a stream waits for its first content token, then the
+/// token's host time in ns (or the end of a stream that had none).
 pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
 
 struct Shared {
@@ -224,7 +225,7 @@ impl HttpContext for Stream {
             }
             if outcome.content_events > 0 {
                 if m.timing.first_content_ns.is_none() {
-                    host::set_property(FIRST_TOKEN_PROPERTY, now.to_string().as_bytes());
+                    mark_first_token(now);
                 }
                 m.timing.on_content(now, outcome.content_events);
             }
@@ -237,6 +238,11 @@ impl HttpContext for Stream {
             }
         }
         if end_of_stream {
+            if m.observer.is_some() && m.timing.first_content_ns.is_none() {
+                // A stream that ends without a content token (an error event, an empty answer) also
+                // releases what latency-guard holds: the client gets the upstream's own answer.
+                mark_first_token(now);
+            }
             m.response_ended = true;
             let record = m.record(&sh, now, Outcome::Completed);
             if sh.settings.stream_summary_comment && m.observer.is_some() {
@@ -273,6 +279,26 @@ impl HttpContext for Stream {
 
 /// Why a stream ended without its last body chunk: Envoy's response code details say whether the
 /// client went away or the upstream failed.
+/// Filter state latency-guard writes on a stream it holds: `<context id> <queue name> <vm id>`.
+const RELEASE_PROPERTY: &str = "sluice_latency_release";
+
+/// Marks the first content token for latency-guard and, when the guard holds this stream, wakes it
+/// through its release queue (otherwise it would notice at its next tick, milliseconds later).
+fn mark_first_token(now: u64) {
+    host::set_property(FIRST_TOKEN_PROPERTY, now.to_string().as_bytes());
+    let Some(release) = host::property(&[RELEASE_PROPERTY.to_string()]) else { return };
+    let mut parts = release.splitn(3, ' ');
+    let (Some(id), Some(queue), Some(vm_id)) = (parts.next(), parts.next(), parts.next()) else { return };
+    match proxy_wasm::hostcalls::resolve_shared_queue(vm_id, queue) {
+        Ok(Some(queue_id)) => {
+            if let Err(status) = proxy_wasm::hostcalls::enqueue_shared_queue(queue_id, Some(id.as_bytes())) {
+                log::debug!("sluice llm-metrics: waking latency-guard failed: {status:?}");
+            }
+        }
+        Ok(None) | Err(_) => log::debug!("sluice llm-metrics: latency-guard's release queue {queue} not found"),
+    }
+}
+
 fn interrupted_outcome() -> Outcome {
     let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
     if details.contains("upstream") {

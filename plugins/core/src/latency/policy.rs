@@ -472,3 +472,41 @@ fn compile_breaker(bf: &str, version: &str, b: &BreakerJson) -> Result<BreakerPo
         while_open,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn the_shipped_policies_compile() {
+        let example = LatencyPolicy::from_json(include_bytes!("../../../../policies/latency-guard.example.json")).unwrap();
+        assert_eq!(example.classify(Some("chat-eu-1")), ("interactive", Priority::Critical));
+        assert_eq!(example.classify(Some("eval-nightly")), ("batch", Priority::Sheddable));
+        assert_eq!(example.classify(Some("someone-else")), ("standard", Priority::Standard));
+        let v1 = example.version("llama-v1").unwrap();
+        assert_eq!((v1.ttft_deadline_ns, v1.total_deadline_ns, v1.max_output_tokens), (Some(2 * S), Some(180 * S), None));
+        assert_eq!(v1.in_flight.map(|l| (l.limit, l.standard_limit())), Some((256, 320)));
+        let b = v1.breaker.as_ref().unwrap();
+        assert_eq!((b.config.percentile, b.config.ttft_us, b.config.tpot_us, b.config.error_per_mille), (99.0, Some(450_000), None, Some(20)));
+        assert_eq!((b.config.min_samples, b.config.open_for_ns, b.config.probes, b.config.probe_percent), (50, 60 * S, 200, 20));
+        assert_eq!((b.window.window_ns(), b.window.slots()), (60 * S, 6));
+        assert_eq!(b.fallback.as_deref(), Some("llama-v2"));
+        assert_eq!(Priority::ALL.map(|p| b.action(p)), [OpenAction::Fallback, OpenAction::Fallback, OpenAction::Reject]);
+        assert!(example.version("llama-v2").unwrap().breaker.is_none());
+
+        let e2e = LatencyPolicy::from_json(include_bytes!("../../../../policies/latency-guard.e2e.json")).unwrap();
+        assert_eq!(e2e.classify(Some("crit-1")), ("interactive", Priority::Critical));
+        assert_eq!(e2e.classify(Some("batch-1")), ("batch", Priority::Sheddable));
+        assert_eq!(e2e.classify(None), ("default", Priority::Standard));
+        let v1 = e2e.version("v1").unwrap();
+        assert_eq!((v1.ttft_deadline_ns, v1.total_deadline_ns), (Some(S), Some(4 * S)));
+        let b = v1.breaker.as_ref().unwrap();
+        assert_eq!((b.config.percentile, b.config.ttft_us, b.config.error_per_mille), (95.0, Some(300_000), Some(200)));
+        assert_eq!((b.window.window_ns(), b.window.slot_ns()), (4 * S, S));
+        assert_eq!((b.config.probes, b.config.probe_percent, b.config.hysteresis_percent), (8, 25, 10));
+        assert_eq!(b.fallback.as_deref(), Some("v2"));
+        assert_eq!(e2e.version("v2").unwrap().ttft_deadline_ns, Some(2 * S));
+    }
+}
