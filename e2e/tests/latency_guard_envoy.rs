@@ -90,6 +90,13 @@ fn stalled_upstream_is_answered_504_at_the_ttft_deadline_and_healthy_streams_pas
     let fired = m.value("sluice_latency_deadline_total", &[("version", "v1"), ("kind", "ttft"), ("action", "reply_504")]);
     assert_eq!(fired, Some(1.0));
 
+    // A whole (non-streamed) answer has no first token before its end: only the total deadline
+    // applies, so 1.5 s is fine against a 1 s TTFT deadline.
+    let t = Instant::now();
+    let whole = post_json(gw.envoy.listen_addr(), CHAT, &headers("std-a", &[("x-mock-ttft-ms", "1500")]), &body(false)).unwrap();
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    assert!(t.elapsed() >= Duration::from_millis(1500));
+
     // An upstream error event before any token is the upstream's answer: it is released at the end
     // of the stream, not held until the deadline.
     let t = Instant::now();

@@ -349,14 +349,20 @@ impl HttpContext for Guard {
         }));
         if end_of_stream {
             // No body: decide now (there is no later request event).
-            return self.decide();
+            return self.decide(None);
         }
         Action::Continue
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.state.as_ref().is_some_and(|g| !g.decided) {
-            if let Action::Pause = self.decide() {
+            // json_to_metadata in front hands over the whole body at once: whether the client asked
+            // for a stream is known here, and only streams have a first token before their end.
+            let streaming = end_of_stream
+                .then(|| serde_json::from_slice::<StreamFlag>(&host::body(BufferType::HttpRequestBody, body_size)).ok())
+                .flatten()
+                .map(|f| f.stream.unwrap_or(false));
+            if let Action::Pause = self.decide(streaming) {
                 return Action::Pause;
             }
         }
@@ -426,8 +432,9 @@ impl HttpContext for Guard {
                     if !sh.warned_no_first_token_signal {
                         sh.warned_no_first_token_signal = true;
                         log::warn!(
-                            "sluice latency-guard: no first-token signal from llm-metrics (install it after the guard); \
-                             TTFT deadlines can only reset streams whose headers were sent"
+                            "sluice latency-guard: a stream without llm-metrics' first-token mark (llm-metrics missing \
+                             behind the guard, or skipping this response: content-encoding, path_prefixes); such streams \
+                             are not held and a TTFT deadline can only reset them"
                         );
                     }
                 }
@@ -509,7 +516,8 @@ impl HttpContext for Guard {
         let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
         let upstream_failed = details.contains("upstream") && !details.contains("via_upstream");
         let error = fired.is_some() || g.status >= 500 || upstream_failed || summary.upstream_error.is_some() && g.status < 400;
-        let client_gone = !error && !summary.done && g.streaming && details.contains("downstream");
+        // The client went away before the answer ended (streamed or not): no sample.
+        let client_gone = !error && details.contains("downstream");
         let ttft_us = match fired {
             // The TTFT is at least the deadline; the window sees the deadline.
             Some(Fired::TtftReply | Fired::TtftReset) => watch.as_ref().and_then(|w| w.ttft_deadline_ns).map(|d| d.saturating_sub(g.start_ns) / 1000),
@@ -540,7 +548,8 @@ impl HttpContext for Guard {
 
 impl Guard {
     /// The final version is known (model-router decided in its header phase): admit or refuse.
-    fn decide(&mut self) -> Action {
+    /// `streaming`: whether the request asked for a stream (`None`: unknown, treated as a stream).
+    fn decide(&mut self, streaming: Option<bool>) -> Action {
         let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
         g.decided = true;
         let Some(version) = final_version() else { return Action::Continue };
@@ -566,6 +575,7 @@ impl Guard {
                             priority.as_str()
                         );
                         refuse(g.kind, 503, retry, &message, "overloaded", "breaker_open");
+                        write_refusal_stamp(g, &vp.name, "shed_breaker_open");
                         return Action::Pause;
                     }
                     OpenAction::Fallback => {
@@ -599,6 +609,7 @@ impl Guard {
                         priority.as_str()
                     );
                     refuse(g.kind, 503, 1, &message, "overloaded", "in_flight_limit");
+                    write_refusal_stamp(g, &vp.name, "shed_in_flight");
                     return Action::Pause;
                 }
                 InFlight::Unavailable => {}
@@ -616,7 +627,9 @@ impl Guard {
                 kind: g.kind,
                 version: vp.name.clone(),
                 start_ns: g.start_ns,
-                ttft_deadline_ns: deadline(vp.ttft_deadline_ns),
+                // A whole (non-streamed) answer has no first token before its end: the total
+                // deadline is the one that applies to it.
+                ttft_deadline_ns: if streaming == Some(false) { None } else { deadline(vp.ttft_deadline_ns) },
                 total_deadline_ns: deadline(vp.total_deadline_ns),
                 held: false,
                 started: false,
@@ -668,6 +681,13 @@ fn final_version() -> Option<String> {
     host::property(&MODEL_METADATA.map(String::from)).filter(|m| !m.is_empty())
 }
 
+/// The one member of a request body the guard reads itself.
+#[derive(serde::Deserialize)]
+struct StreamFlag {
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
 /// FNV-1a of the request id (or the context id): a stable per-request number for probe picking.
 fn draw_of(request_id: &str, context_id: u32) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -697,8 +717,20 @@ fn deadline_event(kind: ApiKind, which: &str, ms: u64) -> String {
     let body = error_body(Some(kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
     match kind {
         ApiKind::AnthropicMessages => format!("event: error\ndata: {body}\n\n"),
+        ApiKind::Responses => {
+            let event = serde_json::json!({"type": "error", "code": format!("{which}_deadline_exceeded"), "message": message, "param": null});
+            format!("event: error\ndata: {event}\n\n")
+        }
         _ => format!("data: {body}\n\ndata: [DONE]\n\n"),
     }
+}
+
+fn write_refusal_stamp(g: &Guarded, version: &str, outcome: &str) {
+    let stamp = serde_json::json!({
+        "version": version, "class": g.class, "priority": g.priority.as_str(), "probe": false, "outcome": outcome,
+        "ttft_ms": null,
+    });
+    host::set_property(STAMP_PROPERTY, stamp.to_string().as_bytes());
 }
 
 fn write_stamp(g: &Guarded, a: &Admitted, outcome: &str, ttft_us: Option<u64>) {

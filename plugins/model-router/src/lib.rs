@@ -370,8 +370,16 @@ impl HttpContext for Stream {
         // latency-guard (in front) lists versions this request must not go to: their SLO breaker is
         // open and the tenant's class fails over. Filter state, so a client cannot forge it.
         let avoid = avoided_versions();
+        let only_unhealthy = unhealthy.clone();
         unhealthy.extend(avoid.iter().map(|(v, _)| v.as_str()));
-        let Some(mut decision) = sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy) else {
+        // When the guard's list leaves nothing to route to, a slow version beats the route table's
+        // default: decide as if the list were empty (the guard then counts the request as having
+        // no fallback).
+        let decided = sh
+            .policy
+            .decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy)
+            .or_else(|| sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &only_unhealthy));
+        let Some(mut decision) = decided else {
             sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{}", sanitize_label(&model)));
             return Action::Continue;
         };
