@@ -442,6 +442,11 @@ impl HttpContext for Guard {
         }
         if let Some(w) = sh.watched.get_mut(&self.context_id) {
             w.started = true;
+            if end_of_stream {
+                // The whole response has passed: no deadline applies to it any more.
+                w.ttft_deadline_ns = None;
+                w.total_deadline_ns = None;
+            }
         }
         Action::Continue
     }
@@ -481,6 +486,14 @@ impl HttpContext for Guard {
                 w.reset_at_ns = Some(now.saturating_add(END_GRACE_NS));
             }
             sh.count_deadline(self.context_id, Fired::TotalEvent);
+        }
+        if end_of_stream {
+            // The whole response has passed; the stream may still be logged much later (a client that
+            // reads slowly): a deadline now would reset a complete answer and sample it as an error.
+            if let Some(w) = sh.watched.get_mut(&self.context_id) {
+                w.ttft_deadline_ns = None;
+                w.total_deadline_ns = None;
+            }
         }
         Action::Continue
     }
