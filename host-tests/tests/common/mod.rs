@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod budget;
+pub mod latency;
 pub mod llm;
 pub mod router;
 

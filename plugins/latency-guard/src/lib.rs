@@ -153,17 +153,6 @@ impl RootContext for Root {
                 return false;
             }
         };
-        // A fallback the policy does not know is a typo that would silently disable failing over.
-        for (i, v) in policy.versions.iter().enumerate() {
-            if let Some(f) = v.breaker.as_ref().and_then(|b| b.fallback.as_deref()) {
-                if policy.version(f).is_none() {
-                    log::error!(
-                        "sluice latency-guard: configuration refused: versions[{i}].breaker.fallback: {f:?} is not a version of the policy"
-                    );
-                    return false;
-                }
-            }
-        }
         // Every shared value exists before traffic: Envoy accepts any CAS token for a missing key,
         // so a create could not be conditional.
         let mut store = host::SharedData;

@@ -353,6 +353,17 @@ impl LatencyPolicy {
             }
             versions.push(compile_version(&vf, v)?);
         }
+        // A fallback the policy does not know is a typo that would silently disable failing over.
+        for (vi, v) in versions.iter().enumerate() {
+            if let Some(f) = v.breaker.as_ref().and_then(|b| b.fallback.as_deref()) {
+                if !by_name.contains_key(f) {
+                    return Err(invalid(
+                        format!("versions[{vi}].breaker.fallback"),
+                        format!("{f:?} is not a version of the policy (list it, even without objectives)"),
+                    ));
+                }
+            }
+        }
         Ok(LatencyPolicy { tenant, classes, default_class, versions, by_name })
     }
 
