@@ -19,7 +19,7 @@ use common::latency::*;
 use common::llm::chat;
 use serde_json::{json, Value};
 use sluice_core::latency::{QuantileSketch, SketchParams};
-use sluice_host::{Gateway, LogLevel, PluginSpec, DEFAULT_EPOCH_NS};
+use sluice_host::{Gateway, LogLevel, PluginSpec};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -74,14 +74,6 @@ fn open_breaker(gw: &Gateway, n: u64) -> u64 {
     gw.now_ns()
 }
 
-/// When the guard's 100 ms breaker sweep first runs at or after `t`: the first tick (1 ms after
-/// configure, at the epoch) sweeps, then every 100 ms.
-fn next_sweep(t: u64) -> u64 {
-    let first = DEFAULT_EPOCH_NS + NS_PER_MS;
-    let period = 100 * NS_PER_MS;
-    first + (t.saturating_sub(first)).div_ceil(period) * period
-}
-
 /// Moves the clock to the absolute time `t`.
 fn advance_to(gw: &Gateway, t: u64) {
     let now = gw.now_ns();
@@ -96,8 +88,12 @@ fn advance_to(gw: &Gateway, t: u64) {
 #[test]
 fn ttft_deadline_answers_504_at_the_deadline_not_before_while_headers_are_held() {
     let gw = gateway(&deadlines());
+    // Nothing watched: the slow tick (open breakers only).
+    assert_eq!(gw.tick_period(), Some(ms(100)));
     gw.advance(ms(7)).unwrap();
     let mut x = request(&gw, STANDARD, "v1");
+    // A watched stream: the 1 ms tick that fires deadlines.
+    assert_eq!(gw.tick_period(), Some(ms(1)));
     x.sse_headers(100);
     assert!(x.stream.response_paused(), "headers held until the first token");
     x.role(100);
@@ -480,6 +476,9 @@ fn a_complete_response_is_never_cut_while_its_log_is_pending() {
     assert_eq!(z.downstream_status().as_deref(), Some("503"));
     z.end();
     assert_eq!(z.stamp().unwrap()["outcome"], "error", "a 5xx is");
+    // Every stream logged: the next tick returns to the slow one.
+    gw.advance(ms(2)).unwrap();
+    assert_eq!(gw.tick_period(), Some(ms(100)));
     for kind in ["ttft", "total"] {
         for action in ["reply_504", "reset", "error_event"] {
             assert_eq!(gw.counter(&deadline_total("v1", kind, action)), None, "{kind} {action}");
@@ -687,16 +686,21 @@ fn probe_round(gw: &Gateway, prefix: &str, n_probes: usize, ttft_ms: u64, after_
     others
 }
 
-/// Opens the breaker and waits for it to go half-open; checks the transition's time and log.
+/// Opens the breaker and waits for it to go half-open; checks the transition's time and log. With no
+/// stream watched the guard ticks every 100 ms and sweeps open breakers at most every 100 ms, so the
+/// breaker goes half-open within 200 ms after `open_for`, never before.
 fn half_open(gw: &Gateway) {
     let opened = open_breaker(gw, 5);
     advance_to(gw, opened + 10_000 * NS_PER_MS - NS_PER_MS);
     assert_eq!(gw.gauge(&breaker_state("v1")), Some(1), "still open just before open_for");
-    let sweep = next_sweep(opened + 10_000 * NS_PER_MS);
-    assert!(sweep - opened < 10_100 * NS_PER_MS);
-    advance_to(gw, sweep - NS_PER_MS);
     assert_eq!(gw.counter(&transitions("v1", "half_open")), None);
-    advance_to(gw, sweep);
+    let mut at = opened + 10_000 * NS_PER_MS - NS_PER_MS;
+    while gw.counter(&transitions("v1", "half_open")).is_none() {
+        at += NS_PER_MS;
+        assert!(at - opened <= 10_200 * NS_PER_MS, "not half-open 200 ms after open_for");
+        advance_to(gw, at);
+    }
+    assert!(at - opened >= 10_000 * NS_PER_MS);
     assert_eq!(gw.gauge(&breaker_state("v1")), Some(2), "half-open at the first sweep after open_for");
     assert_eq!(gw.counter(&transitions("v1", "half_open")), Some(1));
     assert_eq!(
@@ -704,7 +708,7 @@ fn half_open(gw: &Gateway) {
         &format!(
             "sluice latency-guard: breaker of v1 open → half_open: open for {} ms; probing 50 % of traffic, \
              deciding after 4 samples; closing needs ttft p95 ≤ 450 ms",
-            (sweep - opened) / NS_PER_MS
+            (at - opened) / NS_PER_MS
         )
     );
 }

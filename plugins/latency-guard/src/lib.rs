@@ -64,8 +64,12 @@ const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "mod
 /// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
 const STAMP_PROPERTY: &str = "sluice_latency";
 
-/// The tick that releases held streams and fires deadlines: deadlines fire at most this late.
+/// The tick while streams are watched: it releases held streams and fires deadlines, so deadlines
+/// fire at most this late (Envoy 1.40 delivers it every 3–4 ms).
 const TICK: Duration = Duration::from_millis(1);
+/// The tick while nothing is watched: only open breakers need looking at. An idle 1 ms tick cost
+/// ≈ 4 % of a core across a 2-worker Envoy (measured); this one costs nothing measurable.
+const IDLE_TICK: Duration = Duration::from_millis(100);
 /// How often each worker looks at open breakers (their way to half-open is time alone).
 const BREAKER_SWEEP_NS: u64 = 100_000_000;
 /// After the error event that ends a stream at its total deadline, the stream is reset this much
@@ -87,6 +91,8 @@ struct Shared {
     /// This VM's release queue (name, id) and the VM id llm-metrics resolves it under.
     release_queue: Option<(String, u32)>,
     vm_id: String,
+    /// The tick runs at [`TICK`] (streams watched) rather than [`IDLE_TICK`].
+    fast_tick: bool,
 }
 
 /// What the tick needs of a stream.
@@ -176,7 +182,7 @@ impl RootContext for Root {
         }
         let vm_id = host::property(&["plugin_vm_id".to_string()]).unwrap_or_default();
         let release_queue = register_release_queue();
-        if let Err(status) = proxy_wasm::hostcalls::set_tick_period(TICK) {
+        if let Err(status) = proxy_wasm::hostcalls::set_tick_period(IDLE_TICK) {
             log::error!("sluice latency-guard: cannot set the tick ({status:?}); deadlines would never fire");
             return false;
         }
@@ -194,6 +200,7 @@ impl RootContext for Root {
             warned_no_first_token_signal: false,
             release_queue,
             vm_id,
+            fast_tick: false,
         })));
         true
     }
@@ -209,6 +216,9 @@ impl RootContext for Root {
         if now >= sh.next_breaker_sweep_ns {
             sh.next_breaker_sweep_ns = now.saturating_add(BREAKER_SWEEP_NS);
             sh.sweep_open_breakers(now);
+        }
+        if sh.watched.is_empty() {
+            sh.set_fast_tick(false);
         }
     }
 
@@ -623,6 +633,7 @@ impl Guard {
             sh.metrics.add(MetricType::Counter, &format!("sluice.latency.probes_total.version.{version_label}"), 1);
         }
         let deadline = |d: Option<u64>| d.map(|d| g.start_ns.saturating_add(d));
+        sh.set_fast_tick(true);
         sh.watched.insert(
             self.context_id,
             Watch {
@@ -859,6 +870,17 @@ impl Shared {
             fired.action()
         );
         self.count_deadline(id, fired);
+    }
+
+    /// Switches between the watching tick and the idle one (a hostcall only on a change).
+    fn set_fast_tick(&mut self, fast: bool) {
+        if self.fast_tick == fast {
+            return;
+        }
+        match proxy_wasm::hostcalls::set_tick_period(if fast { TICK } else { IDLE_TICK }) {
+            Ok(()) => self.fast_tick = fast,
+            Err(status) => log::warn!("sluice latency-guard: cannot change the tick period: {status:?}"),
+        }
     }
 
     /// Releases a held stream whose first token llm-metrics has marked; `true` when released (or
