@@ -74,6 +74,12 @@ fn open_breaker(gw: &Gateway, n: u64) -> u64 {
     gw.now_ns()
 }
 
+/// When v1's breaker entered its current state (the shared state: format, state, since, hold).
+fn breaker_since(gw: &Gateway) -> u64 {
+    let state = gw.shared_data("sluice/latency-guard/breaker/v1").expect("breaker state");
+    u64::from_le_bytes(state[2..10].try_into().expect("8 bytes"))
+}
+
 /// Moves the clock to the absolute time `t`.
 fn advance_to(gw: &Gateway, t: u64) {
     let now = gw.now_ns();
@@ -547,17 +553,26 @@ fn breaker_opens_only_once_it_has_min_samples() {
     assert_eq!(gw.counter(&transitions("v1", "open")), None);
     assert!(transition_logs(&gw, "v1").is_empty());
 
-    stream_ok(&gw, STANDARD, "v1", 800);
-    assert_eq!(gw.gauge(&breaker_state("v1")), Some(1), "open");
+    // The fifth slow TTFT opens it at that request's first token, while it is still streaming.
+    let mut x = request(&gw, STANDARD, "v1");
+    x.sse_headers(0);
+    x.role(0);
+    x.at(799);
+    assert_eq!(gw.gauge(&breaker_state("v1")), Some(0));
+    x.token(800, "Hi");
+    assert_eq!(gw.gauge(&breaker_state("v1")), Some(1), "open at the fifth first token");
     assert_eq!(gw.counter(&transitions("v1", "open")), Some(1));
     assert_eq!(
         transition_logs(&gw, "v1"),
         vec![format!(
-            "sluice latency-guard: breaker of v1 closed → open: objective breached over 5 requests in the last 60 s: \
-             ttft p95 {} > 500 ms",
+            "sluice latency-guard: breaker of v1 closed → open: objective breached in the last 60 s \
+             (4 finished requests, 5 TTFTs): ttft p95 {} > 500 ms",
             p95_text(800, 5)
         )]
     );
+    x.finish(812, 1);
+    x.end();
+    assert_eq!(gw.counter(&transitions("v1", "open")), Some(1), "its end does not count its TTFT twice");
     assert_eq!(p95_text(800, 5), "800.0 ms");
     // The shared state says open too (format version 1, state code 1).
     let state = gw.shared_data("sluice/latency-guard/breaker/v1").expect("breaker state");
@@ -571,19 +586,20 @@ fn a_client_that_goes_away_is_not_a_sample() {
     for _ in 0..4 {
         stream_ok(&gw, STANDARD, "v1", 800);
     }
-    // As slow as the others, but the client leaves mid-stream: says nothing about the version.
+    // The client leaves before the first token: no TTFT, no finished request, nothing about the
+    // version.
     let mut x = request(&gw, STANDARD, "v1");
     x.sse_headers(0);
     x.role(0);
-    x.token(800, "Hi");
     x.at(900);
     x.stream.client_reset().unwrap();
-    assert_eq!(x.stamp(), Some(stamp("v1", "standard", "standard", false, "client_disconnect", 800)));
+    let stamp = x.stamp().unwrap();
+    assert_eq!((stamp["outcome"].as_str(), stamp["ttft_ms"].is_null()), (Some("client_disconnect"), true));
     assert_eq!(gw.counter(&requests_total("v1", "standard", "client_disconnect")), Some(1));
     assert_eq!(gw.gauge(&breaker_state("v1")), Some(0), "still 4 samples");
     stream_ok(&gw, STANDARD, "v1", 800);
     assert_eq!(gw.gauge(&breaker_state("v1")), Some(1));
-    assert!(transition_logs(&gw, "v1")[0].contains("objective breached over 5 requests"));
+    assert!(transition_logs(&gw, "v1")[0].contains("(4 finished requests, 5 TTFTs)"), "{:?}", transition_logs(&gw, "v1"));
     assert_no_crash(&gw);
 }
 
@@ -690,7 +706,9 @@ fn probe_round(gw: &Gateway, prefix: &str, n_probes: usize, ttft_ms: u64, after_
 /// stream watched the guard ticks every 100 ms and sweeps open breakers at most every 100 ms, so the
 /// breaker goes half-open within 200 ms after `open_for`, never before.
 fn half_open(gw: &Gateway) {
-    let opened = open_breaker(gw, 5);
+    open_breaker(gw, 5);
+    // It opened at the fifth request's first token: the time the shared state says.
+    let opened = breaker_since(gw);
     advance_to(gw, opened + 10_000 * NS_PER_MS - NS_PER_MS);
     assert_eq!(gw.gauge(&breaker_state("v1")), Some(1), "still open just before open_for");
     assert_eq!(gw.counter(&transitions("v1", "half_open")), None);
@@ -734,7 +752,7 @@ fn half_open_admits_probes_by_request_id_and_healthy_probes_close_it() {
     assert_eq!(
         transition_logs(&gw, "v1").last().unwrap(),
         &format!(
-            "sluice latency-guard: breaker of v1 half_open → closed: probes healthy over 4 requests: \
+            "sluice latency-guard: breaker of v1 half_open → closed: probes healthy (3 finished requests, 4 TTFTs): \
              ttft p95 {} ≤ 450 ms (objective 500 ms − 10 %)",
             p95_text(100, 4)
         )
@@ -762,7 +780,7 @@ fn slow_probes_reopen_the_breaker() {
     assert_eq!(
         transition_logs(&gw, "v1").last().unwrap(),
         &format!(
-            "sluice latency-guard: breaker of v1 half_open → open: probes breached the objective over 4 requests: \
+            "sluice latency-guard: breaker of v1 half_open → open: probes breached the objective (3 finished requests, 4 TTFTs): \
              ttft p95 {} > 500 ms",
             p95_text(800, 4)
         )

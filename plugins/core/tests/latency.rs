@@ -414,7 +414,7 @@ fn opens_after_a_breach_with_enough_samples_probes_and_closes_with_hysteresis() 
     assert_eq!(sim.state(), State::Closed);
     assert!(sim.probes >= 20 && sim.blocked > 0);
     let reopen = sim.transitions.iter().find(|t| t.from == State::HalfOpen && t.to == State::Open).unwrap();
-    assert!(reopen.reason.starts_with("probes breached the objective over 20 requests: ttft p95 7"), "{}", reopen.reason);
+    assert!(reopen.reason.starts_with("probes breached the objective (20 finished requests, 20 TTFTs): ttft p95 7"), "{}", reopen.reason);
     let close = sim.transitions.iter().find(|t| t.to == State::Closed).unwrap();
     assert!(close.reason.contains("≤ 450 ms (objective 500 ms − 10 %)"), "{}", close.reason);
 }
@@ -439,7 +439,7 @@ fn errors_open_it_and_the_reason_has_the_numbers() {
     let t = b.evaluate(T0 + S, &w.snapshot(T0 + S)).unwrap();
     assert_eq!(
         t.reason,
-        "objective breached over 100 requests in the last 60 s: ttft p95 100.0 ms ≤ 500 ms, errors 4/100 = 40.0‰ > 20‰"
+        "objective breached in the last 60 s (100 finished requests, 100 TTFTs): ttft p95 100.0 ms ≤ 500 ms, errors 4/100 = 40.0‰ > 20‰"
     );
     assert_eq!(b.admit(0), Admission::Blocked);
     assert_eq!(b.retry_after_s(T0 + S + 100 * MS), 30);

@@ -115,6 +115,8 @@ struct Watch {
     reset_at_ns: Option<u64>,
     /// Past the total deadline, waiting until then for a chunk to carry the error event.
     chunk_wait_until_ns: Option<u64>,
+    /// The TTFT went into the window at the first token (not again at the end).
+    ttft_recorded: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -469,8 +471,10 @@ impl HttpContext for Guard {
             }
             if outcome.content_events > 0 {
                 g.timing.on_content(now, outcome.content_events);
-                if let Some(w) = sh.watched.get_mut(&self.context_id) {
-                    w.first_token_ns.get_or_insert(now);
+                // Not held (no llm-metrics mark): the guard's own observation is the first token.
+                let first = sh.watched.get_mut(&self.context_id).map(|w| *w.first_token_ns.get_or_insert(now));
+                if let Some(first) = first {
+                    sh.record_first_token(self.context_id, first, now);
                 }
             }
         }
@@ -535,6 +539,8 @@ impl HttpContext for Guard {
             Some(Fired::TtftReply | Fired::TtftReset) => watch.as_ref().and_then(|w| w.ttft_deadline_ns).map(|d| d.saturating_sub(g.start_ns) / 1000),
             _ => g.timing.ttft_ns().map(|v| v / 1000),
         };
+        // Already in the window since the first token.
+        let window_ttft_us = if watch.as_ref().is_some_and(|w| w.ttft_recorded) { None } else { ttft_us };
         let output_tokens = summary.usage.output_tokens;
         let tpot_us = g.timing.tpot_ns(output_tokens).map(|v| v / 1000);
         let outcome = match (fired, error) {
@@ -554,7 +560,7 @@ impl HttpContext for Guard {
             // Says nothing about the version's latency.
             return;
         }
-        sh.observe(&a.version, now, ttft_us, tpot_us, error);
+        sh.observe(&a.version, now, window_ttft_us, tpot_us, error);
     }
 }
 
@@ -650,6 +656,7 @@ impl Guard {
                 fired: None,
                 reset_at_ns: None,
                 chunk_wait_until_ns: None,
+                ttft_recorded: false,
             },
         );
         Action::Continue
@@ -898,7 +905,30 @@ impl Shared {
             w.first_token_ns = Some(first);
         }
         host::resume_response();
+        self.record_first_token(id, first, host::now_ns());
         true
+    }
+
+    /// A stream's TTFT into its version's window at the first token, so a TTFT regression reaches
+    /// the breaker without waiting for the end of every generation.
+    fn record_first_token(&mut self, id: u32, first_ns: u64, now: u64) {
+        let Some(w) = self.watched.get_mut(&id) else { return };
+        if w.ttft_recorded {
+            return;
+        }
+        w.ttft_recorded = true;
+        let ttft_us = first_ns.saturating_sub(w.start_ns) / 1000;
+        let version = w.version.clone();
+        let Some(vp) = self.policy.version(&version) else { return };
+        let Some(b) = vp.breaker.clone() else { return };
+        let (window_key, breaker_key) = (vp.window_key(), vp.breaker_key());
+        match window::update_ttft(&mut host::SharedData, &window_key, &b.window, now, ttft_us) {
+            Ok(window) => {
+                let stats = window.snapshot(now);
+                self.judge(&version, &breaker_key, &window_key, &b, now, &stats);
+            }
+            Err(e) => log::warn!("sluice latency-guard: window of {version} not updated: {e}"),
+        }
     }
 
     fn count_deadline(&mut self, id: u32, fired: Fired) {

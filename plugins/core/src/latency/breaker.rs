@@ -157,6 +157,12 @@ struct Check {
     measured: Measured,
 }
 
+/// What a judgement was made on: finished requests (errors, time per output token) and TTFTs, which
+/// may include streams still running (recorded at their first token).
+fn counts(stats: &WindowStats) -> String {
+    format!("{} finished requests, {} TTFTs", stats.samples, stats.ttft.count())
+}
+
 fn ms(us: u64) -> String {
     format!("{}.{} ms", us / 1000, (us % 1000) / 100)
 }
@@ -291,8 +297,8 @@ impl Breaker {
                     return None;
                 }
                 let reason = format!(
-                    "objective breached over {} requests in the last {window_s} s: {}",
-                    stats.samples,
+                    "objective breached in the last {window_s} s ({}): {}",
+                    counts(stats),
                     self.describe(&checks, false)
                 );
                 Some(self.go(State::Open, now_ns, reason))
@@ -328,11 +334,11 @@ impl Breaker {
             State::HalfOpen => {
                 let (checks, n) = self.measure(stats, self.config.probes.max(1));
                 if checks.iter().flatten().any(|c| c.breached) {
-                    let reason = format!("probes breached the objective over {} requests: {}", stats.samples, self.describe(&checks, true));
+                    let reason = format!("probes breached the objective ({}): {}", counts(stats), self.describe(&checks, true));
                     return Some(self.go(State::Open, now_ns, reason));
                 }
                 if n > 0 && checks.iter().flatten().all(|c| c.judged && c.healthy) {
-                    let reason = format!("probes healthy over {} requests: {}", stats.samples, self.describe(&checks, true));
+                    let reason = format!("probes healthy ({}): {}", counts(stats), self.describe(&checks, true));
                     return Some(self.go(State::Closed, now_ns, reason));
                 }
                 None
@@ -485,7 +491,7 @@ mod tests {
         assert_eq!((t.from, t.to), (State::Closed, State::Open));
         assert_eq!(
             t.reason,
-            "objective breached over 50 requests in the last 60 s: ttft p95 612.3 ms > 500 ms, errors 1/50 = 20.0‰ ≤ 20‰"
+            "objective breached in the last 60 s (50 finished requests, 50 TTFTs): ttft p95 612.3 ms > 500 ms, errors 1/50 = 20.0‰ ≤ 20‰"
         );
         assert_eq!(b.retry_after_s(2 + 10_000 * MS), 20);
     }

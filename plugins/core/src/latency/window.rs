@@ -15,7 +15,7 @@ use super::sketch::{QuantileSketch, SketchParams};
 use super::UpdateError;
 use crate::budget::ledger::{SharedStore, StoreError, MAX_CAS_ATTEMPTS};
 
-const FORMAT_VERSION: u8 = 1;
+const FORMAT_VERSION: u8 = 2;
 
 /// Most slots a window may have.
 pub const MAX_SLOTS: u8 = 60;
@@ -81,6 +81,11 @@ impl Slot {
     fn new(epoch: u64, empty: &QuantileSketch) -> Slot {
         Slot { epoch, requests: 0, errors: 0, ttft: empty.empty_like(), tpot: empty.empty_like() }
     }
+
+    /// Holds anything: finished requests, or TTFTs of requests still streaming.
+    fn used(&self) -> bool {
+        self.requests > 0 || self.ttft.count() > 0
+    }
 }
 
 /// The window. See the module documentation.
@@ -142,20 +147,36 @@ impl RollingWindow {
         now_ns / self.config.slot_ns.max(1)
     }
 
-    /// Records one finished request. Returns `false` (and records nothing) when `now_ns` falls in a
-    /// slot the ring has already reused for a later period (a clock that went backwards).
-    pub fn record(&mut self, now_ns: u64, ttft_us: Option<u64>, tpot_us: Option<u64>, error: bool) -> bool {
+    /// The slot `now_ns` belongs to, emptied first when it still holds an older period; `None` when
+    /// the ring has already reused it for a later period (a clock that went backwards).
+    fn slot_at(&mut self, now_ns: u64) -> Option<&mut Slot> {
         let epoch = self.epoch(now_ns);
         let n = u64::from(self.config.slots).max(1);
         let empty = self.empty_sketch();
-        let Some(slot) = self.slots.get_mut((epoch % n) as usize) else {
-            return false;
-        };
-        if slot.epoch < epoch || (slot.requests == 0 && slot.epoch != epoch) {
+        let slot = self.slots.get_mut((epoch % n) as usize)?;
+        if slot.epoch < epoch || (!slot.used() && slot.epoch != epoch) {
             *slot = Slot::new(epoch, &empty);
         } else if slot.epoch > epoch {
-            return false;
+            return None;
         }
+        Some(slot)
+    }
+
+    /// Records the TTFT of a request still streaming, at its first token, so the breaker sees it
+    /// without waiting for the end of the generation. The request itself is counted by [`record`]
+    /// at its end (without the TTFT again). `false` as for [`record`].
+    ///
+    /// [`record`]: RollingWindow::record
+    pub fn record_ttft(&mut self, now_ns: u64, ttft_us: u64) -> bool {
+        let Some(slot) = self.slot_at(now_ns) else { return false };
+        slot.ttft.add(ttft_us);
+        true
+    }
+
+    /// Records one finished request. Returns `false` (and records nothing) when `now_ns` falls in a
+    /// slot the ring has already reused for a later period (a clock that went backwards).
+    pub fn record(&mut self, now_ns: u64, ttft_us: Option<u64>, tpot_us: Option<u64>, error: bool) -> bool {
+        let Some(slot) = self.slot_at(now_ns) else { return false };
         slot.requests = slot.requests.saturating_add(1);
         if error {
             slot.errors = slot.errors.saturating_add(1);
@@ -183,7 +204,7 @@ impl RollingWindow {
             window_ns: self.config.window_ns(),
         };
         // The slot just after `now` counts too: another worker may have read the clock a moment later.
-        let inside = |s: &&Slot| s.requests > 0 && s.epoch.saturating_add(n) > epoch && s.epoch <= epoch.saturating_add(1);
+        let inside = |s: &&Slot| s.used() && s.epoch.saturating_add(n) > epoch && s.epoch <= epoch.saturating_add(1);
         // One allocation per merged sketch: reserve the union of the slots' ranges first.
         let union = |pick: fn(&Slot) -> &QuantileSketch| {
             self.slots.iter().filter(inside).filter_map(|s| pick(s).range()).reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)))
@@ -208,8 +229,8 @@ impl RollingWindow {
         stats
     }
 
-    /// Version, slot count, slot length, sketch parameters; then per slot: epoch, requests and (when
-    /// it holds requests) errors and the two sketches.
+    /// Version, slot count, slot length, sketch parameters; then per slot: epoch, 0 for an empty slot
+    /// or requests + 1 followed by errors and the two sketches.
     pub fn encode(&self) -> Vec<u8> {
         let hint: usize = self.slots.iter().map(|s| 24 + s.ttft.encoded_len_hint() + s.tpot.encoded_len_hint()).sum();
         let mut out = Vec::with_capacity(16 + hint);
@@ -220,11 +241,15 @@ impl RollingWindow {
         out.extend_from_slice(&(self.config.sketch.max_buckets() as u16).to_le_bytes());
         for slot in &self.slots {
             put_varint(&mut out, slot.epoch);
-            put_varint(&mut out, slot.requests);
-            if slot.requests > 0 {
+            // 0: an empty slot; else requests + 1, then the rest (a slot may hold TTFTs of
+            // requests still streaming and no finished request yet).
+            if slot.used() {
+                put_varint(&mut out, slot.requests.saturating_add(1));
                 put_varint(&mut out, slot.errors);
                 slot.ttft.encode_into(&mut out);
                 slot.tpot.encode_into(&mut out);
+            } else {
+                put_varint(&mut out, 0);
             }
         }
         out
@@ -244,9 +269,10 @@ impl RollingWindow {
         let empty = QuantileSketch::new(sketch);
         for _ in 0..slots {
             let epoch = r.varint()?;
-            let requests = r.varint()?;
+            let marker = r.varint()?;
             let mut slot = Slot::new(epoch, &empty);
-            if requests > 0 {
+            if marker > 0 {
+                let requests = marker - 1;
                 slot.requests = requests;
                 slot.errors = r.varint()?;
                 slot.ttft = QuantileSketch::decode_from(&mut r, Some(&empty))?;
@@ -307,6 +333,31 @@ pub fn update(
         }
         let (mut window, cas) = load(store, key, config)?;
         if !window.record(now_ns, ttft_us, tpot_us, error) {
+            return Ok(window);
+        }
+        match store.set(key, &window.encode(), cas) {
+            Ok(()) => return Ok(window),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(UpdateError::Store(e)),
+        }
+    }
+    Err(UpdateError::Contended)
+}
+
+/// [`RollingWindow::record_ttft`] into the shared window, with compare-and-swap as [`update`].
+pub fn update_ttft(
+    store: &mut dyn SharedStore,
+    key: &str,
+    config: &WindowConfig,
+    now_ns: u64,
+    ttft_us: u64,
+) -> Result<RollingWindow, UpdateError> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        if ensure(store, key, config)? {
+            continue;
+        }
+        let (mut window, cas) = load(store, key, config)?;
+        if !window.record_ttft(now_ns, ttft_us) {
             return Ok(window);
         }
         match store.set(key, &window.encode(), cas) {
@@ -400,5 +451,29 @@ mod tests {
         assert_eq!(read(&mut store, "k", &other).unwrap().snapshot(100 * S).samples, 0);
         reset(&mut store, "k", &c).unwrap();
         assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(100 * S).samples, 0);
+    }
+
+    #[test]
+    fn early_ttfts_count_for_the_quantile_not_as_requests_and_survive_encoding() {
+        let mut store = MemoryStore::default();
+        let c = config();
+        let t0 = 500 * S;
+        // Three streams past their first token, none finished: TTFTs in, no request yet.
+        for (i, ttft) in [100_000u64, 200_000, 900_000].into_iter().enumerate() {
+            update_ttft(&mut store, "k", &c, t0 + i as u64, ttft).unwrap();
+        }
+        let w = read(&mut store, "k", &c).unwrap();
+        let s = w.snapshot(t0);
+        assert_eq!((s.samples, s.errors, s.ttft.count()), (0, 0, 3));
+        assert!(s.ttft_quantile(1.0).unwrap().abs_diff(900_000) <= 9_000);
+        assert_eq!(RollingWindow::decode(&w.encode()), Some(w.clone()));
+        // They finish (TTFT not given again): requests counted, TTFTs unchanged.
+        for i in 0..3 {
+            update(&mut store, "k", &c, t0 + 5 * S + i, None, Some(20_000), i == 2).unwrap();
+        }
+        let s = read(&mut store, "k", &c).unwrap().snapshot(t0 + 5 * S);
+        assert_eq!((s.samples, s.errors, s.ttft.count(), s.tpot.count()), (3, 1, 3, 3));
+        // A slot holding only early TTFTs leaves the window like any other.
+        assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(t0 + 70 * S).ttft.count(), 0);
     }
 }
