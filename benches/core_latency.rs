@@ -145,6 +145,17 @@ fn window_and_request(c: &mut Criterion) {
             breaker::update(&mut store, "b", &bcfg, now, &stats).unwrap()
         })
     });
+    // A stream's first token: its TTFT into the window, the breaker judged (the end of the same
+    // request then takes the completion path without the TTFT).
+    g.bench_function("first_token_path", |b| {
+        let mut now = T0;
+        b.iter(|| {
+            now += 50_000;
+            let w = window::update_ttft(&mut store, "w", &cfg, now, black_box(240_000)).unwrap();
+            let stats = w.snapshot(now);
+            breaker::update(&mut store, "b", &bcfg, now, &stats).unwrap()
+        })
+    });
     // The completion path of a window that is read but not evaluated (snapshot cost excluded).
     g.bench_function("record_only", |b| {
         let mut now = T0;
