@@ -990,12 +990,12 @@ fn broken_policies_are_refused_with_the_field_that_is_wrong() {
     let cases: Vec<(String, &str)> = vec![
         (
             v1(json!({"ttft_deadline": 1000})),
-            "latency-guard policy is not valid JSON: unknown field `ttft_deadline`, expected one of `name`, \
+            "latency-guard policy is not valid JSON: versions[0].ttft_deadline: unknown field `ttft_deadline`, expected one of `name`, \
              `ttft_deadline_ms`, `total_deadline_ms`, `max_output_tokens`, `in_flight`, `breaker`",
         ),
         (
             classes_bad.to_string(),
-            "latency-guard policy is not valid JSON: unknown variant `urgent`, expected one of `critical`, `standard`, `sheddable`",
+            "latency-guard policy is not valid JSON: classes[1].priority: unknown variant `urgent`, expected one of `critical`, `standard`, `sheddable`",
         ),
         (
             v1(json!({"ttft_deadline_ms": 3000, "total_deadline_ms": 2000})),

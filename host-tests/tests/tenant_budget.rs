@@ -1209,7 +1209,7 @@ fn wrong_policies_are_refused_with_the_field_and_the_problem() {
         (with(&base, json!({"default_max_output_tokens": 0})), "default_max_output_tokens: must be at least 1"),
         (with(&base, json!({"filter_state_key": "a b"})), r#"filter_state_key: must be letters, digits, '_' or '.', got "a b""#),
         (with(&base, json!({"orgs": []})), "orgs: must list at least one org"),
-        (with(&base, json!({"budget": 1})), "tenant-budget policy is not valid JSON: unknown field `budget`"),
+        (with(&base, json!({"budget": 1})), "tenant-budget policy is not valid JSON: budget: unknown field `budget`"),
     ];
     for (policy, message) in cases {
         let err = load_error(&policy);

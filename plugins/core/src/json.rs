@@ -87,6 +87,23 @@ pub(crate) fn error_message(v: &Value) -> Option<&str> {
     None
 }
 
+/// Deserializes a configuration document. On failure the message starts with the path of the
+/// offending member (`versions[0].breaker: unknown field ...`), which serde alone does not give.
+pub fn parse_config<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        if path.is_empty() || path == "." {
+            e.inner().to_string()
+        } else {
+            format!("{path}: {}", e.inner())
+        }
+    })?;
+    // Trailing characters after the document are an error too.
+    de.end().map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,3 +143,4 @@ mod tests {
         );
     }
 }
+

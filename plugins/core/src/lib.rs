@@ -46,4 +46,4 @@ pub mod sse;
 pub mod timing;
 pub mod usage;
 
-mod json;
+pub mod json;

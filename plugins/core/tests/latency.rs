@@ -657,6 +657,12 @@ fn policy_errors_name_the_field_and_the_problem() {
         assert_eq!(refused(&json), *expected, "{from} → {to}");
     }
     assert!(refused(&POLICY.replace("\"min_samples\"", "\"min_sample\"")).contains("unknown field `min_sample`"));
-    assert!(refused(&POLICY.replace("\"sheddable\"", "\"best_effort\"")).starts_with("latency-guard policy is not valid JSON: unknown variant `best_effort`"));
+    let bad_priority = refused(&POLICY.replace("\"sheddable\"", "\"best_effort\""));
+    assert!(
+        bad_priority.starts_with("latency-guard policy is not valid JSON: classes[1].priority: unknown variant `best_effort`"),
+        "{bad_priority}"
+    );
+    let bad_field = refused(&POLICY.replace("\"min_samples\"", "\"min_sample\""));
+    assert!(bad_field.contains("versions[0].breaker.min_sample: unknown field `min_sample`"), "{bad_field}");
     assert_eq!(refused(r#"{"versions": []}"#), "versions: list at least one model version");
 }

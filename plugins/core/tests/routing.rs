@@ -463,7 +463,7 @@ fn policy_errors_name_the_field_and_the_problem() {
     }
     // Unknown fields and wrong types are JSON errors naming the field.
     let e = refused(&example_with(r#""max_concurrent": 8"#, r#""max_concurent": 8"#));
-    assert!(e.starts_with("model-router policy is not valid JSON: unknown field `max_concurent`"), "{e}");
+    assert!(e.starts_with("model-router policy is not valid JSON: models[0].shadow.max_concurent: unknown field `max_concurent`"), "{e}");
     let e = refused(&example_with(r#""route_header""#, r#""routeheader""#));
     assert!(e.contains("unknown field `routeheader`"), "{e}");
     assert!(refused("not json").starts_with("model-router policy is not valid JSON"));

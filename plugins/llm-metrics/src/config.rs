@@ -118,12 +118,8 @@ impl Settings {
     /// Parses and validates; an empty configuration means all defaults.
     pub fn parse(bytes: &[u8]) -> Result<Settings, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
-        let config: Config = if text.trim().is_empty() {
-            serde_json::from_str("{}")
-        } else {
-            serde_json::from_str(text)
-        }
-        .map_err(|e| ConfigError::Json(e.to_string()))?;
+        let config: Config =
+            sluice_core::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
         Settings::validate(config)
     }
 

@@ -325,7 +325,7 @@ const MAX_USD: f64 = 1e9;
 
 impl Policy {
     pub fn from_json(bytes: &[u8]) -> Result<Policy, PolicyError> {
-        let config: PolicyConfig = serde_json::from_slice(bytes).map_err(|e| PolicyError::Json(e.to_string()))?;
+        let config: PolicyConfig = crate::json::parse_config(bytes).map_err(PolicyError::Json)?;
         Policy::compile(config)
     }
 

@@ -276,7 +276,7 @@ fn in_range<T: PartialOrd + std::fmt::Display + Copy>(field: &str, v: T, lo: T, 
 
 impl LatencyPolicy {
     pub fn from_json(bytes: &[u8]) -> Result<LatencyPolicy, PolicyError> {
-        let config: LatencyPolicyConfig = serde_json::from_slice(bytes).map_err(|e| PolicyError::Json(e.to_string()))?;
+        let config: LatencyPolicyConfig = crate::json::parse_config(bytes).map_err(PolicyError::Json)?;
         LatencyPolicy::compile(config)
     }
 

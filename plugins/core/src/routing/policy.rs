@@ -355,7 +355,7 @@ impl RoutingPolicy {
     /// Parse and validate a policy.
     pub fn from_json(bytes: &[u8]) -> Result<Self, RoutingPolicyError> {
         let config: RoutingConfig =
-            serde_json::from_slice(bytes).map_err(|e| RoutingPolicyError::Json(e.to_string()))?;
+            crate::json::parse_config(bytes).map_err(RoutingPolicyError::Json)?;
         Self::compile(config)
     }
 
