@@ -99,7 +99,8 @@ struct Shared {
 #[derive(Debug, Clone)]
 struct Watch {
     kind: ApiKind,
-    version: String,
+    /// Shared, not copied: the tick clones the record of every watched stream.
+    version: Rc<str>,
     start_ns: u64,
     ttft_deadline_ns: Option<u64>,
     total_deadline_ns: Option<u64>,
@@ -644,7 +645,7 @@ impl Guard {
             self.context_id,
             Watch {
                 kind: g.kind,
-                version: vp.name.clone(),
+                version: Rc::from(vp.name.as_str()),
                 start_ns: g.start_ns,
                 // A whole (non-streamed) answer has no first token before its end: the total
                 // deadline is the one that applies to it.
@@ -666,27 +667,18 @@ impl Guard {
 /// Registers this VM's release queue under a name no other VM of the process uses. `None` (logged):
 /// held streams are then released by the tick alone, a few milliseconds later.
 fn register_release_queue() -> Option<(String, u32)> {
-    let mut store = host::SharedData;
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let Ok((bytes, cas)) = store.get(VM_SEQUENCE_KEY) else { break };
-        let n = read_counter(bytes.as_deref()).saturating_add(1);
-        match store.set(VM_SEQUENCE_KEY, &n.to_le_bytes(), cas) {
-            Ok(()) => {
-                let name = format!("sluice_latency_release_{n}");
-                return match proxy_wasm::hostcalls::register_shared_queue(&name) {
-                    Ok(id) => Some((name, id)),
-                    Err(status) => {
-                        log::warn!("sluice latency-guard: no release queue ({status:?}); held streams wait for the tick");
-                        None
-                    }
-                };
-            }
-            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
-            Err(_) => break,
+    let CounterUpdate::Written(n) = update_counter(VM_SEQUENCE_KEY, |n| Ok::<_, ()>(n.saturating_add(1))) else {
+        log::warn!("sluice latency-guard: no release queue (shared data unavailable); held streams wait for the tick");
+        return None;
+    };
+    let name = format!("sluice_latency_release_{n}");
+    match proxy_wasm::hostcalls::register_shared_queue(&name) {
+        Ok(id) => Some((name, id)),
+        Err(status) => {
+            log::warn!("sluice latency-guard: no release queue ({status:?}); held streams wait for the tick");
+            None
         }
     }
-    log::warn!("sluice latency-guard: no release queue (shared data unavailable); held streams wait for the tick");
-    None
 }
 
 /// The version the request goes to: model-router's decision, else the model json_to_metadata read.
@@ -711,8 +703,9 @@ struct StreamFlag {
 /// FNV-1a of the request id (or the context id): a stable per-request number for probe picking.
 fn draw_of(request_id: &str, context_id: u32) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let bytes: Vec<u8> = if request_id.is_empty() { context_id.to_le_bytes().to_vec() } else { request_id.as_bytes().to_vec() };
-    for b in bytes {
+    let id_bytes = context_id.to_le_bytes();
+    let bytes: &[u8] = if request_id.is_empty() { &id_bytes } else { request_id.as_bytes() };
+    for &b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -768,27 +761,55 @@ enum InFlight {
     Unavailable,
 }
 
-fn read_counter(bytes: Option<&[u8]>) -> u64 {
-    bytes.and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0)
+/// How a compare-and-swap update of a shared counter ended.
+enum CounterUpdate<R> {
+    /// The new value was written.
+    Written(u64),
+    /// The update declined to write, for this reason.
+    Declined(R),
+    /// The store could not be read or written.
+    Unavailable,
+    /// Every attempt lost to another worker's write.
+    Contended,
+}
+
+/// Updates the shared little-endian `u64` counter at `key` (0 when absent) with `next`, retrying
+/// lost compare-and-swaps at most [`MAX_CAS_ATTEMPTS`] times.
+fn update_counter<R>(key: &str, mut next: impl FnMut(u64) -> Result<u64, R>) -> CounterUpdate<R> {
+    let mut store = host::SharedData;
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let Ok((bytes, cas)) = store.get(key) else { return CounterUpdate::Unavailable };
+        let n = bytes.as_deref().and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0);
+        let value = match next(n) {
+            Ok(value) => value,
+            Err(reason) => return CounterUpdate::Declined(reason),
+        };
+        match store.set(key, &value.to_le_bytes(), cas) {
+            Ok(()) => return CounterUpdate::Written(value),
+            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
+            Err(_) => return CounterUpdate::Unavailable,
+        }
+    }
+    CounterUpdate::Contended
 }
 
 fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFlightLimit) -> InFlight {
-    let mut store = host::SharedData;
-    let key = vp.in_flight_key();
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let Ok((bytes, cas)) = store.get(&key) else { return InFlight::Unavailable };
-        let n = read_counter(bytes.as_deref());
+    let entered = update_counter(&vp.in_flight_key(), |n| {
         if latency::should_shed(priority, n, limit) {
-            return InFlight::Shed(n);
+            Err(n)
+        } else {
+            Ok(n.saturating_add(1))
         }
-        match store.set(&key, &n.saturating_add(1).to_le_bytes(), cas) {
-            Ok(()) => return InFlight::Entered(n.saturating_add(1)),
-            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
-            Err(_) => return InFlight::Unavailable,
+    });
+    match entered {
+        CounterUpdate::Written(n) => InFlight::Entered(n),
+        CounterUpdate::Declined(n) => InFlight::Shed(n),
+        CounterUpdate::Unavailable => InFlight::Unavailable,
+        CounterUpdate::Contended => {
+            log::warn!("sluice latency-guard: in-flight counter of {} too contended; request not counted", vp.name);
+            InFlight::Unavailable
         }
     }
-    log::warn!("sluice latency-guard: in-flight counter of {} too contended; request not counted", vp.name);
-    InFlight::Unavailable
 }
 
 impl Watch {
@@ -918,17 +939,8 @@ impl Shared {
         }
         w.ttft_recorded = true;
         let ttft_us = first_ns.saturating_sub(w.start_ns) / 1000;
-        let version = w.version.clone();
-        let Some(vp) = self.policy.version(&version) else { return };
-        let Some(b) = vp.breaker.clone() else { return };
-        let (window_key, breaker_key) = (vp.window_key(), vp.breaker_key());
-        match window::update_ttft(&mut host::SharedData, &window_key, &b.window, now, ttft_us) {
-            Ok(window) => {
-                let stats = window.snapshot(now);
-                self.judge(&version, &breaker_key, &window_key, &b, now, &stats);
-            }
-            Err(e) => log::warn!("sluice latency-guard: window of {version} not updated: {e}"),
-        }
+        let version = Rc::clone(&w.version);
+        self.update_window_and_judge(&version, now, |store, key, config| window::update_ttft(store, key, config, now, ttft_us));
     }
 
     fn count_deadline(&mut self, id: u32, fired: Fired) {
@@ -950,38 +962,38 @@ impl Shared {
 
     fn leave_in_flight(&mut self, version: &str) {
         let Some(vp) = self.policy.version(version) else { return };
-        let key = vp.in_flight_key();
-        let mut store = host::SharedData;
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let Ok((bytes, cas)) = store.get(&key) else { return };
-            let n = read_counter(bytes.as_deref()).saturating_sub(1);
-            match store.set(&key, &n.to_le_bytes(), cas) {
-                Ok(()) => {
-                    self.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{}", sanitize_label(version)), n);
-                    return;
-                }
-                Err(sluice_core::budget::StoreError::CasMismatch) => continue,
-                Err(_) => return,
+        match update_counter(&vp.in_flight_key(), |n| Ok::<_, ()>(n.saturating_sub(1))) {
+            CounterUpdate::Written(n) => {
+                self.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{}", sanitize_label(version)), n);
             }
+            CounterUpdate::Contended => log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high"),
+            CounterUpdate::Declined(()) | CounterUpdate::Unavailable => {}
         }
-        log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high");
     }
 
     /// A finished request into its version's window; the breaker judged on the result.
     fn observe(&mut self, version: &str, now: u64, ttft_us: Option<u64>, tpot_us: Option<u64>, error: bool) {
+        self.update_window_and_judge(version, now, |store, key, config| window::update(store, key, config, now, ttft_us, tpot_us, error));
+    }
+
+    /// Applies `update` to the version's shared window (when it has a breaker) and judges the
+    /// breaker on the window as written.
+    fn update_window_and_judge(
+        &mut self,
+        version: &str,
+        now: u64,
+        update: impl FnOnce(&mut host::SharedData, &str, &latency::WindowConfig) -> Result<latency::RollingWindow, latency::UpdateError>,
+    ) {
         let Some(vp) = self.policy.version(version) else { return };
         let Some(b) = vp.breaker.clone() else { return };
-        let (window_key, breaker_key, name) = (vp.window_key(), vp.breaker_key(), vp.name.clone());
-        let mut store = host::SharedData;
-        let window = match window::update(&mut store, &window_key, &b.window, now, ttft_us, tpot_us, error) {
-            Ok(w) => w,
-            Err(e) => {
-                log::warn!("sluice latency-guard: window of {name} not updated: {e}");
-                return;
+        let (window_key, breaker_key) = (vp.window_key(), vp.breaker_key());
+        match update(&mut host::SharedData, &window_key, &b.window) {
+            Ok(window) => {
+                let stats = window.snapshot(now);
+                self.judge(version, &breaker_key, &window_key, &b, now, &stats);
             }
-        };
-        let stats = window.snapshot(now);
-        self.judge(&name, &breaker_key, &window_key, &b, now, &stats);
+            Err(e) => log::warn!("sluice latency-guard: window of {version} not updated: {e}"),
+        }
     }
 
     fn judge(
