@@ -43,6 +43,14 @@ impl AccessLog {
             .collect()
     }
 
+    /// Waits for the entry whose `request_id` field is `id` (configs log `%REQ(X-REQUEST-ID)%`
+    /// there) and returns it.
+    pub fn wait_for_request(&self, id: &str, timeout: Duration) -> Result<Value> {
+        crate::wait_until(timeout, &format!("the access log entry of request {id} in {}", self.path.display()), || {
+            Ok(self.entries()?.into_iter().find(|e| e.get("request_id").and_then(Value::as_str) == Some(id)))
+        })
+    }
+
     /// Waits until at least `n` entries are there, and returns all of them.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<Value>> {
         crate::wait_until(
@@ -53,5 +61,17 @@ impl AccessLog {
                 Ok((entries.len() >= n).then_some(entries))
             },
         )
+    }
+}
+
+/// The stamp a plugin wrote into filter state, which the access log holds as a JSON string in
+/// `field` (`sluice`, `budget`, `route`, `latency` in the shipped configs), parsed. `None` when the
+/// plugin wrote nothing (Envoy logs `null` or `-`).
+pub fn stamp(entry: &Value, field: &str) -> Result<Option<Value>> {
+    match entry.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() || s == "-" => Ok(None),
+        Some(Value::String(s)) => serde_json::from_str(s).map(Some).with_context(|| format!("stamp {field} is not JSON: {s}")),
+        Some(other) => anyhow::bail!("stamp {field} is not a string: {other}"),
     }
 }

@@ -35,29 +35,11 @@ pub fn free_port() -> Result<u16> {
 }
 
 /// Replaces every `{{NAME}}` in `template` with its value from `vars` (names given with or
-/// without the braces). A placeholder left over is an error that names it.
+/// without the braces), in one pass: a value is never scanned for placeholders. A placeholder left
+/// over is an error that names it. The same rules as `cargo xtask render` (`sluice_envoy_render`).
 pub fn render_config(template: &str, vars: &[(&str, &str)]) -> Result<String> {
-    let mut out = template.to_string();
-    for (name, value) in vars {
-        let name = placeholder_name(name);
-        out = out.replace(&format!("{{{{{name}}}}}"), value);
-    }
-    let mut missing = Vec::new();
-    let mut rest = out.as_str();
-    while let Some(start) = rest.find("{{") {
-        let after = rest.get(start + 2..).unwrap_or("");
-        match after.find("}}") {
-            Some(end) => {
-                missing.push(after.get(..end).unwrap_or("").to_string());
-                rest = after.get(end + 2..).unwrap_or("");
-            }
-            None => break,
-        }
-    }
-    if !missing.is_empty() {
-        bail!("config placeholders without a value: {}", missing.join(", "));
-    }
-    Ok(out)
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (placeholder_name(n), *v)).collect();
+    sluice_envoy_render::render_template(template, &vars, &[]).map_err(|e| anyhow!("{e}"))
 }
 
 /// `NAME` from `NAME` or `{{NAME}}`.
@@ -251,10 +233,22 @@ impl Envoy {
         Metrics::parse(&self.stats_prometheus()?)
     }
 
-    /// Runs `envoy --mode validate -c path`: checks a config without starting listeners.
+    /// Runs `envoy --mode validate -c path`: checks a config without starting listeners. Envoy
+    /// 1.40 loads the `.wasm` files and runs each plugin's `on_configure` in this mode, so a policy
+    /// its plugin refuses fails validation.
     pub fn validate(path: &Path) -> Result<()> {
+        Envoy::validate_in(path, None)
+    }
+
+    /// [`Envoy::validate`] with Envoy's working directory set to `dir` (relative paths in the
+    /// config, such as the rendered files' `.wasm` paths, resolve against it).
+    pub fn validate_in(path: &Path, dir: Option<&Path>) -> Result<()> {
         let tools = Tools::locate()?;
-        let out = Command::new(&tools.envoy)
+        let mut cmd = Command::new(&tools.envoy);
+        if let Some(dir) = dir {
+            cmd.current_dir(dir);
+        }
+        let out = cmd
             .args([
                 "--mode",
                 "validate",

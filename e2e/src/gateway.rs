@@ -1,24 +1,16 @@
 //! The shipped gateways started the way `cargo xtask up` starts them, with plugin configurations of
-//! the test's choosing, in front of a mock model server: `envoy/gateway.yaml` (llm-metrics) and
-//! `envoy/budget-gateway.yaml` (tenant-budget, then llm-metrics).
+//! the test's choosing, in front of mock model servers: `envoy/gateway.yaml` (llm-metrics),
+//! `envoy/budget-gateway.yaml` (tenant-budget, then llm-metrics) and `envoy/full-gateway.yaml`
+//! (latency-guard, model-router, tenant-budget, llm-metrics).
 
 use crate::tools::workspace_root;
 use crate::{Envoy, MockServer};
+use sluice_envoy_render::GATEWAYS;
 use anyhow::{Context, Result};
 
-/// The plugin configuration is JSON inside a double-quoted YAML string: escape what YAML would read.
-pub fn yaml_string_body(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' | '\r' => out.push(' '),
-            c => out.push(c),
-        }
-    }
-    out
-}
+/// The plugin configuration is JSON inside a double-quoted YAML string: escape what YAML would read
+/// (the rules are `sluice_envoy_render`'s, shared with `cargo xtask render`).
+pub use sluice_envoy_render::yaml_string_body;
 
 /// Path of a file shipped in the repository.
 pub fn shipped(relative: &str) -> String {
@@ -71,4 +63,57 @@ pub fn start_budget_gateway_with(
     ];
     vars.extend_from_slice(substitutions);
     Envoy::start(&shipped("envoy/budget-gateway.yaml"), &vars)
+}
+
+/// The full gateway running: its three upstreams and Envoy (dropped in reverse order: Envoy first).
+pub struct FullGateway {
+    pub envoy: Envoy,
+    /// Cluster `model_v1` (`x-mock-served-by: llama-v1`).
+    pub v1: MockServer,
+    /// Cluster `model_v2` (`llama-v2`).
+    pub v2: MockServer,
+    /// Cluster `qwen_v1`, model-router's shadow target (`qwen-v1`).
+    pub shadow: MockServer,
+}
+
+/// The example policy `envoy/full-gateway.yaml` is rendered with for `placeholder`
+/// (`LATENCY_CONFIG`, `ROUTER_CONFIG`, `BUDGET_CONFIG`, `PLUGIN_CONFIG`).
+pub fn full_gateway_policy(placeholder: &str) -> Result<String> {
+    let file = GATEWAYS
+        .iter()
+        .find(|g| g.name == "full-gateway")
+        .and_then(|g| g.policies.iter().find(|(p, _)| *p == placeholder))
+        .map(|(_, file)| *file)
+        .with_context(|| format!("the full gateway has no policy {placeholder}"))?;
+    let path = shipped(&format!("policies/{file}"));
+    std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
+}
+
+/// Starts `envoy/full-gateway.yaml` in front of three mocks started with `mock_args` (plus their
+/// `--served-by`), with the example policies of `cargo xtask render` except those `policies`
+/// replace (placeholder, JSON).
+pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Result<FullGateway> {
+    let mock = |served_by: &str| {
+        let mut args = vec!["--served-by", served_by];
+        args.extend_from_slice(mock_args);
+        MockServer::start(&args)
+    };
+    let (v1, v2, shadow) = (mock("llama-v1")?, mock("llama-v2")?, mock("qwen-v1")?);
+    let ports = [v1.port().to_string(), v2.port().to_string(), shadow.port().to_string()];
+    let mut configs = Vec::new();
+    for placeholder in ["LATENCY_CONFIG", "ROUTER_CONFIG", "BUDGET_CONFIG", "PLUGIN_CONFIG"] {
+        let json = match policies.iter().find(|(p, _)| *p == placeholder) {
+            Some((_, json)) => (*json).to_string(),
+            None => full_gateway_policy(placeholder)?,
+        };
+        configs.push((placeholder, yaml_string_body(&json)));
+    }
+    let mut vars: Vec<(&str, &str)> = vec![
+        ("UPSTREAM_PORT", ports[0].as_str()),
+        ("UPSTREAM_PORT_V2", ports[1].as_str()),
+        ("SHADOW_PORT", ports[2].as_str()),
+    ];
+    vars.extend(configs.iter().map(|(p, c)| (*p, c.as_str())));
+    let envoy = Envoy::start(&shipped("envoy/full-gateway.yaml"), &vars)?;
+    Ok(FullGateway { envoy, v1, v2, shadow })
 }

@@ -9,9 +9,13 @@ pub fn workspace_root() -> PathBuf {
     manifest_dir.parent().map(Path::to_path_buf).unwrap_or(manifest_dir)
 }
 
-/// Where `cargo xtask build` puts the plugin `.wasm` files (the default `{{WASM_DIR}}`).
+/// The plugin `.wasm` files the tests load (the default `{{WASM_DIR}}`): `$SLUICE_WASM_DIR`, e.g. to
+/// run the tests against another build, else where `cargo xtask build` puts them.
 pub fn wasm_dir() -> PathBuf {
-    workspace_root().join("target").join("wasm32-wasip1").join("release")
+    match std::env::var_os("SLUICE_WASM_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => workspace_root().join("target").join("wasm32-wasip1").join("release"),
+    }
 }
 
 /// External tools the tests need.

@@ -641,12 +641,17 @@ impl Failures {
 }
 
 /// Whether the plugin's 429 body names a budget of this key's hierarchy: `<level>:<id>:<window>`.
-/// A refusal code is `level:id:window:unit`, unit one of `tokens`, `requests`, `micro_usd`.
+/// A refusal code is `level:id:window:measure`, measure one of `total_tokens`, `input_tokens`,
+/// `output_tokens`, `requests`, `micro_usd` (this test's policy has no weighted budgets).
 fn code_names_a_budget(code: &str, key: &str, policy: &Policy) -> bool {
     let parts: Vec<&str> = code.split(':').collect();
-    let [level, id, window, unit] = parts[..] else { return false };
+    let [level, id, window, measure] = parts[..] else { return false };
     policy.budgets.iter().any(|b| {
-        b.level == level && b.id == id && b.window == window && b.kind.starts_with(unit) && policy.applies(b, key)
+        let expected = match b.kind.strip_prefix("tokens_") {
+            Some(count) => format!("{count}_tokens"),
+            None => b.kind.clone(),
+        };
+        b.level == level && b.id == id && b.window == window && expected == measure && policy.applies(b, key)
     })
 }
 

@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use serde_json::Value;
-use sluice_e2e::gateway::{demo_plugin_config, shipped, start_gateway, yaml_string_body};
+use sluice_e2e::gateway::{demo_plugin_config, shipped, start_gateway};
 use sluice_e2e::{get, post_json, post_stream, render_config, wait_until, Envoy, MockServer, Tools};
 use std::time::Duration;
 
@@ -257,21 +257,17 @@ fn a_broken_plugin_configuration_is_refused_with_the_field_named() {
     assert!(message.contains("path_prefixes[0]: must start with '/'"), "{message}");
 }
 
+/// The load-bench configs (envoy/bench/) validate. The gateway templates are covered by
+/// shipped_configs.rs (their rendered copies validated) and by the tests that start each of them.
 #[test]
-fn every_shipped_envoy_config_validates() {
+fn the_bench_envoy_configs_validate() {
     if !envoy_available() {
         return;
     }
-    let plugin_config = yaml_string_body(&demo_plugin_config().unwrap());
-    let budget_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/tenant-budget.e2e.json")).unwrap());
-    let router_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/model-router.demo.json")).unwrap());
-    let latency_config = yaml_string_body(&std::fs::read_to_string(shipped("policies/latency-guard.demo.json")).unwrap());
-    let wasm_dir = sluice_e2e::tools::wasm_dir().display().to_string();
     let dir = std::env::temp_dir().join(format!("sluice-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let entries = std::fs::read_dir(shipped("envoy")).unwrap().chain(std::fs::read_dir(shipped("envoy/bench")).unwrap());
     let mut checked = 0;
-    for entry in entries {
+    for entry in std::fs::read_dir(shipped("envoy/bench")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
@@ -282,14 +278,6 @@ fn every_shipped_envoy_config_validates() {
                 ("ADMIN_PORT", "9901"),
                 ("LISTEN_PORT", "10000"),
                 ("UPSTREAM_PORT", "18000"),
-                ("WASM_DIR", &wasm_dir),
-                ("ACCESS_LOG", "/dev/null"),
-                ("PLUGIN_CONFIG", &plugin_config),
-                ("BUDGET_CONFIG", &budget_config),
-                ("ROUTER_CONFIG", &router_config),
-                ("LATENCY_CONFIG", &latency_config),
-                ("UPSTREAM_PORT_V2", "18001"),
-                ("SHADOW_PORT", "18002"),
             ],
         )
         .unwrap();
@@ -298,6 +286,6 @@ fn every_shipped_envoy_config_validates() {
         Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
         checked += 1;
     }
-    assert!(checked >= 5, "expected the gateways and the bench configs, checked {checked}");
+    assert!(checked >= 2, "expected the bench configs, checked {checked}");
     let _ = std::fs::remove_dir_all(&dir);
 }

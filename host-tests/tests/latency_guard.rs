@@ -59,10 +59,15 @@ fn p95_text(value_ms: u64, n: u64) -> String {
     ms_text(s.quantile(0.95).expect("samples"))
 }
 
-/// The stamp of an admitted, completed request.
-fn stamp(version: &str, class: &str, priority: &str, probe: bool, outcome: &str, ttft_ms: u64) -> Value {
+/// The stamp of an admitted request whose client got `status`.
+fn stamp_with(version: &str, class: &str, priority: &str, probe: bool, outcome: &str, ttft_ms: u64, status: u16) -> Value {
     json!({"version": version, "class": class, "priority": priority, "probe": probe,
-           "outcome": outcome, "ttft_ms": ttft_ms})
+           "outcome": outcome, "status": status, "ttft_ms": ttft_ms})
+}
+
+/// The stamp of an admitted request whose client got the upstream's 200.
+fn stamp(version: &str, class: &str, priority: &str, probe: bool, outcome: &str, ttft_ms: u64) -> Value {
+    stamp_with(version, class, priority, probe, outcome, ttft_ms, 200)
 }
 
 /// Opens v1's breaker with `n` slow (800 ms) requests; returns the time it opened.
@@ -138,7 +143,7 @@ fn ttft_deadline_answers_504_at_the_deadline_not_before_while_headers_are_held()
     assert_eq!(gw.counter(&deadline_total("v1", "total", "reset")), None);
     assert!(!x.stream.closed_by_plugin());
     x.end();
-    assert_eq!(x.stamp(), Some(stamp("v1", "standard", "standard", false, "ttft", 1000)));
+    assert_eq!(x.stamp(), Some(stamp_with("v1", "standard", "standard", false, "ttft", 1000, 504)));
     assert_eq!(gw.counter(&requests_total("v1", "standard", "ttft")), Some(1));
     assert_no_crash(&gw);
 }
@@ -236,7 +241,7 @@ fn a_stream_without_content_is_released_at_its_end_with_the_upstreams_own_answer
     assert_eq!(x.local_reply(), None);
     x.end();
     assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "standard", "priority": "standard",
-        "probe": false, "outcome": "error", "ttft_ms": null})));
+        "probe": false, "outcome": "error", "status": 200, "ttft_ms": null})));
     assert_eq!(gw.counter(&deadline_total("v1", "ttft", "reply_504")), None);
     assert_no_crash(&gw);
 }
@@ -506,7 +511,7 @@ fn whole_answers_have_no_ttft_deadline_only_the_total_one() {
     assert_eq!(x.downstream_body(), x.upstream);
     x.end();
     assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "standard", "priority": "standard",
-        "probe": false, "outcome": "ok", "ttft_ms": null})));
+        "probe": false, "outcome": "ok", "status": 200, "ttft_ms": null})));
 
     // A whole answer still missing at the total deadline: 504 then, not at the TTFT deadline.
     let mut y = Req::new(STANDARD, "v1").whole().send(&gw);
@@ -639,7 +644,7 @@ fn while_open_critical_and_standard_fail_over_and_sheddable_gets_503() {
     assert_eq!(gw.counter(&shed_total("v1", "sheddable", "breaker_open")), Some(1));
     x.end();
     assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "batch", "priority": "sheddable",
-        "probe": false, "outcome": "shed_breaker_open", "ttft_ms": null})));
+        "probe": false, "outcome": "shed_breaker_open", "status": 503, "ttft_ms": null})));
 
     // Critical and standard: the avoid list sends them to v2, where they pass.
     for (tenant, class, priority) in [(CRITICAL, "interactive", "critical"), (STANDARD, "standard", "standard")] {
@@ -649,8 +654,9 @@ fn while_open_critical_and_standard_fail_over_and_sheddable_gets_503() {
         assert_eq!(x.version.as_deref(), Some("v2"));
         assert_eq!(x.local_reply(), None);
         x.end();
+        // Ended before any response: no status.
         assert_eq!(x.stamp(), Some(json!({"version": "v2", "class": class, "priority": priority,
-            "probe": false, "outcome": "ok", "ttft_ms": null})));
+            "probe": false, "outcome": "ok", "status": 0, "ttft_ms": null})));
         let s = stream_ok_req(&gw, &req, 100);
         assert_eq!(s, stamp("v2", class, priority, false, "ok", 100));
     }

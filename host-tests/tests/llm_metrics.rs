@@ -713,7 +713,10 @@ fn an_upstream_5xx_is_an_upstream_error() {
         json!("The server had an error while processing your request. Sorry about that!")
     );
     assert_eq!(stamp["output_tokens"], json!(0));
-    assert_eq!(stamp["input_tokens"], json!(chat::REQUEST_ESTIMATE));
+    // The model never ran the prompt: no input tokens, the request counts as an error instead.
+    assert_eq!(stamp["input_tokens"], json!(0));
+    assert_eq!(gw.counter(&l.name("input_tokens_total")).unwrap_or(0), 0);
+    assert_eq!(gw.histogram(&l.name("input_tokens")), Some(vec![0]));
     assert_eq!(stamp["usage"], json!("estimated"));
     assert_eq!(stamp["ttft_us"], Value::Null);
     assert_eq!(c.downstream_body(), body.as_bytes());
@@ -1703,4 +1706,89 @@ fn a_4xx_error_body_is_not_an_upstream_error() {
     );
     assert_eq!(gw.counter(&l.name("upstream_errors_total")), None);
     assert_eq!(stamp["outcome"], json!("completed"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replies the gateway generated itself (another sluice plugin's refusal or deadline)
+// ---------------------------------------------------------------------------------------------
+
+/// latency-guard answered 504 at the TTFT deadline while it held the upstream's 200 headers: the
+/// request is a 504 with outcome `deadline` here too, not a 2xx client disconnect, and no prompt
+/// tokens are counted (nothing was produced).
+#[test]
+fn a_guard_504_is_a_504_with_outcome_deadline() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
+    c.sse_headers(20);
+    c.body(&[(20, chat::role())], Delivery::PerEntry, false);
+    c.at(1000);
+    c.stream.set_property(&["sluice_gateway_reply"], "504 deadline");
+    c.end();
+    let l = Labels::new("chat_completions");
+    assert_eq!(gw.counter(&l.requests_total("5xx", "none", "estimated")), Some(1));
+    assert_eq!(gw.counter(&l.requests_total("2xx", "none", "estimated")), None);
+    assert_eq!(gw.counter(&l.name("client_disconnects_total")), None);
+    assert_eq!(gw.counter(&l.name("upstream_errors_total")), None);
+    assert_eq!(gw.counter(&format!("{}.reason.deadline", l.name("gateway_replies_total"))), Some(1));
+    assert_eq!(gw.counter(&l.name("input_tokens_total")).unwrap_or(0), 0);
+    assert_eq!(gw.histogram(&l.name("ttft_ms")), None);
+    let stamp = c.stamp();
+    assert_eq!((stamp["status"].clone(), stamp["outcome"].clone()), (json!(504), json!("deadline")));
+    assert_eq!((stamp["input_tokens"].clone(), stamp["output_tokens"].clone()), (json!(0), json!(0)));
+    assert_eq!(stamp["cost_micro_usd"], Value::Null);
+}
+
+/// A stream latency-guard ended at its total deadline with an error event: the client saw 200
+/// and the tokens before the cut, which were produced and are counted; the outcome is `deadline`.
+#[test]
+fn a_stream_ended_at_the_total_deadline_keeps_its_tokens_with_outcome_deadline() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
+    c.sse_headers(20);
+    c.body(&[(20, chat::role()), (100, chat::content("a")), (150, chat::content("b"))], Delivery::PerEntry, false);
+    c.stream.set_property(&["sluice_gateway_reply"], "200 deadline");
+    c.at(4000);
+    c.end();
+    let l = Labels::new("chat_completions");
+    assert_eq!(gw.counter(&l.requests_total("2xx", "none", "estimated")), Some(1));
+    assert_eq!(gw.counter(&format!("{}.reason.deadline", l.name("gateway_replies_total"))), Some(1));
+    assert_eq!(gw.counter(&l.name("client_disconnects_total")), None);
+    let stamp = c.stamp();
+    assert_eq!((stamp["status"].clone(), stamp["outcome"].clone()), (json!(200), json!("deadline")));
+    assert_eq!(stamp["output_tokens"], json!(2));
+    assert_eq!(stamp["input_tokens"], json!(chat::REQUEST_ESTIMATE));
+    assert_eq!(stamp["ttft_us"], json!(100_000));
+}
+
+/// tenant-budget refused the request (429 through the filter chain): outcome `refused`, no tokens.
+#[test]
+fn a_budget_refusal_is_refused_not_completed() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
+    c.stream.set_property(&["sluice_gateway_reply"], "429 refused");
+    c.response_headers(1, "429", "application/json");
+    c.body(&[(1, r#"{"error":{"message":"budget","type":"budget_exceeded","code":"key:k:minute:total_tokens"}}"#.to_string())], Delivery::PerEntry, true);
+    c.end();
+    let l = Labels::new("chat_completions").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("4xx", "none", "estimated")), Some(1));
+    assert_eq!(gw.counter(&format!("{}.reason.refused", l.name("gateway_replies_total"))), Some(1));
+    assert_eq!(gw.counter(&l.name("input_tokens_total")).unwrap_or(0), 0);
+    let stamp = c.stamp();
+    assert_eq!((stamp["status"].clone(), stamp["outcome"].clone()), (json!(429), json!("refused")));
+    assert_eq!(stamp["input_tokens"], json!(0));
+}
+
+/// An upstream 429 (the model server's own rate limit) ran no prompt: no input tokens either.
+#[test]
+fn an_upstream_429_counts_no_tokens() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
+    c.response_headers(5, "429", "application/json");
+    c.body(&[(5, r#"{"error":{"message":"slow down","type":"rate_limit_exceeded"}}"#.to_string())], Delivery::PerEntry, true);
+    c.end();
+    let l = Labels::new("chat_completions").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("4xx", "none", "estimated")), Some(1));
+    assert_eq!(gw.counter(&l.name("input_tokens_total")).unwrap_or(0), 0);
+    assert_eq!(c.stamp()["input_tokens"], json!(0));
+    assert_eq!(c.stamp()["outcome"], json!("completed"));
 }

@@ -96,7 +96,7 @@ fn a_request_straddling_the_minute_boundary_is_charged_to_the_window_it_was_admi
         "the new minute starts at 0: neither the old reservation nor the late charge is carried in"
     );
     assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "tokens")),
+        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
         Some(100_000)
     );
 
@@ -108,7 +108,7 @@ fn a_request_straddling_the_minute_boundary_is_charged_to_the_window_it_was_admi
     d.end();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (15, 0));
     assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "tokens")),
+        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
         Some(100_000 - 15)
     );
     assert_no_crash(&gw);
@@ -135,9 +135,9 @@ fn retry_after_is_the_number_of_seconds_until_the_refusing_minute_ends() {
     assert_eq!(
         reply_json(&second.stream),
         json!({"error": {
-            "message": format!("budget key:search-prod:minute:tokens exceeded: 0 used and {} reserved of 2000; resets in 10 s", b + 1_000),
+            "message": format!("budget key:search-prod:minute:total_tokens exceeded: 0 used and {} reserved of 2000; resets in 10 s", b + 1_000),
             "type": "budget_exceeded",
-            "code": "key:search-prod:minute:tokens"
+            "code": "key:search-prod:minute:total_tokens"
         }})
     );
     assert!(
@@ -154,7 +154,7 @@ fn retry_after_is_the_number_of_seconds_until_the_refusing_minute_ends() {
         (429, Some("7"))
     );
     assert_eq!(
-        gw.counter(&rejections("search-prod", "key:search-prod:minute:tokens")),
+        gw.counter(&rejections("search-prod", "key:search-prod:minute:total_tokens")),
         Some(2)
     );
 
@@ -189,7 +189,7 @@ fn retry_after_of_a_month_budget_runs_to_its_reset_day() {
     );
     assert_eq!(
         reply_json(&c.stream)["error"]["code"],
-        "team:search:month:tokens"
+        "team:search:month:total_tokens"
     );
 
     // A calendar month (reset day 1) ends with the day: 10 s.
@@ -211,7 +211,7 @@ fn retry_after_of_a_month_budget_runs_to_its_reset_day() {
     );
     assert_eq!(
         reply_json(&c.stream)["error"]["code"],
-        "org:acme:month:tokens"
+        "org:acme:month:total_tokens"
     );
 }
 
@@ -255,11 +255,11 @@ fn month_windows_reset_on_their_reset_day_for_a_request_straddling_the_boundary(
         "April starts at 0 for the calendar-month key budget"
     );
     assert_eq!(
-        gw.gauge(&remaining("org", "acme", "month", "tokens")),
+        gw.gauge(&remaining("org", "acme", "month", "total_tokens")),
         Some(1_000_000 - 28)
     );
     assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "month", "tokens")),
+        gw.gauge(&remaining("key", "search-prod", "month", "total_tokens")),
         Some(1_000_000)
     );
 
@@ -321,9 +321,9 @@ fn an_exhausted_team_budget_refuses_a_key_whose_own_budget_has_room() {
     assert_eq!(
         reply_json(&prod.stream),
         json!({"error": {
-            "message": "budget team:search:minute:tokens exceeded: 600 used and 0 reserved of 1000; resets in 10 s",
+            "message": "budget team:search:minute:total_tokens exceeded: 600 used and 0 reserved of 1000; resets in 10 s",
             "type": "budget_exceeded",
-            "code": "team:search:minute:tokens"
+            "code": "team:search:minute:total_tokens"
         }})
     );
     assert!(prod.stream.upstream_request_body().is_empty());
@@ -334,10 +334,10 @@ fn an_exhausted_team_budget_refuses_a_key_whose_own_budget_has_room() {
     assert_eq!(
         s,
         json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
-               "reject_code": "team:search:minute:tokens"})
+               "reject_code": "team:search:minute:total_tokens", "status": 429, "outcome": "refused"})
     );
     assert_eq!(
-        gw.counter(&rejections("search-prod", "team:search:minute:tokens")),
+        gw.counter(&rejections("search-prod", "team:search:minute:total_tokens")),
         Some(1)
     );
     assert_no_crash(&gw);
@@ -428,7 +428,7 @@ fn strict_admission_reserves_body_bytes_plus_output_limit_and_settlement_keeps_o
     assert_eq!(used_reserved(&gw, "team", "search", 0), (0, b + 500));
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (0, worst_usd));
     assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "tokens")),
+        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
         Some(100_000 - (b as i64) - 500)
     );
     assert_eq!(
@@ -442,11 +442,11 @@ fn strict_admission_reserves_body_bytes_plus_output_limit_and_settlement_keeps_o
     assert_eq!(used_reserved(&gw, "team", "search", 0), (28, 0));
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (138, 0));
     assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "tokens")),
+        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
         Some(100_000 - 28)
     );
     assert_eq!(
-        gw.gauge(&remaining("team", "search", "hour", "tokens")),
+        gw.gauge(&remaining("team", "search", "hour", "total_tokens")),
         Some(1_000_000 - 28)
     );
     assert_eq!(
@@ -637,7 +637,7 @@ fn clamping_stops_at_min_output_tokens() {
     assert_eq!(reply.status, 429);
     assert_eq!(
         reply_json(&c.stream)["error"]["code"],
-        "key:search-prod:minute:tokens"
+        "key:search-prod:minute:total_tokens"
     );
     assert_eq!(
         gw.counter("sluice.budget.clamps_total.key.search-prod"),
@@ -1317,8 +1317,8 @@ fn anthropic_refusals_use_the_anthropic_error_shape() {
         reply_json(&c.stream),
         json!({"type": "error", "error": {
             "type": "rate_limit_error",
-            "message": "budget key:search-prod:minute:tokens exceeded: 0 used and 0 reserved of 100; resets in 10 s",
-            "sluice_code": "key:search-prod:minute:tokens"
+            "message": "budget key:search-prod:minute:total_tokens exceeded: 0 used and 0 reserved of 100; resets in 10 s",
+            "sluice_code": "key:search-prod:minute:total_tokens"
         }})
     );
     let c = Call::start(
@@ -1382,8 +1382,8 @@ fn crossing_a_soft_limit_is_counted_once_and_announced_while_above() {
     );
     let gw = gateway(&p);
     let crossings =
-        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.tokens";
-    let warning = Some("soft limit reached: team:search:minute:tokens".to_string());
+        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
+    let warning = Some("soft limit reached: team:search:minute:total_tokens".to_string());
 
     // Below: no announcement.
     let mut below = Call::start(
@@ -1432,7 +1432,7 @@ fn crossing_a_soft_limit_is_counted_once_and_announced_while_above() {
     assert_eq!(gw.counter(crossings), Some(1));
     assert!(gw.logs().iter().any(|l| l
         .message
-        .contains("soft limit of team:search:minute:tokens crossed by key search-prod")));
+        .contains("soft limit of team:search:minute:total_tokens crossed by key search-prod")));
     assert_no_crash(&gw);
 }
 
@@ -1491,7 +1491,7 @@ fn a_soft_limit_crossed_by_a_settlement_is_counted() {
     );
     let gw = gateway(&p);
     let crossings =
-        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.tokens";
+        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
     let prompt: String = "你好".repeat(200);
     let body = json!({"model": "gpt-4o", "max_tokens": 100,
                       "messages": [{"role": "user", "content": prompt}]})
@@ -1514,7 +1514,7 @@ fn a_soft_limit_crossed_by_a_settlement_is_counted() {
     );
     assert!(gw.logs().iter().any(|l| l
         .message
-        .contains("soft limit of team:search:minute:tokens crossed")));
+        .contains("soft limit of team:search:minute:total_tokens crossed")));
     // The next request is above, announced, and not counted again.
     let mut next = Call::start(
         &gw,
@@ -1524,7 +1524,7 @@ fn a_soft_limit_crossed_by_a_settlement_is_counted() {
     answer(&mut next, 100, 5, 5);
     assert_eq!(
         response_header(&next.stream, "x-sluice-budget-warning"),
-        Some("soft limit reached: team:search:minute:tokens".to_string())
+        Some("soft limit reached: team:search:minute:total_tokens".to_string())
     );
     next.end();
     assert_eq!(gw.counter(crossings), Some(1));
@@ -1622,4 +1622,135 @@ fn an_unsettled_reservation_expires_after_its_ttl_and_a_late_settlement_still_ch
     second.end();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (43, 0));
     assert_no_crash(&gw);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Defects found by a new user (issue 9)
+// ---------------------------------------------------------------------------------------------
+
+/// `n: 8, max_tokens: 60` on a key with 600 tokens a minute: the first request reserves all eight
+/// generations (480 output tokens + the body), so the next two concurrent ones are refused — the
+/// key can never be charged more than its limit.
+#[test]
+fn several_choices_are_reserved_in_full_and_cannot_overshoot() {
+    let p = policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 600}]));
+    let gw = gateway(&p);
+    let mut v: Value = serde_json::from_str(&chat::request(false, false)).unwrap();
+    v["n"] = json!(8);
+    v["max_tokens"] = json!(60);
+    v["messages"] = json!([{"role": "user", "content": "hi"}]);
+    let body = v.to_string();
+    let b = body.len() as u64;
+    assert!(b + 480 <= 600, "the first request fits: {b}");
+    let mut calls: Vec<Call<'_>> = (0..3).map(|_| Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body)).collect();
+    let s = stamp(&calls[0].stream);
+    assert_eq!((s["decision"].clone(), s["reserved_output_tokens"].clone()), (json!("admitted"), json!(480)));
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, b + 480));
+    for c in &calls[1..] {
+        assert_eq!(stamp(&c.stream)["decision"], json!("rejected"));
+        assert_eq!(c.stream.local_reply().map(|r| r.status), Some(429));
+    }
+    // The upstream produced all eight generations: 8 × 60 output tokens, charged in full.
+    let first = &mut calls[0];
+    first.response_headers(500, "200", "application/json");
+    let mut answer: Value = serde_json::from_str(&chat::response(4, 480)).unwrap();
+    answer["choices"] = json!((0..8).map(|i| json!({"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"})).collect::<Vec<_>>());
+    first.body(&[(500, answer.to_string())], Delivery::PerEntry, true);
+    first.end();
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (484, 0));
+    assert_no_crash(&gw);
+}
+
+/// Legacy completions: `best_of` candidates are all generated, and each prompt of a batch gets its
+/// own: `prompt: [a, b], best_of: 3, max_tokens: 10` reserves 60 output tokens.
+#[test]
+fn best_of_and_prompt_batches_multiply_the_reservation() {
+    let p = policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100_000}]));
+    let gw = gateway(&p);
+    let body = json!({"model": "gpt-4o", "prompt": ["a", "b"], "n": 2, "best_of": 3, "max_tokens": 10}).to_string();
+    let c = Call::start(&gw, &key_headers("/v1/completions", "search-prod"), &body);
+    let s = stamp(&c.stream);
+    assert_eq!(s["reserved_output_tokens"], json!(60));
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, body.len() as u64 + 60));
+    // The per-generation limit written upstream is unchanged.
+    let sent: Value = serde_json::from_slice(&c.stream.upstream_request_body()).unwrap();
+    assert_eq!(sent["max_tokens"], json!(10));
+}
+
+/// Two budgets of one key in one window that count different things keep separate gauges and
+/// separate refusal codes: the exhausted one is visible.
+#[test]
+fn two_budgets_of_one_window_have_distinct_gauges_and_codes() {
+    let p = policy(
+        json!([]),
+        json!([]),
+        json!([{"window": "day", "tokens": 30, "count": "output"}, {"window": "day", "tokens": 200_000}]),
+    );
+    let gw = gateway(&p);
+    let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(30)));
+    answer(&mut c, 100, 19, 30);
+    c.end();
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "day", "output_tokens")), Some(0));
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "day", "total_tokens")), Some(200_000 - 49));
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(10)));
+    assert_eq!(reply_json(&c.stream)["error"]["code"], json!("key:search-prod:day:output_tokens"));
+    assert_eq!(gw.counter(&rejections("search-prod", "key:search-prod:day:output_tokens")), Some(1));
+}
+
+/// latency-guard answered 504 at the TTFT deadline (it held the upstream's 200 headers): the budget
+/// stamp says 504 / `deadline`, nothing is charged (no token was produced), and the reservation is
+/// freed.
+#[test]
+fn a_guard_deadline_before_any_token_charges_nothing() {
+    let gw = gateway(&stream_policy());
+    let mut c = partial_stream(&gw, 0);
+    c.at(1000);
+    c.stream.set_property(&["sluice_gateway_reply"], "504 deadline");
+    c.stream.upstream_reset().unwrap();
+    let s = stamp(&c.stream);
+    assert_eq!(
+        (s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()),
+        (json!(504), json!("deadline"), json!(0))
+    );
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
+    assert_no_crash(&gw);
+}
+
+/// A stream ended at its total deadline after some tokens: what passed is charged, outcome
+/// `deadline`, status what the client saw (200).
+#[test]
+fn a_guard_deadline_after_tokens_charges_what_was_produced() {
+    let gw = gateway(&stream_policy());
+    let mut c = partial_stream(&gw, 3);
+    c.at(4000);
+    c.stream.set_property(&["sluice_gateway_reply"], "200 deadline");
+    c.stream.upstream_reset().unwrap();
+    let s = stamp(&c.stream);
+    assert_eq!(
+        (s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()),
+        (json!(200), json!("deadline"), json!(chat::REQUEST_ESTIMATE + 3))
+    );
+}
+
+/// A client-chosen model version cannot mint charge series: past the named versions and the
+/// dynamic cap, charges are labelled `other`.
+#[test]
+fn charge_metrics_bound_the_model_version_label() {
+    let p = with(
+        &policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 10_000_000}])),
+        json!({"model_versions": ["v1"], "max_dynamic_model_versions": 2}),
+    );
+    let gw = gateway(&p);
+    for i in 0..50 {
+        let version = if i == 0 { "v1".to_string() } else { format!("client-{i}") };
+        let mut h = key_headers(chat::PATH, "search-prod");
+        h.push(("x-model-version", version.as_str()));
+        let mut c = Call::start(&gw, &h, &chat_body(false, false, Some(10)));
+        answer(&mut c, 100, 19, 9);
+        c.end();
+    }
+    let charged: Vec<String> = gw.metric_names().into_iter().filter(|n| n.starts_with("sluice.budget.charged_tokens_total")).collect();
+    assert_eq!(charged.len(), 4, "v1, two dynamic versions, other: {charged:?}");
+    assert_eq!(gw.counter(&charged_tokens("search-prod", "v1")), Some(28));
+    assert_eq!(gw.counter(&charged_tokens("search-prod", "other")), Some(28 * 47));
 }

@@ -3,12 +3,15 @@
 //! - `cargo xtask setup` — installs what builds and tests need (wasm target, Envoy in a local venv).
 //! - `cargo xtask build` — builds the plugin `.wasm` files and the mock model server.
 //! - `cargo xtask up`    — the demo gateway: mock model server + real Envoy + plugins, in the foreground.
+//! - `cargo xtask render <gateway> [--out FILE] | --all` — a runnable Envoy file from a template
+//!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
 //! - `cargo xtask bench` — criterion benches for core and the side-by-side Envoy load bench.
 //!
 //! Every step is idempotent and fast when already done.
 
 use anyhow::{bail, Context, Result};
+use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LISTEN_PORT, MOCKS};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,10 +25,10 @@ const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
 const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget"), ("sluice-model-router", "sluice_model_router"), ("sluice-latency-guard", "sluice_latency_guard")];
 
-/// Demo gateway ports (loopback only).
-const DEMO_LISTEN_PORT: u16 = 10000;
-const DEMO_ADMIN_PORT: u16 = 9901;
-const DEMO_UPSTREAM_PORT: u16 = 18000;
+/// Demo gateway ports (loopback only): the ones the rendered files in envoy/rendered/ use.
+const DEMO_LISTEN_PORT: u16 = LISTEN_PORT;
+const DEMO_ADMIN_PORT: u16 = ADMIN_PORT;
+const DEMO_UPSTREAM_PORT: u16 = MOCKS[0].port;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -51,8 +54,10 @@ fn main() -> Result<()> {
             build(&root)?;
             bench(&root, &args[1..])
         }
+        // Text only: needs neither Envoy nor a build.
+        Some("render") => render_command(&root, &args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <setup|build|up|test|bench>");
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench|render>");
             std::process::exit(2)
         }
     }
@@ -227,27 +232,66 @@ fn ensure_debian_packages(needed: &[(&str, &str)]) -> Result<()> {
     Ok(())
 }
 
-/// Replaces `{{NAME}}` placeholders in a shipped Envoy config.
-fn render(template: &str, vars: &[(&str, String)]) -> String {
-    let mut out = template.to_string();
-    for (name, value) in vars {
-        out = out.replace(&format!("{{{{{name}}}}}"), value);
-    }
-    out
+fn render_usage() -> String {
+    let names: Vec<&str> = GATEWAYS.iter().map(|g| g.name).collect();
+    format!("usage: cargo xtask render <gateway> [--out FILE|-] | cargo xtask render --all\n  gateways: {}", names.join(", "))
 }
 
-/// The plugin configuration is JSON inside a double-quoted YAML string: escape what YAML would read.
-fn yaml_string_body(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' | '\r' => out.push(' '),
-            c => out.push(c),
+/// `render <gateway> [--out FILE|-]` writes `envoy/rendered/<gateway>.yaml` (or FILE, or standard
+/// output for `-`); `render --all` writes every gateway there and removes rendered files whose
+/// template is gone.
+fn render_command(root: &Path, args: &[String]) -> Result<()> {
+    let mut out: Option<String> = None;
+    let mut names: Vec<&str> = Vec::new();
+    let mut all = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--all" => all = true,
+            "--out" => out = Some(it.next().with_context(render_usage)?.clone()),
+            other if other.starts_with('-') => bail!("unknown option {other}\n{}", render_usage()),
+            other => names.push(other),
         }
     }
-    out
+    if all {
+        if !names.is_empty() || out.is_some() {
+            bail!("--all takes no gateway and no --out\n{}", render_usage());
+        }
+        let dir = root.join("envoy/rendered");
+        std::fs::create_dir_all(&dir)?;
+        for gw in GATEWAYS {
+            write_rendered(root, gw, &root.join(gw.rendered_path()))?;
+        }
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+            if path.extension().is_some_and(|e| e == "yaml") && !GATEWAYS.iter().any(|g| g.name == stem) {
+                std::fs::remove_file(&path)?;
+                eprintln!("xtask: removed {} (no template)", path.display());
+            }
+        }
+        return Ok(());
+    }
+    let [name] = names.as_slice() else { bail!("{}", render_usage()) };
+    let gw = sluice_envoy_render::gateway(name).with_context(|| format!("no gateway {name:?}\n{}", render_usage()))?;
+    match out.as_deref() {
+        Some("-") => {
+            print!("{}", gw.render(root)?);
+            Ok(())
+        }
+        Some(file) => write_rendered(root, gw, Path::new(file)),
+        None => write_rendered(root, gw, &root.join(gw.rendered_path())),
+    }
+}
+
+fn write_rendered(root: &Path, gw: &Gateway, path: &Path) -> Result<()> {
+    let text = gw.render(root)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("xtask: wrote {} from {}", path.display(), gw.template_path());
+    Ok(())
 }
 
 /// Kills the child on drop, so Ctrl-C or an error never leaves a stray server behind.
@@ -275,40 +319,23 @@ fn up(root: &Path) -> Result<()> {
     std::fs::create_dir_all(&run_dir)?;
     // Three mock model servers: the current version, the canary, and the shadow model.
     let mut mocks = Vec::new();
-    for (port, served_by, ttft_ms) in [
-        (DEMO_UPSTREAM_PORT, "llama-3-70b-v1", "180"),
-        (DEMO_UPSTREAM_PORT + 1, "llama-3-70b-v2", "140"),
-        (DEMO_UPSTREAM_PORT + 2, "qwen-72b-v1", "220"),
-    ] {
+    for mock in &MOCKS {
         mocks.push(KillOnDrop(
             Command::new(root.join("target/release/sluice-mock-server"))
-                .args(["--listen", &format!("127.0.0.1:{port}")])
-                .args(["--ttft-ms", ttft_ms, "--itl-ms", "25", "--tokens", "24", "--served-by", served_by])
+                .args(mock.args())
                 .stdout(Stdio::null())
                 .spawn()
                 .context("starting the mock model server")?,
         ));
-        wait_for_port(port, Duration::from_secs(10))?;
+        wait_for_port(mock.port, Duration::from_secs(10))?;
     }
 
-    let template = std::fs::read_to_string(root.join("envoy/latency-gateway.yaml"))?;
+    // The demo is the latency gateway rendered as envoy/rendered/ has it, but for the access log,
+    // which goes to a file, and the wasm directory, absolute (Envoy may run from anywhere).
+    let gateway = sluice_envoy_render::gateway("latency-gateway").context("the latency gateway is not in the catalogue")?;
     let access_log = run_dir.join("access.log");
-    let policy = |name: &str| -> Result<String> { Ok(yaml_string_body(&std::fs::read_to_string(root.join("policies").join(name))?)) };
-    let config = render(
-        &template,
-        &[
-            ("LISTEN_PORT", DEMO_LISTEN_PORT.to_string()),
-            ("ADMIN_PORT", DEMO_ADMIN_PORT.to_string()),
-            ("UPSTREAM_PORT", DEMO_UPSTREAM_PORT.to_string()),
-            ("UPSTREAM_PORT_V2", (DEMO_UPSTREAM_PORT + 1).to_string()),
-            ("SHADOW_PORT", (DEMO_UPSTREAM_PORT + 2).to_string()),
-            ("WASM_DIR", root.join("target").join(WASM_TARGET).join("release").display().to_string()),
-            ("ACCESS_LOG", access_log.display().to_string()),
-            ("PLUGIN_CONFIG", policy("llm-metrics.demo.json")?),
-            ("ROUTER_CONFIG", policy("model-router.demo.json")?),
-            ("LATENCY_CONFIG", policy("latency-guard.demo.json")?),
-        ],
-    );
+    let (access_log_text, wasm_dir) = (access_log.display().to_string(), root.join(sluice_envoy_render::WASM_DIR).display().to_string());
+    let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text), ("WASM_DIR", &wasm_dir)], &[])?;
     let config_path = run_dir.join("envoy.yaml");
     std::fs::write(&config_path, config)?;
     let mut envoy = KillOnDrop(

@@ -7,6 +7,8 @@
 //! - [`sse`]: incremental, memory-bounded Server-Sent Events framer.
 //! - [`budget`]: per-tenant budgets: policy, windows, CAS ledger, admission and settlement.
 //! - [`api`]: which LLM API a request speaks, from its path.
+//! - [`contract`]: the filter-state keys the plugins share, and the record of a reply the gateway
+//!   generated itself.
 //! - [`request`]: model, stream flags, limits and a prompt-size estimate from a request body.
 //! - [`usage`]: token usage, normalised across OpenAI and Anthropic.
 //! - [`response`]: streaming and non-streaming response inspection (content, usage, errors).
@@ -32,6 +34,7 @@
 )]
 
 pub mod api;
+pub mod contract;
 pub mod identity;
 pub mod latency;
 pub mod budget;

@@ -18,6 +18,7 @@ const TOKENS_PER_MTOK: u128 = 1_000_000;
 
 /// Prices of one model family, USD per million tokens.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelPrice {
     /// Uncached prompt tokens.
@@ -40,6 +41,7 @@ pub struct ModelPrice {
 /// Deserialises from the flat JSON shape shown in the module docs (serde's `flatten` cannot be
 /// combined with `deny_unknown_fields`, so a private flat struct is converted).
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(from = "FlatPriceEntry")]
 pub struct PriceEntry {
     /// Glob over the model name: `*` any run of characters, `?` exactly one.
@@ -49,6 +51,7 @@ pub struct PriceEntry {
 }
 
 #[derive(serde::Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 struct FlatPriceEntry {
     model: String,

@@ -97,6 +97,10 @@ pub enum Outcome {
     ClientDisconnect,
     /// The upstream failed: 5xx, reset, or an error event inside a 200 stream.
     UpstreamError,
+    /// A sluice plugin refused the request itself (budget 429/4xx, shedding 503).
+    Refused,
+    /// latency-guard ended it at a deadline (504, or an error event in a started stream).
+    Deadline,
 }
 
 impl Outcome {
@@ -105,7 +109,49 @@ impl Outcome {
             Outcome::Completed => "completed",
             Outcome::ClientDisconnect => "client_disconnect",
             Outcome::UpstreamError => "upstream_error",
+            Outcome::Refused => "refused",
+            Outcome::Deadline => "deadline",
         }
+    }
+}
+
+impl From<crate::contract::GatewayEnd> for Outcome {
+    fn from(end: crate::contract::GatewayEnd) -> Self {
+        match end {
+            crate::contract::GatewayEnd::Refused => Outcome::Refused,
+            crate::contract::GatewayEnd::Deadline => Outcome::Deadline,
+        }
+    }
+}
+
+/// Finish reasons the public APIs document (OpenAI chat and completions, the Responses API's
+/// incomplete reasons and statuses, Anthropic's stop reasons). Anything else an upstream sends is
+/// labelled `other`: the label must stay bounded whatever the upstream says.
+const KNOWN_FINISH_REASONS: &[&str] = &[
+    "stop",
+    "length",
+    "tool_calls",
+    "content_filter",
+    "function_call",
+    "end_turn",
+    "max_tokens",
+    "stop_sequence",
+    "tool_use",
+    "pause_turn",
+    "refusal",
+    "model_context_window_exceeded",
+    "completed",
+    "incomplete",
+    "failed",
+    "cancelled",
+    "max_output_tokens",
+];
+
+/// The `finish` label of a finish reason: a documented reason, `none`, or `other`.
+pub fn finish_label(reason: Option<&str>) -> &'static str {
+    match reason {
+        None => "none",
+        Some(r) => KNOWN_FINISH_REASONS.iter().find(|k| **k == r).copied().unwrap_or(OTHER),
     }
 }
 
@@ -167,10 +213,14 @@ impl RequestRecord {
         }
     }
 
-    /// Input tokens: reported usage when present, otherwise the request-body estimate.
+    /// Input tokens: reported usage when present; otherwise the request-body estimate, except for
+    /// an answer of status 400 or more (an upstream error or a refusal: the model did not run the
+    /// prompt, so no tokens are counted — the request is counted as an error instead).
     pub fn input_tokens(&self) -> u64 {
         if self.response.usage_reported {
             self.response.usage.input_tokens
+        } else if self.status >= 400 {
+            0
         } else {
             self.prompt_tokens_estimate
         }
@@ -208,12 +258,7 @@ impl RequestRecord {
                 value,
             });
         };
-        let finish = self
-            .response
-            .finish_reason
-            .as_deref()
-            .map(sanitize_label)
-            .unwrap_or_else(|| "none".into());
+        let finish = finish_label(self.response.finish_reason.as_deref());
         let usage = if self.response.usage_reported {
             "reported"
         } else {
@@ -273,6 +318,8 @@ impl RequestRecord {
                 push(MetricKind::Counter, "client_disconnects_total", "", 1)
             }
             Outcome::UpstreamError => push(MetricKind::Counter, "upstream_errors_total", "", 1),
+            Outcome::Refused => push(MetricKind::Counter, "gateway_replies_total", ".reason.refused", 1),
+            Outcome::Deadline => push(MetricKind::Counter, "gateway_replies_total", ".reason.deadline", 1),
         }
         out
     }

@@ -12,7 +12,7 @@ use serde_json::Value;
 pub const MESSAGE_OVERHEAD_TOKENS: u64 = 4;
 
 /// Facts taken from one request body.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestInfo {
     /// `model`, if a string.
     pub model: Option<String>,
@@ -43,6 +43,29 @@ pub struct RequestInfo {
     /// Tool (function) definitions are present: providers then add hidden tool-use instructions
     /// to the prompt (Anthropic documents 159–530 tokens), which no body-size bound covers.
     pub has_tools: bool,
+    /// How many generations the output limit applies to, each up to `max_output_tokens`: chat `n`;
+    /// legacy completions `max(n, best_of)` (best_of candidates are generated and billed, n
+    /// returned) times the number of prompts in a batched `prompt` array. 1 for the Responses and
+    /// Anthropic Messages APIs, which have no such parameter. Never 0.
+    pub output_choices: u64,
+}
+
+impl Default for RequestInfo {
+    /// What an empty request says: nothing known, one generation.
+    fn default() -> Self {
+        RequestInfo {
+            model: None,
+            stream: false,
+            include_usage: false,
+            max_output_tokens: None,
+            message_count: 0,
+            follow_up: false,
+            prompt_tokens_estimate: 0,
+            user: None,
+            has_tools: false,
+            output_choices: 1,
+        }
+    }
 }
 
 /// Why a request body could not be inspected.
@@ -132,10 +155,35 @@ fn inspect_value(kind: ApiKind, v: &Value) -> RequestInfo {
             text.chars = text.chars.saturating_add(json_chars(tools));
         }
     }
+    info.output_choices = output_choices(kind, v);
     info.prompt_tokens_estimate = tokens_from_chars(text.chars)
         .saturating_add(text.exact_tokens)
         .saturating_add(u64::from(info.message_count).saturating_mul(MESSAGE_OVERHEAD_TOKENS));
     info
+}
+
+/// Largest generation count accepted from a request body; a larger `n` is counted as this many (the
+/// reservation is then larger than any budget, so the request is refused, never under-reserved).
+const MAX_OUTPUT_CHOICES: u64 = 1 << 20;
+
+/// See [`RequestInfo::output_choices`]. A parameter of the wrong type, 0 or absent counts as 1: the
+/// upstream refuses such a body, and 1 is its documented default.
+fn output_choices(kind: ApiKind, v: &Value) -> u64 {
+    let at_least_one = |key: &str| u64_at(v, key).filter(|&n| n > 0).unwrap_or(1).min(MAX_OUTPUT_CHOICES);
+    match kind {
+        ApiKind::ChatCompletions => at_least_one("n"),
+        ApiKind::Completions => {
+            let per_prompt = at_least_one("n").max(at_least_one("best_of"));
+            // A batch: an array of strings or of token-id arrays is one prompt per element; a flat
+            // array of token ids is a single prompt.
+            let prompts = match v.get("prompt") {
+                Some(Value::Array(items)) if !items.is_empty() && !items.iter().all(Value::is_number) => items.len() as u64,
+                _ => 1,
+            };
+            per_prompt.saturating_mul(prompts).min(MAX_OUTPUT_CHOICES)
+        }
+        ApiKind::Responses | ApiKind::AnthropicMessages => 1,
+    }
 }
 
 /// Running count of prompt text.

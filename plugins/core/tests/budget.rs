@@ -39,7 +39,7 @@ fn org(clamp: bool) -> Policy {
 }
 
 fn demand(input: u64, output: u64) -> Demand {
-    Demand { input_tokens: input, output_tokens: output, model: Some("m1".into()) }
+    Demand { input_tokens: input, output_tokens: output, choices: 1, model: Some("m1".into()) }
 }
 
 fn usage(input: u64, output: u64) -> Usage {
@@ -56,7 +56,7 @@ fn a_request_must_fit_every_level_team_exhausted_while_key_has_room() {
     // Team budget (1000/min) has 400 left; the key's own (5000/min) has 4400.
     match p.admit(&mut store, prod, &demand(300, 300), T0) {
         Err(AdmitError::Exceeded(r)) => {
-            assert_eq!(p.counters[r.counter].code, "team:search:minute:tokens");
+            assert_eq!(p.counters[r.counter].code, "team:search:minute:total_tokens");
             assert_eq!((r.used, r.reserved, r.limit), (600, 0, 1000));
             assert_eq!(r.retry_after_s, 10, "the minute ends in 10 s");
         }
@@ -135,7 +135,7 @@ fn money_budget_without_a_price_is_refused() {
     let p = org(false);
     let mut store = MemoryStore::default();
     let prod = p.key_by_id("search-prod").unwrap();
-    let d = Demand { input_tokens: 1, output_tokens: 1, model: Some("unknown-model".into()) };
+    let d = Demand { input_tokens: 1, output_tokens: 1, choices: 1, model: Some("unknown-model".into()) };
     assert!(matches!(p.admit(&mut store, prod, &d, T0), Err(AdmitError::Unpriced { .. })));
 }
 
@@ -242,4 +242,63 @@ fn the_shipped_policies_are_valid() {
 fn cut_off_streams_is_refused_not_silently_ignored() {
     let json = r#"{"identity":{"header":"x"},"cut_off_streams":true,"orgs":[{"id":"o","teams":[{"id":"t","keys":[{"id":"k"}]}]}]}"#;
     assert!(refused(json).starts_with("cut_off_streams: not supported yet"));
+}
+
+/// A request for several generations reserves the output of every one of them: three concurrent
+/// `n: 8, max_tokens: 60` requests cannot overshoot a 600 tokens/minute budget.
+#[test]
+fn several_choices_reserve_every_generation() {
+    let p = policy(
+        r#"{"identity": {"header": "k"}, "orgs": [{"id": "o", "teams": [{"id": "t",
+            "keys": [{"id": "k1", "budgets": [{"window": "minute", "tokens": 600}]}]}]}]}"#,
+    );
+    let mut store = MemoryStore::default();
+    let k = p.key_by_id("k1").unwrap();
+    let many = Demand { input_tokens: 36, output_tokens: 60, choices: 8, model: None };
+    assert_eq!(many.reserved_output_tokens(), 480);
+    let a = p.admit(&mut store, k, &many, T0).unwrap();
+    assert_eq!((a.output_tokens, a.choices, a.reserved_output_tokens()), (60, 8, 480));
+    assert_eq!(a.after[0].reserved(), 36 + 480);
+    // The second (and third) concurrent one no longer fits: 516 + 516 > 600.
+    assert!(matches!(p.admit(&mut store, k, &many, T0), Err(AdmitError::Exceeded(_))));
+    // Settled at what all eight generations produced.
+    let s = p.settle(&mut store, &a, &usage(36, 8 * 60), T0);
+    assert_eq!(s.after[0].as_ref().unwrap().committed(), 516);
+}
+
+/// Clamping lowers the per-generation limit so that all generations together fit.
+#[test]
+fn clamping_divides_the_room_between_generations() {
+    let p = policy(
+        r#"{"identity": {"header": "k"}, "clamp": {"enabled": true, "min_output_tokens": 10},
+            "orgs": [{"id": "o", "teams": [{"id": "t",
+            "keys": [{"id": "k1", "budgets": [{"window": "minute", "tokens": 600}]}]}]}]}"#,
+    );
+    let mut store = MemoryStore::default();
+    let k = p.key_by_id("k1").unwrap();
+    let a = p.admit(&mut store, k, &Demand { input_tokens: 100, output_tokens: 200, choices: 4, model: None }, T0).unwrap();
+    // 500 tokens of room after the prompt, shared by 4 generations: 125 each.
+    assert!(a.clamped);
+    assert_eq!((a.output_tokens, a.reserved_output_tokens()), (125, 500));
+    assert_eq!(a.after[0].reserved(), 600);
+}
+
+/// Two budgets of one owner that count the same thing over the same window could not be told apart
+/// in metrics or refusals: refused at load, naming both.
+#[test]
+fn budgets_counting_the_same_thing_in_one_window_are_refused() {
+    let two = |a: &str, b: &str| {
+        format!(
+            r#"{{"identity": {{"header": "k"}}, "orgs": [{{"id": "o", "teams": [{{"id": "t",
+                "keys": [{{"id": "load-4", "budgets": [{a}, {b}]}}]}}]}}]}}"#
+        )
+    };
+    let e = refused(&two(r#"{"window": "day", "tokens": 3000, "count": "output"}"#, r#"{"window": "day", "tokens": 9000, "count": "output"}"#));
+    assert!(e.contains("budgets[1]") && e.contains("output_tokens") && e.contains("budgets[0]"), "{e}");
+    // Different measures in one window are distinct budgets, with distinct codes.
+    let p = policy(&two(r#"{"window": "day", "tokens": 3000, "count": "output"}"#, r#"{"window": "day", "tokens": 200000}"#));
+    let codes: Vec<&str> = p.counters.iter().map(|c| c.code.as_str()).collect();
+    assert_eq!(codes, ["key:load-4:day:output_tokens", "key:load-4:day:total_tokens"]);
+    let weighted = policy(&two(r#"{"window": "day", "tokens": 3000, "input_weight": 1, "output_weight": 4}"#, r#"{"window": "day", "requests": 10}"#));
+    assert_eq!(weighted.counters[0].code, "key:load-4:day:weighted_tokens");
 }

@@ -99,8 +99,36 @@ fn chat_request() {
             prompt_tokens_estimate: 14 + 16,
             user: Some("user-1234".into()),
             has_tools: false,
+            output_choices: 1,
         }
     );
+}
+
+/// Every parameter of the supported APIs that multiplies the output a request can produce.
+#[test]
+fn output_choices_count_every_generation_the_request_can_produce() {
+    let cases = [
+        (ApiKind::ChatCompletions, json!({"messages": [], "n": 8, "max_tokens": 60}), 8),
+        (ApiKind::ChatCompletions, json!({"messages": []}), 1),
+        (ApiKind::ChatCompletions, json!({"messages": [], "n": 0}), 1),
+        (ApiKind::ChatCompletions, json!({"messages": [], "n": "8"}), 1),
+        // best_of candidates are generated (and billed); n of them are returned.
+        (ApiKind::Completions, json!({"prompt": "x", "n": 2, "best_of": 5}), 5),
+        (ApiKind::Completions, json!({"prompt": "x", "n": 3}), 3),
+        // A batch of prompts: each one gets its own generations.
+        (ApiKind::Completions, json!({"prompt": ["a", "b", "c"], "n": 2}), 6),
+        (ApiKind::Completions, json!({"prompt": [[1, 2], [3]], "best_of": 4}), 8),
+        // A flat array of token ids is one prompt.
+        (ApiKind::Completions, json!({"prompt": [1, 2, 3], "n": 2}), 2),
+        // A chat body posted to a completions path is a chat request (refined): n counts.
+        (ApiKind::Completions, json!({"messages": [{"role": "user", "content": "x"}], "n": 4}), 4),
+        (ApiKind::Responses, json!({"input": "x", "n": 4}), 1),
+        (ApiKind::AnthropicMessages, json!({"messages": [], "n": 4, "max_tokens": 10}), 1),
+        (ApiKind::ChatCompletions, json!({"messages": [], "n": u64::MAX}), 1 << 20),
+    ];
+    for (kind, body, expected) in cases {
+        assert_eq!(inspect(kind, body.clone()).output_choices, expected, "{kind:?} {body}");
+    }
 }
 
 #[test]

@@ -46,17 +46,8 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-/// Filter state the guard writes for model-router: `version>fallback` entries, comma-separated.
-pub const AVOID_PROPERTY: &str = "sluice_latency_avoid";
-/// Filter state llm-metrics writes: "0" while a stream waits for its first content token, then
-/// the token's host time in nanoseconds (or the end time of a stream that had none).
-pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
-/// Filter state model-router writes with its decision (JSON with `version`).
-const ROUTE_PROPERTY: &str = "sluice_route";
-/// Filter state the guard writes on a held stream: `<context id> <queue name> <vm id>`. llm-metrics
-/// enqueues the context id there at the first token, and the guard releases the stream at once
-/// instead of at its next tick.
-pub const RELEASE_PROPERTY: &str = "sluice_latency_release";
+pub use sluice_core::contract::{AVOID_PROPERTY, FIRST_TOKEN_PROPERTY, RELEASE_PROPERTY};
+use sluice_core::contract::{GatewayEnd, GatewayReply, ROUTE_PROPERTY};
 /// Shared-data counter that gives each guard VM (one per worker) its own release queue.
 const VM_SEQUENCE_KEY: &str = "sluice/latency-guard/vm-sequence";
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
@@ -118,6 +109,8 @@ struct Watch {
     chunk_wait_until_ns: Option<u64>,
     /// The TTFT went into the window at the first token (not again at the end).
     ttft_recorded: bool,
+    /// Status of the upstream's response headers (what the client sees once they are released).
+    status: u16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -415,6 +408,9 @@ impl HttpContext for Guard {
             g.observer = Some(StreamObserver::new(g.kind));
         }
         let mut sh = shared.borrow_mut();
+        if let Some(w) = sh.watched.get_mut(&self.context_id) {
+            w.status = g.status;
+        }
         let Some(w) = sh.watched.get(&self.context_id).cloned() else { return Action::Continue };
         let wants_hold = w.ttft_deadline_ns.is_some() && g.streaming && !end_of_stream && (200..300).contains(&g.status);
         if wants_hold && w.first_token_ns.is_none() && w.fired.is_none() {
@@ -485,6 +481,7 @@ impl HttpContext for Guard {
         if past_total && g.streaming {
             let event = deadline_event(g.kind, "total", sh.watched.get(&self.context_id).map(|w| w.total_ms()).unwrap_or(0));
             host::replace_body(BufferType::HttpResponseBody, body_size, event.as_bytes());
+            host::mark_gateway_reply(GatewayReply { status: g.status, end: GatewayEnd::Deadline });
             if let Some(w) = sh.watched.get_mut(&self.context_id) {
                 w.fired = Some(Fired::TotalEvent);
                 w.reset_at_ns = Some(now.saturating_add(END_GRACE_NS));
@@ -530,6 +527,20 @@ impl HttpContext for Guard {
         }
         let summary = g.observer.as_ref().map(StreamObserver::summary).unwrap_or_default();
         let fired = watch.as_ref().and_then(|w| w.fired);
+        // Another plugin answered the request itself (tenant-budget's refusal): it says nothing about
+        // the version's latency, and the stamp says what the client got.
+        let gateway = host::gateway_reply();
+        if let (None, Some(reply)) = (fired, gateway) {
+            let version_label = sanitize_label(&a.version);
+            let outcome = sluice_core::report::Outcome::from(reply.end).as_str();
+            sh.metrics.add(
+                MetricType::Counter,
+                &format!("sluice.latency.requests_total.version.{version_label}.class.{}.outcome.{outcome}", sanitize_label(&g.class)),
+                1,
+            );
+            write_stamp(g, &a, outcome, reply.status, None);
+            return;
+        }
         let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
         let upstream_failed = details.contains("upstream") && !details.contains("via_upstream");
         let error = fired.is_some() || g.status >= 500 || upstream_failed || summary.upstream_error.is_some() && g.status < 400;
@@ -556,7 +567,7 @@ impl HttpContext for Guard {
             &format!("sluice.latency.requests_total.version.{version_label}.class.{}.outcome.{outcome}", sanitize_label(&g.class)),
             1,
         );
-        write_stamp(g, &a, outcome, ttft_us);
+        write_stamp(g, &a, outcome, gateway.map_or(g.status, |r| r.status), ttft_us);
         if client_gone {
             // Says nothing about the version's latency.
             return;
@@ -658,6 +669,7 @@ impl Guard {
                 reset_at_ns: None,
                 chunk_wait_until_ns: None,
                 ttft_recorded: false,
+                status: 0,
             },
         );
         Action::Continue
@@ -716,7 +728,8 @@ fn draw_of(request_id: &str, context_id: u32) -> u64 {
 fn refuse(kind: ApiKind, status: u32, retry_after_s: u64, message: &str, error_type: &str, code: &str) {
     let body = error_body(Some(kind), message, error_type, code);
     let retry = retry_after_s.to_string();
-    host::local_reply(
+    host::gateway_local_reply(
+        GatewayEnd::Refused,
         status,
         &[("content-type", "application/json"), ("retry-after", &retry), ("x-sluice-refused-by", "latency-guard")],
         body.as_bytes(),
@@ -741,15 +754,17 @@ fn deadline_event(kind: ApiKind, which: &str, ms: u64) -> String {
 fn write_refusal_stamp(g: &Guarded, version: &str, outcome: &str) {
     let stamp = serde_json::json!({
         "version": version, "class": g.class, "priority": g.priority.as_str(), "probe": false, "outcome": outcome,
-        "ttft_ms": null,
+        "status": 503, "ttft_ms": null,
     });
     host::set_property(STAMP_PROPERTY, stamp.to_string().as_bytes());
 }
 
-fn write_stamp(g: &Guarded, a: &Admitted, outcome: &str, ttft_us: Option<u64>) {
+/// The stamp of an admitted request; `status` is what the client got (the gateway's own reply when
+/// one was sent, else the upstream's).
+fn write_stamp(g: &Guarded, a: &Admitted, outcome: &str, status: u16, ttft_us: Option<u64>) {
     let stamp = serde_json::json!({
         "version": a.version, "class": g.class, "priority": g.priority.as_str(), "probe": a.probe,
-        "outcome": outcome, "ttft_ms": ttft_us.map(|v| v / 1000),
+        "outcome": outcome, "status": status, "ttft_ms": ttft_us.map(|v| v / 1000),
     });
     host::set_property(STAMP_PROPERTY, stamp.to_string().as_bytes());
 }
@@ -876,7 +891,8 @@ impl Shared {
                 w.version
             );
             let body = error_body(Some(w.kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
-            host::local_reply(
+            host::gateway_local_reply(
+                GatewayEnd::Deadline,
                 504,
                 &[("content-type", "application/json"), ("x-sluice-deadline", which), ("x-sluice-refused-by", "latency-guard")],
                 body.as_bytes(),
@@ -884,6 +900,7 @@ impl Shared {
             if ttft_due { Fired::TtftReply } else { Fired::TotalReply }
         } else {
             // Headers went out and no data is flowing to carry an error event: all that is left.
+            host::mark_gateway_reply(GatewayReply { status: w.status, end: GatewayEnd::Deadline });
             host::reset_stream();
             if ttft_due { Fired::TtftReset } else { Fired::TotalReset }
         };

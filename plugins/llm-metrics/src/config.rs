@@ -7,6 +7,7 @@ use sluice_core::price::{PriceEntry, PriceTable};
 /// Configuration as written by the operator. Unknown fields are refused so a typo is an error, not
 /// a silently ignored knob. See docs/configuration.md and policies/llm-metrics.schema.json.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Requests whose path starts with one of these prefixes and ends in a known LLM API path are
@@ -49,6 +50,7 @@ pub struct Config {
 
 /// The authenticated source of the tenant name.
 #[derive(Debug, Deserialize, Default, Clone, PartialEq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum TenantSource {
     /// No tenant label (every request is `anonymous`).

@@ -26,11 +26,10 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-/// Per-VM state shared by the root and every stream (a VM is single-threaded).
-/// Filter state for latency-guard: "0" while a stream waits for its first content token, then the
-/// token's host time in ns (or the end of a stream that had none).
-pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
+pub use sluice_core::contract::FIRST_TOKEN_PROPERTY;
+use sluice_core::contract::RELEASE_PROPERTY;
 
+/// Per-VM state shared by the root and every stream (a VM is single-threaded).
 struct Shared {
     settings: Settings,
     metrics: host::Metrics,
@@ -267,7 +266,7 @@ impl HttpContext for Stream {
                     m.timing.on_content(host::now_ns(), last.content_events);
                 }
             }
-            let outcome = interrupted_outcome();
+            let outcome = host::interrupted_outcome();
             let record = m.record(&sh, host::now_ns(), outcome);
             m.report(&mut sh, &record);
         }
@@ -276,11 +275,6 @@ impl HttpContext for Stream {
         }
     }
 }
-
-/// Why a stream ended without its last body chunk: Envoy's response code details say whether the
-/// client went away or the upstream failed.
-/// Filter state latency-guard writes on a stream it holds: `<context id> <queue name> <vm id>`.
-const RELEASE_PROPERTY: &str = "sluice_latency_release";
 
 /// Marks the first content token for latency-guard and, when the guard holds this stream, wakes it
 /// through its release queue (otherwise it would notice at its next tick, milliseconds later).
@@ -296,15 +290,6 @@ fn mark_first_token(now: u64) {
             }
         }
         Ok(None) | Err(_) => log::debug!("sluice llm-metrics: latency-guard's release queue {queue} not found"),
-    }
-}
-
-fn interrupted_outcome() -> Outcome {
-    let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
-    if details.contains("upstream") {
-        Outcome::UpstreamError
-    } else {
-        Outcome::ClientDisconnect
     }
 }
 
@@ -365,14 +350,19 @@ impl Measured {
             None => Default::default(),
         };
         let request = self.request.clone().unwrap_or_default();
+        // A reply another sluice plugin generated (a refusal, a deadline) is that status and outcome,
+        // whatever the upstream's headers said before it.
+        let gateway = host::gateway_reply();
+        let status = gateway.map_or(self.status, |g| g.status);
         // A 4xx with an error body is the client's mistake, answered properly: not an upstream error.
-        let outcome = match outcome {
-            Outcome::Completed
+        let outcome = match (gateway, outcome) {
+            (Some(g), _) => g.end.into(),
+            (None, Outcome::Completed)
                 if self.status >= 500 || (self.status < 400 && response.upstream_error.is_some()) =>
             {
                 Outcome::UpstreamError
             }
-            other => other,
+            (None, other) => other,
         };
         let prompt_tokens =
             if response.usage_reported { response.usage.input_tokens } else { request.prompt_tokens_estimate };
@@ -397,7 +387,7 @@ impl Measured {
         let mut record = RequestRecord {
             labels,
             request_model: request.model.clone(),
-            status: self.status,
+            status,
             streaming: self.streaming,
             timing: self.timing,
             end_ns,
@@ -407,7 +397,7 @@ impl Measured {
             prompt_tokens_estimate: request.prompt_tokens_estimate,
         };
         // Providers bill what they generated, including streams cut short, but not refused requests.
-        let billable = (200..300).contains(&self.status);
+        let billable = (200..300).contains(&status);
         if let (true, Some(model)) = (billable, cost_model) {
             let mut usage = record.response.usage;
             usage.input_tokens = record.input_tokens();

@@ -296,7 +296,7 @@ fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
 }
 
 /// Filter state latency-guard writes: `version>preferred-fallback` entries, comma-separated.
-const AVOID_PROPERTY: &str = "sluice_latency_avoid";
+use sluice_core::contract::AVOID_PROPERTY;
 
 /// The versions latency-guard asked this request to avoid, with the fallback it prefers (may be empty).
 fn avoided_versions() -> Vec<(String, String)> {
@@ -380,7 +380,10 @@ impl HttpContext for Stream {
             .decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &unhealthy)
             .or_else(|| sh.policy.decide(index, key.as_deref(), request_id.as_bytes(), forced.as_deref(), now, &only_unhealthy));
         let Some(mut decision) = decided else {
-            sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{}", sanitize_label(&model)));
+            // Labelled with the policy's model entry, not the client's string: a glob entry would
+            // otherwise let a client mint a series per model name.
+            let entry = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());
+            sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{entry}"));
             return Action::Continue;
         };
         // The guard may name the fallback it wants for the avoided version; the router's own
@@ -560,7 +563,7 @@ fn write_stamp(r: &Routed) {
         "route": r.decision.route, "upstream_model": r.decision.upstream_model,
         "shadow": r.shadow.as_ref().map(|s| s.0.clone()),
     });
-    host::set_property("sluice_route", stamp.to_string().as_bytes());
+    host::set_property(sluice_core::contract::ROUTE_PROPERTY, stamp.to_string().as_bytes());
 }
 
 impl Stream {

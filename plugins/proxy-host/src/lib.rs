@@ -157,6 +157,37 @@ pub fn set_header(map: MapType, name: &str, value: Option<&str>) {
     }
 }
 
+/// Records that the gateway answered or ended this request itself (see
+/// `sluice_core::contract::GatewayReply`), so every plugin reports it with the same status and
+/// outcome. Call before the reply or reset it describes.
+pub fn mark_gateway_reply(reply: sluice_core::contract::GatewayReply) {
+    set_property(sluice_core::contract::GATEWAY_REPLY_PROPERTY, reply.encode().as_bytes());
+}
+
+/// The gateway's own reply to this request, if a sluice plugin recorded one.
+pub fn gateway_reply() -> Option<sluice_core::contract::GatewayReply> {
+    property(&[sluice_core::contract::GATEWAY_REPLY_PROPERTY.to_string()]).and_then(|v| sluice_core::contract::GatewayReply::decode(&v))
+}
+
+/// A reply the gateway decided on (refusal, deadline): recorded for the other plugins, then sent.
+pub fn gateway_local_reply(end: sluice_core::contract::GatewayEnd, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+    let code = u16::try_from(status).unwrap_or(500);
+    mark_gateway_reply(sluice_core::contract::GatewayReply { status: code, end });
+    local_reply(status, headers, body);
+}
+
+/// How a request that never saw its last response chunk ended, from Envoy's response code details:
+/// the upstream failed (reset, timeout, connection failure) or the client went away. A reply the
+/// gateway generated itself is read separately ([`gateway_reply`]) and takes precedence.
+pub fn interrupted_outcome() -> sluice_core::report::Outcome {
+    let details = property(&["response".into(), "code_details".into()]).unwrap_or_default();
+    if details.contains("upstream") && !details.contains("via_upstream") {
+        sluice_core::report::Outcome::UpstreamError
+    } else {
+        sluice_core::report::Outcome::ClientDisconnect
+    }
+}
+
 /// Sends a reply from the proxy; the stream goes no further upstream.
 pub fn local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) {
     if let Err(e) = hostcalls::send_http_response(status, headers.to_vec(), Some(body)) {

@@ -14,7 +14,8 @@ use sluice_core::budget::policy::{CounterSpec, Limit, Mode};
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
 use sluice_core::reply::error_body;
-use sluice_core::report::sanitize_label;
+use sluice_core::contract::GatewayEnd;
+use sluice_core::report::{sanitize_label, LabelBound, Outcome};
 use sluice_core::request::{inspect_request_with_kind, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
 use sluice_core::rewrite::{rewrite_request, UsageChunkStripper};
@@ -43,6 +44,8 @@ const MAX_RESPONSE_BODY_BYTES: usize = 4 * 1024 * 1024;
 struct Shared {
     policy: Policy,
     metrics: host::Metrics,
+    /// The charge metrics' model-version label: the version comes from the request.
+    model_versions: LabelBound,
 }
 
 #[derive(Default)]
@@ -66,7 +69,8 @@ impl RootContext for Root {
             log::warn!("creating budget counters failed: {e}");
         }
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
-        self.shared = Some(Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default() })));
+        let model_versions = LabelBound::new(policy.model_versions.iter().cloned(), policy.max_dynamic_model_versions);
+        self.shared = Some(Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default(), model_versions })));
         true
     }
 
@@ -256,38 +260,12 @@ impl HttpContext for Stream {
 
     fn on_log(&mut self) {
         if self.state.as_ref().is_some_and(|b| !b.settled) {
-            let outcome = interrupted_outcome();
+            let outcome = host::interrupted_outcome();
             if let Some(observer) = self.state.as_mut().and_then(|b| b.observer.as_mut()) {
                 observer.finish();
             }
             self.settle(outcome);
         }
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    Completed,
-    ClientDisconnect,
-    UpstreamError,
-}
-
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Completed => "completed",
-            Outcome::ClientDisconnect => "client_disconnect",
-            Outcome::UpstreamError => "upstream_error",
-        }
-    }
-}
-
-fn interrupted_outcome() -> Outcome {
-    let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
-    if details.contains("upstream") {
-        Outcome::UpstreamError
-    } else {
-        Outcome::ClientDisconnect
     }
 }
 
@@ -356,7 +334,7 @@ fn key_path(policy: &Policy, key: Option<usize>) -> (String, String, String) {
 }
 
 fn counter_label(spec: &CounterSpec) -> String {
-    format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.unit())
+    format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.measure())
 }
 
 impl Stream {
@@ -374,6 +352,8 @@ impl Stream {
             );
             b.stamp.insert("decision".into(), "rejected".into());
             b.stamp.insert("reject_code".into(), code.into());
+            b.stamp.insert("status".into(), status.into());
+            b.stamp.insert("outcome".into(), Outcome::Refused.as_str().into());
             write_stamp(&shared.borrow().policy.filter_state_key, &b.stamp);
         }
         let body = error_body(kind, message, error_type, code);
@@ -382,7 +362,7 @@ impl Stream {
         if let Some(r) = retry.as_deref() {
             headers.push(("retry-after", r));
         }
-        host::local_reply(status, &headers, body.as_bytes());
+        host::gateway_local_reply(GatewayEnd::Refused, status, &headers, body.as_bytes());
     }
 
     fn admit(&mut self, body: &[u8], body_size: usize) -> Action {
@@ -413,7 +393,7 @@ impl Stream {
             Mode::Strict => (body.len() as u64).saturating_add(if info.has_tools { TOOL_PROMPT_ALLOWANCE } else { 0 }),
             Mode::Estimate => info.prompt_tokens_estimate.saturating_mul(100 + u64::from(policy.estimate_margin_percent)).div_ceil(100),
         };
-        let demand = Demand { input_tokens: input, output_tokens: output, model: info.model.clone() };
+        let demand = Demand { input_tokens: input, output_tokens: output, choices: info.output_choices, model: info.model.clone() };
         let now = host::now_ns();
         let result = policy.admit(&mut SharedData, key, &demand, now);
         let inject = policy.include_usage && info.stream && !info.include_usage;
@@ -453,8 +433,8 @@ impl Stream {
                 }
                 b.stamp.insert("decision".into(), b.decision.into());
                 b.stamp.insert("reserved_input_tokens".into(), admission.input_tokens.into());
-                b.stamp.insert("reserved_output_tokens".into(), admission.output_tokens.into());
-                b.stamp.insert("reserved_tokens".into(), admission.input_tokens.saturating_add(admission.output_tokens).into());
+                b.stamp.insert("reserved_output_tokens".into(), admission.reserved_output_tokens().into());
+                b.stamp.insert("reserved_tokens".into(), admission.input_tokens.saturating_add(admission.reserved_output_tokens()).into());
                 b.stamp.insert("reserved_micro_usd".into(), admission.reserved_micro_usd.into());
                 write_stamp(&sh.policy.filter_state_key, &b.stamp);
                 b.request = Some(info);
@@ -489,18 +469,38 @@ impl Stream {
             return;
         }
         b.settled = true;
-        let Some(admission) = b.admission.take() else { return };
+        let Some(admission) = b.admission.take() else {
+            // Refused by another plugin before admission (latency-guard's shedding): nothing was
+            // reserved; the stamp still tells the request's story.
+            if let Some(g) = host::gateway_reply() {
+                b.stamp.insert("decision".into(), "not_evaluated".into());
+                b.stamp.insert("status".into(), g.status.into());
+                b.stamp.insert("outcome".into(), Outcome::from(g.end).as_str().into());
+                write_stamp(&shared.borrow().policy.filter_state_key, &b.stamp);
+            }
+            return;
+        };
         let summary = match &b.observer {
             Some(observer) => observer.summary(),
             None => inspect_response_body(b.kind, &b.response_body),
         };
         let request = b.request.clone().unwrap_or_default();
+        // A reply latency-guard generated (a deadline) is that status and outcome for the charge too.
+        let gateway = host::gateway_reply();
+        let status = gateway.map_or(b.status, |g| g.status);
         let produced = (200..300).contains(&b.status);
-        let outcome = if outcome == Outcome::Completed && b.status >= 500 { Outcome::UpstreamError } else { outcome };
+        let outcome = match (gateway, outcome) {
+            (Some(g), _) => g.end.into(),
+            (None, Outcome::Completed) if b.status >= 500 => Outcome::UpstreamError,
+            (None, other) => other,
+        };
         // Charge what the upstream reports; without a report, what was seen (output) and the prompt
-        // estimate (input). A refused or failed upstream answer produced nothing to charge.
+        // estimate (input). A refused or failed upstream answer produced nothing to charge, and
+        // neither did a stream the gateway ended before any content reached it.
+        let nothing_passed = outcome == Outcome::Deadline && summary.estimated_output_tokens == 0 && summary.usage.input_tokens == 0;
         let actual = match (produced, summary.usage_reported) {
             (true, true) => summary.usage,
+            (true, false) if nothing_passed => Usage::default(),
             (true, false) => Usage {
                 input_tokens: if summary.usage.input_tokens > 0 { summary.usage.input_tokens } else { request.prompt_tokens_estimate },
                 output_tokens: summary.estimated_output_tokens,
@@ -512,12 +512,12 @@ impl Stream {
         let mut sh = shared.borrow_mut();
         let settlement = sh.policy.settle(&mut SharedData, &admission, &actual, now);
         let (key, team, org) = key_path(&sh.policy, b.key);
-        let mv = sanitize_label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
+        let mv = sh.model_versions.label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
         let labels = format!(".key.{key}.team.{team}.org.{org}.model_version.{mv}");
         let charged_tokens = actual.input_tokens.saturating_add(actual.output_tokens);
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_tokens_total{labels}"), i64::try_from(charged_tokens).unwrap_or(i64::MAX));
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_micro_usd_total{labels}"), i64::try_from(settlement.micro_usd).unwrap_or(i64::MAX));
-        let reserved_tokens = admission.input_tokens.saturating_add(admission.output_tokens);
+        let reserved_tokens = admission.input_tokens.saturating_add(admission.reserved_output_tokens());
         sh.metrics.record(&format!("sluice.budget.overestimate_tokens.key.{key}"), reserved_tokens.saturating_sub(charged_tokens));
         for (((index, lease), after), over) in admission.leases.iter().zip(&settlement.after).zip(&settlement.over_estimates) {
             if let (Some(spec), Some(counter)) = (sh.policy.counters.get(*index).cloned(), after) {
@@ -530,6 +530,7 @@ impl Stream {
         b.stamp.insert("charged_tokens".into(), charged_tokens.into());
         b.stamp.insert("charged_micro_usd".into(), settlement.micro_usd.into());
         b.stamp.insert("usage".into(), if summary.usage_reported { "reported" } else { "estimated" }.into());
+        b.stamp.insert("status".into(), status.into());
         b.stamp.insert("outcome".into(), outcome.as_str().into());
         write_stamp(&sh.policy.filter_state_key, &b.stamp);
     }

@@ -14,7 +14,11 @@ const NS_PER_S: u64 = 1_000_000_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Demand {
     pub input_tokens: u64,
+    /// Output limit of one generation (what is written into the request).
     pub output_tokens: u64,
+    /// Generations the request asks for ([`crate::request::RequestInfo::output_choices`]): the
+    /// reservation covers `output_tokens × choices`.
+    pub choices: u64,
     /// Model used to price the request.
     pub model: Option<String>,
 }
@@ -27,8 +31,10 @@ pub struct Admission {
     /// `(counter index, lease)` for every counter of the key.
     pub leases: Vec<(usize, Lease)>,
     pub input_tokens: u64,
-    /// Output limit granted (lower than asked when clamped).
+    /// Output limit of one generation granted (lower than asked when clamped).
     pub output_tokens: u64,
+    /// Generations covered: the reservation holds `output_tokens × choices` output tokens.
+    pub choices: u64,
     pub clamped: bool,
     pub reserved_micro_usd: u64,
     /// Counters after the reservation, same order as `leases`: for rate headers and gauges.
@@ -65,6 +71,20 @@ pub struct Settlement {
     pub after: Vec<Option<Counter>>,
     /// Reserved − charged, in the units of each counter (positive: over-estimate).
     pub over_estimates: Vec<i128>,
+}
+
+impl Demand {
+    /// Output tokens the request can produce over all its generations.
+    pub fn reserved_output_tokens(&self) -> u64 {
+        self.output_tokens.saturating_mul(self.choices.max(1))
+    }
+}
+
+impl Admission {
+    /// Output tokens reserved over all generations.
+    pub fn reserved_output_tokens(&self) -> u64 {
+        self.output_tokens.saturating_mul(self.choices.max(1))
+    }
 }
 
 fn minute_of(now_ns: u64) -> u32 {
@@ -118,7 +138,8 @@ impl Policy {
     fn try_admit(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Result<Admission, AdmitError> {
         let node = self.keys.get(key).ok_or_else(|| AdmitError::Store(format!("no key #{key}")))?;
         let model = demand.model.as_deref();
-        let cost = self.cost(model, demand.input_tokens, demand.output_tokens);
+        let output = demand.reserved_output_tokens();
+        let cost = self.cost(model, demand.input_tokens, output);
         let minute = minute_of(now_ns);
         let ttl = self.reservation_ttl_minutes;
         let mut leases = Vec::with_capacity(node.counters.len());
@@ -132,7 +153,7 @@ impl Policy {
                 }
                 (_, cost) => cost.unwrap_or(0),
             };
-            let amount = spec.limit.amount(demand.input_tokens, demand.output_tokens, cost);
+            let amount = spec.limit.amount(demand.input_tokens, output, cost);
             let window_id = spec.window.id(now_ns);
             match ledger::reserve(store, &spec.store_key, window_id, minute, ttl, amount, spec.limit.value()) {
                 Ok((lease, counter)) => {
@@ -165,17 +186,19 @@ impl Policy {
             leases,
             input_tokens: demand.input_tokens,
             output_tokens: demand.output_tokens,
+            choices: demand.choices.max(1),
             clamped: false,
             reserved_micro_usd: cost.unwrap_or(0),
             after,
         })
     }
 
-    /// The largest output limit every counter of `key` could still pay for, from a snapshot.
+    /// The largest per-generation output limit every counter of `key` could still pay for, from a
+    /// snapshot.
     fn max_output_that_fits(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Option<u64> {
         let node = self.keys.get(key)?;
         let minute = minute_of(now_ns);
-        let mut best = demand.output_tokens;
+        let mut best = demand.reserved_output_tokens();
         for &index in &node.counters {
             let spec = self.counters.get(index)?;
             let counter = ledger::read(store, &spec.store_key, spec.window.id(now_ns), minute, self.reservation_ttl_minutes).ok()?;
@@ -209,7 +232,7 @@ impl Policy {
             };
             best = best.min(fits);
         }
-        Some(best)
+        Some(best / demand.choices.max(1))
     }
 
     /// Replaces the admission's reservations by what the request actually used.

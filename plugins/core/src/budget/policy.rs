@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 /// Policy as written by the operator (Envoy `configuration` / Istio `pluginConfig`). See
 /// docs/tenant-budget.md and policies/tenant-budget.schema.json.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     #[serde(default)]
@@ -43,10 +44,18 @@ pub struct PolicyConfig {
     /// Request header carrying the model version label of the charge metrics.
     #[serde(default = "default_model_version_header")]
     pub model_version_header: String,
+    /// Model versions that always keep their own label on the charge metrics.
+    #[serde(default)]
+    pub model_versions: Vec<String>,
+    /// How many other distinct model versions get their own label (per VM) before `other`: the
+    /// version comes from the request, so it must not mint series without bound.
+    #[serde(default = "default_max_dynamic_model_versions")]
+    pub max_dynamic_model_versions: usize,
 }
 
 /// How the prompt side of a reservation is sized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// Reserve a true upper bound: the request body's size in bytes (no tokenizer emits more tokens
@@ -59,6 +68,7 @@ pub enum Mode {
 }
 
 #[derive(Debug, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IdentityConfig {
     /// Look up `Authorization: Bearer <key>` / `x-api-key` by SHA-256 in `keys[].api_key_sha256`.
@@ -73,6 +83,7 @@ pub struct IdentityConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct JwtConfig {
     /// jwt_authn's `forward_payload_header`.
@@ -83,6 +94,7 @@ pub struct JwtConfig {
 
 /// What to do with a request whose key is not in the policy.
 #[derive(Debug, Deserialize, Default, Clone, PartialEq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
 pub enum UnknownConfig {
     #[default]
@@ -92,6 +104,7 @@ pub enum UnknownConfig {
 }
 
 #[derive(Debug, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ClampConfig {
     /// Lower the request's output limit to what the budget can still pay for, instead of rejecting.
@@ -103,6 +116,7 @@ pub struct ClampConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct OrgConfig {
     pub id: String,
@@ -113,6 +127,7 @@ pub struct OrgConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TeamConfig {
     pub id: String,
@@ -123,6 +138,7 @@ pub struct TeamConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct KeyConfig {
     pub id: String,
@@ -136,6 +152,7 @@ pub struct KeyConfig {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum WindowName {
     Minute,
@@ -145,6 +162,7 @@ pub enum WindowName {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Count {
     #[default]
@@ -155,6 +173,7 @@ pub enum Count {
 
 /// One budget: a window and exactly one of `tokens`, `requests`, `usd`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct BudgetConfig {
     pub window: WindowName,
@@ -201,6 +220,11 @@ fn default_filter_state_key() -> String {
 fn default_model_version_header() -> String {
     "x-model-version".into()
 }
+fn default_max_dynamic_model_versions() -> usize {
+    8
+}
+/// Most dynamic model-version labels accepted: each one multiplies the charge series by the keys.
+const MAX_DYNAMIC_MODEL_VERSIONS: usize = 256;
 
 /// A compiled policy.
 #[derive(Debug)]
@@ -219,6 +243,8 @@ pub struct Policy {
     pub estimate_margin_percent: u32,
     pub filter_state_key: String,
     pub model_version_header: String,
+    pub model_versions: Vec<String>,
+    pub max_dynamic_model_versions: usize,
     key_by_id: BTreeMap<String, usize>,
     key_by_hash: BTreeMap<String, usize>,
 }
@@ -265,9 +291,25 @@ impl Limit {
         }
     }
 
+    /// The family of the `x-ratelimit-*-<unit>` headers: `tokens`, `requests` or `micro_usd`.
     pub fn unit(&self) -> &'static str {
         match self {
             Limit::Tokens { .. } => "tokens",
+            Limit::Requests(_) => "requests",
+            Limit::MicroUsd(_) => "micro_usd",
+        }
+    }
+
+    /// What the budget counts, precisely enough that two budgets of one owner and window never
+    /// share a name: `total_tokens`, `input_tokens`, `output_tokens`, `weighted_tokens`,
+    /// `requests`, `micro_usd`. It is the `unit` label of the budget's metrics and the last part
+    /// of its code.
+    pub fn measure(&self) -> &'static str {
+        match self {
+            Limit::Tokens { input_weight: 1, output_weight: 1, .. } => "total_tokens",
+            Limit::Tokens { input_weight: 1, output_weight: 0, .. } => "input_tokens",
+            Limit::Tokens { input_weight: 0, output_weight: 1, .. } => "output_tokens",
+            Limit::Tokens { .. } => "weighted_tokens",
             Limit::Requests(_) => "requests",
             Limit::MicroUsd(_) => "micro_usd",
         }
@@ -296,7 +338,7 @@ pub struct CounterSpec {
     pub limit: Limit,
     /// Absolute soft limit, if configured.
     pub soft_limit: Option<u64>,
-    /// Stable name of the budget for errors and metrics: `team:search:minute:tokens`.
+    /// Stable name of the budget for errors and metrics: `team:search:minute:total_tokens`.
     pub code: String,
 }
 
@@ -421,6 +463,12 @@ impl Policy {
         if c.filter_state_key.is_empty() || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
             return Err(invalid("filter_state_key", format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key)));
         }
+        if c.max_dynamic_model_versions > MAX_DYNAMIC_MODEL_VERSIONS {
+            return Err(invalid(
+                "max_dynamic_model_versions",
+                format!("at most {MAX_DYNAMIC_MODEL_VERSIONS}, got {}", c.max_dynamic_model_versions),
+            ));
+        }
         Ok(Policy {
             mode: c.mode,
             identity: c.identity,
@@ -436,6 +484,8 @@ impl Policy {
             estimate_margin_percent: c.estimate_margin_percent,
             filter_state_key: c.filter_state_key,
             model_version_header: c.model_version_header.to_ascii_lowercase(),
+            model_versions: c.model_versions,
+            max_dynamic_model_versions: c.max_dynamic_model_versions,
             key_by_id,
             key_by_hash,
         })
@@ -466,6 +516,7 @@ fn compile_budgets(
     field: &str,
 ) -> Result<Vec<usize>, PolicyError> {
     let mut out = Vec::with_capacity(budgets.len());
+    let mut codes: BTreeMap<String, String> = BTreeMap::new();
     for (bi, b) in budgets.iter().enumerate() {
         let bf = format!("{field}.budgets[{bi}]");
         let window = match (b.window, b.reset_day) {
@@ -517,6 +568,15 @@ fn compile_budgets(
             Some(p) if (1..=100).contains(&p) => Some(limit.value().saturating_mul(u64::from(p)) / 100),
             Some(p) => return Err(invalid(format!("{bf}.soft_limit_percent"), format!("must be 1–100, got {p}"))),
         };
+        let code = format!("{}:{owner}:{}:{}", level.as_str(), window.as_str(), limit.measure());
+        if let Some(first) = codes.insert(code.clone(), bf.clone()) {
+            // One of the two never binds (the lower limit always refuses first), or they differ only
+            // in weights or reset day; either way metrics and refusals could not tell them apart.
+            return Err(invalid(
+                &bf,
+                format!("{owner} already has a {} budget counting {} ({first}); keep one per window and measure", window.as_str(), limit.measure()),
+            ));
+        }
         let index = counters.len();
         counters.push(CounterSpec {
             store_key: format!("sluice/tenant-budget/{}/{owner}/{bi}", level.as_str()),
@@ -525,7 +585,7 @@ fn compile_budgets(
             window,
             limit,
             soft_limit,
-            code: format!("{}:{owner}:{}:{}", level.as_str(), window.as_str(), limit.unit()),
+            code,
         });
         out.push(index);
     }

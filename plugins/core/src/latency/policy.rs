@@ -28,6 +28,7 @@ pub const OTHER_CLASS: &str = "other";
 
 /// Policy as written by the operator (the plugin's `configuration`).
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LatencyPolicyConfig {
     /// Where the (authenticated) tenant comes from; required when a class lists tenants.
@@ -43,6 +44,7 @@ pub struct LatencyPolicyConfig {
 
 /// Exactly one of the fields.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TenantSourceConfig {
     /// A request header set by an authentication filter in front of sluice.
@@ -54,6 +56,7 @@ pub struct TenantSourceConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ClassConfig {
     pub name: String,
@@ -64,6 +67,7 @@ pub struct ClassConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VersionConfig {
     /// The model version (as model-router names it).
@@ -84,6 +88,7 @@ pub struct VersionConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct InFlightConfig {
     pub limit: u64,
@@ -92,6 +97,7 @@ pub struct InFlightConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct BreakerJson {
     pub objective: ObjectiveConfig,
@@ -117,6 +123,7 @@ pub struct BreakerJson {
 
 /// At least one of `ttft_ms`, `tpot_ms`, `error_per_mille`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ObjectiveConfig {
     /// The percentile latency objectives are read at.
@@ -134,6 +141,7 @@ pub struct ObjectiveConfig {
 /// What each priority gets while the breaker is open. Default with a fallback: critical and
 /// standard fail over, sheddable is refused; without one: everyone is refused.
 #[derive(Debug, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WhileOpenConfig {
     #[serde(default)]
@@ -146,6 +154,7 @@ pub struct WhileOpenConfig {
 
 /// A request's fate while its version's breaker is open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OpenAction {
     /// Send it to the fallback version.

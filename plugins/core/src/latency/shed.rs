@@ -16,6 +16,7 @@ use serde::Deserialize;
 
 /// Tenant priority, in the Gateway API Inference Extension's vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Priority {
     Critical,

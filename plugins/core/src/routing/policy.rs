@@ -30,6 +30,7 @@ pub const BODY_USER_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluic
 /// Policy as written by the operator (the plugin's `configuration`). See docs/model-router.md and
 /// policies/model-router.schema.json.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RoutingConfig {
     /// Sources of the sticky key, tried in order; default `[{"api_key": true}]`.
@@ -48,6 +49,7 @@ pub struct RoutingConfig {
 
 /// One sticky-key source: exactly one of the fields.
 #[derive(Debug, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct StickyKeyConfig {
     /// A request header set by an authentication filter in front of sluice.
@@ -67,6 +69,7 @@ pub struct StickyKeyConfig {
 
 /// Forcing a version, for testing.
 #[derive(Debug, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct OverrideConfig {
     /// The trusted source: a host property (e.g. a claim jwt_authn verified) naming the version.
@@ -79,6 +82,7 @@ pub struct OverrideConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// Glob (`*`, `?`) over the `model` the client asks for.
@@ -93,6 +97,7 @@ pub struct ModelConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VersionConfig {
     pub name: String,
@@ -107,6 +112,7 @@ pub struct VersionConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RampStepConfig {
     /// `YYYY-MM-DDTHH:MM:SSZ` (UTC).
@@ -115,6 +121,7 @@ pub struct RampStepConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ShadowConfig {
     pub version: ShadowVersionConfig,
@@ -131,6 +138,7 @@ pub struct ShadowConfig {
 }
 
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ShadowVersionConfig {
     pub name: String,
