@@ -6,8 +6,9 @@
 //! ([`prometheus`]) and its JSON access log ([`access_log`]). Every process is killed on drop, and
 //! every wait is bounded, so a broken build fails a test instead of hanging it.
 //!
-//! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN`, else the
-//! workspace's `.tools/venv` and `target/` (what `cargo xtask setup` and `cargo xtask build` make).
+//! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN` / `SLUICE_WASM_DIR`
+//! (the plugin `.wasm` files), else the workspace's `.tools/venv` and `target/` (what
+//! `cargo xtask setup` and `cargo xtask build` make).
 
 pub mod access_log;
 pub mod envoy;

@@ -114,16 +114,26 @@ fn total_deadline_ends_a_slow_stream_with_an_error_event() {
     // 40 tokens 250 ms apart: 10 s of stream against a 4 s total deadline.
     let extra = [("x-mock-itl-ms", "250"), ("x-mock-tokens", "40")];
     let s = post_stream(gw.envoy.listen_addr(), CHAT, &headers("std-a", &extra), &body(true)).unwrap().collect().unwrap();
+    // `collect` returns when the connection ends (the reset): the stream's end as the client sees it.
+    let ended = s.sent_at.elapsed();
     assert_eq!(s.status, 200);
     let text = s.text();
     let cut = s.time_to("total_deadline_exceeded").unwrap_or_else(|| panic!("no deadline event in {text}"));
     let last = s.chunks.last().map(|c| c.at.duration_since(s.sent_at)).unwrap_or_default();
-    println!("total deadline event after {cut:?}, last byte after {last:?}, complete={}", s.complete);
+    println!(
+        "total deadline event after {cut:?}, last byte after {last:?}, connection ended after {ended:?} ({:?} after the event), complete={}",
+        ended.saturating_sub(cut),
+        s.complete
+    );
     assert!(cut >= Duration::from_millis(4000) && cut < Duration::from_millis(4600), "{cut:?}");
     // Nothing after the error event (the [DONE] that follows it), and the stream ends soon after.
     let after = text.split("total_deadline_exceeded").nth(1).unwrap_or_default();
     assert!(!after.contains("\"content\""), "tokens after the deadline event: {after}");
     assert!(last < Duration::from_millis(5000), "{last:?}");
+    // The guard resets the stream 20 ms after the event; Envoy then closes the HTTP/1.1 connection
+    // after the connection manager's delayed_close_timeout (default 1 s): ≈ 1.02 s measured. Without
+    // the reset the stream would run to its 10 s end.
+    assert!(ended.saturating_sub(cut) < Duration::from_millis(1500), "connection ended {ended:?}, event at {cut:?}");
     // Tokens before the cut reached the client.
     let before = text.split("total_deadline_exceeded").next().unwrap_or_default();
     assert!(before.matches("\"content\"").count() >= 10, "{before}");
