@@ -59,7 +59,7 @@ fn budget(c: &mut Criterion) {
     let key = policy.key_by_id("search-prod").expect("search-prod");
     assert_eq!(policy.keys[key].counters.len(), 5, "search-prod has 5 counters over 3 levels");
 
-    let demand = Demand { input_tokens: 1_200, output_tokens: 512, choices: 1, model: Some("gpt-4o-mini".into()) };
+    let demand = Demand { input_tokens: 1_200, output_tokens: 512, choices: 1, model: Some("gpt-4o-mini".into()), identity: None };
     let actual = Usage { input_tokens: 1_100, output_tokens: 300, ..Usage::default() };
     let mut g = c.benchmark_group("budget_request");
     g.throughput(Throughput::Elements(1));

@@ -147,6 +147,9 @@ fn setup(root: &Path) -> Result<()> {
         run(Command::new(venv.join("bin/pip"))
             .args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
     }
+
+    // Redis for the sluice-ledger tests (each test starts its own redis-server on a free port).
+    ensure_debian_packages(&[("redis-server", "redis-server")])?;
     Ok(())
 }
 

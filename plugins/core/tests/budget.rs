@@ -39,7 +39,7 @@ fn org(clamp: bool) -> Policy {
 }
 
 fn demand(input: u64, output: u64) -> Demand {
-    Demand { input_tokens: input, output_tokens: output, choices: 1, model: Some("m1".into()) }
+    Demand { input_tokens: input, output_tokens: output, choices: 1, model: Some("m1".into()), identity: None }
 }
 
 fn usage(input: u64, output: u64) -> Usage {
@@ -135,7 +135,7 @@ fn money_budget_without_a_price_is_refused() {
     let p = org(false);
     let mut store = MemoryStore::default();
     let prod = p.key_by_id("search-prod").unwrap();
-    let d = Demand { input_tokens: 1, output_tokens: 1, choices: 1, model: Some("unknown-model".into()) };
+    let d = Demand { input_tokens: 1, output_tokens: 1, choices: 1, model: Some("unknown-model".into()), identity: None };
     assert!(matches!(p.admit(&mut store, prod, &d, T0), Err(AdmitError::Unpriced { .. })));
 }
 
@@ -254,7 +254,7 @@ fn several_choices_reserve_every_generation() {
     );
     let mut store = MemoryStore::default();
     let k = p.key_by_id("k1").unwrap();
-    let many = Demand { input_tokens: 36, output_tokens: 60, choices: 8, model: None };
+    let many = Demand { input_tokens: 36, output_tokens: 60, choices: 8, model: None, identity: None };
     assert_eq!(many.reserved_output_tokens(), 480);
     let a = p.admit(&mut store, k, &many, T0).unwrap();
     assert_eq!((a.output_tokens, a.choices, a.reserved_output_tokens()), (60, 8, 480));
@@ -276,7 +276,7 @@ fn clamping_divides_the_room_between_generations() {
     );
     let mut store = MemoryStore::default();
     let k = p.key_by_id("k1").unwrap();
-    let a = p.admit(&mut store, k, &Demand { input_tokens: 100, output_tokens: 200, choices: 4, model: None }, T0).unwrap();
+    let a = p.admit(&mut store, k, &Demand { input_tokens: 100, output_tokens: 200, choices: 4, model: None, identity: None }, T0).unwrap();
     // 500 tokens of room after the prompt, shared by 4 generations: 125 each.
     assert!(a.clamped);
     assert_eq!((a.output_tokens, a.reserved_output_tokens()), (125, 500));
@@ -301,4 +301,105 @@ fn budgets_counting_the_same_thing_in_one_window_are_refused() {
     assert_eq!(codes, ["key:load-4:day:output_tokens", "key:load-4:day:total_tokens"]);
     let weighted = policy(&two(r#"{"window": "day", "tokens": 3000, "input_weight": 1, "output_weight": 4}"#, r#"{"window": "day", "requests": 10}"#));
     assert_eq!(weighted.counters[0].code, "key:load-4:day:weighted_tokens");
+}
+
+const IDENTITY_POLICY: &str = r#"{
+  "identity": {"header": "x-key", "per_identity": {"header": "x-user"}},
+  "ledger": {"mode": "redis", "cluster": "sluice_ledger", "replicas": 4},
+  "orgs": [{"id": "acme", "teams": [{"id": "search",
+    "budgets": [{"window": "minute", "tokens": 100000}],
+    "identity_budgets": [{"window": "day", "tokens": 1000}],
+    "keys": [{"id": "k1"}]}]}]
+}"#;
+
+fn with_identity(input: u64, output: u64, who: Option<&str>) -> Demand {
+    Demand { input_tokens: input, output_tokens: output, choices: 1, model: None, identity: who.map(sluice_core::budget::identities::identity_hash) }
+}
+
+/// Every identity gets the template budget on its own; requests without one share `anonymous`.
+#[test]
+fn identity_budgets_limit_each_identity_on_its_own_in_the_local_ledger() {
+    let p = policy(IDENTITY_POLICY);
+    let mut store = MemoryStore::default();
+    p.ensure_counters(&mut store).unwrap();
+    let k = p.key_by_id("k1").unwrap();
+    let code = |e: AdmitError| match e {
+        AdmitError::Exceeded(r) => p.counters[r.counter].code.clone(),
+        other => panic!("{other:?}"),
+    };
+    for user in ["alice", "bob"] {
+        p.admit(&mut store, k, &with_identity(500, 500, Some(user)), T0).unwrap();
+        let e = p.admit(&mut store, k, &with_identity(1, 0, Some(user)), T0).unwrap_err();
+        assert_eq!(code(e), "team:search:day:total_tokens:per_identity", "{user}");
+    }
+    p.admit(&mut store, k, &with_identity(1000, 0, None), T0).unwrap();
+    assert!(p.admit(&mut store, k, &with_identity(1, 0, None), T0).is_err(), "anonymous is one identity");
+    // The team budget saw all of it.
+    let team = p.counters.iter().position(|c| c.code == "team:search:minute:total_tokens").unwrap();
+    let (bytes, _) = store.get(&p.counters[team].store_key).unwrap();
+    assert_eq!(Counter::decode(&bytes.unwrap()).unwrap().reserved(), 3000);
+}
+
+/// The Redis ledger's side: the reserve body names every counter (per-identity ones per identity,
+/// each in its window), the answer becomes an admission held remotely, a refusal names its budget.
+#[test]
+fn remote_reserve_and_settle_bodies_follow_the_wire_contract() {
+    use sluice_core::budget::identities::identity_hash;
+    let p = policy(IDENTITY_POLICY);
+    let k = p.key_by_id("k1").unwrap();
+    let pending = p.remote_reserve(k, &with_identity(100, 50, Some("alice")), T0, "req-1").unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+    let minute = T0 / NS / 60;
+    let day = T0 / NS / 86_400;
+    let alice = identity_hash("alice");
+    assert_eq!(
+        body,
+        serde_json::json!({"id": "req-1", "tag": "acme", "hold_ttl_s": 600, "counters": [
+            {"key": format!("team:search:0:w{minute}"), "limit": 100000, "amount": 150, "expire_at_s": (minute + 1) * 60 + 600},
+            {"key": format!("team:search:i0:{alice}:w{day}"), "limit": 1000, "amount": 150, "expire_at_s": (day + 1) * 86_400 + 600},
+        ]})
+    );
+    let reply = br#"{"admitted": true, "replayed": false, "counters": [{"used": 10, "reserved": 150}, {"used": 0, "reserved": 150}]}"#;
+    let a = p.remote_admission(&pending, 200, reply).unwrap();
+    assert_eq!(a.remote.as_ref().map(|h| (h.id.as_str(), h.tag.as_str())), Some(("req-1", "acme")));
+    assert_eq!((a.after[0].used, a.after[0].committed()), (10, 160));
+    let (settle, s) = p.remote_settle(&a, &usage(100, 20)).unwrap();
+    assert_eq!(serde_json::from_slice::<serde_json::Value>(&settle).unwrap(), serde_json::json!({"id": "req-1", "tag": "acme", "charges": [120, 120]}));
+    assert_eq!(s.over_estimates, vec![30, 30]);
+
+    let refused = br#"{"admitted": false, "refused": 1, "used": 990, "reserved": 0, "limit": 1000}"#;
+    match p.remote_admission(&pending, 200, refused) {
+        Err(AdmitError::Exceeded(r)) => {
+            assert_eq!(p.counters[r.counter].code, "team:search:day:total_tokens:per_identity");
+            assert_eq!((r.used, r.limit, r.retry_after_s), (990, 1000, 10));
+        }
+        other => panic!("{other:?}"),
+    }
+    for (status, body) in [(503, &b"{}"[..]), (200, b"not json"), (200, br#"{"admitted": true, "counters": []}"#), (200, br#"{"admitted": false}"#)] {
+        assert!(matches!(p.remote_admission(&pending, status, body), Err(AdmitError::Store(_))), "{status} {}", String::from_utf8_lossy(body));
+    }
+}
+
+/// `on_failure: local` divides every limit by the replicas sharing it.
+#[test]
+fn the_local_fallback_divides_limits_by_the_replicas() {
+    let p = policy(IDENTITY_POLICY);
+    let mut store = MemoryStore::default();
+    p.ensure_counters(&mut store).unwrap();
+    let k = p.key_by_id("k1").unwrap();
+    // 1000 / 4 = 250 per process for the identity budget.
+    p.admit_fallback(&mut store, k, &with_identity(250, 0, Some("carol")), T0).unwrap();
+    assert!(p.admit_fallback(&mut store, k, &with_identity(1, 0, Some("carol")), T0).is_err());
+}
+
+#[test]
+fn ledger_and_identity_settings_are_validated() {
+    let base = |extra: &str| format!(r#"{{"identity": {{"header": "k"}}, {extra} "orgs": [{{"id": "o", "teams": [{{"id": "t", "keys": [{{"id": "k"}}]}}]}}]}}"#);
+    assert!(refused(&base(r#""ledger": {"mode": "redis"},"#)).contains("ledger.cluster"));
+    assert!(refused(&base(r#""ledger": {"mode": "redis", "cluster": "c", "replicas": 0},"#)).contains("ledger.replicas"));
+    assert!(refused(&base(r#""ledger": {"mode": "local", "timeout_ms": 0},"#)).contains("ledger.timeout_ms"));
+    assert!(refused(&base(r#""ledger": {"mode": "remote"},"#)).contains("ledger.mode"));
+    assert!(refused(&base(r#""max_local_identities": 1,"#)).contains("max_local_identities"));
+    let no_source = r#"{"identity": {"header": "k"}, "orgs": [{"id": "o", "identity_budgets": [{"window": "day", "tokens": 1}], "teams": [{"id": "t", "keys": [{"id": "k"}]}]}]}"#;
+    assert!(refused(no_source).contains("identity.per_identity"));
 }

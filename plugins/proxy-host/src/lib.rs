@@ -151,6 +151,18 @@ pub fn replace_body(buffer: BufferType, size: usize, bytes: &[u8]) {
     }
 }
 
+/// Like [`replace_body`], saying whether the host took it (a caller that must not go on with the
+/// old bytes checks this).
+pub fn try_replace_body(buffer: BufferType, size: usize, bytes: &[u8]) -> bool {
+    match hostcalls::set_buffer(buffer, 0, size, bytes) {
+        Ok(()) => true,
+        Err(status) => {
+            log::warn!("replacing a body failed: {status:?}");
+            false
+        }
+    }
+}
+
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) {
     if let Err(status) = hostcalls::set_map_value(map, name, value) {
         log::warn!("setting header {name} failed: {status:?}");

@@ -10,7 +10,9 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
 use sluice_core::budget::ledger::Counter;
-use sluice_core::budget::policy::{CounterSpec, Limit, Mode};
+use sluice_core::budget::identities::identity_hash;
+use sluice_core::budget::policy::{CounterSpec, LedgerFailure, LedgerMode, Limit, Mode};
+use sluice_core::budget::remote::PendingReserve;
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
 use sluice_core::reply::error_body;
@@ -24,7 +26,9 @@ use sluice_core::usage::Usage;
 use sluice_proxy_host as host;
 use sluice_proxy_host::SharedData;
 use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
+use std::time::Duration;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -41,11 +45,93 @@ const TOOL_PROMPT_ALLOWANCE: u64 = 1024;
 /// Largest non-streaming response body copied to read its usage.
 const MAX_RESPONSE_BODY_BYTES: usize = 4 * 1024 * 1024;
 
+/// Settlements waiting to be sent to the Redis ledger, most kept per VM; beyond it the oldest is
+/// dropped (its hold then expires and is charged at its reserved amount: conservative).
+const MAX_QUEUED_SETTLEMENTS: usize = 16_384;
+/// How long after a request vanished mid-reservation its release is sent.
+const RELEASE_DELAY_NS: u64 = 1_000_000_000;
+/// Attempts per settlement before it is left to expire.
+const MAX_SETTLE_ATTEMPTS: u32 = 50;
+/// The root's tick in Redis mode: it sends queued settlements (a stream's own callouts die with
+/// the stream, so settlement is the root's).
+const SETTLE_TICK: Duration = Duration::from_millis(20);
+
 struct Shared {
     policy: Policy,
     metrics: host::Metrics,
     /// The charge metrics' model-version label: the version comes from the request.
     model_versions: LabelBound,
+    /// Makes this VM's Redis hold ids unique across VMs and Envoy processes.
+    vm_nonce: String,
+    settle_queue: VecDeque<SettleJob>,
+    /// Settlements in flight, by callout token.
+    settle_calls: BTreeMap<u32, (SettleJob, u64)>,
+    /// The Redis ledger's last known state (`None` before the first call): logged on change only.
+    ledger_ok: Option<bool>,
+}
+
+/// One settlement for the Redis ledger (idempotent per hold id: retries are safe).
+struct SettleJob {
+    body: Vec<u8>,
+    attempts: u32,
+    /// Not before this host time (backoff after a failure).
+    not_before_ns: u64,
+}
+
+impl Shared {
+    /// Logs the ledger's state when it changes (not per request) and exports it as a gauge.
+    fn ledger_health(&mut self, ok: bool, why: &str) {
+        if self.ledger_ok == Some(ok) {
+            return;
+        }
+        if ok && self.ledger_ok.is_none() {
+            // The first answer: nothing changed.
+        } else if ok {
+            log::warn!("tenant-budget: the Redis ledger answers again");
+        } else {
+            log::warn!("tenant-budget: the Redis ledger is failing ({why}); on_failure = {:?}", self.policy.ledger.on_failure);
+        }
+        self.ledger_ok = Some(ok);
+        self.metrics.set_gauge("sluice.budget.ledger_up", u64::from(ok));
+    }
+
+    /// Gives back an admission's whole reservation (a request admitted but then not sent).
+    fn release(&mut self, admission: &Admission, now: u64) {
+        if admission.remote.is_some() {
+            self.queue_settlement(admission, &Usage::default(), now);
+        } else {
+            self.policy.settle(&mut SharedData, admission, &Usage::default(), now);
+        }
+    }
+
+    /// Queues the Redis settlement of `admission` at `actual`; returns the settlement it makes.
+    fn queue_settlement(&mut self, admission: &Admission, actual: &Usage, now: u64) -> Option<sluice_core::budget::Settlement> {
+        let (body, settlement) = self.policy.remote_settle(admission, actual)?;
+        if self.settle_queue.len() >= MAX_QUEUED_SETTLEMENTS {
+            self.settle_queue.pop_front();
+            self.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+        }
+        self.settle_queue.push_back(SettleJob { body, attempts: 0, not_before_ns: now });
+        Some(settlement)
+    }
+}
+
+/// Starts a call to the Redis ledger service through its Envoy cluster.
+fn ledger_call(policy: &Policy, path: &str, body: &[u8]) -> Result<u32, String> {
+    let cluster = policy.ledger.cluster.as_deref().unwrap_or_default();
+    let headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", policy.ledger.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let timeout = Duration::from_millis(u64::from(policy.ledger.timeout_ms));
+    proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(|status| format!("{status:?}"))
+}
+
+/// A hold id unique to this request attempt: the VM's nonce, the stream and the time.
+fn ledger_request_id(vm_nonce: &str, context_id: u32, now_ns: u64) -> String {
+    format!("{vm_nonce}-{context_id:x}-{now_ns:x}")
 }
 
 #[derive(Default)]
@@ -53,7 +139,41 @@ struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(shared) = self.shared.clone() else { return };
+        let mut sh = shared.borrow_mut();
+        let Some((job, started)) = sh.settle_calls.remove(&token) else { return };
+        let now = host::now_ns();
+        let status: u16 = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = host::body(BufferType::HttpCallResponseBody, body_size.min(64 * 1024));
+        // 200 with any answer is final: settled now, or already (a retry), or expired (charged at
+        // its reservation by the ledger).
+        let done = status == 200 && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("settled").is_some());
+        let result = if done { "ok" } else if status == 0 { "timeout" } else { "error" };
+        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.settle.result.{result}"), 1);
+        sh.metrics.record("sluice.budget.ledger_latency_ms.call.settle", now.saturating_sub(started) / 1_000_000);
+        if done {
+            sh.ledger_health(true, "");
+        } else {
+            sh.ledger_health(false, &format!("settle answered HTTP {status}"));
+            retry_settlement(&mut sh, job, now);
+        }
+    }
+}
+
+/// Puts a failed settlement back with a growing delay, or gives up after
+/// [`MAX_SETTLE_ATTEMPTS`] (the hold then expires and is charged at its reservation).
+fn retry_settlement(sh: &mut Shared, mut job: SettleJob, now: u64) {
+    job.attempts += 1;
+    if job.attempts >= MAX_SETTLE_ATTEMPTS {
+        sh.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+        return;
+    }
+    let backoff_ms = u64::from(job.attempts.min(20)) * 100;
+    job.not_before_ns = now.saturating_add(backoff_ms * 1_000_000);
+    sh.settle_queue.push_back(job);
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -70,12 +190,55 @@ impl RootContext for Root {
         }
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
         let model_versions = LabelBound::new(policy.model_versions.iter().cloned(), policy.max_dynamic_model_versions);
-        self.shared = Some(Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default(), model_versions })));
+        if policy.ledger.mode == LedgerMode::Redis {
+            if let Err(status) = proxy_wasm::hostcalls::set_tick_period(SETTLE_TICK) {
+                log::error!("tenant-budget: cannot set the settlement tick ({status:?}); Redis holds would only expire");
+                return false;
+            }
+        }
+        // The node id tells Envoy processes apart, the configure time VMs of one process.
+        let node = host::property(&["node".into(), "id".into()]).unwrap_or_default();
+        let vm_nonce = format!("{}{:x}", &sha256_hex(node.as_bytes())[..8], host::now_ns());
+        self.shared = Some(Rc::new(RefCell::new(Shared {
+            policy,
+            metrics: host::Metrics::default(),
+            model_versions,
+            vm_nonce,
+            settle_queue: VecDeque::new(),
+            settle_calls: BTreeMap::new(),
+            ledger_ok: None,
+        })));
         true
     }
 
-    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream { shared: self.shared.clone(), state: None }))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { context_id, shared: self.shared.clone(), state: None }))
+    }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = self.shared.clone() else { return };
+        let mut sh = shared.borrow_mut();
+        let now = host::now_ns();
+        // Bounded per tick (jobs looked at, calls started); the rest waits for the next one. Jobs
+        // still backing off go round to the back.
+        let mut started = 0;
+        for _ in 0..sh.settle_queue.len().min(1024) {
+            let Some(job) = sh.settle_queue.pop_front() else { break };
+            if job.not_before_ns > now || started >= 256 {
+                sh.settle_queue.push_back(job);
+                continue;
+            }
+            match ledger_call(&sh.policy, "/v1/settle", &job.body) {
+                Ok(token) => {
+                    started += 1;
+                    sh.settle_calls.insert(token, (job, now));
+                }
+                Err(e) => {
+                    sh.ledger_health(false, &format!("settle callout not started: {e}"));
+                    retry_settlement(&mut sh, job, now);
+                }
+            }
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -84,6 +247,7 @@ impl RootContext for Root {
 }
 
 struct Stream {
+    context_id: u32,
     shared: Option<Rc<RefCell<Shared>>>,
     state: Option<Box<Budgeted>>,
 }
@@ -92,7 +256,17 @@ struct Stream {
 struct Budgeted {
     kind: ApiKind,
     key: Option<usize>,
+    /// Hash of the request's identity for `identity_budgets`.
+    identity: Option<String>,
     model_version: Option<String>,
+    /// Whether `stream_options.include_usage` is to be added.
+    inject_usage: bool,
+    /// Redis mode: the request body, held until the ledger answers (then rewritten).
+    held_body: Vec<u8>,
+    /// Redis mode: the reservation waiting for the ledger (callout token, request, start).
+    reserve: Option<(u32, PendingReserve, u64)>,
+    /// The reservation now waiting is the clamped retry of a refused one.
+    clamped_retry: bool,
     request: Option<RequestInfo>,
     admission: Option<Admission>,
     decision: &'static str,
@@ -108,7 +282,16 @@ struct Budgeted {
     stamp: serde_json::Map<String, serde_json::Value>,
 }
 
-impl Context for Stream {}
+impl Context for Stream {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        if self.state.as_ref().and_then(|b| b.reserve.as_ref()).map(|(t, _, _)| *t) != Some(token) {
+            return;
+        }
+        let status: u16 = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = host::body(BufferType::HttpCallResponseBody, body_size.min(64 * 1024));
+        self.on_reserve_reply(status, &body);
+    }
+}
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -118,11 +301,17 @@ impl HttpContext for Stream {
         let sh = shared.borrow();
         let policy = &sh.policy;
         let key = identify(policy);
+        let identity = per_identity(policy);
         let model_version = host::header(MapType::HttpRequestHeaders, &policy.model_version_header);
         let mut b = Box::new(Budgeted {
             kind,
             key,
+            identity,
             model_version,
+            inject_usage: false,
+            held_body: Vec::new(),
+            reserve: None,
+            clamped_retry: false,
             request: None,
             admission: None,
             decision: "pending",
@@ -259,6 +448,15 @@ impl HttpContext for Stream {
     }
 
     fn on_log(&mut self) {
+        // Gone while the Redis ledger decided (Envoy cancelled the callout): release the hold it may
+        // have made. Sent a second later, so that the reservation has landed first.
+        if let (Some(shared), Some((_, pending, _))) = (self.shared.clone(), self.state.as_mut().and_then(|b| b.reserve.take())) {
+            let later = host::now_ns().saturating_add(RELEASE_DELAY_NS);
+            let mut sh = shared.borrow_mut();
+            if sh.settle_queue.len() < MAX_QUEUED_SETTLEMENTS {
+                sh.settle_queue.push_back(SettleJob { body: pending.release_body(), attempts: 0, not_before_ns: later });
+            }
+        }
         if self.state.as_ref().is_some_and(|b| !b.settled) {
             let outcome = host::interrupted_outcome();
             if let Some(observer) = self.state.as_mut().and_then(|b| b.observer.as_mut()) {
@@ -292,6 +490,29 @@ fn identify(policy: &Policy) -> Option<usize> {
         }
     }
     found.or(policy.unknown_default)
+}
+
+/// The identity `identity_budgets` count by, hashed: the first per-identity source present. `None`
+/// when the policy has none or the request carries none (it then counts as `anonymous`).
+fn per_identity(policy: &Policy) -> Option<String> {
+    let source = policy.identity.per_identity.as_ref()?;
+    let bytes = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
+    if source.api_key {
+        if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
+            return Some(identity_hash(&format!("api_key:{}", sha256_hex(&key))));
+        }
+    }
+    if let Some(header) = &source.header {
+        if let Some(v) = host::header(MapType::HttpRequestHeaders, header).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+            return Some(identity_hash(&format!("header:{v}")));
+        }
+    }
+    if let Some(jwt) = &source.jwt {
+        if let Some(claim) = bytes(&jwt.header).and_then(|p| jwt_payload_claim(&p, &jwt.claim)) {
+            return Some(identity_hash(&format!("jwt:{claim}")));
+        }
+    }
+    None
 }
 
 /// `x-ratelimit-*` headers for the tightest window of each unit (least room left).
@@ -393,25 +614,166 @@ impl Stream {
             Mode::Strict => (body.len() as u64).saturating_add(if info.has_tools { TOOL_PROMPT_ALLOWANCE } else { 0 }),
             Mode::Estimate => info.prompt_tokens_estimate.saturating_mul(100 + u64::from(policy.estimate_margin_percent)).div_ceil(100),
         };
-        let demand = Demand { input_tokens: input, output_tokens: output, choices: info.output_choices, model: info.model.clone() };
+        let demand = Demand {
+            input_tokens: input,
+            output_tokens: output,
+            choices: info.output_choices,
+            model: info.model.clone(),
+            identity: b.identity.clone(),
+        };
         let now = host::now_ns();
+        b.inject_usage = policy.include_usage && info.stream && !info.include_usage;
+        b.request = Some(info);
+        if policy.ledger.mode == LedgerMode::Redis {
+            let id = ledger_request_id(&sh.vm_nonce, self.context_id, now);
+            let pending = match policy.remote_reserve(key, &demand, now, &id) {
+                Ok(p) => p,
+                Err(e) => {
+                    drop(sh);
+                    return self.decided(Err(e), body, body_size);
+                }
+            };
+            drop(sh);
+            b.held_body = body.to_vec();
+            return self.dispatch_reserve(pending);
+        }
         let result = policy.admit(&mut SharedData, key, &demand, now);
-        let inject = policy.include_usage && info.stream && !info.include_usage;
         drop(sh);
+        self.decided(result, body, body_size)
+    }
+
+    /// Sends a reservation to the Redis ledger; the request waits (paused) for the answer.
+    fn dispatch_reserve(&mut self, pending: PendingReserve) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let call = {
+            let sh = shared.borrow();
+            ledger_call(&sh.policy, "/v1/reserve", &pending.body)
+        };
+        match call {
+            Ok(token) => {
+                if let Some(b) = self.state.as_mut() {
+                    b.reserve = Some((token, pending, host::now_ns()));
+                }
+                Action::Pause
+            }
+            Err(e) => {
+                let body = self.state.as_mut().map(|b| std::mem::take(&mut b.held_body)).unwrap_or_default();
+                self.ledger_failed(&format!("reserve callout not started: {e}"), pending, &body)
+            }
+        }
+    }
+
+    /// The Redis ledger did not answer usably: the policy's `on_failure` decides.
+    fn ledger_failed(&mut self, why: &str, pending: PendingReserve, body: &[u8]) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let on_failure = {
+            let mut sh = shared.borrow_mut();
+            sh.ledger_health(false, why);
+            sh.policy.ledger.on_failure
+        };
+        let size = body.len();
+        match on_failure {
+            LedgerFailure::Deny => {
+                self.reject(503, "overloaded", "budget_ledger_unavailable", "the budget ledger is unavailable; retry shortly", Some(1));
+                Action::Pause
+            }
+            LedgerFailure::Allow => {
+                if let Some(b) = self.state.as_mut() {
+                    b.decision = "unbudgeted";
+                    b.stamp.insert("decision".into(), "unbudgeted".into());
+                    write_stamp(&shared.borrow().policy.filter_state_key, &b.stamp);
+                }
+                shared.borrow_mut().metrics.add(MetricType::Counter, "sluice.budget.ledger_fallback_total.action.allow", 1);
+                Action::Continue
+            }
+            LedgerFailure::Local => {
+                let key = self.state.as_ref().and_then(|b| b.key);
+                let result = {
+                    let mut sh = shared.borrow_mut();
+                    sh.metrics.add(MetricType::Counter, "sluice.budget.ledger_fallback_total.action.local", 1);
+                    match key {
+                        Some(key) => sh.policy.admit_fallback(&mut SharedData, key, pending.demand(), host::now_ns()),
+                        None => Err(AdmitError::Store("no key".into())),
+                    }
+                };
+                self.decided(result, body, size)
+            }
+        }
+    }
+
+    /// The Redis ledger's answer to this request's reservation.
+    fn on_reserve_reply(&mut self, status: u16, reply: &[u8]) {
+        let Some(shared) = self.shared.clone() else { return };
+        let Some((_, pending, started)) = self.state.as_mut().and_then(|b| b.reserve.take()) else { return };
+        let now = host::now_ns();
+        let result = {
+            let mut sh = shared.borrow_mut();
+            let result = sh.policy.remote_admission(&pending, status, reply);
+            let outcome = match &result {
+                Ok(_) | Err(AdmitError::Exceeded(_)) => "ok",
+                Err(_) if status == 0 => "timeout",
+                Err(_) => "error",
+            };
+            sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.reserve.result.{outcome}"), 1);
+            sh.metrics.record("sluice.budget.ledger_latency_ms.call.reserve", now.saturating_sub(started) / 1_000_000);
+            if outcome == "ok" {
+                sh.ledger_health(true, "");
+            }
+            result
+        };
+        let body = self.state.as_mut().map(|b| std::mem::take(&mut b.held_body)).unwrap_or_default();
+        let size = body.len();
+        let action = match result {
+            Err(AdmitError::Exceeded(refusal)) => {
+                let retry = shared.borrow().policy.remote_clamped(&pending, &refusal);
+                match retry {
+                    Some(clamped) => {
+                        if let Some(b) = self.state.as_mut() {
+                            b.held_body = body;
+                            b.clamped_retry = true;
+                        }
+                        self.dispatch_reserve(clamped)
+                    }
+                    None => self.decided(Err(AdmitError::Exceeded(refusal)), &body, size),
+                }
+            }
+            Err(AdmitError::Store(e)) => self.ledger_failed(&e, pending, &body),
+            Ok(mut admission) => {
+                admission.clamped = self.state.as_ref().is_some_and(|b| b.clamped_retry);
+                self.decided(Ok(admission), &body, size)
+            }
+            Err(other) => self.decided(Err(other), &body, size),
+        };
+        if matches!(action, Action::Continue) {
+            host::resume_request();
+        }
+    }
+
+    /// Applies an admission decision (local or Redis): rewrite and stamp an admitted request, or
+    /// answer a refused one.
+    fn decided(&mut self, result: Result<Admission, AdmitError>, body: &[u8], body_size: usize) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(b) = self.state.as_mut() else { return Action::Continue };
+        let now = host::now_ns();
         match result {
             Ok(admission) => {
-                let set_limit = (info.max_output_tokens != Some(admission.output_tokens)).then_some(admission.output_tokens);
-                if inject || set_limit.is_some() {
-                    match rewrite_request(b.kind, body, inject, set_limit) {
+                let asked = b.request.as_ref().and_then(|r| r.max_output_tokens);
+                let set_limit = (asked != Some(admission.output_tokens)).then_some(admission.output_tokens);
+                if b.inject_usage || set_limit.is_some() {
+                    match rewrite_request(b.kind, body, b.inject_usage, set_limit) {
                         Ok(rewrite) => {
                             b.injected_usage = rewrite.injected_include_usage;
-                            host::replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body);
+                            if !host::try_replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body) {
+                                // The limit the reservation assumed cannot be written: not admitted.
+                                shared.borrow_mut().release(&admission, now);
+                                self.reject(503, "overloaded", "unrewritable_body", "the request body could not be updated to enforce the budget; retry", Some(1));
+                                return Action::Pause;
+                            }
                         }
                         Err(e) => {
                             // Parsed once already, so this is a number serde cannot round-trip: the
                             // output limit cannot be enforced, so the request cannot be admitted.
-                            let policy = &shared.borrow().policy;
-                            policy.settle(&mut SharedData, &admission, &Usage::default(), now);
+                            shared.borrow_mut().release(&admission, now);
                             let message = format!("request body cannot be rewritten to enforce the budget: {e}");
                             self.reject(400, "invalid_request_error", "unrewritable_body", &message, None);
                             return Action::Pause;
@@ -432,12 +794,16 @@ impl Stream {
                     }
                 }
                 b.stamp.insert("decision".into(), b.decision.into());
+                if admission.remote.is_some() {
+                    b.stamp.insert("ledger".into(), "redis".into());
+                } else if sh.policy.ledger.mode == LedgerMode::Redis {
+                    b.stamp.insert("ledger".into(), "local_fallback".into());
+                }
                 b.stamp.insert("reserved_input_tokens".into(), admission.input_tokens.into());
                 b.stamp.insert("reserved_output_tokens".into(), admission.reserved_output_tokens().into());
                 b.stamp.insert("reserved_tokens".into(), admission.input_tokens.saturating_add(admission.reserved_output_tokens()).into());
                 b.stamp.insert("reserved_micro_usd".into(), admission.reserved_micro_usd.into());
                 write_stamp(&sh.policy.filter_state_key, &b.stamp);
-                b.request = Some(info);
                 b.admission = Some(admission);
                 Action::Continue
             }
@@ -510,7 +876,10 @@ impl Stream {
         };
         let now = host::now_ns();
         let mut sh = shared.borrow_mut();
-        let settlement = sh.policy.settle(&mut SharedData, &admission, &actual, now);
+        let settlement = match admission.remote {
+            Some(_) => sh.queue_settlement(&admission, &actual, now).unwrap_or_default(),
+            None => sh.policy.settle(&mut SharedData, &admission, &actual, now),
+        };
         let (key, team, org) = key_path(&sh.policy, b.key);
         let mv = sh.model_versions.label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
         let labels = format!(".key.{key}.team.{team}.org.{org}.model_version.{mv}");

@@ -4,8 +4,9 @@
 //! refuses); settlement replaces each reservation by the actual charge. Both go through
 //! [`super::ledger`], so the invariants documented there hold for the whole hierarchy.
 
+use super::identities::{self, IdentityBuckets};
 use super::ledger::{self, Counter, Lease, ReserveError, SharedStore, StoreError};
-use super::policy::{Limit, Policy};
+use super::policy::{CounterSpec, Limit, Policy};
 use crate::usage::Usage;
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -21,6 +22,9 @@ pub struct Demand {
     pub choices: u64,
     /// Model used to price the request.
     pub model: Option<String>,
+    /// The request's identity for `identity_budgets` ([`super::identities::identity_hash`]);
+    /// `None`: the shared identity `anonymous`.
+    pub identity: Option<String>,
 }
 
 /// A request admitted: its leases and what it may produce.
@@ -39,6 +43,17 @@ pub struct Admission {
     pub reserved_micro_usd: u64,
     /// Counters after the reservation, same order as `leases`: for rate headers and gauges.
     pub after: Vec<Counter>,
+    /// Held in the Redis ledger (settled through `sluice-ledger`), not in local shared data.
+    pub remote: Option<RemoteHold>,
+}
+
+/// A hold in the Redis ledger: its name there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteHold {
+    /// The request id the hold is named by (settlement is idempotent per id).
+    pub id: String,
+    /// The org: the Redis Cluster hash tag of every key the request touches.
+    pub tag: String,
 }
 
 /// A request refused.
@@ -99,9 +114,16 @@ impl Policy {
     pub fn ensure_counters(&self, store: &mut dyn SharedStore) -> Result<usize, StoreError> {
         let mut created = 0;
         for spec in &self.counters {
-            if let (None, _) = store.get(&spec.store_key)? {
-                store.set(&spec.store_key, &Counter::default().encode(), 0)?;
-                created += 1;
+            let keys: Vec<(String, Vec<u8>)> = if spec.per_identity {
+                (0..identities::BUCKETS).map(|n| (identities::bucket_key(&spec.store_key, n), identities::empty_bucket())).collect()
+            } else {
+                vec![(spec.store_key.clone(), Counter::default().encode())]
+            };
+            for (key, empty) in keys {
+                if let (None, _) = store.get(&key)? {
+                    store.set(&key, &empty, 0)?;
+                    created += 1;
+                }
             }
         }
         Ok(created)
@@ -116,18 +138,30 @@ impl Policy {
         self.prices.cost_micro_usd(model?, usage)
     }
 
-    /// Admits `demand` for `key` at `now_ns`, clamping its output when the policy allows.
+    /// Admits `demand` for `key` at `now_ns` in the local ledger, clamping its output when the
+    /// policy allows.
     pub fn admit(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Result<Admission, AdmitError> {
-        match self.try_admit(store, key, demand, now_ns) {
+        self.admit_divided(store, key, demand, now_ns, 1)
+    }
+
+    /// The local ledger standing in for an unavailable Redis ledger (`on_failure: local`): every
+    /// limit divided by `ledger.replicas`, so the fleet together stays within the limit.
+    pub fn admit_fallback(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Result<Admission, AdmitError> {
+        self.admit_divided(store, key, demand, now_ns, u64::from(self.ledger.replicas.max(1)))
+    }
+
+    fn admit_divided(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64, divisor: u64) -> Result<Admission, AdmitError> {
+        let mut store = IdentityBuckets::new(store, self.max_local_identities);
+        match self.try_admit(&mut store, key, demand, now_ns, divisor) {
             Err(AdmitError::Exceeded(refusal)) if self.clamp.enabled => {
-                let Some(output) = self.max_output_that_fits(store, key, demand, now_ns) else {
+                let Some(output) = self.max_output_that_fits(&mut store, key, demand, now_ns, divisor) else {
                     return Err(AdmitError::Exceeded(refusal));
                 };
                 if output < self.clamp.min_output_tokens || output >= demand.output_tokens {
                     return Err(AdmitError::Exceeded(refusal));
                 }
                 let clamped = Demand { output_tokens: output, ..demand.clone() };
-                let mut admission = self.try_admit(store, key, &clamped, now_ns)?;
+                let mut admission = self.try_admit(&mut store, key, &clamped, now_ns, divisor)?;
                 admission.clamped = true;
                 Ok(admission)
             }
@@ -135,27 +169,43 @@ impl Policy {
         }
     }
 
-    fn try_admit(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Result<Admission, AdmitError> {
+    /// What `demand` takes from each counter of `key` at `now_ns`, in the key's counter order.
+    pub(super) fn plan(&self, key: usize, demand: &Demand, now_ns: u64) -> Result<Plan, AdmitError> {
         let node = self.keys.get(key).ok_or_else(|| AdmitError::Store(format!("no key #{key}")))?;
-        let model = demand.model.as_deref();
         let output = demand.reserved_output_tokens();
-        let cost = self.cost(model, demand.input_tokens, output);
-        let minute = minute_of(now_ns);
-        let ttl = self.reservation_ttl_minutes;
-        let mut leases = Vec::with_capacity(node.counters.len());
-        let mut after = Vec::with_capacity(node.counters.len());
+        let cost = self.cost(demand.model.as_deref(), demand.input_tokens, output);
+        let identity = demand.identity.clone().unwrap_or_else(|| identities::identity_hash(ANONYMOUS));
+        let mut holds = Vec::with_capacity(node.counters.len());
         for &index in &node.counters {
             let Some(spec) = self.counters.get(index) else { continue };
             let cost = match (spec.limit, cost) {
-                (Limit::MicroUsd(_), None) => {
-                    rollback(store, &leases, now_ns, self);
-                    return Err(AdmitError::Unpriced { counter: index, model: demand.model.clone() });
-                }
+                (Limit::MicroUsd(_), None) => return Err(AdmitError::Unpriced { counter: index, model: demand.model.clone() }),
                 (_, cost) => cost.unwrap_or(0),
             };
-            let amount = spec.limit.amount(demand.input_tokens, output, cost);
             let window_id = spec.window.id(now_ns);
-            match ledger::reserve(store, &spec.store_key, window_id, minute, ttl, amount, spec.limit.value()) {
+            holds.push(PlannedHold {
+                index,
+                local_key: local_key(spec, &identity),
+                remote_key: remote_key(spec, &identity, window_id),
+                window_id,
+                amount: spec.limit.amount(demand.input_tokens, output, cost),
+                limit: spec.limit.value(),
+                expire_at_s: (spec.window.end_ns(now_ns) / NS_PER_S).saturating_add(u64::from(self.reservation_ttl_minutes) * 60),
+            });
+        }
+        Ok(Plan { holds, cost, org: node.org.clone() })
+    }
+
+    fn try_admit(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64, divisor: u64) -> Result<Admission, AdmitError> {
+        let plan = self.plan(key, demand, now_ns)?;
+        let minute = minute_of(now_ns);
+        let ttl = self.reservation_ttl_minutes;
+        let mut leases = Vec::with_capacity(plan.holds.len());
+        let mut after = Vec::with_capacity(plan.holds.len());
+        for hold in &plan.holds {
+            let (index, amount, window_id) = (hold.index, hold.amount, hold.window_id);
+            let Some(spec) = self.counters.get(index) else { continue };
+            match ledger::reserve(store, &hold.local_key, window_id, minute, ttl, amount, hold.limit / divisor.max(1)) {
                 Ok((lease, counter)) => {
                     leases.push((index, lease));
                     after.push(counter);
@@ -173,7 +223,7 @@ impl Policy {
                                 retry_after_s: reset.saturating_sub(now_ns).div_ceil(NS_PER_S).max(1),
                             })
                         }
-                        ReserveError::Contended => AdmitError::Store(format!("{}: too much contention", spec.store_key)),
+                        ReserveError::Contended => AdmitError::Store(format!("{}: too much contention", hold.local_key)),
                         ReserveError::Store(StoreError::CasMismatch) => AdmitError::Store("CAS mismatch".into()),
                         ReserveError::Store(StoreError::Unavailable(m)) => AdmitError::Store(m),
                     });
@@ -188,21 +238,31 @@ impl Policy {
             output_tokens: demand.output_tokens,
             choices: demand.choices.max(1),
             clamped: false,
-            reserved_micro_usd: cost.unwrap_or(0),
+            reserved_micro_usd: plan.cost.unwrap_or(0),
             after,
+            remote: None,
         })
     }
 
     /// The largest per-generation output limit every counter of `key` could still pay for, from a
     /// snapshot.
-    fn max_output_that_fits(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64) -> Option<u64> {
-        let node = self.keys.get(key)?;
+    fn max_output_that_fits(&self, store: &mut dyn SharedStore, key: usize, demand: &Demand, now_ns: u64, divisor: u64) -> Option<u64> {
+        let plan = self.plan(key, demand, now_ns).ok()?;
         let minute = minute_of(now_ns);
         let mut best = demand.reserved_output_tokens();
-        for &index in &node.counters {
-            let spec = self.counters.get(index)?;
-            let counter = ledger::read(store, &spec.store_key, spec.window.id(now_ns), minute, self.reservation_ttl_minutes).ok()?;
-            let room = spec.limit.value().checked_sub(counter.committed())?;
+        for hold in &plan.holds {
+            let spec = self.counters.get(hold.index)?;
+            let counter = ledger::read(store, &hold.local_key, hold.window_id, minute, self.reservation_ttl_minutes).ok()?;
+            let room = (spec.limit.value() / divisor.max(1)).checked_sub(counter.committed())?;
+            best = best.min(self.output_that_fits(spec, room, demand)?);
+        }
+        Some(best / demand.choices.max(1))
+    }
+
+    /// The most output tokens (all generations together) `room` left on `spec` can pay for after the
+    /// request's input; `None` when not even the input fits.
+    pub(super) fn output_that_fits(&self, spec: &CounterSpec, room: u64, demand: &Demand) -> Option<u64> {
+        {
             let fits = match spec.limit {
                 Limit::Tokens { input_weight, output_weight, .. } => {
                     let after_input = room.checked_sub(demand.input_tokens.saturating_mul(input_weight))?;
@@ -230,13 +290,14 @@ impl Policy {
                     }
                 }
             };
-            best = best.min(fits);
+            Some(fits)
         }
-        Some(best / demand.choices.max(1))
     }
 
     /// Replaces the admission's reservations by what the request actually used.
     pub fn settle(&self, store: &mut dyn SharedStore, admission: &Admission, actual: &Usage, now_ns: u64) -> Settlement {
+        let mut store = IdentityBuckets::new(store, self.max_local_identities);
+        let store: &mut dyn SharedStore = &mut store;
         let model = admission.model.as_deref();
         let micro_usd = self.cost_of_usage(model, actual).unwrap_or(0);
         let minute = minute_of(now_ns);
@@ -254,6 +315,50 @@ impl Policy {
             settlement.over_estimates.push(i128::from(lease.amount) - i128::from(amount));
         }
         settlement
+    }
+}
+
+/// The identity of requests that carry none, for `identity_budgets`: they share one counter.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// One counter's part of a request's reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PlannedHold {
+    pub(super) index: usize,
+    /// The counter in local shared data (per-identity: `template#hash`).
+    pub(super) local_key: String,
+    /// The counter in the Redis ledger: `<level>:<owner>:<budget>[:<identity>]:w<window id>`.
+    pub(super) remote_key: String,
+    pub(super) window_id: u64,
+    pub(super) amount: u64,
+    pub(super) limit: u64,
+    /// When the Redis key may go: the window's end plus the reservation TTL (a late settlement
+    /// still finds it).
+    pub(super) expire_at_s: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Plan {
+    pub(super) holds: Vec<PlannedHold>,
+    pub(super) cost: Option<u64>,
+    pub(super) org: String,
+}
+
+fn local_key(spec: &CounterSpec, identity: &str) -> String {
+    if spec.per_identity {
+        format!("{}{}{identity}", spec.store_key, identities::IDENTITY_SEPARATOR)
+    } else {
+        spec.store_key.clone()
+    }
+}
+
+fn remote_key(spec: &CounterSpec, identity: &str, window_id: u64) -> String {
+    // The store key's last segment is the budget's position (`3`, or `i3` for a template).
+    let budget = spec.store_key.rsplit('/').next().unwrap_or("0");
+    if spec.per_identity {
+        format!("{}:{}:{budget}:{identity}:w{window_id}", spec.level.as_str(), spec.owner)
+    } else {
+        format!("{}:{}:{budget}:w{window_id}", spec.level.as_str(), spec.owner)
     }
 }
 

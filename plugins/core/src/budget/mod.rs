@@ -5,11 +5,13 @@
 //! [`ledger::MemoryStore`] in tests), and time is a nanosecond timestamp the caller passes in.
 
 pub mod admission;
+pub mod identities;
 pub mod ledger;
 pub mod policy;
+pub mod remote;
 pub mod window;
 
-pub use admission::{Admission, AdmitError, Demand, Refusal, Settlement};
+pub use admission::{Admission, AdmitError, Demand, Refusal, RemoteHold, Settlement};
 pub use ledger::{MemoryStore, SharedStore, StoreError};
 pub use policy::{Level, Limit, Mode, Policy, PolicyError};
 pub use window::Window;

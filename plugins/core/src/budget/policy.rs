@@ -51,6 +51,77 @@ pub struct PolicyConfig {
     /// version comes from the request, so it must not mint series without bound.
     #[serde(default = "default_max_dynamic_model_versions")]
     pub max_dynamic_model_versions: usize,
+    /// Where the counters live: this Envoy process's shared data (`local`), or Redis through the
+    /// `sluice-ledger` service (`redis`), shared by every Envoy of a fleet. See docs/ledger.md.
+    #[serde(default)]
+    pub ledger: LedgerConfig,
+    /// Local ledger: how many distinct identities each `identity_budgets` entry tracks per process
+    /// (the Redis ledger has no such bound). See docs/tenant-budget.md, "Per-identity budgets".
+    #[serde(default = "default_max_local_identities")]
+    pub max_local_identities: u32,
+}
+
+/// Where the budget counters live.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LedgerConfig {
+    #[serde(default)]
+    pub mode: LedgerMode,
+    /// Redis mode: the Envoy cluster that reaches `sluice-ledger`.
+    #[serde(default)]
+    pub cluster: Option<String>,
+    /// Redis mode: the `:authority` of the calls.
+    #[serde(default = "default_ledger_authority")]
+    pub authority: String,
+    /// Redis mode: how long admission waits for the ledger before the failure policy applies.
+    #[serde(default = "default_ledger_timeout_ms")]
+    pub timeout_ms: u32,
+    /// Redis mode: what a request gets while the ledger is slow or down.
+    #[serde(default)]
+    pub on_failure: LedgerFailure,
+    /// Redis mode, `on_failure: local`: Envoy processes sharing the budgets; the per-process
+    /// fallback ledger allows each one `limit / replicas`.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig {
+            mode: LedgerMode::Local,
+            cluster: None,
+            authority: default_ledger_authority(),
+            timeout_ms: default_ledger_timeout_ms(),
+            on_failure: LedgerFailure::Deny,
+            replicas: default_replicas(),
+        }
+    }
+}
+
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LedgerMode {
+    /// This Envoy process's shared data (every worker; not other replicas).
+    #[default]
+    Local,
+    /// Redis through `sluice-ledger`.
+    Redis,
+}
+
+/// What the Redis ledger's failure (timeout, error, unreachable) means for a request.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LedgerFailure {
+    /// 503 in the API's error shape, `retry-after: 1`.
+    #[default]
+    Deny,
+    /// Admitted without a reservation (and not charged).
+    Allow,
+    /// The per-process ledger, each limit divided by `replicas`.
+    Local,
 }
 
 /// How the prompt side of a reservation is sized.
@@ -78,6 +149,27 @@ pub struct IdentityConfig {
     #[serde(default)]
     pub header: Option<String>,
     /// A claim of the JWT payload that Envoy's jwt_authn filter verified and forwards.
+    #[serde(default)]
+    pub jwt: Option<JwtConfig>,
+    /// Who a request is *within* its key, for `identity_budgets`: the first source present names
+    /// the identity (an API key's hash, a header set by a trusted auth filter, a verified JWT
+    /// claim such as `sub`). Requests without one share the identity `anonymous`.
+    #[serde(default)]
+    pub per_identity: Option<PerIdentityConfig>,
+}
+
+/// Sources of the per-identity name, tried in this order.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct PerIdentityConfig {
+    /// The SHA-256 of `Authorization: Bearer <key>` / `x-api-key`.
+    #[serde(default)]
+    pub api_key: bool,
+    /// A header written by an authentication filter in front of sluice.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// A claim of the payload Envoy's jwt_authn verified and forwards.
     #[serde(default)]
     pub jwt: Option<JwtConfig>,
 }
@@ -122,6 +214,10 @@ pub struct OrgConfig {
     pub id: String,
     #[serde(default)]
     pub budgets: Vec<BudgetConfig>,
+    /// Budgets every distinct identity (see `identity.per_identity`) under this level gets on its
+    /// own, without listing identities.
+    #[serde(default)]
+    pub identity_budgets: Vec<BudgetConfig>,
     #[serde(default)]
     pub teams: Vec<TeamConfig>,
 }
@@ -133,6 +229,10 @@ pub struct TeamConfig {
     pub id: String,
     #[serde(default)]
     pub budgets: Vec<BudgetConfig>,
+    /// Budgets every distinct identity (see `identity.per_identity`) under this level gets on its
+    /// own, without listing identities.
+    #[serde(default)]
+    pub identity_budgets: Vec<BudgetConfig>,
     #[serde(default)]
     pub keys: Vec<KeyConfig>,
 }
@@ -146,6 +246,9 @@ pub struct KeyConfig {
     pub api_key_sha256: Option<String>,
     #[serde(default)]
     pub budgets: Vec<BudgetConfig>,
+    /// Budgets every distinct identity using this key gets on its own.
+    #[serde(default)]
+    pub identity_budgets: Vec<BudgetConfig>,
     /// Ceiling on any request's output limit for this key.
     #[serde(default)]
     pub max_output_tokens: Option<u64>,
@@ -223,6 +326,18 @@ fn default_model_version_header() -> String {
 fn default_max_dynamic_model_versions() -> usize {
     8
 }
+fn default_max_local_identities() -> u32 {
+    4096
+}
+fn default_ledger_authority() -> String {
+    "sluice-ledger".into()
+}
+fn default_ledger_timeout_ms() -> u32 {
+    250
+}
+fn default_replicas() -> u32 {
+    1
+}
 /// Most dynamic model-version labels accepted: each one multiplies the charge series by the keys.
 const MAX_DYNAMIC_MODEL_VERSIONS: usize = 256;
 
@@ -245,6 +360,8 @@ pub struct Policy {
     pub model_version_header: String,
     pub model_versions: Vec<String>,
     pub max_dynamic_model_versions: usize,
+    pub ledger: LedgerConfig,
+    pub max_local_identities: u32,
     key_by_id: BTreeMap<String, usize>,
     key_by_hash: BTreeMap<String, usize>,
 }
@@ -340,6 +457,9 @@ pub struct CounterSpec {
     pub soft_limit: Option<u64>,
     /// Stable name of the budget for errors and metrics: `team:search:minute:total_tokens`.
     pub code: String,
+    /// A template applied to every identity on its own (`identity_budgets`): the counter is
+    /// `store_key#<identity hash>` locally, one Redis key per identity in Redis mode.
+    pub per_identity: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -415,19 +535,22 @@ impl Policy {
             let of = format!("orgs[{oi}]");
             check_id(&format!("{of}.id"), &org.id)?;
             unique(&mut seen_levels, format!("org:{}", org.id), &of)?;
-            let org_counters = compile_budgets(&mut counters, &org.budgets, Level::Org, &org.id, &of)?;
+            let mut org_counters = compile_budgets(&mut counters, &org.budgets, Level::Org, &org.id, &of, false)?;
+            org_counters.extend(compile_budgets(&mut counters, &org.identity_budgets, Level::Org, &org.id, &of, true)?);
             for (ti, team) in org.teams.iter().enumerate() {
                 let tf = format!("{of}.teams[{ti}]");
                 check_id(&format!("{tf}.id"), &team.id)?;
                 unique(&mut seen_levels, format!("team:{}", team.id), &tf)?;
-                let team_counters = compile_budgets(&mut counters, &team.budgets, Level::Team, &team.id, &tf)?;
+                let mut team_counters = compile_budgets(&mut counters, &team.budgets, Level::Team, &team.id, &tf, false)?;
+                team_counters.extend(compile_budgets(&mut counters, &team.identity_budgets, Level::Team, &team.id, &tf, true)?);
                 for (ki, key) in team.keys.iter().enumerate() {
                     let kf = format!("{tf}.keys[{ki}]");
                     check_id(&format!("{kf}.id"), &key.id)?;
                     if key_by_id.contains_key(&key.id) {
                         return Err(invalid(format!("{kf}.id"), format!("key {:?} is defined twice", key.id)));
                     }
-                    let own = compile_budgets(&mut counters, &key.budgets, Level::Key, &key.id, &kf)?;
+                    let mut own = compile_budgets(&mut counters, &key.budgets, Level::Key, &key.id, &kf, false)?;
+                    own.extend(compile_budgets(&mut counters, &key.identity_budgets, Level::Key, &key.id, &kf, true)?);
                     if let Some(hash) = &key.api_key_sha256 {
                         let hash = hash.to_ascii_lowercase();
                         if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -463,6 +586,35 @@ impl Policy {
         if c.filter_state_key.is_empty() || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
             return Err(invalid("filter_state_key", format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key)));
         }
+        if counters.iter().any(|c| c.per_identity) && c.identity.per_identity.is_none() {
+            return Err(invalid("identity.per_identity", "identity_budgets are configured: name where a request's identity comes from (api_key, header or jwt)"));
+        }
+        if let Some(p) = &c.identity.per_identity {
+            if !p.api_key && p.header.as_deref().is_none_or(str::is_empty) && p.jwt.is_none() {
+                return Err(invalid("identity.per_identity", "name at least one source: api_key, header or jwt"));
+            }
+            if p.jwt.as_ref().is_some_and(|j| j.header.is_empty() || j.claim.is_empty()) {
+                return Err(invalid("identity.per_identity.jwt", "header and claim must not be empty"));
+            }
+        }
+        if !(64..=1_000_000).contains(&c.max_local_identities) {
+            return Err(invalid("max_local_identities", format!("must be 64–1000000, got {}", c.max_local_identities)));
+        }
+        if c.ledger.mode == LedgerMode::Redis {
+            let cluster_ok = c.ledger.cluster.as_deref().is_some_and(|n| !n.is_empty() && n.len() <= 128 && !n.chars().any(char::is_control));
+            if !cluster_ok {
+                return Err(invalid("ledger.cluster", "redis mode needs the name of the Envoy cluster that reaches sluice-ledger"));
+            }
+            if c.ledger.authority.is_empty() || c.ledger.authority.chars().any(|ch| ch.is_control() || ch == ' ') {
+                return Err(invalid("ledger.authority", format!("must be a host name, got {:?}", c.ledger.authority)));
+            }
+        }
+        if !(1..=60_000).contains(&c.ledger.timeout_ms) {
+            return Err(invalid("ledger.timeout_ms", format!("must be 1–60000, got {}", c.ledger.timeout_ms)));
+        }
+        if !(1..=10_000).contains(&c.ledger.replicas) {
+            return Err(invalid("ledger.replicas", format!("must be 1–10000, got {}", c.ledger.replicas)));
+        }
         if c.max_dynamic_model_versions > MAX_DYNAMIC_MODEL_VERSIONS {
             return Err(invalid(
                 "max_dynamic_model_versions",
@@ -486,6 +638,8 @@ impl Policy {
             model_version_header: c.model_version_header.to_ascii_lowercase(),
             model_versions: c.model_versions,
             max_dynamic_model_versions: c.max_dynamic_model_versions,
+            ledger: c.ledger,
+            max_local_identities: c.max_local_identities,
             key_by_id,
             key_by_hash,
         })
@@ -514,11 +668,12 @@ fn compile_budgets(
     level: Level,
     owner: &str,
     field: &str,
+    per_identity: bool,
 ) -> Result<Vec<usize>, PolicyError> {
     let mut out = Vec::with_capacity(budgets.len());
     let mut codes: BTreeMap<String, String> = BTreeMap::new();
     for (bi, b) in budgets.iter().enumerate() {
-        let bf = format!("{field}.budgets[{bi}]");
+        let bf = format!("{field}.{}[{bi}]", if per_identity { "identity_budgets" } else { "budgets" });
         let window = match (b.window, b.reset_day) {
             (WindowName::Month, day) => {
                 let day = day.unwrap_or(1);
@@ -568,7 +723,13 @@ fn compile_budgets(
             Some(p) if (1..=100).contains(&p) => Some(limit.value().saturating_mul(u64::from(p)) / 100),
             Some(p) => return Err(invalid(format!("{bf}.soft_limit_percent"), format!("must be 1–100, got {p}"))),
         };
-        let code = format!("{}:{owner}:{}:{}", level.as_str(), window.as_str(), limit.measure());
+        let code = format!(
+            "{}:{owner}:{}:{}{}",
+            level.as_str(),
+            window.as_str(),
+            limit.measure(),
+            if per_identity { ":per_identity" } else { "" }
+        );
         if let Some(first) = codes.insert(code.clone(), bf.clone()) {
             // One of the two never binds (the lower limit always refuses first), or they differ only
             // in weights or reset day; either way metrics and refusals could not tell them apart.
@@ -579,13 +740,18 @@ fn compile_budgets(
         }
         let index = counters.len();
         counters.push(CounterSpec {
-            store_key: format!("sluice/tenant-budget/{}/{owner}/{bi}", level.as_str()),
+            store_key: if per_identity {
+                format!("sluice/tenant-budget/{}/{owner}/i{bi}", level.as_str())
+            } else {
+                format!("sluice/tenant-budget/{}/{owner}/{bi}", level.as_str())
+            },
             level,
             owner: owner.to_string(),
             window,
             limit,
             soft_limit,
             code,
+            per_identity,
         });
         out.push(index);
     }

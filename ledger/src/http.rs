@@ -1,0 +1,176 @@
+//! The HTTP/1.1 front: routing, body limits, status codes.
+
+use crate::api::{BadRequest, ReserveRequest, SettleOutcome, SettleRequest, MAX_BODY_BYTES};
+use crate::store::StoreError;
+use crate::Ledger;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// How long a client may take to send a request's headers, then its body.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves until `shutdown` completes; connections already open finish on their own tasks.
+pub async fn serve(listener: TcpListener, ledger: Arc<Ledger>, shutdown: impl Future<Output = ()>) {
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => return,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: wait a little rather than spin.
+                eprintln!("sluice-ledger: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let ledger = ledger.clone();
+                async move { Ok::<_, Infallible>(handle(&ledger, request).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(READ_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn respond(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response<Full<Bytes>> {
+    respond(status, "application/json", body.to_string())
+}
+
+fn bad_request(e: &BadRequest) -> Response<Full<Bytes>> {
+    json_response(StatusCode::BAD_REQUEST, &e.body())
+}
+
+fn store_failure(e: &StoreError) -> (Response<Full<Bytes>>, &'static str) {
+    match e {
+        StoreError::Unavailable(m) => (json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": "redis_unavailable", "message": m})), "unavailable"),
+        StoreError::Script(m) => (json_response(StatusCode::INTERNAL_SERVER_ERROR, &json!({"error": "ledger_error", "message": m})), "error"),
+    }
+}
+
+/// The body, at most [`MAX_BODY_BYTES`], read within [`READ_TIMEOUT`].
+async fn read_body(request: Request<Incoming>) -> Result<Bytes, BadRequest> {
+    if let Some(ct) = request.headers().get(CONTENT_TYPE) {
+        let essence = ct.to_str().unwrap_or("").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if essence != "application/json" {
+            return Err(BadRequest::new("unsupported_media_type", format!("content-type {ct:?}; application/json expected")));
+        }
+    }
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(BadRequest::new("body_too_large", format!("body larger than {MAX_BODY_BYTES} bytes")));
+    }
+    match tokio::time::timeout(READ_TIMEOUT, Limited::new(request.into_body(), MAX_BODY_BYTES).collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(BadRequest::new("body_too_large", format!("body larger than {MAX_BODY_BYTES} bytes"))),
+        Ok(Err(e)) => Err(BadRequest::new("malformed_body", e.to_string())),
+        Err(_) => Err(BadRequest::new("malformed_body", "body not received in time")),
+    }
+}
+
+pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Full<Bytes>> {
+    let metrics = &ledger.metrics;
+    let path = request.uri().path().to_string();
+    let method = request.method().clone();
+    match (path.as_str(), method) {
+        ("/v1/reserve", Method::POST) => {
+            let parsed = match read_body(request).await {
+                Ok(body) => ReserveRequest::parse(&body),
+                Err(e) => Err(e),
+            };
+            let request = match parsed {
+                Ok(r) => r,
+                Err(e) => {
+                    metrics.request("reserve", "bad_request");
+                    return bad_request(&e);
+                }
+            };
+            match ledger.store.reserve(&request).await {
+                Ok(outcome) => {
+                    metrics.request("reserve", outcome.label());
+                    json_response(StatusCode::OK, &outcome.body())
+                }
+                Err(e) => {
+                    let (response, label) = store_failure(&e);
+                    metrics.request("reserve", label);
+                    response
+                }
+            }
+        }
+        ("/v1/settle", Method::POST) => {
+            let parsed = match read_body(request).await {
+                Ok(body) => SettleRequest::parse(&body),
+                Err(e) => Err(e),
+            };
+            let request = match parsed {
+                Ok(r) => r,
+                Err(e) => {
+                    metrics.request("settle", "bad_request");
+                    return bad_request(&e);
+                }
+            };
+            match ledger.store.settle(&request).await {
+                Ok(outcome @ SettleOutcome::Mismatch { .. }) => {
+                    metrics.request("settle", outcome.label());
+                    json_response(StatusCode::BAD_REQUEST, &outcome.body())
+                }
+                Ok(outcome) => {
+                    metrics.request("settle", outcome.label());
+                    json_response(StatusCode::OK, &outcome.body())
+                }
+                Err(e) => {
+                    let (response, label) = store_failure(&e);
+                    metrics.request("settle", label);
+                    response
+                }
+            }
+        }
+        ("/healthz", Method::GET) => match ledger.store.ping().await {
+            Ok(()) => {
+                metrics.request("healthz", "ok");
+                respond(StatusCode::OK, "text/plain", "ok")
+            }
+            Err(_) => {
+                metrics.request("healthz", "unavailable");
+                respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "redis unavailable\n")
+            }
+        },
+        ("/metrics", Method::GET) => {
+            metrics.request("metrics", "ok");
+            respond(StatusCode::OK, "text/plain; version=0.0.4", metrics.render())
+        }
+        ("/v1/reserve" | "/v1/settle" | "/healthz" | "/metrics", _) => {
+            metrics.request("other", "method_not_allowed");
+            json_response(StatusCode::METHOD_NOT_ALLOWED, &json!({"error": "method_not_allowed", "message": format!("{path}: wrong method")}))
+        }
+        _ => {
+            metrics.request("other", "not_found");
+            json_response(StatusCode::NOT_FOUND, &json!({"error": "not_found", "message": format!("no endpoint {path}")}))
+        }
+    }
+}
