@@ -625,19 +625,26 @@ fn traffic(i: usize) -> Traffic {
     // No sticky key of any kind: no tenant, no API key, no user.
     let anonymous = s % 15 == 7;
 
-    // The path: the four APIs under several mounts, and paths that are no LLM API.
+    // The path: the four APIs under several mounts, and (5 requests a period) paths that are no
+    // LLM API or lie outside llm-metrics' `path_prefixes`.
     let kind = Api::ALL[s % 4];
-    let (api, path) = match s % 5 {
-        0 => (kind, format!("/v1/{}", kind.tail())),
-        1 => (kind, format!("/v1/{t}/{}?user={t}", kind.tail())),
-        2 => (kind, format!("/openai/{t}/v1/{}/", kind.tail())),
-        3 => (kind, format!("/v1/{}?api-version={t}#{t}", kind.tail())),
-        _ => match s % 3 {
+    let (api, path) = if s % 12 == 5 {
+        match (s / 12) % 3 {
             0 => (Api::Chat, format!("/v1/{t}/embeddings")),
             1 => (Api::Messages, format!("/v1/messages/count_tokens?{t}")),
             // An LLM path outside llm-metrics' `path_prefixes` (the other plugins take it).
             _ => (Api::Chat, format!("/{t}/chat/completions")),
-        },
+        }
+    } else {
+        let tail = kind.tail();
+        let path = match s % 5 {
+            0 => format!("/v1/{tail}"),
+            1 => format!("/v1/{t}/{tail}?user={t}"),
+            2 => format!("/openai/{t}/v1/{tail}/"),
+            3 => format!("/v1/{tail}?api-version={t}#{t}"),
+            _ => format!("/openai/v1/{tail}?{t}=%2e%2e/{t}"),
+        };
+        (kind, path)
     };
 
     let mut headers: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
@@ -1248,9 +1255,10 @@ fn router_schema(policy: &Value) -> Schema {
 }
 
 /// The shadow upstream answers what is pending: a whole answer with its own model, finish reason
-/// and status, or a failed call; every fourth request's shadows are held (the concurrency cap).
+/// and status, or a failed call; for a stretch of each period it answers nothing, so the
+/// concurrency cap skips shadows.
 fn answer_shadows(gw: &Gateway, tr: &Traffic) {
-    if tr.s % 4 == 3 {
+    if (40..=52).contains(&tr.s) {
         return;
     }
     for (k, call) in gw.http_calls().into_iter().enumerate() {
@@ -1453,8 +1461,8 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
 fn guard_request(tr: &Traffic) -> lat::Req {
     let s = tr.s;
     let route = match s % 12 {
-        0 | 6 => Route::Version("v1".into()),
-        1 | 2 | 7 | 9 => Route::Router { preferred: "v1".into() },
+        0 | 6 | 7 => Route::Version("v1".into()),
+        1 | 2 | 9 => Route::Router { preferred: "v1".into() },
         3 => Route::Version(format!("{}-ver", tr.t)),
         4 => Route::Raw(format!("{{\"version\": 7, \"x\": \"{}\"}}", tr.t).into_bytes()),
         5 => Route::Nothing,
