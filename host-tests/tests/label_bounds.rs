@@ -35,7 +35,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use common::budget::{API_KEY, API_KEY_SHA256, ANTHROPIC_KEY_SHA256};
+use common::budget::{ANTHROPIC_KEY_SHA256, API_KEY, API_KEY_SHA256};
 use common::latency::{self as lat, Exchange, Route};
 use serde_json::{json, Value};
 use sluice_host::{Gateway, HttpReply, PluginSpec, Stream};
@@ -44,13 +44,18 @@ use sluice_host::{Gateway, HttpReply, PluginSpec, Stream};
 const REQUESTS: usize = 2_000;
 /// After this many requests the metric names must be saturated.
 const CHECKPOINT: usize = 200;
-/// Every bounded choice of request `i` (API, status, outcome, …) is a function of `i % PERIOD`.
-/// It divides [`CHECKPOINT`] minus the requests it takes to fill the dynamic caps at least twice.
+/// Every bounded choice of request `i` (API, status, outcome, …) is a function of `i % PERIOD`;
+/// the dynamic caps fill within the first period, and [`CHECKPOINT`] covers three periods.
 const PERIOD: usize = 60;
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
-const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
+const FORCE_PROPERTY: [&str; 4] = [
+    "metadata",
+    "filter_metadata",
+    "sluice_trusted",
+    "force_version",
+];
 const GATEWAY_REPLY: &str = "sluice_gateway_reply";
 const AVOID: &str = "sluice_latency_avoid";
 
@@ -89,7 +94,9 @@ impl Dim {
     fn describe(&self) -> String {
         match self {
             Dim::Fixed(v) => v.len().to_string(),
-            Dim::Bounded { named, cap } => format!("({} named + {cap} dynamic + other)", named.len()),
+            Dim::Bounded { named, cap } => {
+                format!("({} named + {cap} dynamic + other)", named.len())
+            }
         }
     }
 }
@@ -103,7 +110,10 @@ struct Family {
 }
 
 fn family(metric: &str, labels: Labels) -> Family {
-    Family { metric: metric.to_string(), variants: vec![labels] }
+    Family {
+        metric: metric.to_string(),
+        variants: vec![labels],
+    }
 }
 
 struct Schema {
@@ -126,12 +136,19 @@ impl Schema {
         let mut out = String::new();
         for f in &self.families {
             for v in &f.variants {
-                let factors: Vec<String> = v.iter().map(|(k, d)| format!("{k} {}", d.describe())).collect();
+                let factors: Vec<String> = v
+                    .iter()
+                    .map(|(k, d)| format!("{k} {}", d.describe()))
+                    .collect();
                 let n: usize = v.iter().map(|(_, d)| d.size()).product();
                 out += &format!(
                     "  {}: {} = {n}\n",
                     f.metric,
-                    if factors.is_empty() { "1".to_string() } else { factors.join(" × ") }
+                    if factors.is_empty() {
+                        "1".to_string()
+                    } else {
+                        factors.join(" × ")
+                    }
                 );
             }
         }
@@ -156,24 +173,41 @@ impl Schema {
                 continue;
             };
             let rest = name[fam.metric.len()..].trim_start_matches('.');
-            let segments: Vec<&str> = if rest.is_empty() { Vec::new() } else { rest.split('.').collect() };
-            if segments.len() % 2 != 0 {
-                refused.push(format!("{name}: not `.label.value` pairs after {}", fam.metric));
+            let segments: Vec<&str> = if rest.is_empty() {
+                Vec::new()
+            } else {
+                rest.split('.').collect()
+            };
+            if !segments.len().is_multiple_of(2) {
+                refused.push(format!(
+                    "{name}: not `.label.value` pairs after {}",
+                    fam.metric
+                ));
                 continue;
             }
             let pairs: Vec<(&str, &str)> = segments.chunks(2).map(|c| (c[0], c[1])).collect();
             let variant = fam.variants.iter().find(|v| {
-                v.len() == pairs.len() && v.iter().zip(&pairs).all(|((k, d), (pk, pv))| k == pk && d.admits(pv))
+                v.len() == pairs.len()
+                    && v.iter()
+                        .zip(&pairs)
+                        .all(|((k, d), (pk, pv))| k == pk && d.admits(pv))
             });
             let Some(variant) = variant else {
-                refused.push(format!("{name}: a label or value {} does not allow", fam.metric));
+                refused.push(format!(
+                    "{name}: a label or value {} does not allow",
+                    fam.metric
+                ));
                 continue;
             };
             for ((k, d), (_, v)) in variant.iter().zip(&pairs) {
                 values.entry(k).or_default().insert(v.to_string());
                 if let Dim::Bounded { named, cap } = d {
                     if *v != "other" && !named.iter().any(|n| n == v) {
-                        dynamic.entry(k).or_insert_with(|| (*cap, BTreeSet::new())).1.insert(v.to_string());
+                        dynamic
+                            .entry(k)
+                            .or_insert_with(|| (*cap, BTreeSet::new()))
+                            .1
+                            .insert(v.to_string());
                     }
                 }
             }
@@ -236,7 +270,11 @@ fn run(gw: &Gateway, mut one: impl FnMut(usize)) -> Run {
         }
     }
     assert_eq!(gw.crashed(), None, "the plugin must never trap");
-    Run { at_checkpoint, at_end: gw.metric_names(), elapsed: started.elapsed() }
+    Run {
+        at_checkpoint,
+        at_end: gw.metric_names(),
+        elapsed: started.elapsed(),
+    }
 }
 
 /// The assertions every plugin's run must pass; `leak_cap`: how many distinct client values may
@@ -246,7 +284,13 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
     let bound = schema.bound();
     let per_label: Vec<String> = values
         .iter()
-        .map(|(k, v)| format!("{k} ({}): {}", v.len(), v.iter().cloned().collect::<Vec<_>>().join(" ")))
+        .map(|(k, v)| {
+            format!(
+                "{k} ({}): {}",
+                v.len(),
+                v.iter().cloned().collect::<Vec<_>>().join(" ")
+            )
+        })
         .collect();
     println!(
         "{}: {} metric names after {CHECKPOINT} requests, {} after {REQUESTS} ({:.2?}); bound {bound}\n\
@@ -258,7 +302,6 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
         per_label.join("\n  "),
         schema.derivation()
     );
-    if std::env::var_os("TMP_DUMP").is_some() { for n in &run.at_end { println!("NAME {n}"); } }
     assert!(
         run.at_end.len() <= bound,
         "{}: {} metric names, more than the bound {bound} derived from the configuration",
@@ -282,8 +325,12 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
             leaked.entry(i).or_default().push(name);
         }
     }
-    let late: Vec<(&usize, &&String)> =
-        leaked.iter().filter(|(i, _)| **i >= CHECKPOINT).map(|(i, n)| (i, &n[0])).take(20).collect();
+    let late: Vec<(&usize, &&String)> = leaked
+        .iter()
+        .filter(|(i, _)| **i >= CHECKPOINT)
+        .map(|(i, n)| (i, &n[0]))
+        .take(20)
+        .collect();
     assert!(
         late.is_empty(),
         "{}: values sent after the first {CHECKPOINT} requests appear in metric names \
@@ -296,7 +343,11 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
          allow ({leak_cap}): {:#?}",
         schema.plugin,
         leaked.len(),
-        leaked.iter().map(|(i, n)| (i, n[0])).take(20).collect::<Vec<_>>()
+        leaked
+            .iter()
+            .map(|(i, n)| (i, n[0]))
+            .take(20)
+            .collect::<Vec<_>>()
     );
 }
 
@@ -388,7 +439,10 @@ fn b64url(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::new();
     for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |acc, (k, &b)| acc | (u32::from(b) << (16 - 8 * k)));
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (k, &b)| acc | (u32::from(b) << (16 - 8 * k)));
         for k in 0..=chunk.len() {
             out.push(A[((n >> (18 - 6 * k)) & 63) as usize] as char);
         }
@@ -396,7 +450,14 @@ fn b64url(bytes: &[u8]) -> String {
     out
 }
 
-fn request_body(api: Api, model: Option<&str>, t: &str, stream: bool, max_tokens: Option<u64>, follow_up: bool) -> Vec<u8> {
+fn request_body(
+    api: Api,
+    model: Option<&str>,
+    t: &str,
+    stream: bool,
+    max_tokens: Option<u64>,
+    follow_up: bool,
+) -> Vec<u8> {
     let user = format!("{t}-user");
     let mut b = match api {
         Api::Chat => {
@@ -412,7 +473,8 @@ fn request_body(api: Api, model: Option<&str>, t: &str, stream: bool, max_tokens
         }
         Api::Completions => json!({"prompt": format!("Say {t}"), "user": user, "stream": stream}),
         Api::Responses => {
-            let mut v = json!({"input": format!("Tell {t} a joke"), "user": user, "stream": stream});
+            let mut v =
+                json!({"input": format!("Tell {t} a joke"), "user": user, "stream": stream});
             if follow_up {
                 v["previous_response_id"] = json!(format!("resp_{t}"));
             }
@@ -455,21 +517,30 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
     match api {
         Api::Chat | Api::Completions => {
             let chunk = |choice: Value, usage: Value| {
-                sse_event(json!({"id": format!("cmpl-{}", a.text), "object": "chat.completion.chunk",
-                    "model": a.model, "choices": [choice], "usage": usage}))
+                sse_event(
+                    json!({"id": format!("cmpl-{}", a.text), "object": "chat.completion.chunk",
+                    "model": a.model, "choices": [choice], "usage": usage}),
+                )
             };
             if api == Api::Chat {
                 out.push((chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}), Value::Null), false));
             }
             for text in texts {
                 let choice = match api {
-                    Api::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": null}),
+                    Api::Chat => {
+                        json!({"index": 0, "delta": {"content": text}, "finish_reason": null})
+                    }
                     _ => json!({"index": 0, "text": text, "finish_reason": null}),
                 };
                 out.push((chunk(choice, Value::Null), true));
             }
             if let Some(e) = &a.error {
-                out.push((sse_event(json!({"error": {"message": e, "type": format!("{e}-type"), "code": e}})), false));
+                out.push((
+                    sse_event(
+                        json!({"error": {"message": e, "type": format!("{e}-type"), "code": e}}),
+                    ),
+                    false,
+                ));
             } else {
                 let choice = match api {
                     Api::Chat => json!({"index": 0, "delta": {}, "finish_reason": a.finish}),
@@ -493,22 +564,42 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
                 false,
             ));
             for text in texts {
-                out.push((named_event("response.output_text.delta", json!({"type": "response.output_text.delta", "delta": text})), true));
+                out.push((
+                    named_event(
+                        "response.output_text.delta",
+                        json!({"type": "response.output_text.delta", "delta": text}),
+                    ),
+                    true,
+                ));
             }
-            let mut response = json!({"id": format!("resp_{}", a.text), "object": "response", "model": a.model});
+            let mut response =
+                json!({"id": format!("resp_{}", a.text), "object": "response", "model": a.model});
             if let Some((p, c)) = a.usage {
-                response["usage"] = json!({"input_tokens": p, "output_tokens": c, "total_tokens": p + c});
+                response["usage"] =
+                    json!({"input_tokens": p, "output_tokens": c, "total_tokens": p + c});
             }
             if let Some(e) = &a.error {
                 response["status"] = json!("failed");
                 response["error"] = json!({"code": format!("{e}-code"), "message": e});
-                out.push((named_event("response.failed", json!({"type": "response.failed", "response": response})), false));
+                out.push((
+                    named_event(
+                        "response.failed",
+                        json!({"type": "response.failed", "response": response}),
+                    ),
+                    false,
+                ));
             } else {
                 if let Some(f) = &a.finish {
                     response["status"] = json!(f);
                     response["incomplete_details"] = json!({"reason": f});
                 }
-                out.push((named_event("response.completed", json!({"type": "response.completed", "response": response})), false));
+                out.push((
+                    named_event(
+                        "response.completed",
+                        json!({"type": "response.completed", "response": response}),
+                    ),
+                    false,
+                ));
             }
         }
         Api::Messages => {
@@ -525,8 +616,11 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
             ));
             for text in texts {
                 out.push((
-                    named_event("content_block_delta", json!({"type": "content_block_delta", "index": 0,
-                        "delta": {"type": "text_delta", "text": text}})),
+                    named_event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": text}}),
+                    ),
                     true,
                 ));
             }
@@ -538,7 +632,10 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
                     delta["usage"] = json!({"output_tokens": c});
                 }
                 out.push((named_event("message_delta", delta), false));
-                out.push((named_event("message_stop", json!({"type": "message_stop"})), false));
+                out.push((
+                    named_event("message_stop", json!({"type": "message_stop"})),
+                    false,
+                ));
             }
         }
     }
@@ -553,7 +650,8 @@ fn whole_answer(api: Api, a: &Answer) -> Vec<u8> {
             let mut v = json!({"id": format!("chatcmpl-{}", a.text), "object": "chat.completion", "model": a.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": a.finish}]});
             if let Some((p, c)) = a.usage {
-                v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                v["usage"] =
+                    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
             }
             v
         }
@@ -561,7 +659,8 @@ fn whole_answer(api: Api, a: &Answer) -> Vec<u8> {
             let mut v = json!({"id": format!("cmpl-{}", a.text), "object": "text_completion", "model": a.model,
                 "choices": [{"index": 0, "text": text, "finish_reason": a.finish}]});
             if let Some((p, c)) = a.usage {
-                v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                v["usage"] =
+                    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
             }
             v
         }
@@ -718,8 +817,20 @@ fn traffic(i: usize) -> Traffic {
         5 => h("x-sluice-key", b" search-prod "),
         _ => h("x-sluice-key", format!("{t}-key").as_bytes()),
     }
-    let claim = if id == 3 { "soft".to_string() } else { format!("{t}-claim") };
-    h("x-jwt-payload", b64url(json!({"sub": t, "sluice_key": claim}).to_string().as_bytes()).as_bytes());
+    let claim = if id == 3 {
+        "soft".to_string()
+    } else {
+        format!("{t}-claim")
+    };
+    h(
+        "x-jwt-payload",
+        b64url(
+            json!({"sub": t, "sluice_key": claim})
+                .to_string()
+                .as_bytes(),
+        )
+        .as_bytes(),
+    );
     // What a client sends to steer model-router (stripped, never honoured).
     h("x-sluice-force-version", format!("{t}-force").as_bytes());
     h("x-sluice-route", format!("{t}-route").as_bytes());
@@ -735,7 +846,14 @@ fn traffic(i: usize) -> Traffic {
             Some([b"\x1f\x8b\x08\x00".as_slice(), t.as_bytes()].concat())
         }
         29 => Some(format!("{{\"model\": \"{t}\", not json").into_bytes()),
-        _ => Some(request_body(api, body_model.as_deref(), &t, stream, max_tokens, follow_up)),
+        _ => Some(request_body(
+            api,
+            body_model.as_deref(),
+            &t,
+            stream,
+            max_tokens,
+            follow_up,
+        )),
     };
     if let Some(b) = &body {
         h("content-length", b.len().to_string().as_bytes());
@@ -807,7 +925,12 @@ fn traffic(i: usize) -> Traffic {
         _ => Some("stop".to_string()),
     };
     let answer = Answer {
-        model: [format!("{t}-rmodel"), format!("gpt-4o-{t}"), format!("claude-{t}")][s % 3].clone(),
+        model: [
+            format!("{t}-rmodel"),
+            format!("gpt-4o-{t}"),
+            format!("claude-{t}"),
+        ][s % 3]
+            .clone(),
         finish,
         usage: (s % 5 != 4).then_some(([19, 1500, 3000, 6000, 12000, 40000][s % 6], 9)),
         text: format!("{t}-text"),
@@ -843,7 +966,15 @@ fn traffic(i: usize) -> Traffic {
         user_metadata,
         force,
         avoid,
-        up: Upstream { status, sse, pieces, end, gateway_reply, code_details, answer },
+        up: Upstream {
+            status,
+            sse,
+            pieces,
+            end,
+            gateway_reply,
+            code_details,
+            answer,
+        },
     }
 }
 
@@ -863,9 +994,10 @@ fn send<'g>(gw: &'g Gateway, tr: &Traffic) -> Stream<'g> {
     if let Some(a) = &tr.avoid {
         s.set_property(&[AVOID], a.as_bytes());
     }
-    s.request_headers(&tr.headers, tr.body.is_none()).expect("request headers");
+    s.request_headers(&tr.headers, tr.body.is_none())
+        .expect("request headers");
     if let Some(body) = &tr.body {
-        if tr.s % 2 == 0 && body.len() > 1 {
+        if tr.s.is_multiple_of(2) && body.len() > 1 {
             let (a, b) = body.split_at(body.len() / 2);
             s.request_body(a, false).expect("request body");
             s.request_body(b, true).expect("request body");
@@ -890,7 +1022,11 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
         _ => {}
     }
     let status = up.status.to_string();
-    let content_type = if up.sse { "text/event-stream; charset=utf-8" } else { "application/json" };
+    let content_type = if up.sse {
+        "text/event-stream; charset=utf-8"
+    } else {
+        "application/json"
+    };
     let model_header = format!("{}-served", tr.t);
     s.response_headers(
         &[
@@ -908,7 +1044,8 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
             break;
         }
         gw.advance(step).expect("advance");
-        s.response_body(piece, up.end == End::Complete && k + 1 == n).expect("response body");
+        s.response_body(piece, up.end == End::Complete && k + 1 == n)
+            .expect("response body");
     }
     if let Some(d) = &up.code_details {
         s.set_property(&["response", "code_details"], d.as_bytes());
@@ -925,7 +1062,7 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
 // =============================================================================================
 
 const LLM_NAMED_VERSIONS: [&str; 2] = ["v1", "v2"];
-const LLM_DYNAMIC_VERSIONS: usize = 8;
+const LLM_DYNAMIC_VERSIONS: usize = 1000;
 const LLM_TENANTS: [&str; 2] = ["acme", "initech"];
 
 fn llm_config() -> String {
@@ -946,12 +1083,24 @@ fn llm_config() -> String {
 /// llm-metrics' metric families and label vocabularies (plugins/core/src/report.rs and
 /// plugins/llm-metrics/src/lib.rs).
 fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
-    let model_version = Dim::Bounded { named: named.iter().map(|s| s.to_string()).collect(), cap };
+    let model_version = Dim::Bounded {
+        named: named.iter().map(|s| s.to_string()).collect(),
+        cap,
+    };
     let base: Labels = vec![
         ("model_version", model_version.clone()),
-        ("tenant", fixed(tenants.iter().copied().chain(["other", "anonymous"]))),
-        ("api", fixed(["chat_completions", "completions", "responses", "messages"])),
-        ("ctx", fixed(["1k", "2k", "4k", "8k", "16k", "over_16k", "unknown"])),
+        (
+            "tenant",
+            fixed(tenants.iter().copied().chain(["other", "anonymous"])),
+        ),
+        (
+            "api",
+            fixed(["chat_completions", "completions", "responses", "messages"]),
+        ),
+        (
+            "ctx",
+            fixed(["1k", "2k", "4k", "8k", "16k", "over_16k", "unknown"]),
+        ),
         ("turn", fixed(["first", "follow_up", "unknown"])),
         ("stream", fixed(["true", "false"])),
     ];
@@ -975,15 +1124,27 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
     .collect();
     let mut requests = base.clone();
     requests.push(("status", fixed(["1xx", "2xx", "3xx", "4xx", "5xx", "none"])));
-    requests.push(("finish", fixed(KNOWN_FINISH.iter().copied().chain(["none", "other"]))));
+    requests.push((
+        "finish",
+        fixed(KNOWN_FINISH.iter().copied().chain(["none", "other"])),
+    ));
     requests.push(("usage", fixed(["reported", "estimated"])));
     families.push(family("sluice.requests_total", requests));
     let mut replies = base.clone();
     replies.push(("reason", fixed(["refused", "deadline"])));
     families.push(family("sluice.gateway_replies_total", replies));
-    families.push(family("sluice.in_flight", vec![("model_version", model_version)]));
-    families.push(family("sluice.request_body_uninspected_total", vec![("reason", fixed(["malformed", "encoded", "too_large"]))]));
-    Schema { plugin: "llm-metrics", families }
+    families.push(family(
+        "sluice.in_flight",
+        vec![("model_version", model_version)],
+    ));
+    families.push(family(
+        "sluice.request_body_uninspected_total",
+        vec![("reason", fixed(["malformed", "encoded", "too_large"]))],
+    ));
+    Schema {
+        plugin: "llm-metrics",
+        families,
+    }
 }
 
 /// Bound (printed by the test): every per-request metric carries model_version × tenant × api ×
@@ -996,7 +1157,8 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
 /// `anonymous`, finish only the documented reasons, `none` and `other`.
 #[test]
 fn llm_metrics_labels_stay_bounded_whatever_clients_and_upstreams_send() {
-    let gw = Gateway::start(&common::llm::plugin(), PluginSpec::new(llm_config())).expect("llm-metrics starts");
+    let gw = Gateway::start(&common::llm::plugin(), PluginSpec::new(llm_config()))
+        .expect("llm-metrics starts");
     let result = run(&gw, |i| {
         let tr = traffic(i);
         let mut s = send(&gw, &tr);
@@ -1031,7 +1193,7 @@ fn budget_policy() -> Value {
             "teams": [
                 {
                     "id": "search",
-                    "budgets": [{"window": "day", "tokens": 20_000_000, "soft_limit_percent": 1}],
+                    "budgets": [{"window": "day", "tokens": 5_000_000, "soft_limit_percent": 1}],
                     "keys": [
                         {"id": "search-prod", "api_key_sha256": API_KEY_SHA256,
                          "budgets": [{"window": "minute", "tokens": 1_000_000_000}]},
@@ -1069,8 +1231,15 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
             } else {
                 "micro_usd"
             };
-            counters.push(vec![(level, fixed([owner])), ("window", fixed([window])), ("unit", fixed([measure]))]);
-            codes.push(format!("{level}_{owner}_{window}_{measure}").replace(|c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-', "_"));
+            counters.push(vec![
+                (level, fixed([owner])),
+                ("window", fixed([window])),
+                ("unit", fixed([measure])),
+            ]);
+            codes.push(format!("{level}_{owner}_{window}_{measure}").replace(
+                |c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-',
+                "_",
+            ));
         }
     };
     for org in policy["orgs"].as_array().expect("orgs") {
@@ -1083,11 +1252,18 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
                 let k = key["id"].as_str().expect("key id");
                 add_budgets("key", k, &key["budgets"]);
                 keys.push(k.to_string());
-                paths.push(vec![("key", fixed([k])), ("team", fixed([tm])), ("org", fixed([o]))]);
+                paths.push(vec![
+                    ("key", fixed([k])),
+                    ("team", fixed([tm])),
+                    ("org", fixed([o])),
+                ]);
             }
         }
     }
-    let model_version = Dim::Bounded { named: named.iter().map(|s| s.to_string()).collect(), cap };
+    let model_version = Dim::Bounded {
+        named: named.iter().map(|s| s.to_string()).collect(),
+        cap,
+    };
     let charge = |metric: &str| Family {
         metric: metric.to_string(),
         variants: paths
@@ -1118,14 +1294,29 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
         families: vec![
             family(
                 "sluice.budget.rejections_total",
-                vec![("key", fixed(keys.iter().map(String::as_str).chain(["unknown"]))), ("reason", Dim::Fixed(reasons))],
+                vec![
+                    (
+                        "key",
+                        fixed(keys.iter().map(String::as_str).chain(["unknown"])),
+                    ),
+                    ("reason", Dim::Fixed(reasons)),
+                ],
             ),
             family("sluice.budget.clamps_total", vec![("key", fixed(&keys))]),
             charge("sluice.budget.charged_tokens_total"),
             charge("sluice.budget.charged_micro_usd_total"),
-            family("sluice.budget.overestimate_tokens", vec![("key", fixed(&keys))]),
-            Family { metric: "sluice.budget.remaining".into(), variants: counters.clone() },
-            Family { metric: "sluice.budget.soft_limit_crossings_total".into(), variants: counters },
+            family(
+                "sluice.budget.overestimate_tokens",
+                vec![("key", fixed(&keys))],
+            ),
+            Family {
+                metric: "sluice.budget.remaining".into(),
+                variants: counters.clone(),
+            },
+            Family {
+                metric: "sluice.budget.soft_limit_crossings_total".into(),
+                variants: counters,
+            },
         ],
     }
 }
@@ -1141,7 +1332,8 @@ fn tenant_budget_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let policy = budget_policy();
     let gw = Gateway::start(
         &common::budget::plugin(),
-        PluginSpec::new(policy.to_string()).start_time(common::budget::at(common::budget::MAR31_120030)),
+        PluginSpec::new(policy.to_string())
+            .start_time(common::budget::at(common::budget::MAR31_120030)),
     )
     .expect("tenant-budget starts");
     let result = run(&gw, |i| {
@@ -1205,7 +1397,15 @@ fn router_policy() -> Value {
 }
 
 fn sanitized(v: &str) -> String {
-    v.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect()
+    v.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// model-router's metric families (plugins/model-router/src/lib.rs), labels drawn from `policy`.
@@ -1217,15 +1417,31 @@ fn router_schema(policy: &Value) -> Schema {
     let mut shadows = Vec::new();
     for m in policy["models"].as_array().expect("models") {
         let pattern = sanitized(m["model"].as_str().expect("model"));
-        let versions: Vec<String> = m["versions"].as_array().expect("versions").iter().map(|v| sanitized(v["name"].as_str().expect("name"))).collect();
-        requests.push(vec![("model", fixed([&pattern])), ("version", Dim::Fixed(versions.clone())), ("reason", reasons.clone())]);
+        let versions: Vec<String> = m["versions"]
+            .as_array()
+            .expect("versions")
+            .iter()
+            .map(|v| sanitized(v["name"].as_str().expect("name")))
+            .collect();
+        requests.push(vec![
+            ("model", fixed([&pattern])),
+            ("version", Dim::Fixed(versions.clone())),
+            ("reason", reasons.clone()),
+        ]);
         if let Some(shadow) = m.get("shadow") {
             primaries.extend(versions.iter().cloned());
-            shadows.push(sanitized(shadow["version"]["name"].as_str().expect("shadow name")));
+            shadows.push(sanitized(
+                shadow["version"]["name"].as_str().expect("shadow name"),
+            ));
         }
         patterns.push(pattern);
     }
-    let pair = || -> Labels { vec![("primary", Dim::Fixed(primaries.clone())), ("shadow", Dim::Fixed(shadows.clone()))] };
+    let pair = || -> Labels {
+        vec![
+            ("primary", Dim::Fixed(primaries.clone())),
+            ("shadow", Dim::Fixed(shadows.clone())),
+        ]
+    };
     let with = |extra: Vec<(&'static str, Dim)>| -> Labels {
         let mut v = pair();
         v.extend(extra);
@@ -1235,20 +1451,47 @@ fn router_schema(policy: &Value) -> Schema {
     Schema {
         plugin: "model-router",
         families: vec![
-            Family { metric: "sluice.router.requests_total".into(), variants: requests },
+            Family {
+                metric: "sluice.router.requests_total".into(),
+                variants: requests,
+            },
             Family {
                 metric: "sluice.router.unrouted_total".into(),
                 variants: vec![
                     vec![("reason", fixed(["no_model", "unknown_model"]))],
-                    vec![("reason", fixed(["no_version"])), ("model", Dim::Fixed(patterns))],
+                    vec![
+                        ("reason", fixed(["no_version"])),
+                        ("model", Dim::Fixed(patterns)),
+                    ],
                 ],
             },
-            family("sluice.router.shadow_total", with(vec![("result", fixed(["sent", "failed", "sampled", "skipped_cap", "excluded"]))])),
-            family("sluice.router.compare_duration_ms", with(vec![("side", sides.clone())])),
-            family("sluice.router.compare_output_tokens", with(vec![("side", sides.clone())])),
-            family("sluice.router.compare_errors_total", with(vec![("side", sides)])),
-            family("sluice.router.compare_ttft_ms", with(vec![("side", fixed(["primary"]))])),
-            family("sluice.router.compare_total", with(vec![("finish_agree", fixed(["true", "false"]))])),
+            family(
+                "sluice.router.shadow_total",
+                with(vec![(
+                    "result",
+                    fixed(["sent", "failed", "sampled", "skipped_cap", "excluded"]),
+                )]),
+            ),
+            family(
+                "sluice.router.compare_duration_ms",
+                with(vec![("side", sides.clone())]),
+            ),
+            family(
+                "sluice.router.compare_output_tokens",
+                with(vec![("side", sides.clone())]),
+            ),
+            family(
+                "sluice.router.compare_errors_total",
+                with(vec![("side", sides)]),
+            ),
+            family(
+                "sluice.router.compare_ttft_ms",
+                with(vec![("side", fixed(["primary"]))]),
+            ),
+            family(
+                "sluice.router.compare_total",
+                with(vec![("finish_agree", fixed(["true", "false"]))]),
+            ),
             family("sluice.router.compare_similarity_per_mille", pair()),
         ],
     }
@@ -1274,23 +1517,36 @@ fn answer_shadows(gw: &Gateway, tr: &Traffic) {
             3 => gw.fail_http_call(call.token).expect("fail the shadow call"),
             status => {
                 let status = [200, 200, 500, 0, 429][status];
-                let body = if status == 200 { whole_answer(tr.api, &answer) } else { error_answer(&t) };
-                gw.respond_http_call(call.token, HttpReply::status(status).header("content-type", "application/json").body(body))
-                    .expect("answer the shadow call");
+                let body = if status == 200 {
+                    whole_answer(tr.api, &answer)
+                } else {
+                    error_answer(&t)
+                };
+                gw.respond_http_call(
+                    call.token,
+                    HttpReply::status(status)
+                        .header("content-type", "application/json")
+                        .body(body),
+                )
+                .expect("answer the shadow call");
             }
         }
     }
 }
 
-/// Bound (printed by the test), from the policy: `requests_total` per model entry × its versions ×
-/// reason (5): 3 × (2 + 1 + 2) × 5 = 25; `unrouted_total` 2 reasons + `no_version` × 3 entries = 5;
+/// Bound (printed by the test), from the policy: `requests_total` per model entry, its versions ×
+/// reason (5): (2 + 1 + 2) × 5 = 25; `unrouted_total` 2 reasons + `no_version` × 3 entries = 5;
 /// `shadow_total` shadowed versions (2) × shadows (1) × result (5) = 10; the comparison metrics
 /// 2 × (2 + 2 + 2 + 1 + 2 + 1) = 20: 60 in all. No label of model-router takes a value from the
 /// request: entries, versions and shadows are the policy's.
 #[test]
 fn model_router_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let policy = router_policy();
-    let gw = Gateway::start(&common::router::plugin(), PluginSpec::new(policy.to_string())).expect("model-router starts");
+    let gw = Gateway::start(
+        &common::router::plugin(),
+        PluginSpec::new(policy.to_string()),
+    )
+    .expect("model-router starts");
     let result = run(&gw, |i| {
         let mut tr = traffic(i);
         // Once a period, Envoy finds no healthy upstream for the request's route (a `gpt-*` one):
@@ -1318,7 +1574,8 @@ fn model_router_labels_stay_bounded_whatever_clients_and_upstreams_send() {
 
 /// Classes `interactive` (critical, `crit-*`), `standard` (`std-*`), `batch` (sheddable,
 /// `batch-*`), everyone else `other`; versions `v1` (deadlines, output ceiling, in-flight limit 2,
-/// a TTFT breaker failing over to `v2`), `v2` (a TTFT deadline, in-flight limit 1), `v3` (nothing).
+/// a TTFT breaker failing over to `v2`, open 5 s, then probing with every request), `v2` (a TTFT
+/// deadline, in-flight limit 1), `v3` (nothing).
 fn guard_policy() -> Value {
     json!({
         "tenant": {"header": "x-sluice-tenant"},
@@ -1348,9 +1605,22 @@ fn guard_policy() -> Value {
 
 /// latency-guard's metric families (plugins/latency-guard/src/lib.rs), labels drawn from `policy`.
 fn guard_schema(policy: &Value) -> Schema {
-    let versions = Dim::Fixed(policy["versions"].as_array().expect("versions").iter().map(|v| sanitized(v["name"].as_str().expect("name"))).collect());
+    let versions = Dim::Fixed(
+        policy["versions"]
+            .as_array()
+            .expect("versions")
+            .iter()
+            .map(|v| sanitized(v["name"].as_str().expect("name")))
+            .collect(),
+    );
     let classes = Dim::Fixed(
-        policy["classes"].as_array().expect("classes").iter().map(|c| sanitized(c["name"].as_str().expect("name"))).chain(["other".to_string()]).collect(),
+        policy["classes"]
+            .as_array()
+            .expect("classes")
+            .iter()
+            .map(|c| sanitized(c["name"].as_str().expect("name")))
+            .chain(["other".to_string()])
+            .collect(),
     );
     let priorities = fixed(["critical", "standard", "sheddable"]);
     let v = || ("version", versions.clone());
@@ -1359,16 +1629,51 @@ fn guard_schema(policy: &Value) -> Schema {
         families: vec![
             family(
                 "sluice.latency.requests_total",
-                vec![v(), ("class", classes), ("outcome", fixed(["ok", "error", "client_disconnect", "ttft", "total", "refused", "deadline"]))],
+                vec![
+                    v(),
+                    ("class", classes),
+                    (
+                        "outcome",
+                        fixed([
+                            "ok",
+                            "error",
+                            "client_disconnect",
+                            "ttft",
+                            "total",
+                            "refused",
+                            "deadline",
+                        ]),
+                    ),
+                ],
             ),
-            family("sluice.latency.deadline_total", vec![v(), ("kind", fixed(["ttft", "total"])), ("action", fixed(["reply_504", "reset", "error_event"]))]),
-            family("sluice.latency.shed_total", vec![v(), ("priority", priorities.clone()), ("reason", fixed(["breaker_open", "in_flight"]))]),
-            family("sluice.latency.fallback_unavailable_total", vec![v(), ("priority", priorities)]),
+            family(
+                "sluice.latency.deadline_total",
+                vec![
+                    v(),
+                    ("kind", fixed(["ttft", "total"])),
+                    ("action", fixed(["reply_504", "reset", "error_event"])),
+                ],
+            ),
+            family(
+                "sluice.latency.shed_total",
+                vec![
+                    v(),
+                    ("priority", priorities.clone()),
+                    ("reason", fixed(["breaker_open", "in_flight"])),
+                ],
+            ),
+            family(
+                "sluice.latency.fallback_unavailable_total",
+                vec![v(), ("priority", priorities)],
+            ),
             family("sluice.latency.in_flight", vec![v()]),
             family("sluice.latency.probes_total", vec![v()]),
             family("sluice.latency.output_capped_total", vec![v()]),
             family("sluice.latency.breaker_state", vec![v()]),
-            family("sluice.latency.breaker_transitions_total", vec![v(), ("to", fixed(["closed", "open", "half_open"]))]),
+            family(
+                "sluice.latency.breaker_transitions_total",
+                vec![v(), ("to", fixed(["closed", "open", "half_open"]))],
+            ),
         ],
     }
 }
@@ -1406,7 +1711,11 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
         out
     };
     let error = |status: &'static str| -> Vec<(u64, Step)> {
-        vec![(2, Step::Headers(status, false)), (3, Step::Piece(error_answer(&tr.t), false, true)), (3, Step::End)]
+        vec![
+            (2, Step::Headers(status, false)),
+            (3, Step::Piece(error_answer(&tr.t), false, true)),
+            (3, Step::End),
+        ]
     };
     let cut = |last: Step, events: &mut Vec<(Vec<u8>, bool)>| -> Vec<(u64, Step)> {
         let mut out = vec![(1, Step::Headers("200", true))];
@@ -1433,9 +1742,18 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
             3 => vec![(45, Step::Headers("200", true)), (45, Step::End)], // no headers by the TTFT deadline: 504
             4 => {
                 let whole = whole_answer(tr.api, answer);
-                vec![(8, Step::Headers("200", false)), (9, Step::Piece(whole, true, true)), (9, Step::End)]
+                vec![
+                    (8, Step::Headers("200", false)),
+                    (9, Step::Piece(whole, true, true)),
+                    (9, Step::End),
+                ]
             }
-            5 => vec![(0, Step::GatewayReply("429 refused".into())), (1, Step::Headers("429", false)), (1, Step::Piece(error_answer(&tr.t), false, true)), (1, Step::End)],
+            5 => vec![
+                (0, Step::GatewayReply("429 refused".into())),
+                (1, Step::Headers("429", false)),
+                (1, Step::Piece(error_answer(&tr.t), false, true)),
+                (1, Step::End),
+            ],
             6 => {
                 // A stream that stalls after its first token: reset 500 ms after the total deadline.
                 let mut out = cut(Step::End, &mut events);
@@ -1444,7 +1762,10 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
             }
             7 => error("400"),
             8 => vec![(2, Step::UpstreamReset)],
-            9 => vec![(0, Step::GatewayReply("504 deadline".into())), (1, Step::ClientGone)],
+            9 => vec![
+                (0, Step::GatewayReply("504 deadline".into())),
+                (1, Step::ClientGone),
+            ],
             _ => stream(3, 2, &mut events),
         },
         // Fast answers: probes pass, the breaker closes.
@@ -1462,7 +1783,9 @@ fn guard_request(tr: &Traffic) -> lat::Req {
     let s = tr.s;
     let route = match s % 12 {
         0 | 6 | 7 => Route::Version("v1".into()),
-        1 | 2 | 9 => Route::Router { preferred: "v1".into() },
+        1 | 2 | 9 => Route::Router {
+            preferred: "v1".into(),
+        },
         3 => Route::Version(format!("{}-ver", tr.t)),
         4 => Route::Raw(format!("{{\"version\": 7, \"x\": \"{}\"}}", tr.t).into_bytes()),
         5 => Route::Nothing,
@@ -1484,7 +1807,10 @@ fn guard_request(tr: &Traffic) -> lat::Req {
         llm_metrics: s % 30 != 29,
         wake: s % 10 != 3,
         path: tr.path.clone(),
-        body: tr.body.clone().unwrap_or_else(|| request_body(tr.api, None, &tr.t, true, None, false)),
+        body: tr
+            .body
+            .clone()
+            .unwrap_or_else(|| request_body(tr.api, None, &tr.t, true, None, false)),
     }
 }
 
@@ -1510,15 +1836,24 @@ fn latency_guard_labels_stay_bounded_whatever_clients_and_upstreams_send() {
         }
         let mut xs: Vec<Exchange<'_>> = trs.iter().map(|tr| guard_request(tr).send(&gw)).collect();
         let plans: Vec<Vec<(u64, Step)>> = trs.iter().map(guard_steps).collect();
-        let mut order: Vec<(u64, usize, usize)> =
-            plans.iter().enumerate().flat_map(|(e, p)| p.iter().enumerate().map(move |(k, (ms, _))| (*ms, e, k))).collect();
+        let mut order: Vec<(u64, usize, usize)> = plans
+            .iter()
+            .enumerate()
+            .flat_map(|(e, p)| p.iter().enumerate().map(move |(k, (ms, _))| (*ms, e, k)))
+            .collect();
         order.sort_unstable();
         for (ms, e, k) in order {
             let x = &mut xs[e];
             match &plans[e][k].1 {
-                Step::Headers(status, sse) => {
-                    x.response_headers(ms, status, if *sse { "text/event-stream; charset=utf-8" } else { "application/json" })
-                }
+                Step::Headers(status, sse) => x.response_headers(
+                    ms,
+                    status,
+                    if *sse {
+                        "text/event-stream; charset=utf-8"
+                    } else {
+                        "application/json"
+                    },
+                ),
                 Step::Piece(bytes, content, end) => x.chunk(ms, bytes, *content, *end),
                 Step::GatewayReply(v) => {
                     x.at(ms);
@@ -1549,7 +1884,11 @@ fn latency_guard_labels_stay_bounded_whatever_clients_and_upstreams_send() {
         }
     }
     assert_eq!(gw.crashed(), None, "the plugin must never trap");
-    let result = Run { at_checkpoint: checkpoint, at_end: gw.metric_names(), elapsed: started.elapsed() };
+    let result = Run {
+        at_checkpoint: checkpoint,
+        at_end: gw.metric_names(),
+        elapsed: started.elapsed(),
+    };
     let schema = guard_schema(&policy);
     assert_bounded(&schema, &result, 0);
 }

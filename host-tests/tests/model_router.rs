@@ -1568,3 +1568,26 @@ fn a_request_without_model_metadata_is_counted_unrouted_no_model() {
     assert!(metrics_with_prefix(&gw, "sluice.router.requests_total").is_empty());
     assert_no_crash(&gw);
 }
+
+/// tenant-budget (behind the router) refused the request before the shadow left on the root's
+/// tick: the shadow model never sees it, and no comparison waits for it.
+#[test]
+fn a_request_refused_behind_the_router_is_not_shadowed() {
+    let gw = gateway(&demo_shadow_all(8));
+    let mut s = Req::new("acme", "refused").force("v2").body(chat_body(MODEL)).send(&gw);
+    // What tenant-budget leaves when it answers 429 itself.
+    s.set_property(&["sluice_gateway_reply"], "429 refused");
+    s.end().expect("end");
+    gw.advance(ms(40)).expect("tick");
+    assert!(gw.http_calls().is_empty(), "no shadow sent");
+    let refused: Vec<String> = gw.metric_names().into_iter().filter(|n| n.contains("shadow_total") && n.ends_with("result.refused")).collect();
+    assert_eq!(refused.len(), 1, "{:?}", gw.metric_names());
+    assert_eq!(gw.counter(&refused[0]), Some(1));
+    assert_no_crash(&gw);
+
+    // Admitted requests are still shadowed.
+    let mut t = Req::new("acme", "admitted").force("v2").body(chat_body(MODEL)).send(&gw);
+    gw.advance(ms(40)).expect("tick");
+    assert_eq!(gw.http_calls().len(), 1);
+    t.end().expect("end");
+}

@@ -60,6 +60,8 @@ pub struct Store {
 
 enum Failure {
     Timeout,
+    /// No connection could be made (refused, unresolvable, authentication failed, …).
+    Connect(RedisError),
     Redis(RedisError),
 }
 
@@ -155,7 +157,7 @@ impl Store {
         let attempt = async {
             let mut last = None;
             for _ in 0..2 {
-                let (generation, conn, fresh) = self.connection().await.map_err(Failure::Redis)?;
+                let (generation, conn, fresh) = self.connection().await.map_err(Failure::Connect)?;
                 used = Some(generation);
                 match op(conn).await {
                     Ok(v) => return Ok(v),
@@ -190,6 +192,11 @@ impl Store {
                 let message = format!("no answer from redis {} within {} ms", self.address, self.timeout.as_millis());
                 self.mark(false, &message);
                 Err(StoreError::Unavailable(message))
+            }
+            Err(Failure::Connect(e)) => {
+                self.metrics.redis_error("connection");
+                self.mark(false, &e.to_string());
+                Err(StoreError::Unavailable(format!("redis {}: {e}", self.address)))
             }
             Err(Failure::Redis(e)) if is_connection_error(&e) => {
                 self.metrics.redis_error("connection");

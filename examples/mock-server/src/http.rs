@@ -111,8 +111,44 @@ fn read_headers<R: BufRead>(r: &mut R) -> Result<Vec<(String, String)>, ReadErro
     }
 }
 
+/// A request head: the request line and headers, before any body is read.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub method: String,
+    /// The path, query string dropped (routing is by path only).
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    /// Whether the connection may carry another request after this one.
+    pub keep_alive: bool,
+    /// How the body is framed.
+    pub body: BodyFraming,
+}
+
+/// How a request's body is framed, as its head says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    /// No `Content-Length` and no chunked transfer-encoding: no body.
+    None,
+    Length(usize),
+    Chunked,
+}
+
+impl Head {
+    /// First value of header `name` (lower-case), trimmed.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
 /// Reads the next request from `r`. Blocks until a full request (head and body) has arrived.
 pub fn read_request<R: BufRead, W: Write>(r: &mut R, w: &mut W) -> Result<Request, ReadError> {
+    let head = read_head(r)?;
+    read_body(r, w, head)
+}
+
+/// Reads the next request head (request line and headers) from `r`, and checks its framing
+/// headers; the body, if any, is left for [`read_body`].
+pub fn read_head<R: BufRead>(r: &mut R) -> Result<Head, ReadError> {
     let line = match read_line(r) {
         Ok(Some(l)) => l,
         Ok(None) => return Err(ReadError::Closed),
@@ -138,41 +174,58 @@ pub fn read_request<R: BufRead, W: Write>(r: &mut R, w: &mut W) -> Result<Reques
         !connection.contains("close")
     };
 
-    let chunked = match find("transfer-encoding") {
-        None => false,
-        Some(te) if te.to_ascii_lowercase().trim_end().ends_with("chunked") => true,
+    let body = match find("transfer-encoding") {
+        Some(te) if te.to_ascii_lowercase().trim_end().ends_with("chunked") => BodyFraming::Chunked,
         Some(te) => return Err(bad(501, format!("unsupported transfer-encoding {te:?}"))),
-    };
-    // curl and some SDKs wait for this before sending a large body.
-    if find("expect").is_some_and(|e| e.eq_ignore_ascii_case("100-continue")) {
-        w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
-        w.flush()?;
-    }
-    let body = if chunked {
-        read_chunked_body(r)?
-    } else if let Some(cl) = find("content-length") {
-        let len: usize = cl.parse().map_err(|_| bad(400, format!("bad content-length {cl:?}")))?;
-        if headers.iter().any(|(n, v)| n == "content-length" && v != cl) {
-            return Err(bad(400, "conflicting content-length headers"));
-        }
-        if len > MAX_BODY {
-            return Err(bad(413, "request body too large"));
-        }
-        let mut body = vec![0; len];
-        r.read_exact(&mut body)
-            .map_err(|_| bad(400, "request body shorter than content-length"))?;
-        body
-    } else {
-        Vec::new()
+        None => match find("content-length") {
+            Some(cl) => {
+                let len: usize = cl.parse().map_err(|_| bad(400, format!("bad content-length {cl:?}")))?;
+                if headers.iter().any(|(n, v)| n == "content-length" && v != cl) {
+                    return Err(bad(400, "conflicting content-length headers"));
+                }
+                if len > MAX_BODY {
+                    return Err(bad(413, "request body too large"));
+                }
+                BodyFraming::Length(len)
+            }
+            None => BodyFraming::None,
+        },
     };
     // Drop any query string: routing is by path only.
     let path = target.split('?').next().unwrap_or(target).to_string();
-    Ok(Request {
+    Ok(Head {
         method: method.to_string(),
         path,
         headers,
-        body,
         keep_alive,
+        body,
+    })
+}
+
+/// Reads the body `head` announces (answering `Expect: 100-continue` first) and returns the whole
+/// request.
+pub fn read_body<R: BufRead, W: Write>(r: &mut R, w: &mut W, head: Head) -> Result<Request, ReadError> {
+    // curl and some SDKs wait for this before sending a large body.
+    if head.header("expect").is_some_and(|e| e.eq_ignore_ascii_case("100-continue")) {
+        w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
+        w.flush()?;
+    }
+    let body = match head.body {
+        BodyFraming::Chunked => read_chunked_body(r)?,
+        BodyFraming::Length(len) => {
+            let mut body = vec![0; len];
+            r.read_exact(&mut body)
+                .map_err(|_| bad(400, "request body shorter than content-length"))?;
+            body
+        }
+        BodyFraming::None => Vec::new(),
+    };
+    Ok(Request {
+        method: head.method,
+        path: head.path,
+        headers: head.headers,
+        body,
+        keep_alive: head.keep_alive,
     })
 }
 

@@ -8,7 +8,8 @@
 //!
 //! Modules: [`http`] reads requests and writes responses, [`controls`] turns headers into
 //! behaviour, [`api`] renders each API's payloads, [`server`] ties them together, [`stats`] counts,
-//! [`ledger`] records what happened to each request.
+//! [`ledger`] records what happened to each request, [`traffic`] every connection and request head
+//! that reached the mock (answered or not).
 
 pub mod api;
 pub mod controls;
@@ -16,6 +17,7 @@ pub mod http;
 pub mod ledger;
 pub mod server;
 pub mod stats;
+pub mod traffic;
 
 pub use controls::Defaults;
 pub use server::{Config, Server};

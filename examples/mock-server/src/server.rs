@@ -5,9 +5,10 @@
 
 use crate::api::{self, keepalive_comment, Api, Event, Plan};
 use crate::controls::{Controls, Defaults, Failure};
-use crate::http::{self, ReadError, Request};
+use crate::http::{self, BodyFraming, ReadError, Request};
 use crate::ledger::{FailureKind, Ledger, Record};
 use crate::stats::Stats;
+use crate::traffic::{BodyState, Traffic};
 use serde_json::{json, Value};
 use std::io::{self, BufReader};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -41,6 +42,8 @@ struct Shared {
     config: Config,
     stats: Stats,
     ledger: Ledger,
+    /// Every connection accepted and every request head read (`/mock/connections`, `/mock/heads`).
+    traffic: Traffic,
     active: AtomicUsize,
     /// Default TTFT set at run time by `POST /mock/ttft` with `{"ms": N}` (`u64::MAX`: the configured one), so
     /// a test can make the upstream slow and fast again without the clients' help.
@@ -76,6 +79,7 @@ impl Server {
                 config,
                 stats: Stats::default(),
                 ledger: Ledger::default(),
+                traffic: Traffic::default(),
                 active: AtomicUsize::new(0),
                 ttft_override_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             }),
@@ -98,19 +102,25 @@ impl Server {
                 }
             };
             let shared = Arc::clone(&self.shared);
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
             if shared.active.fetch_add(1, Ordering::Relaxed) >= shared.config.max_connections {
                 shared.active.fetch_sub(1, Ordering::Relaxed);
+                shared.traffic.connection_opened(&peer, true);
                 reject_busy(stream);
                 continue;
             }
+            let conn_id = shared.traffic.connection_opened(&peer, false);
             let guard = ActiveGuard(Arc::clone(&shared));
             // Small stacks: a thousand mostly idle connection threads should cost little memory.
             let spawned = thread::Builder::new().stack_size(512 * 1024).spawn(move || {
                 let _guard = guard;
-                serve_connection(stream, &shared);
+                serve_connection(stream, &shared, conn_id);
+                shared.traffic.connection_closed(conn_id);
             });
             if spawned.is_err() {
-                thread::sleep(Duration::from_millis(10)); // the guard was dropped with the closure
+                // The guard was dropped with the closure, and the connection with it.
+                self.shared.traffic.connection_closed(conn_id);
+                thread::sleep(Duration::from_millis(10));
             }
         }
         Ok(())
@@ -137,7 +147,7 @@ fn reject_busy(mut stream: TcpStream) {
     );
 }
 
-fn serve_connection(stream: TcpStream, shared: &Shared) {
+fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
     // Every SSE event must leave when written: without NODELAY, Nagle would hold small token
     // chunks back and blur the timing the tests measure.
     let _ = stream.set_nodelay(true);
@@ -148,7 +158,25 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
     let mut reader = BufReader::new(read_half);
     let mut writer = stream;
     loop {
-        let req = match http::read_request(&mut reader, &mut writer) {
+        // The head is recorded as soon as it is read, before its body: a request whose body never
+        // comes (a gateway that sent headers and then reset) is still seen to have reached us.
+        let read = http::read_head(&mut reader).and_then(|head| {
+            let empty = matches!(head.body, BodyFraming::None | BodyFraming::Length(0));
+            let announced = if empty { BodyState::None } else { BodyState::Receiving };
+            let seq = shared.traffic.head(conn_id, &head.method, &head.path, head.header("x-request-id"), announced);
+            let req = http::read_body(&mut reader, &mut writer, head);
+            let body = match &req {
+                Ok(_) if announced == BodyState::None => BodyState::None,
+                Ok(_) => BodyState::Complete,
+                // A body cut short by the peer reads as truncated framing or as an I/O error.
+                Err(ReadError::Closed | ReadError::Io(_)) => BodyState::Incomplete,
+                Err(ReadError::Bad(_, msg)) if msg.contains("truncated") || msg.contains("shorter") => BodyState::Incomplete,
+                Err(ReadError::Bad(..)) => BodyState::Bad,
+            };
+            shared.traffic.body(seq, body);
+            req
+        });
+        let req = match read {
             Ok(req) => req,
             Err(ReadError::Closed | ReadError::Io(_)) => return,
             Err(ReadError::Bad(status, msg)) => {
@@ -215,11 +243,19 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
         ("GET", "/mock/stats") => {
-            let body = shared.stats.to_json(shared.active.load(Ordering::Relaxed));
+            let body = shared.stats.to_json(shared.active.load(Ordering::Relaxed), shared.traffic.accepted());
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
         ("GET", "/mock/requests") => {
             let body = shared.ledger.to_json();
+            write_json(w, 200, &json_headers(served, 0), &body, ka)
+        }
+        ("GET", "/mock/connections") => {
+            let body = shared.traffic.connections_json();
+            write_json(w, 200, &json_headers(served, 0), &body, ka)
+        }
+        ("GET", "/mock/heads") => {
+            let body = shared.traffic.heads_json();
             write_json(w, 200, &json_headers(served, 0), &body, ka)
         }
         ("POST", "/mock/ttft") => {
@@ -235,6 +271,7 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
         ("POST", "/mock/reset") => {
             shared.stats.reset();
             shared.ledger.clear();
+            shared.traffic.clear();
             write_json(w, 200, &json_headers(served, 0), &json!({}), ka)
         }
         ("POST", path) if Api::from_path(path).is_some() => inference(req, w, shared),
@@ -242,7 +279,14 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let known = Api::from_path(path).is_some()
                 || matches!(
                     path,
-                    "/health" | "/v1/models" | "/mock/stats" | "/mock/requests" | "/mock/reset" | "/mock/ttft"
+                    "/health"
+                        | "/v1/models"
+                        | "/mock/stats"
+                        | "/mock/requests"
+                        | "/mock/connections"
+                        | "/mock/heads"
+                        | "/mock/reset"
+                        | "/mock/ttft"
                 );
             let (status, msg) = if known {
                 (405, "method not allowed")

@@ -33,14 +33,16 @@ impl Stats {
         self.by_path.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    /// `{"requests": n, "tokens_sent": n, "by_path": {path: n}, "connections": open now}`
-    pub fn to_json(&self, connections: usize) -> Value {
+    /// `{"requests": n, "tokens_sent": n, "by_path": {path: n}, "connections": open now,
+    /// "connections_accepted": n}`
+    pub fn to_json(&self, connections: usize, accepted: u64) -> Value {
         let by_path = self.by_path.lock().unwrap_or_else(|e| e.into_inner()).clone();
         json!({
             "requests": self.requests.load(Ordering::Relaxed),
             "tokens_sent": self.tokens_sent.load(Ordering::Relaxed),
             "by_path": by_path,
             "connections": connections,
+            "connections_accepted": accepted,
         })
     }
 }

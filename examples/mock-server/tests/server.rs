@@ -559,3 +559,78 @@ fn ledger_takes_chunked_request_bodies() {
     assert_eq!(records[0]["tokens_flushed"], 5);
     assert_eq!(records[0]["completion_tokens"], 5);
 }
+
+/// `GET path` on a new connection, as JSON.
+fn get_json(mock: &Mock, path: &str) -> Value {
+    let r = mock.conn().request("GET", path, &[], "");
+    assert_eq!(r.status, 200, "{path}");
+    r.json()
+}
+
+/// Waits until `check` holds for `GET path` (the server records a cut body when it notices).
+fn wait_json(mock: &Mock, path: &str, check: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = get_json(mock, path);
+        if check(&v) || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn every_connection_and_request_head_is_recorded_even_without_a_body() {
+    let mock = Mock::start(&["--tokens", "2"]);
+    // A whole request, and a GET on the same connection.
+    let mut conn = mock.conn();
+    conn.post("/v1/chat/completions", &[("x-request-id", "whole")], &chat_body(false, false));
+    conn.request("GET", "/health", &[("x-request-id", "get")], "");
+    // Headers of a chunked request, then the connection closes: what a proxy does when it resets a
+    // request it already forwarded the head of.
+    let mut cut = mock.conn();
+    cut.send_raw(b"POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\nx-request-id: headers-only\r\ntransfer-encoding: chunked\r\n\r\n");
+    std::thread::sleep(Duration::from_millis(50));
+    drop(cut);
+    // Part of a content-length body, then close.
+    let mut partial = mock.conn();
+    partial.send_raw(b"POST /v1/messages HTTP/1.1\r\nhost: m\r\nx-request-id: partial\r\ncontent-length: 100\r\n\r\n{\"model\"");
+    std::thread::sleep(Duration::from_millis(50));
+    drop(partial);
+    // A connection that sends nothing at all.
+    drop(mock.conn());
+
+    let heads = wait_json(&mock, "/mock/heads", |v| {
+        v.as_array().unwrap().iter().filter(|h| h["body"] == "incomplete").count() == 2
+    });
+    let heads = heads.as_array().unwrap();
+    let by_id = |id: &str| heads.iter().find(|h| h["request_id"] == id).unwrap_or_else(|| panic!("no head {id}: {heads:?}")).clone();
+    assert_eq!(by_id("whole")["body"], "complete");
+    assert_eq!(by_id("whole")["path"], "/v1/chat/completions");
+    assert_eq!((by_id("get")["method"].as_str(), by_id("get")["body"].as_str()), (Some("GET"), Some("none")));
+    assert_eq!(by_id("whole")["connection"], by_id("get")["connection"]);
+    assert_eq!(by_id("headers-only")["body"], "incomplete");
+    assert_eq!((by_id("partial")["body"].as_str(), by_id("partial")["path"].as_str()), (Some("incomplete"), Some("/v1/messages")));
+    assert!(heads.iter().all(|h| h["seq"].as_u64().unwrap() > 0 && h["at_ms"].as_u64().unwrap() > 0));
+    // The cut requests never made it into the answered-request ledger.
+    let ledger = get_json(&mock, "/mock/requests");
+    let ids: Vec<&str> = ledger.as_array().unwrap().iter().filter_map(|r| r["request_id"].as_str()).collect();
+    assert_eq!(ids, ["whole"]);
+
+    // Connections: the keep-alive one, the two cut ones, the silent one, plus our GETs.
+    let conns = wait_json(&mock, "/mock/connections", |v| v["connections"][3]["closed"] == true);
+    let list = conns["connections"].as_array().unwrap();
+    assert_eq!(list[0]["heads"], 2);
+    assert_eq!((list[1]["heads"].as_u64(), list[2]["heads"].as_u64(), list[3]["heads"].as_u64()), (Some(1), Some(1), Some(0)));
+    assert!(list[1..4].iter().all(|c| c["closed"] == true && c["refused"] == false), "{list:?}");
+    assert!(list[0]["peer"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert_eq!(conns["accepted"].as_u64(), Some(list.len() as u64));
+    assert!(get_json(&mock, "/mock/stats")["connections_accepted"].as_u64().unwrap() > 4);
+
+    // Reset forgets them.
+    mock.conn().request("POST", "/mock/reset", &[], "");
+    let heads = get_json(&mock, "/mock/heads");
+    // Only the GET that read them back is left.
+    assert_eq!(heads.as_array().unwrap().len(), 1, "{heads}");
+    assert_eq!(get_json(&mock, "/mock/connections")["accepted"], 2);
+}

@@ -296,7 +296,7 @@ fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
 }
 
 /// Filter state latency-guard writes: `version>preferred-fallback` entries, comma-separated.
-use sluice_core::contract::AVOID_PROPERTY;
+use sluice_core::contract::{GatewayEnd, AVOID_PROPERTY};
 
 /// The versions latency-guard asked this request to avoid, with the fallback it prefers (may be empty).
 fn avoided_versions() -> Vec<(String, String)> {
@@ -552,6 +552,7 @@ impl HttpContext for Stream {
             }
             log::info!("route {} has no healthy upstream: version {} skipped for 10 s", r.decision.route, r.decision.version);
         }
+        self.drop_shadow_of_refused_request();
         self.finish_primary();
     }
 }
@@ -567,6 +568,25 @@ fn write_stamp(r: &Routed) {
 }
 
 impl Stream {
+    /// A filter behind the router (tenant-budget) refused the request: its shadow must not reach the
+    /// shadow model either. Shadows leave on the root's next tick, so one still queued is dropped;
+    /// one already sent runs on (counted under its own result).
+    fn drop_shadow_of_refused_request(&mut self) {
+        let (Some(shared), Some(r)) = (self.shared.clone(), self.state.as_mut()) else { return };
+        if r.shadow.is_none() || !host::gateway_reply().is_some_and(|g| g.end == GatewayEnd::Refused) {
+            return;
+        }
+        let mut sh = shared.borrow_mut();
+        let queued = sh.jobs.len();
+        sh.jobs.retain(|job| job.request_id != r.request_id);
+        if sh.jobs.len() < queued {
+            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), r.shadow.as_ref().map(|s| sanitize_label(&s.0)).unwrap_or_default());
+            sh.count(&format!("sluice.router.shadow_total{labels}.result.refused"));
+            r.shadow = None;
+            write_stamp(r);
+        }
+    }
+
     /// The primary side of a shadowed request, handed to the root for comparison.
     fn finish_primary(&mut self) {
         let (Some(shared), Some(r)) = (self.shared.clone(), self.state.as_mut()) else { return };
