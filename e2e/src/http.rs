@@ -124,7 +124,21 @@ impl Connection {
     /// Sends a request and returns once the response head has arrived; the body is read from the
     /// returned stream. A non-empty body gets `content-type: application/json` unless `headers`
     /// set one.
-    pub fn send(mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<ClientStream> {
+    pub fn send(self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<ClientStream> {
+        self.send_with_pause(method, path, headers, body, Duration::ZERO)
+    }
+
+    /// [`Connection::send`], but the body is written `pause` after the head (when `pause` is not
+    /// zero): the gateway has the headers alone for that long, as with a slow client or a large
+    /// upload.
+    pub fn send_with_pause(
+        mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        pause: Duration,
+    ) -> Result<ClientStream> {
         let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {}\r\n", self.addr);
         if !body.is_empty() && !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("content-type")) {
             head.push_str("content-type: application/json\r\n");
@@ -137,8 +151,13 @@ impl Connection {
         }
         head.push_str("\r\n");
         let mut out = head.into_bytes();
-        out.extend_from_slice(body);
         let sent_at = Instant::now();
+        if !pause.is_zero() {
+            self.stream.write_all(&out).context("sending request head")?;
+            std::thread::sleep(pause);
+            out.clear();
+        }
+        out.extend_from_slice(body);
         self.stream.write_all(&out).context("sending request")?;
         let (status, headers) = read_head(&mut self.reader).context("reading response head")?;
         let head_at = Instant::now();

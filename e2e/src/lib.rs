@@ -6,23 +6,26 @@
 //! ([`prometheus`]) and its JSON access log ([`access_log`]). Every process is killed on drop, and
 //! every wait is bounded, so a broken build fails a test instead of hanging it.
 //!
-//! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN` / `SLUICE_WASM_DIR`
-//! (the plugin `.wasm` files), else the workspace's `.tools/venv` and `target/` (what
-//! `cargo xtask setup` and `cargo xtask build` make).
+//! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN` / `SLUICE_LEDGER_BIN`
+//! / `SLUICE_WASM_DIR` (the plugin `.wasm` files), else the workspace's `.tools/venv` and `target/`
+//! (what `cargo xtask setup` and `cargo xtask build` make); `redis-server` from `SLUICE_REDIS_SERVER`
+//! or the `PATH`. The fleet tests also run Redis ([`redis`]) and the ledger service ([`ledger`]).
 
 pub mod access_log;
 pub mod envoy;
 pub mod gateway;
 pub mod http;
+pub mod ledger;
 pub mod mock;
 pub mod prometheus;
+pub mod redis;
 pub mod sse;
 pub mod tools;
 
 pub use access_log::AccessLog;
 pub use envoy::{free_port, render_config, Envoy};
 pub use http::{get, post_json, post_stream, ClientStream, Connection, Response, StreamedResponse};
-pub use mock::{MockRequest, MockServer};
+pub use mock::{MockHead, MockRequest, MockServer};
 pub use tools::Tools;
 
 use anyhow::{bail, Result};

@@ -74,7 +74,28 @@ impl MockServer {
         items.iter().map(MockRequest::from_json).collect()
     }
 
-    /// `POST /mock/reset`: zeroes the counters and clears the ledger.
+    /// Every request head the mock read (`GET /mock/heads`), oldest first, whether or not a body
+    /// followed: what proves that a request reached the upstream not even as headers.
+    pub fn heads(&self) -> Result<Vec<MockHead>> {
+        let v = http::get(self.addr, "/mock/heads")?.json()?;
+        let items = v.as_array().ok_or_else(|| anyhow!("/mock/heads is not an array: {v}"))?;
+        items.iter().map(MockHead::from_json).collect()
+    }
+
+    /// Connections the mock accepted since start or reset (`GET /mock/connections`), the
+    /// connections made to read it included.
+    pub fn connections_accepted(&self) -> Result<u64> {
+        let v = http::get(self.addr, "/mock/connections")?.json()?;
+        v.get("accepted").and_then(serde_json::Value::as_u64).ok_or_else(|| anyhow!("no accepted in {v}"))
+    }
+
+    /// `GET /mock/connections`: `{"accepted", "open", "connections": [{"id", "peer", "opened_ms",
+    /// "heads", "closed", "refused"}]}`.
+    pub fn connections(&self) -> Result<serde_json::Value> {
+        http::get(self.addr, "/mock/connections")?.json()
+    }
+
+    /// `POST /mock/reset`: zeroes the counters and clears the ledger and the traffic logs.
     pub fn reset(&self) -> Result<()> {
         let r = http::post_json(self.addr, "/mock/reset", &[], "")?;
         if r.status != 200 {
@@ -124,6 +145,37 @@ impl MockRequest {
             usage_reported: flag("usage_reported")?,
             completed: flag("completed")?,
             failure: text("failure"),
+        })
+    }
+}
+
+/// One request head the mock read (`GET /mock/heads`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MockHead {
+    pub seq: u64,
+    /// The mock's id of the connection it came on.
+    pub connection: u64,
+    pub method: String,
+    pub path: String,
+    /// The `x-request-id` header.
+    pub request_id: Option<String>,
+    pub at_ms: u64,
+    /// `none`, `receiving`, `complete`, `incomplete`, `bad`.
+    pub body: String,
+}
+
+impl MockHead {
+    pub fn from_json(v: &serde_json::Value) -> Result<MockHead> {
+        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64).ok_or_else(|| anyhow!("no {k} in {v}"));
+        let text = |k: &str| v.get(k).and_then(serde_json::Value::as_str).map(str::to_string);
+        Ok(MockHead {
+            seq: num("seq")?,
+            connection: num("connection")?,
+            method: text("method").unwrap_or_default(),
+            path: text("path").unwrap_or_default(),
+            request_id: text("request_id"),
+            at_ms: num("at_ms")?,
+            body: text("body").unwrap_or_default(),
         })
     }
 }

@@ -93,3 +93,36 @@ pub fn mock_bin() -> Result<PathBuf> {
         ),
     }
 }
+
+/// Finds the `sluice-ledger` binary: `$SLUICE_LEDGER_BIN` (set by `cargo xtask test`), else the
+/// newest of `<target>/release/sluice-ledger` and `<target>/debug/sluice-ledger` (the target
+/// directory of this test binary, then `<workspace>/target`). `cargo xtask build` builds it.
+pub fn ledger_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("SLUICE_LEDGER_BIN") {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("SLUICE_LEDGER_BIN={} does not exist: run `cargo xtask build`", p.display());
+        }
+        return Ok(p);
+    }
+    let mut target_dirs = Vec::new();
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
+    {
+        target_dirs.push(dir);
+    }
+    target_dirs.push(workspace_root().join("target"));
+    target_dirs
+        .iter()
+        .flat_map(|t| ["release", "debug"].map(|profile| t.join(profile).join("sluice-ledger")))
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "sluice-ledger binary not found (looked in {target_dirs:?}): build it with \
+                 `cargo build --release -p sluice-ledger` or `cargo xtask build`, or set SLUICE_LEDGER_BIN"
+            )
+        })
+}

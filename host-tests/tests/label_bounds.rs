@@ -817,6 +817,12 @@ fn traffic(i: usize) -> Traffic {
         5 => h("x-sluice-key", b" search-prod "),
         _ => h("x-sluice-key", format!("{t}-key").as_bytes()),
     }
+    // Who the request is within its key (tenant-budget's `identity_budgets`): one user who comes
+    // back, everyone else new.
+    match s % 5 {
+        0 => h("x-user", b"alice"),
+        _ => h("x-user", format!("{t}-user").as_bytes()),
+    }
     let claim = if id == 3 {
         "soft".to_string()
     } else {
@@ -1062,7 +1068,7 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
 // =============================================================================================
 
 const LLM_NAMED_VERSIONS: [&str; 2] = ["v1", "v2"];
-const LLM_DYNAMIC_VERSIONS: usize = 1000;
+const LLM_DYNAMIC_VERSIONS: usize = 8;
 const LLM_TENANTS: [&str; 2] = ["acme", "initech"];
 
 fn llm_config() -> String {
@@ -1175,14 +1181,18 @@ fn llm_metrics_labels_stay_bounded_whatever_clients_and_upstreams_send() {
 const BUDGET_NAMED_VERSIONS: [&str; 2] = ["v1", "v2"];
 const BUDGET_DYNAMIC_VERSIONS: usize = 4;
 
-/// One org, two teams, five keys: `search-prod` (API key, a minute token budget), `search-dev`
-/// (a USD budget: unpriced models are refused), `tiny` (3 requests a month: refused from the
-/// 4th), `soft` (a token budget with a soft limit, soon crossed and then exhausted, clamping on
-/// the way), `ops` (no budget of its own); a team budget with a soft limit and an org request
-/// budget.
+/// One org, two teams, five keys: `search-prod` (API key, a minute token budget, and 2 requests a
+/// minute per identity: the user who comes back is refused), `search-dev` (a USD budget: unpriced
+/// models are refused), `tiny` (3 requests a month: refused from the 4th), `soft` (a token budget
+/// with a soft limit, soon crossed and then exhausted, clamping on the way), `ops` (no budget of
+/// its own); a team budget with a soft limit, a per-identity team budget and an org request
+/// budget. Identities (`identity_budgets`) come from the `x-user` header, else the JWT's `sub`.
 fn budget_policy() -> Value {
     json!({
-        "identity": {"api_key": true, "header": "x-sluice-key", "jwt": {"header": "x-jwt-payload", "claim": "sluice_key"}},
+        "identity": {
+            "api_key": true, "header": "x-sluice-key", "jwt": {"header": "x-jwt-payload", "claim": "sluice_key"},
+            "per_identity": {"header": "x-user", "jwt": {"header": "x-jwt-payload", "claim": "sub"}}
+        },
         "prices": common::budget::prices(),
         "clamp": {"enabled": true, "min_output_tokens": 8},
         "model_versions": BUDGET_NAMED_VERSIONS,
@@ -1194,9 +1204,11 @@ fn budget_policy() -> Value {
                 {
                     "id": "search",
                     "budgets": [{"window": "day", "tokens": 5_000_000, "soft_limit_percent": 1}],
+                    "identity_budgets": [{"window": "day", "tokens": 1_000_000}],
                     "keys": [
                         {"id": "search-prod", "api_key_sha256": API_KEY_SHA256,
-                         "budgets": [{"window": "minute", "tokens": 1_000_000_000}]},
+                         "budgets": [{"window": "minute", "tokens": 1_000_000_000}],
+                         "identity_budgets": [{"window": "minute", "requests": 2}]},
                         {"id": "search-dev", "api_key_sha256": ANTHROPIC_KEY_SHA256,
                          "budgets": [{"window": "month", "usd": 10_000}]},
                         {"id": "tiny", "budgets": [{"window": "month", "requests": 3}]}
@@ -1221,36 +1233,43 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
     let mut paths: Vec<Labels> = Vec::new();
     let mut counters: Vec<Labels> = Vec::new();
     let mut codes = Vec::new();
-    let mut add_budgets = |level: &'static str, owner: &str, budgets: &Value| {
-        for b in budgets.as_array().into_iter().flatten() {
-            let window = b["window"].as_str().expect("window");
-            let measure = if b.get("tokens").is_some() {
-                "total_tokens"
-            } else if b.get("requests").is_some() {
-                "requests"
-            } else {
-                "micro_usd"
-            };
-            counters.push(vec![
-                (level, fixed([owner])),
-                ("window", fixed([window])),
-                ("unit", fixed([measure])),
-            ]);
-            codes.push(format!("{level}_{owner}_{window}_{measure}").replace(
-                |c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-',
-                "_",
-            ));
-        }
-    };
+    let mut add_budgets =
+        |level: &'static str, owner: &str, budgets: &Value, per_identity: bool| {
+            for b in budgets.as_array().into_iter().flatten() {
+                let window = b["window"].as_str().expect("window");
+                let measure = if b.get("tokens").is_some() {
+                    "total_tokens"
+                } else if b.get("requests").is_some() {
+                    "requests"
+                } else {
+                    "micro_usd"
+                };
+                counters.push(vec![
+                    (level, fixed([owner])),
+                    ("window", fixed([window])),
+                    ("unit", fixed([measure])),
+                ]);
+                let suffix = if per_identity { "_per_identity" } else { "" };
+                codes.push(
+                    format!("{level}_{owner}_{window}_{measure}{suffix}").replace(
+                        |c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-',
+                        "_",
+                    ),
+                );
+            }
+        };
     for org in policy["orgs"].as_array().expect("orgs") {
         let o = org["id"].as_str().expect("org id");
-        add_budgets("org", o, &org["budgets"]);
+        add_budgets("org", o, &org["budgets"], false);
+        add_budgets("org", o, &org["identity_budgets"], true);
         for team in org["teams"].as_array().into_iter().flatten() {
             let tm = team["id"].as_str().expect("team id");
-            add_budgets("team", tm, &team["budgets"]);
+            add_budgets("team", tm, &team["budgets"], false);
+            add_budgets("team", tm, &team["identity_budgets"], true);
             for key in team["keys"].as_array().into_iter().flatten() {
                 let k = key["id"].as_str().expect("key id");
-                add_budgets("key", k, &key["budgets"]);
+                add_budgets("key", k, &key["budgets"], false);
+                add_budgets("key", k, &key["identity_budgets"], true);
                 keys.push(k.to_string());
                 paths.push(vec![
                     ("key", fixed([k])),
@@ -1284,6 +1303,7 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
         "unrewritable_body",
         "unpriced_model",
         "budget_store_unavailable",
+        "budget_ledger_unavailable",
     ]
     .iter()
     .map(|r| r.to_string())
@@ -1317,32 +1337,129 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
                 metric: "sluice.budget.soft_limit_crossings_total".into(),
                 variants: counters,
             },
+            // The Redis ledger's health and calls.
+            family("sluice.budget.ledger_up", vec![]),
+            family(
+                "sluice.budget.ledger_calls_total",
+                vec![
+                    ("call", fixed(["reserve", "settle"])),
+                    ("result", fixed(["ok", "timeout", "error"])),
+                ],
+            ),
+            family(
+                "sluice.budget.ledger_latency_ms",
+                vec![("call", fixed(["reserve", "settle"]))],
+            ),
+            family(
+                "sluice.budget.ledger_fallback_total",
+                vec![("action", fixed(["allow", "local"]))],
+            ),
+            family("sluice.budget.ledger_settlements_dropped_total", vec![]),
         ],
     }
 }
 
+/// `budget_policy` with its counters in Redis, through `sluice-ledger` (played by
+/// [`answer_ledger`]); when the ledger does not answer, requests are admitted against the local
+/// fallback ledger.
+fn budget_policy_redis() -> Value {
+    let mut p = budget_policy();
+    p["ledger"] = json!({"mode": "redis", "cluster": "sluice_ledger", "timeout_ms": 200,
+                         "on_failure": "local", "replicas": 4});
+    p
+}
+
+/// The ledger service answers every pending call: a reservation is admitted, refused (its first
+/// counter, with the service's own figures), failed (timeout) or answered with garbage, by the
+/// request's position in the period; a settlement is taken, except that each one fails once for
+/// a tenth of the requests (and is retried).
+fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>>) {
+    let reply = |v: Value| {
+        HttpReply::status(200)
+            .header("content-type", "application/json")
+            .body(v.to_string())
+    };
+    // A refusal may come back as a clamped retry: answer until nothing is pending.
+    for _ in 0..8 {
+        let calls = gw.http_calls();
+        if calls.is_empty() {
+            return;
+        }
+        for call in calls {
+            let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+            let r = match call.headers.get(":path").unwrap_or_default() {
+                "/v1/reserve" => {
+                    let n = body["counters"].as_array().map_or(0, Vec::len);
+                    match tr.s % 10 {
+                        1 => Some(reply(
+                            json!({"admitted": false, "refused": 0, "used": 999_999,
+                                                "reserved": 0, "limit": 1_000}),
+                        )),
+                        2 => None,
+                        7 => Some(
+                            HttpReply::status(500)
+                                .body(format!("{} ledger exploded", tr.t).into_bytes()),
+                        ),
+                        _ => Some(reply(json!({"admitted": true, "replayed": false,
+                            "counters": vec![json!({"used": 0, "reserved": 1}); n]}))),
+                    }
+                }
+                "/v1/settle" => {
+                    let n = body["charges"].as_array().map_or(0, Vec::len);
+                    if tr.s % 10 == 4 && settled_once.insert(call.body.clone()) {
+                        None
+                    } else {
+                        Some(reply(json!({"settled": true,
+                            "counters": vec![json!({"used": 1, "reserved": 0}); n]})))
+                    }
+                }
+                _ => None,
+            };
+            match r {
+                Some(r) => gw
+                    .respond_http_call(call.token, r)
+                    .expect("answer the ledger call"),
+                None => gw.fail_http_call(call.token).expect("fail the ledger call"),
+            }
+        }
+    }
+}
+
 /// Bound (printed by the test), from the policy: `rejections_total` key (5 keys + unknown) ×
-/// reason (8 fixed codes + 6 budget codes) = 84; `clamps_total` and `overestimate_tokens` one per
-/// key (5 + 5); the two charge metrics one per key path × model_version (2 named + 4 dynamic +
-/// other = 7): 2 × 35 = 70; `remaining` and `soft_limit_crossings_total` one per budget counter
-/// (6 + 6): 176. The tight checks: model_version at most 4 dynamic values, keys only the policy's
-/// (and `unknown`), reasons only fixed codes and budget codes.
+/// reason (9 fixed codes + 8 budget codes, two of them per-identity) = 102; `clamps_total` and
+/// `overestimate_tokens` one per key (5 + 5); the two charge metrics one per key path ×
+/// model_version (2 named + 4 dynamic + other = 7): 2 × 35 = 70; `remaining` and
+/// `soft_limit_crossings_total` one per budget counter, per-identity ones included (8 + 8); the
+/// Redis ledger's `ledger_up` 1, `ledger_calls_total` 2 calls × 3 results = 6,
+/// `ledger_latency_ms` 2, `ledger_fallback_total` 2, `ledger_settlements_dropped_total` 1: 210.
+/// The tight checks: model_version at most 4 dynamic values, keys only the policy's (and
+/// `unknown`), reasons only fixed codes and budget codes, no identity anywhere. The same traffic
+/// runs against the local ledger and against the Redis ledger.
 #[test]
 fn tenant_budget_labels_stay_bounded_whatever_clients_and_upstreams_send() {
-    let policy = budget_policy();
-    let gw = Gateway::start(
-        &common::budget::plugin(),
-        PluginSpec::new(policy.to_string())
-            .start_time(common::budget::at(common::budget::MAR31_120030)),
-    )
-    .expect("tenant-budget starts");
-    let result = run(&gw, |i| {
-        let tr = traffic(i);
-        let mut s = send(&gw, &tr);
-        play(&gw, &mut s, &tr);
-    });
-    let schema = budget_schema(&policy, &BUDGET_NAMED_VERSIONS, BUDGET_DYNAMIC_VERSIONS);
-    assert_bounded(&schema, &result, BUDGET_DYNAMIC_VERSIONS);
+    let start = common::budget::at(common::budget::MAR31_120030);
+    for policy in [budget_policy(), budget_policy_redis()] {
+        let gw = Gateway::start(
+            &common::budget::plugin(),
+            PluginSpec::new(policy.to_string()).start_time(start),
+        )
+        .expect("tenant-budget starts");
+        let mut settled_once = BTreeSet::new();
+        let result = run(&gw, |i| {
+            let tr = traffic(i);
+            let mut s = send(&gw, &tr);
+            answer_ledger(&gw, &tr, &mut settled_once);
+            play(&gw, &mut s, &tr);
+            // Redis mode: settlements leave from the root's tick.
+            gw.advance(Duration::from_millis(25)).expect("advance");
+            answer_ledger(&gw, &tr, &mut settled_once);
+        });
+        let mut schema = budget_schema(&policy, &BUDGET_NAMED_VERSIONS, BUDGET_DYNAMIC_VERSIONS);
+        if policy["ledger"]["mode"] == "redis" {
+            schema.plugin = "tenant-budget (Redis ledger)";
+        }
+        assert_bounded(&schema, &result, BUDGET_DYNAMIC_VERSIONS);
+    }
 }
 
 // =============================================================================================
@@ -1469,7 +1586,14 @@ fn router_schema(policy: &Value) -> Schema {
                 "sluice.router.shadow_total",
                 with(vec![(
                     "result",
-                    fixed(["sent", "failed", "sampled", "skipped_cap", "excluded"]),
+                    fixed([
+                        "sent",
+                        "failed",
+                        "sampled",
+                        "skipped_cap",
+                        "excluded",
+                        "refused",
+                    ]),
                 )]),
             ),
             family(
@@ -1536,8 +1660,8 @@ fn answer_shadows(gw: &Gateway, tr: &Traffic) {
 
 /// Bound (printed by the test), from the policy: `requests_total` per model entry, its versions ×
 /// reason (5): (2 + 1 + 2) × 5 = 25; `unrouted_total` 2 reasons + `no_version` × 3 entries = 5;
-/// `shadow_total` shadowed versions (2) × shadows (1) × result (5) = 10; the comparison metrics
-/// 2 × (2 + 2 + 2 + 1 + 2 + 1) = 20: 60 in all. No label of model-router takes a value from the
+/// `shadow_total` shadowed versions (2) × shadows (1) × result (6) = 12; the comparison metrics
+/// 2 × (2 + 2 + 2 + 1 + 2 + 1) = 20: 62 in all. No label of model-router takes a value from the
 /// request: entries, versions and shadows are the policy's.
 #[test]
 fn model_router_labels_stay_bounded_whatever_clients_and_upstreams_send() {

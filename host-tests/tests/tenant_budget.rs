@@ -1754,3 +1754,29 @@ fn charge_metrics_bound_the_model_version_label() {
     assert_eq!(gw.counter(&charged_tokens("search-prod", "v1")), Some(28));
     assert_eq!(gw.counter(&charged_tokens("search-prod", "other")), Some(28 * 47));
 }
+
+/// A per-identity budget and a plain one of the same owner, window and measure: the gauge is the
+/// plain budget's (identity counters have none), and each identity is limited on its own.
+#[test]
+fn identity_budgets_leave_the_gauges_to_the_shared_budgets() {
+    let mut p = policy(json!([]), json!([{"window": "day", "tokens": 5_000_000}]), json!([]));
+    p["identity"]["per_identity"] = json!({"header": "x-user"});
+    p["orgs"][0]["teams"][0]["identity_budgets"] = json!([{"window": "day", "tokens": 1_000}]);
+    let gw = gateway(&p);
+    let send = |user: &str, max_tokens: u64| {
+        let mut h = key_headers(chat::PATH, "search-prod");
+        h.push(("x-user", user));
+        let mut c = Call::start(&gw, &h, &chat_body(false, false, Some(max_tokens)));
+        let refused = c.stream.local_reply().map(|r| r.status);
+        if refused.is_none() {
+            answer(&mut c, 100, 19, 9);
+            c.end();
+        }
+        refused
+    };
+    assert_eq!(send("alice", 500), None);
+    assert_eq!(send("alice", 900), Some(429), "alice's own 1,000 a day");
+    assert_eq!(send("bob", 500), None, "bob is not alice");
+    assert_eq!(gw.gauge(&remaining("team", "search", "day", "total_tokens")), Some(5_000_000 - 2 * 28));
+    assert!(gw.metric_names().iter().all(|n| !n.contains("per_identity") || n.contains("rejections_total")), "{:?}", gw.metric_names());
+}

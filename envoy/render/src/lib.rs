@@ -23,6 +23,11 @@ pub const ACCESS_LOG: &str = "/dev/stdout";
 /// The gateway's listener and admin ports (loopback only), as `cargo xtask up` serves them.
 pub const LISTEN_PORT: u16 = 10000;
 pub const ADMIN_PORT: u16 = 9901;
+/// The fleet ledger service (`sluice-ledger`, `{{LEDGER_PORT}}`) and the Redis behind it, as
+/// `cargo xtask up --fleet` serves them (loopback only; not Redis's usual 6379, which a system Redis
+/// may hold).
+pub const LEDGER_PORT: u16 = 18090;
+pub const REDIS_PORT: u16 = 16379;
 /// Timing of the demo mocks: one content token every 25 ms, 24 tokens an answer.
 pub const MOCK_ITL_MS: u32 = 25;
 pub const MOCK_TOKENS: u32 = 24;
@@ -75,6 +80,9 @@ pub struct Gateway {
     pub mocks: usize,
     /// The request headers of the example `curl` in the rendered file's header.
     pub example_headers: &'static [&'static str],
+    /// Whether it calls the fleet ledger service (`{{LEDGER_PORT}}`), which the rendered file's
+    /// header then says how to start, with its Redis.
+    pub ledger: bool,
 }
 
 /// Every gateway template in `envoy/`, in the order of the README.
@@ -84,6 +92,7 @@ pub const GATEWAYS: &[Gateway] = &[
         policies: &[("PLUGIN_CONFIG", "llm-metrics.demo.json")],
         mocks: 1,
         example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
     },
     Gateway {
         name: "budget-gateway",
@@ -91,12 +100,14 @@ pub const GATEWAYS: &[Gateway] = &[
         mocks: 1,
         // The worked example identifies keys by the SHA-256 of their API key: "test" is search-staging.
         example_headers: &["authorization: Bearer test"],
+        ledger: false,
     },
     Gateway {
         name: "router-gateway",
         policies: &[("ROUTER_CONFIG", "model-router.demo.json"), ("PLUGIN_CONFIG", "llm-metrics.demo.json")],
         mocks: 3,
         example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
     },
     Gateway {
         name: "latency-gateway",
@@ -107,6 +118,7 @@ pub const GATEWAYS: &[Gateway] = &[
         ],
         mocks: 3,
         example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
     },
     Gateway {
         name: "full-gateway",
@@ -120,6 +132,14 @@ pub const GATEWAYS: &[Gateway] = &[
         // One header names the tenant for every plugin: the guard's class, the budget's key, the
         // router's sticky key and the metrics' tenant label.
         example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
+    },
+    Gateway {
+        name: "fleet-gateway",
+        policies: &[("BUDGET_CONFIG", "tenant-budget.fleet.json"), ("PLUGIN_CONFIG", "llm-metrics.demo.json")],
+        mocks: 1,
+        example_headers: &["x-sluice-tenant: acme"],
+        ledger: true,
     },
 ];
 
@@ -166,6 +186,7 @@ impl Gateway {
             ("ADMIN_PORT", ADMIN_PORT.to_string()),
             ("WASM_DIR", WASM_DIR.to_string()),
             ("ACCESS_LOG", ACCESS_LOG.to_string()),
+            ("LEDGER_PORT", LEDGER_PORT.to_string()),
         ];
         vars.extend(MOCKS.iter().map(|m| (m.placeholder, m.port.to_string())));
         vars
@@ -226,6 +247,13 @@ impl Gateway {
         );
         for m in MOCKS.iter().take(self.mocks) {
             h.push_str(&format!("#   target/release/sluice-mock-server {} &\n", m.args().join(" ")));
+        }
+        if self.ledger {
+            h.push_str(&format!(
+                "#   redis-server --port {REDIS_PORT} --bind 127.0.0.1 --save '' --appendonly yes &   # Debian's redis-server\n\
+                 #   target/release/sluice-ledger --listen 127.0.0.1:{LEDGER_PORT} --redis redis://127.0.0.1:{REDIS_PORT}/ &\n\
+                 # (`cargo xtask up --fleet` starts all of it, with two Envoys sharing the ledger.)\n"
+            ));
         }
         h.push_str(&format!("#   .tools/venv/bin/envoy -c {}\n", self.rendered_path()));
         h.push_str(&format!(
@@ -376,6 +404,7 @@ mod tests {
         assert_eq!(gateway("full").map(|g| g.name), Some("full-gateway"));
         assert_eq!(gateway("envoy/full-gateway.yaml").map(|g| g.name), Some("full-gateway"));
         assert_eq!(gateway("gateway").map(|g| g.name), Some("gateway"));
+        assert_eq!(gateway("fleet").map(|g| g.name), Some("fleet-gateway"));
         assert_eq!(gateway("nope"), None);
     }
 }

@@ -73,6 +73,9 @@ impl Redis {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
+            // Ours, not another process that took the port first (then ours has exited).
+            let exited = self.child.as_mut().map(|c| c.try_wait().ok().flatten().is_some()).unwrap_or(true);
+            assert!(!exited, "redis-server on port {} exited; see {}", self.port, self.dir.join("redis.log").display());
             if self.raw("PING").map(|r| r.starts_with("+PONG")).unwrap_or(false) {
                 return;
             }

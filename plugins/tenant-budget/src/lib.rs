@@ -150,11 +150,15 @@ impl Context for Root {
         // 200 with any answer is final: settled now, or already (a retry), or expired (charged at
         // its reservation by the ledger).
         let done = status == 200 && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("settled").is_some());
-        let result = if done { "ok" } else if status == 0 { "timeout" } else { "error" };
+        // A 400 is final: the ledger judged the settlement itself malformed, a retry cannot fix it.
+        let rejected = status == 400;
+        let result = if done { "ok" } else if status == 0 { "timeout" } else if rejected { "rejected" } else { "error" };
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.settle.result.{result}"), 1);
         sh.metrics.record("sluice.budget.ledger_latency_ms.call.settle", now.saturating_sub(started) / 1_000_000);
         if done {
             sh.ledger_health(true, "");
+        } else if rejected {
+            log::error!("tenant-budget: the Redis ledger rejected a settlement: {}", String::from_utf8_lossy(&body));
         } else {
             sh.ledger_health(false, &format!("settle answered HTTP {status}"));
             retry_settlement(&mut sh, job, now);
@@ -911,6 +915,11 @@ impl Stream {
 /// past it — is counted and logged once. Reservations do not count: a worst case that never
 /// happens must not announce anything.
 fn publish_counter(sh: &mut Shared, spec: &CounterSpec, counter: &Counter, charged: u64, key: &str) -> bool {
+    if spec.per_identity {
+        // One counter per identity: a gauge would need a label per identity (unbounded), and
+        // without one it would show whichever identity was seen last. Only the announcement stays.
+        return spec.soft_limit.is_some_and(|soft| counter.used >= soft);
+    }
     let label = counter_label(spec);
     sh.metrics.set_gauge(&format!("sluice.budget.remaining{label}"), spec.limit.value().saturating_sub(counter.committed()));
     let Some(soft) = spec.soft_limit else { return false };

@@ -609,6 +609,11 @@ impl Policy {
                 return Err(invalid("ledger.authority", format!("must be a host name, got {:?}", c.ledger.authority)));
             }
         }
+        if c.ledger.mode == LedgerMode::Redis {
+            if let Some(big) = counters.iter().find(|spec| spec.limit.value() >= super::remote::MAX_EXACT) {
+                return Err(invalid("ledger.mode", format!("the Redis ledger counts exactly up to 2^53; budget {} has a limit of {}", big.code, big.limit.value())));
+            }
+        }
         if !(1..=60_000).contains(&c.ledger.timeout_ms) {
             return Err(invalid("ledger.timeout_ms", format!("must be 1–60000, got {}", c.ledger.timeout_ms)));
         }

@@ -9,6 +9,8 @@ use crate::usage::Usage;
 use serde::Deserialize;
 
 const NS_PER_S: u64 = 1_000_000_000;
+/// Amounts and limits cross to the ledger's Lua scripts, whose numbers are exact only up to 2⁵³.
+pub const MAX_EXACT: u64 = 1 << 53;
 
 /// A reservation sent to the Redis ledger, waiting for its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,7 +67,8 @@ impl Policy {
         let counters: Vec<serde_json::Value> = plan
             .holds
             .iter()
-            .map(|h| serde_json::json!({"key": h.remote_key, "limit": h.limit, "amount": h.amount, "expire_at_s": h.expire_at_s}))
+            // An amount above the limit is refused whatever its size: capped so it stays exact there.
+            .map(|h| serde_json::json!({"key": h.remote_key, "limit": h.limit, "amount": h.amount.min(h.limit.saturating_add(1)).min(MAX_EXACT), "expire_at_s": h.expire_at_s}))
             .collect();
         let body = serde_json::json!({
             "id": id,
@@ -158,7 +161,7 @@ impl Policy {
         let mut charges = Vec::with_capacity(admission.leases.len());
         for (index, lease) in &admission.leases {
             let amount = self.counters.get(*index).map_or(0, |spec| spec.limit.amount(actual.input_tokens, actual.output_tokens, micro_usd));
-            charges.push(amount);
+            charges.push(amount.min(MAX_EXACT));
             settlement.after.push(None);
             settlement.over_estimates.push(i128::from(lease.amount) - i128::from(amount));
         }
