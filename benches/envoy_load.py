@@ -48,7 +48,13 @@ CONFIGS = [
     # latency-guard (demo policy: breaker, deadlines and in-flight limit on v1, none of them
     # tripping) in front of the router + llm-metrics chain above, no shadow.
     ("guard + router + metrics", ROOT / "envoy/latency-gateway.yaml"),
+    # The fleet gateway (tenant-budget, buffer filter, llm-metrics) with the same budget policy:
+    # counters in this process's shared data, then in Redis through one sluice-ledger instance
+    # (one tokio thread) — the cost of a fleet-wide budget, side by side.
+    ("fleet gw, local ledger", ROOT / "envoy/fleet-gateway.yaml"),
+    ("fleet gw, Redis ledger", ROOT / "envoy/fleet-gateway.yaml"),
 ]
+LEDGER = ROOT / "target/release/sluice-ledger"
 
 
 def router_policy(shadow_fraction):
@@ -134,6 +140,10 @@ def wrk(port, tokens, connections, seconds, tmp):
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
         raise RuntimeError(f"wrk saw errors: {out}")
+    percentiles = {}
+    for q, value, unit in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M):
+        percentiles[q] = float(value) * {"us": 1.0, "ms": 1000.0, "s": 1e6}[unit]
+    wrk.percentiles = percentiles
     return rps, float(m.group(1)) * scale, total
 
 
@@ -142,14 +152,27 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     args = ap.parse_args()
     plugin_config = yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text())
-    budget_config = yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
+    budget_policy = json.loads((ROOT / "policies/tenant-budget.bench.json").read_text())
+    budget_config = yaml_string_body(json.dumps(budget_policy))
+    budget_policy["ledger"] = {"mode": "redis", "cluster": "sluice_ledger", "timeout_ms": 1000}
+    redis_budget_config = yaml_string_body(json.dumps(budget_policy))
+    extra_cpu = {}
     latency_config = yaml_string_body((ROOT / "policies/latency-guard.demo.json").read_text())
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = free_port()
         mock = subprocess.Popen([str(MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
+        # Redis (Debian's redis-server, no persistence) and one ledger instance on one thread.
+        redis_port, ledger_port = free_port(), free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", tmp,
+                                  "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        ledger = subprocess.Popen([str(LEDGER), "--listen", f"127.0.0.1:{ledger_port}",
+                                   "--redis", f"redis://127.0.0.1:{redis_port}/", "--threads", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_port(mock_port)
+            wait_port(redis_port)
+            wait_port(ledger_port)
             runs = [("mock alone (no Envoy)", None)] + CONFIGS
             for name, config in runs:
                 envoy = None
@@ -160,7 +183,8 @@ def main():
                     path.write_text(render(config.read_text(), {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
-                        "BUDGET_CONFIG": budget_config,
+                        "BUDGET_CONFIG": redis_budget_config if "Redis" in name else budget_config,
+                        "LEDGER_PORT": str(ledger_port),
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port)}))
@@ -173,12 +197,18 @@ def main():
                     row = {}
                     for tokens in (1, 64):
                         _, lat, _ = wrk(port, tokens, 1, args.seconds, tmp)
+                        if tokens == 1:
+                            row["p50_p99"] = (wrk.percentiles.get("50"), wrk.percentiles.get("99"))
                         # CPU per request of the proxy (the mock's when there is no Envoy): unlike
                         # latency, it is not moved by whatever else the machine runs.
                         pid = envoy.pid if envoy else mock.pid
                         before = cpu_seconds(pid)
+                        side = {"ledger": cpu_seconds(ledger.pid), "redis": cpu_seconds(redis.pid)}
                         rps, _, total = wrk(port, tokens, 16, args.seconds, tmp)
                         cpu_us = (cpu_seconds(pid) - before) * 1e6 / max(total, 1)
+                        if tokens == 1 and "Redis" in name:
+                            extra_cpu[name] = {k: (cpu_seconds(p) - side[k]) * 1e6 / max(total, 1)
+                                               for k, p in (("ledger", ledger.pid), ("redis", redis.pid))}
                         row[tokens] = (lat, rps, cpu_us)
                     results[name] = row
                 finally:
@@ -186,8 +216,9 @@ def main():
                         envoy.terminate()
                         envoy.wait()
         finally:
-            mock.terminate()
-            mock.wait()
+            for process in (mock, ledger, redis):
+                process.terminate()
+                process.wait()
 
     base = results["no filter"]
     print()
@@ -201,6 +232,14 @@ def main():
             added_req = f"{c1 - base[1][2]:.1f}"
             added_chunk = f"{((c64 - base[64][2]) - (c1 - base[1][2])) / 63:.2f}"
         print(f"{name:<24} {l1:>13.1f} {r1:>7.0f} {c1:>7.1f} {l64:>14.1f} {r64:>7.0f} {c64:>7.1f} {added_req:>17} {added_chunk:>19}")
+    print(f"\n{'configuration':<24} {'1 tok p50 µs':>13} {'p99 µs':>9}   (1 connection, closed loop)")
+    for name, row in results.items():
+        p50, p99 = row.get("p50_p99", (None, None))
+        fmt = lambda v: f"{v:.0f}" if v is not None else "—"
+        print(f"{name:<24} {fmt(p50):>13} {fmt(p99):>9}")
+    for name, cpu in extra_cpu.items():
+        print(f"{name}: outside Envoy, per request at 16 connections: sluice-ledger {cpu['ledger']:.1f} µs CPU, "
+              f"redis-server {cpu['redis']:.1f} µs CPU")
     print("\nEnvoy --concurrency 1; wrk 1 thread. µs/req: mean latency of 1 connection in a closed loop;"
           "\nreq/s and CPU µs (Envoy's own CPU time per request, from /proc) at 16 connections.")
     json.dump(results, sys.stderr)

@@ -96,6 +96,26 @@ impl LedgerService {
         self.wait_healthy(Duration::from_secs(10))
     }
 
+    /// SIGSTOP: the process stays, its sockets stay open, nothing is answered — a stalled service
+    /// (until [`LedgerService::resume`]).
+    pub fn pause(&self) -> Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// SIGCONT after [`LedgerService::pause`].
+    pub fn resume(&self) -> Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> Result<()> {
+        let pid = self.child.as_ref().map(Child::id).ok_or_else(|| anyhow!("sluice-ledger is not running"))?;
+        let status = Command::new("kill").args([sig, &pid.to_string()]).status().context("running kill")?;
+        if !status.success() {
+            bail!("kill {sig} {pid}: {status}");
+        }
+        Ok(())
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

@@ -116,6 +116,26 @@ impl Redis {
         }
     }
 
+    /// SIGSTOP: Redis stays, its connections stay open, nothing is answered — a stalled Redis (a
+    /// long fork, a slow script) until [`Redis::resume`].
+    pub fn pause(&self) -> Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// SIGCONT after [`Redis::pause`].
+    pub fn resume(&self) -> Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> Result<()> {
+        let pid = self.child.as_ref().map(Child::id).ok_or_else(|| anyhow!("redis-server is not running"))?;
+        let status = Command::new("kill").args([sig, &pid.to_string()]).status().context("running kill")?;
+        if !status.success() {
+            bail!("kill {sig} {pid}: {status}");
+        }
+        Ok(())
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

@@ -3,6 +3,7 @@
 //! - `cargo xtask setup` — installs what builds and tests need (wasm target, Envoy in a local venv).
 //! - `cargo xtask build` — builds the plugin `.wasm` files and the mock model server.
 //! - `cargo xtask up`    — the demo gateway: mock model server + real Envoy + plugins, in the foreground.
+//! - `cargo xtask up --fleet` — two Envoys sharing budgets through Redis and the ledger service.
 //! - `cargo xtask render <gateway> [--out FILE] | --all` — a runnable Envoy file from a template
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
@@ -11,7 +12,7 @@
 //! Every step is idempotent and fast when already done.
 
 use anyhow::{bail, Context, Result};
-use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LISTEN_PORT, MOCKS};
+use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LEDGER_PORT, LISTEN_PORT, MOCKS, REDIS_PORT};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,7 +43,11 @@ fn main() -> Result<()> {
         Some("up") => {
             setup(&root)?;
             build(&root)?;
-            up(&root)
+            match args.get(1).map(String::as_str) {
+                None => up(&root),
+                Some("--fleet") => up_fleet(&root),
+                Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet]"),
+            }
         }
         Some("test") => {
             setup(&root)?;
@@ -164,7 +169,9 @@ fn build(root: &Path) -> Result<()> {
         cmd.args(["--package", package]);
     }
     run(&mut cmd)?;
-    run(cargo().current_dir(root).args(["build", "--release", "--package", "sluice-mock-server"]))?;
+    // The native binaries the end-to-end tests and `up` run: the mock model server and the fleet
+    // ledger service (`sluice-ledger`, docs/ledger.md).
+    run(cargo().current_dir(root).args(["build", "--release", "--package", "sluice-mock-server", "--package", "sluice-ledger"]))?;
     for (_, stem) in PLUGINS {
         let wasm = wasm_path(root, stem);
         let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
@@ -193,6 +200,8 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         .args(["test", "--workspace"])
         .env("SLUICE_ENVOY", envoy_bin(root))
         .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"))
+        // The fleet tests (e2e/tests/budget_fleet.rs) run it in front of Debian's redis-server.
+        .env("SLUICE_LEDGER_BIN", root.join("target/release/sluice-ledger"))
         // The estimate calibration fails, not skips, when setup did not install the tokenizer.
         .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
@@ -384,5 +393,122 @@ Stop with Ctrl-C."#,
     );
     let status = envoy.0.wait()?;
     drop(mocks);
+    bail!("Envoy exited: {status}")
+}
+
+/// `redis-server`: on the `PATH`, or where Debian's package puts it (`setup` installs it).
+fn redis_server_bin() -> Result<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    dirs.extend([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")]);
+    dirs.into_iter()
+        .map(|d| d.join("redis-server"))
+        .find(|p| p.is_file())
+        .context("redis-server not found: `cargo xtask setup` installs Debian's redis-server")
+}
+
+/// `up --fleet`: Redis, the ledger service, the mock model server and two Envoys running
+/// `envoy/fleet-gateway.yaml` (tenant-budget in Redis mode, `policies/tenant-budget.fleet.json`) on
+/// two listener ports, in the foreground; everything under `.run/fleet`, Redis's data wiped at each
+/// start.
+fn up_fleet(root: &Path) -> Result<()> {
+    let run_dir = root.join(".run/fleet");
+    let redis_dir = run_dir.join("redis");
+    let _ = std::fs::remove_dir_all(&redis_dir);
+    std::fs::create_dir_all(&redis_dir)?;
+    let mut children = Vec::new();
+    children.push(KillOnDrop(
+        Command::new(redis_server_bin()?)
+            .args(["--port", &REDIS_PORT.to_string(), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "", "--appendonly", "yes"])
+            .arg("--dir")
+            .arg(&redis_dir)
+            .arg("--logfile")
+            .arg(redis_dir.join("redis.log"))
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting redis-server")?,
+    ));
+    wait_for_port(REDIS_PORT, Duration::from_secs(10))?;
+    let redis_url = format!("redis://127.0.0.1:{REDIS_PORT}/");
+    let ledger = KillOnDrop(
+        Command::new(root.join("target/release/sluice-ledger"))
+            .args(["--listen", &format!("127.0.0.1:{LEDGER_PORT}"), "--redis", &redis_url, "--prefix", "sluice"])
+            .stderr(std::fs::File::create(run_dir.join("ledger.log"))?)
+            .spawn()
+            .context("starting sluice-ledger")?,
+    );
+    let ledger_pid = ledger.0.id();
+    children.push(ledger);
+    wait_for_port(LEDGER_PORT, Duration::from_secs(10))?;
+    let mock = &MOCKS[0];
+    children.push(KillOnDrop(
+        Command::new(root.join("target/release/sluice-mock-server"))
+            .args(mock.args())
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the mock model server")?,
+    ));
+    wait_for_port(mock.port, Duration::from_secs(10))?;
+
+    // Two Envoys of one fleet: the fleet gateway rendered as envoy/rendered/ has it, but for the
+    // ports, the access logs (files) and the wasm directory (absolute).
+    let gateway = sluice_envoy_render::gateway("fleet-gateway").context("the fleet gateway is not in the catalogue")?;
+    let wasm_dir = root.join(sluice_envoy_render::WASM_DIR).display().to_string();
+    let mut envoys = Vec::new();
+    let mut logs = Vec::new();
+    for (n, (listen, admin)) in [(LISTEN_PORT, ADMIN_PORT), (LISTEN_PORT + 1, ADMIN_PORT + 1)].into_iter().enumerate() {
+        let access_log = run_dir.join(format!("access-{listen}.log")).display().to_string();
+        let (listen_text, admin_text) = (listen.to_string(), admin.to_string());
+        let vars = [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
+        let config_path = run_dir.join(format!("envoy-{listen}.yaml"));
+        std::fs::write(&config_path, gateway.render_with(root, &vars, &[])?)?;
+        envoys.push(KillOnDrop(
+            Command::new(envoy_bin(root))
+                .arg("-c")
+                .arg(&config_path)
+                .args(["--concurrency", "2", "--log-level", "warn", "--base-id", &(28 + n).to_string(), "--file-flush-interval-msec", "200"])
+                .spawn()
+                .context("starting Envoy")?,
+        ));
+        logs.push(access_log);
+    }
+    for port in [LISTEN_PORT, LISTEN_PORT + 1] {
+        wait_for_port(port, Duration::from_secs(30))?;
+    }
+
+    let (a, b) = (LISTEN_PORT, LISTEN_PORT + 1);
+    let (admin_a, admin_b) = (ADMIN_PORT, ADMIN_PORT + 1);
+    println!(
+        r#"
+sluice fleet is up: two Envoys, http://127.0.0.1:{a} (admin :{admin_a}) and http://127.0.0.1:{b} (admin :{admin_b}),
+sharing their budgets through the ledger service on 127.0.0.1:{LEDGER_PORT} (pid {ledger_pid}) and Redis on
+127.0.0.1:{REDIS_PORT} (data in {redis}); the mock model server on 127.0.0.1:{mock_port}.
+Policy: policies/tenant-budget.fleet.json — tenant acme may send 20 requests a minute, whichever Envoy
+they go to.
+
+Send 24 requests, alternating between the two Envoys, and watch acme's minute drain across both
+(the 21st and later get 429 until the minute ends):
+  for i in $(seq 1 24); do port=$(({a} + i % 2)); printf ':%s  ' $port
+    curl -s -o /dev/null -D - 127.0.0.1:$port/v1/chat/completions -H 'content-type: application/json' \
+         -H 'x-sluice-tenant: acme' -d '{{"model":"llama-3-70b","messages":[{{"role":"user","content":"Hello"}}]}}' \
+      | grep -iE '^HTTP/|^x-ratelimit-remaining-requests' | tr -d '\r' | tr '\n' ' '; echo; done
+
+The shared counters, in Redis (redis-cli comes with Debian's redis-server):
+  redis-cli -p {REDIS_PORT} --scan --pattern 'sluice:*:c:*' | while read k; do echo "$k $(redis-cli -p {REDIS_PORT} hgetall "$k" | tr '\n' ' ')"; done
+The ledger service's own counters:   curl -s 127.0.0.1:{LEDGER_PORT}/metrics | grep -v ' 0$'
+What each Envoy last saw (it updates when it admits a request):
+  curl -s 127.0.0.1:{admin_a}/stats/prometheus | grep -E 'sluice_budget_remaining|sluice_budget_ledger'
+  curl -s 127.0.0.1:{admin_b}/stats/prometheus | grep -E 'sluice_budget_remaining|sluice_budget_ledger'
+Stall the ledger and watch both Envoys answer 503 budget_ledger_unavailable (on_failure: deny):
+  kill -STOP {ledger_pid}      (and back: kill -CONT {ledger_pid})
+Per-request stamps:  tail -f {log_a} {log_b}
+Stop with Ctrl-C."#,
+        redis = redis_dir.display(),
+        mock_port = mock.port,
+        log_a = logs[0],
+        log_b = logs[1],
+    );
+    let status = envoys[0].0.wait()?;
+    drop(envoys);
+    drop(children);
     bail!("Envoy exited: {status}")
 }
