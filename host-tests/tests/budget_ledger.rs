@@ -62,6 +62,7 @@ fn a_reservation_waits_for_the_ledger_and_settlement_leaves_from_the_root() {
     assert!(!c.stream.request_paused(), "resumed once admitted");
     assert_eq!(c.stream.upstream_request_body(), body.as_bytes());
     assert_eq!(stamp(&c.stream)["ledger"], json!("redis"));
+    assert_eq!(stamp(&c.stream)["ledger_hold"], json!(id), "the hold is traceable from the access log");
 
     c.response_headers(300, "200", "application/json");
     c.body_bytes(300, chat::response(19, 9).as_bytes(), true);
@@ -128,6 +129,14 @@ fn when_the_ledger_does_not_answer_deny_refuses_with_503() {
     assert_eq!(reply_json(&c.stream)["error"]["code"], json!("budget_ledger_unavailable"));
     assert_eq!(gw.counter("sluice.budget.ledger_calls_total.call.reserve.result.timeout"), Some(1));
     assert!(c.stream.upstream_request_body().is_empty());
+    // The reservation may still run in Redis after the timeout: it is released a second later.
+    let id = body_of(&call)["id"].clone();
+    gw.advance(Duration::from_millis(900)).unwrap();
+    assert!(calls_to(&gw, "/v1/settle").is_empty());
+    gw.advance(Duration::from_millis(200)).unwrap();
+    let release = calls_to(&gw, "/v1/settle");
+    assert_eq!(release.len(), 1);
+    assert_eq!(body_of(&release[0]), json!({"id": id, "tag": "acme", "charges": [0, 0]}));
 }
 
 #[test]

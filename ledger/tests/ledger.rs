@@ -97,8 +97,11 @@ fn reserve_and_settle_are_idempotent_per_id() {
     assert_eq!(redis.query::<String>(&["GET", "t:{acme}:s:req-1"]), "settled");
     assert!(!redis.query::<bool>(&["EXISTS", "t:{acme}:h:req-1"]));
     assert_eq!(redis.query::<u64>(&["ZCARD", "t:{acme}:holds"]), 0);
-    // Never reserved.
+    // Never reserved: answered `unknown`, and a tombstone keeps a reservation with that id that
+    // arrives later (its caller gave up and released it) from holding anything.
     assert_eq!(http.ok("/v1/settle", &settle("nobody", "acme", &[1])), json!({"settled": false, "reason": "unknown"}));
+    assert_eq!(http.ok("/v1/reserve", &reserve("nobody", "acme", 600, &[("key:a", 5000, 100, FAR)])), json!({"admitted": false, "reason": "already_settled"}));
+    assert_eq!(redis.counter("t:{acme}:c:key:a"), Some((812, 0)));
     // A charge above the hold (estimate mode) is charged in full.
     http.ok("/v1/reserve", &reserve("req-2", "acme", 600, &[("key:a", 5000, 100, FAR)]));
     assert_eq!(http.ok("/v1/settle", &settle("req-2", "acme", &[150])), json!({"settled": true, "counters": states(&[(962, 0)])}));

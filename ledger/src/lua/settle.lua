@@ -16,6 +16,10 @@ if not raw then
   elseif marker == 'expired' then
     return { 'expired', swept }
   end
+  -- Never held (yet): leave a tombstone, so that a reservation with this id still queued behind a
+  -- stall (its caller already gave up and released it) holds nothing when it finally runs. Two
+  -- hours outlive any hold TTL the plugin sends (at most 60 minutes).
+  redis.call('SET', KEYS[3], 'released', 'EX', 7200)
   return { 'unknown', swept }
 end
 

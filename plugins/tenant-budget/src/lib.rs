@@ -104,6 +104,16 @@ impl Shared {
         }
     }
 
+    /// Queues the release of a reservation whose fate is unknown (its answer never came, or the
+    /// request went away before it did), sent [`RELEASE_DELAY_NS`] later.
+    fn queue_release(&mut self, pending: &PendingReserve, now: u64) {
+        if self.settle_queue.len() >= MAX_QUEUED_SETTLEMENTS {
+            self.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+            return;
+        }
+        self.settle_queue.push_back(SettleJob { body: pending.release_body(), attempts: 0, not_before_ns: now.saturating_add(RELEASE_DELAY_NS) });
+    }
+
     /// Queues the Redis settlement of `admission` at `actual`; returns the settlement it makes.
     fn queue_settlement(&mut self, admission: &Admission, actual: &Usage, now: u64) -> Option<sluice_core::budget::Settlement> {
         let (body, settlement) = self.policy.remote_settle(admission, actual)?;
@@ -455,11 +465,7 @@ impl HttpContext for Stream {
         // Gone while the Redis ledger decided (Envoy cancelled the callout): release the hold it may
         // have made. Sent a second later, so that the reservation has landed first.
         if let (Some(shared), Some((_, pending, _))) = (self.shared.clone(), self.state.as_mut().and_then(|b| b.reserve.take())) {
-            let later = host::now_ns().saturating_add(RELEASE_DELAY_NS);
-            let mut sh = shared.borrow_mut();
-            if sh.settle_queue.len() < MAX_QUEUED_SETTLEMENTS {
-                sh.settle_queue.push_back(SettleJob { body: pending.release_body(), attempts: 0, not_before_ns: later });
-            }
+            shared.borrow_mut().queue_release(&pending, host::now_ns());
         }
         if self.state.as_ref().is_some_and(|b| !b.settled) {
             let outcome = host::interrupted_outcome();
@@ -741,7 +747,12 @@ impl Stream {
                     None => self.decided(Err(AdmitError::Exceeded(refusal)), &body, size),
                 }
             }
-            Err(AdmitError::Store(e)) => self.ledger_failed(&e, pending, &body),
+            Err(AdmitError::Store(e)) => {
+                // The reservation may still run in Redis after this (a stall past the timeout): release
+                // it, a second later; the ledger's tombstone stops a reservation arriving after that.
+                shared.borrow_mut().queue_release(&pending, now);
+                self.ledger_failed(&e, pending, &body)
+            }
             Ok(mut admission) => {
                 admission.clamped = self.state.as_ref().is_some_and(|b| b.clamped_retry);
                 self.decided(Ok(admission), &body, size)
@@ -798,8 +809,9 @@ impl Stream {
                     }
                 }
                 b.stamp.insert("decision".into(), b.decision.into());
-                if admission.remote.is_some() {
+                if let Some(hold) = &admission.remote {
                     b.stamp.insert("ledger".into(), "redis".into());
+                    b.stamp.insert("ledger_hold".into(), hold.id.clone().into());
                 } else if sh.policy.ledger.mode == LedgerMode::Redis {
                     b.stamp.insert("ledger".into(), "local_fallback".into());
                 }
