@@ -14,7 +14,7 @@ For each configuration and stream length (1 and 64 content tokens, no artificial
     from /proc around the run): the figure other load on the machine does not move. Added CPU per
     request and per chunk are derived from it the same way.
 
-Usage: benches/envoy_load.py [--seconds N]   (needs: target/release/sluice-mock-server, the .wasm,
+Usage: benches/envoy_load.py [--seconds N] [--only budget,fleet]   (needs: target/release/sluice-mock-server, the .wasm,
 Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
 """
 
@@ -150,7 +150,10 @@ def wrk(port, tokens, connections, seconds, tmp):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations "
+                    "whose name contains one of them (plus 'no filter', the baseline)")
     args = ap.parse_args()
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     plugin_config = yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text())
     budget_policy = json.loads((ROOT / "policies/tenant-budget.bench.json").read_text())
     budget_config = yaml_string_body(json.dumps(budget_policy))
@@ -173,7 +176,9 @@ def main():
             wait_port(mock_port)
             wait_port(redis_port)
             wait_port(ledger_port)
-            runs = [("mock alone (no Envoy)", None)] + CONFIGS
+            runs = [("mock alone (no Envoy)", None)] + [
+                (name, config) for name, config in CONFIGS
+                if not wanted or name == "no filter" or any(w in name for w in wanted)]
             for name, config in runs:
                 envoy = None
                 port = mock_port

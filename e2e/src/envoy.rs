@@ -304,7 +304,8 @@ fn scratch_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn tail(path: &Path, n: usize) -> String {
+/// The last `n` lines of the file at `path` (a child's stderr or log); empty if there is none.
+pub(crate) fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines.get(lines.len().saturating_sub(n)..).unwrap_or(&[]).join("\n")

@@ -2,22 +2,23 @@
 //! port, in front of a [`crate::redis::Redis`]: started, killed with SIGKILL (what a crash does) and
 //! restarted on the same port, so Envoy's `sluice_ledger` cluster finds it again. Killed on drop.
 
-use crate::envoy::free_port;
+use crate::envoy::{free_port, tail};
 use crate::http;
+use crate::process::Process;
 use crate::tools::ledger_bin;
 use anyhow::{anyhow, bail, Context, Result};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The Redis key prefix the tests run the service with (its default).
 pub const PREFIX: &str = "sluice";
 
 /// A running `sluice-ledger`.
 pub struct LedgerService {
-    child: Option<Child>,
+    process: Process,
     bin: PathBuf,
     port: u16,
     redis_url: String,
@@ -36,7 +37,7 @@ impl LedgerService {
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         let mut ledger = LedgerService {
-            child: None,
+            process: Process::new("sluice-ledger"),
             bin: ledger_bin()?,
             port: free_port()?,
             redis_url: redis_url.to_string(),
@@ -59,33 +60,20 @@ impl LedgerService {
             .stderr(stderr)
             .spawn()
             .with_context(|| format!("starting {}", self.bin.display()))?;
-        self.child = Some(child);
+        self.process.run(child);
         Ok(())
     }
 
     /// Waits until `GET /healthz` answers 200.
     pub fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.healthz().is_ok_and(|s| s == 200) {
-                return Ok(());
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                bail!("sluice-ledger exited ({status}); stderr:\n{}", self.stderr_tail(20));
-            }
-            if Instant::now() >= deadline {
-                bail!("sluice-ledger not healthy after {timeout:?}; stderr:\n{}", self.stderr_tail(20));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let (addr, stderr) = (self.addr(), self.stderr_path.clone());
+        let healthy = || http::get(addr, "/healthz").is_ok_and(|r| r.status == 200);
+        self.process.wait_ready(timeout, "healthy", healthy, || format!("stderr:\n{}", tail(&stderr, 20)))
     }
 
     /// SIGKILL: the process dies at once, in-flight calls and all.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Starts the service again on the same port (after [`LedgerService::kill`]) and waits until
@@ -99,21 +87,12 @@ impl LedgerService {
     /// SIGSTOP: the process stays, its sockets stay open, nothing is answered — a stalled service
     /// (until [`LedgerService::resume`]).
     pub fn pause(&self) -> Result<()> {
-        self.signal("-STOP")
+        self.process.signal("-STOP")
     }
 
     /// SIGCONT after [`LedgerService::pause`].
     pub fn resume(&self) -> Result<()> {
-        self.signal("-CONT")
-    }
-
-    fn signal(&self, sig: &str) -> Result<()> {
-        let pid = self.child.as_ref().map(Child::id).ok_or_else(|| anyhow!("sluice-ledger is not running"))?;
-        let status = Command::new("kill").args([sig, &pid.to_string()]).status().context("running kill")?;
-        if !status.success() {
-            bail!("kill {sig} {pid}: {status}");
-        }
-        Ok(())
+        self.process.signal("-CONT")
     }
 
     pub fn port(&self) -> u16 {
@@ -148,9 +127,7 @@ impl LedgerService {
 
     /// The last `n` lines the service wrote to stderr.
     pub fn stderr_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.stderr_path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines.get(lines.len().saturating_sub(n)..).unwrap_or(&[]).join("\n")
+        tail(&self.stderr_path, n)
     }
 }
 

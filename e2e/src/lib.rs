@@ -9,14 +9,18 @@
 //! Where binaries come from is in [`tools`]: `SLUICE_ENVOY` / `SLUICE_MOCK_BIN` / `SLUICE_LEDGER_BIN`
 //! / `SLUICE_WASM_DIR` (the plugin `.wasm` files), else the workspace's `.tools/venv` and `target/`
 //! (what `cargo xtask setup` and `cargo xtask build` make); `redis-server` from `SLUICE_REDIS_SERVER`
-//! or the `PATH`. The fleet tests also run Redis ([`redis`]) and the ledger service ([`ledger`]).
+//! or the `PATH`. The fleet tests also run Redis ([`redis`]) and the ledger service ([`ledger`]);
+//! they and the single-Envoy budget test send and check the same planned traffic
+//! ([`budget_traffic`]).
 
 pub mod access_log;
+pub mod budget_traffic;
 pub mod envoy;
 pub mod gateway;
 pub mod http;
 pub mod ledger;
 pub mod mock;
+mod process;
 pub mod prometheus;
 pub mod redis;
 pub mod sse;

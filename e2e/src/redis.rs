@@ -3,13 +3,14 @@
 //! so a test can show what survives a Redis restart. Talks RESP itself (a few lines), so the tests
 //! need no `redis-cli` and no Redis crate.
 
-use crate::envoy::free_port;
+use crate::envoy::{free_port, tail};
+use crate::process::Process;
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -43,7 +44,7 @@ pub fn redis_server_bin() -> Result<PathBuf> {
 
 /// A running `redis-server`, killed (and its directory removed) on drop.
 pub struct Redis {
-    child: Option<Child>,
+    process: Process,
     bin: PathBuf,
     dir: PathBuf,
     port: u16,
@@ -58,7 +59,7 @@ impl Redis {
         let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut redis = Redis { child: None, bin, dir, port: free_port()?, persistence };
+        let mut redis = Redis { process: Process::new("redis-server"), bin, dir, port: free_port()?, persistence };
         redis.spawn()?;
         Ok(redis)
     }
@@ -81,22 +82,10 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", self.bin.display()))?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Resp::Simple(pong)) = self.command(&["PING"]) {
-                if pong == "PONG" {
-                    return Ok(());
-                }
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                bail!("redis-server exited during startup ({status}); log:\n{}", self.log_tail(20));
-            }
-            if Instant::now() >= deadline {
-                bail!("redis-server not answering PING after 10 s; log:\n{}", self.log_tail(20));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.run(child);
+        let (addr, log) = (self.addr(), self.dir.join("redis.log"));
+        let pong = || matches!(command_at(addr, &["PING"]), Ok(Resp::Simple(p)) if p == "PONG");
+        self.process.wait_ready(Duration::from_secs(10), "answering PING", pong, || format!("log:\n{}", tail(&log, 20)))
     }
 
     /// Kills Redis with SIGKILL (no shutdown save: what a crash leaves) and starts it again on the
@@ -110,30 +99,18 @@ impl Redis {
 
     /// SIGKILL, and wait for the process to be gone.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// SIGSTOP: Redis stays, its connections stay open, nothing is answered — a stalled Redis (a
     /// long fork, a slow script) until [`Redis::resume`].
     pub fn pause(&self) -> Result<()> {
-        self.signal("-STOP")
+        self.process.signal("-STOP")
     }
 
     /// SIGCONT after [`Redis::pause`].
     pub fn resume(&self) -> Result<()> {
-        self.signal("-CONT")
-    }
-
-    fn signal(&self, sig: &str) -> Result<()> {
-        let pid = self.child.as_ref().map(Child::id).ok_or_else(|| anyhow!("redis-server is not running"))?;
-        let status = Command::new("kill").args([sig, &pid.to_string()]).status().context("running kill")?;
-        if !status.success() {
-            bail!("kill {sig} {pid}: {status}");
-        }
-        Ok(())
+        self.process.signal("-CONT")
     }
 
     pub fn port(&self) -> u16 {
@@ -153,25 +130,10 @@ impl Redis {
         &self.dir
     }
 
-    fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines.get(lines.len().saturating_sub(n)..).unwrap_or(&[]).join("\n")
-    }
-
     /// Sends one command on a new connection and reads its reply. A Redis error reply is `Ok`
     /// ([`Resp::Error`]); a connection failure is `Err`.
     pub fn command(&self, args: &[&str]) -> Result<Resp> {
-        let mut stream = TcpStream::connect_timeout(&self.addr(), Duration::from_secs(2))?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let mut out = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            out.extend_from_slice(a.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        stream.write_all(&out)?;
-        read_resp(&mut BufReader::new(stream))
+        command_at(self.addr(), args)
     }
 
     /// Every key matching `pattern` (`KEYS`: fine for a test's few thousand keys).
@@ -218,6 +180,20 @@ impl Drop for Redis {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// [`Redis::command`] to the Redis at `addr`.
+fn command_at(addr: SocketAddr, args: &[&str]) -> Result<Resp> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    stream.write_all(&out)?;
+    read_resp(&mut BufReader::new(stream))
 }
 
 /// A RESP reply.

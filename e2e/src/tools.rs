@@ -60,13 +60,23 @@ impl Tools {
 /// is the target directory this test binary was built in (so a custom `CARGO_TARGET_DIR` works)
 /// and then `<workspace>/target`. Newest, so a stale release build never shadows a fresh debug one.
 pub fn mock_bin() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("SLUICE_MOCK_BIN") {
+    built_binary("sluice-mock-server", "SLUICE_MOCK_BIN", "cargo build -p sluice-mock-server")
+}
+
+/// Finds the `sluice-ledger` binary: `$SLUICE_LEDGER_BIN` (set by `cargo xtask test`), else the
+/// newest of `<target>/release/sluice-ledger` and `<target>/debug/sluice-ledger`, as
+/// [`mock_bin`] looks. `cargo xtask build` builds it.
+pub fn ledger_bin() -> Result<PathBuf> {
+    built_binary("sluice-ledger", "SLUICE_LEDGER_BIN", "cargo build --release -p sluice-ledger")
+}
+
+/// A workspace binary: `$<env>` if set, else the newest `name` in the release and debug
+/// directories of this test binary's target directory and of `<workspace>/target`.
+fn built_binary(name: &str, env: &str, build: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
         let p = PathBuf::from(p);
         if !p.is_file() {
-            bail!(
-                "SLUICE_MOCK_BIN={} does not exist: run `cargo xtask build`",
-                p.display()
-            );
+            bail!("{env}={} does not exist: run `cargo xtask build`", p.display());
         }
         return Ok(p);
     }
@@ -81,48 +91,14 @@ pub fn mock_bin() -> Result<PathBuf> {
     target_dirs.push(workspace_root().join("target"));
     let newest = target_dirs
         .iter()
-        .flat_map(|t| ["release", "debug"].map(|profile| t.join(profile).join("sluice-mock-server")))
+        .flat_map(|t| ["release", "debug"].map(|profile| t.join(profile).join(name)))
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
         .max();
     match newest {
         Some((_, p)) => Ok(p),
         None => bail!(
-            "sluice-mock-server binary not found (looked in {:?}): build it with \
-             `cargo build -p sluice-mock-server` or `cargo xtask build`, or set SLUICE_MOCK_BIN",
-            target_dirs
+            "{name} binary not found (looked in {target_dirs:?}): build it with `{build}` or \
+             `cargo xtask build`, or set {env}"
         ),
     }
-}
-
-/// Finds the `sluice-ledger` binary: `$SLUICE_LEDGER_BIN` (set by `cargo xtask test`), else the
-/// newest of `<target>/release/sluice-ledger` and `<target>/debug/sluice-ledger` (the target
-/// directory of this test binary, then `<workspace>/target`). `cargo xtask build` builds it.
-pub fn ledger_bin() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("SLUICE_LEDGER_BIN") {
-        let p = PathBuf::from(p);
-        if !p.is_file() {
-            bail!("SLUICE_LEDGER_BIN={} does not exist: run `cargo xtask build`", p.display());
-        }
-        return Ok(p);
-    }
-    let mut target_dirs = Vec::new();
-    if let Some(dir) = std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
-    {
-        target_dirs.push(dir);
-    }
-    target_dirs.push(workspace_root().join("target"));
-    target_dirs
-        .iter()
-        .flat_map(|t| ["release", "debug"].map(|profile| t.join(profile).join("sluice-ledger")))
-        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-        .max()
-        .map(|(_, p)| p)
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "sluice-ledger binary not found (looked in {target_dirs:?}): build it with \
-                 `cargo build --release -p sluice-ledger` or `cargo xtask build`, or set SLUICE_LEDGER_BIN"
-            )
-        })
 }

@@ -14,9 +14,10 @@
 //!     `budget_ledger_unavailable` (OpenAI shape) during the outage, with `on_failure: local` traffic
 //!     continues under the limits divided by `replicas`; settlements of requests in flight across the
 //!     outage are not lost (Redis equals the charges settled before and after); the local fallback
-//!     starts from zero (printed: a key's day over its limit across the outage); holds left behind —
-//!     by a killed Envoy, and by a request refused 503 while Redis was stalled, whose script ran when
-//!     Redis woke (printed) — expire (`reservation_ttl_minutes: 1`) and are charged at their
+//!     starts from zero (printed: a key's day over its limit across the outage); a request refused 503
+//!     while Redis was stalled has its hold id released by the plugin a second later, so the script
+//!     that runs when Redis wakes leaves no hold (or the release finds it and frees it); the hold left
+//!     behind by a killed Envoy expires (`reservation_ttl_minutes: 1`) and is charged at its
 //!     reservation, a late settle answered `expired`;
 //! (c) Redis SIGKILLed and restarted with `appendonly yes`: every counter intact, limits still
 //!     enforced from where they were, traffic continues;
@@ -34,20 +35,21 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use serde_json::{json, Value};
+use sluice_e2e::budget_traffic::{
+    check_windows, error_fields, plan_traffic, read_logs, run_traffic, stamp_str, stamp_u64, Budget, Charge, Check, Failures, Fault, Figures,
+    Logged, Measure, Planned, Policy, Records, Seen, Tally, Window, CHAT, KEYS, LEDGER_UNAVAILABLE,
+};
 use sluice_e2e::gateway::{demo_plugin_config, shipped, start_budget_gateway, start_full_gateway, yaml_string_body};
 use sluice_e2e::ledger::{LedgerService, PREFIX};
 use sluice_e2e::redis::{redis_server_bin, Persistence, Redis, Resp};
 use sluice_e2e::tools::{ledger_bin, mock_bin, wasm_dir};
-use sluice_e2e::{wait_until, Connection, Envoy, MockRequest, MockServer, StreamedResponse, Tools};
+use sluice_e2e::{wait_until, Connection, Envoy, MockServer, StreamedResponse, Tools};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-const CHAT: &str = "/v1/chat/completions";
-const MESSAGES: &str = "/v1/messages";
 
 // =============================================================================================
 // Shared set-up
@@ -154,123 +156,6 @@ fn redis_ledger(ledger: &str, on_failure: &str, extra: Value) -> Value {
     v
 }
 
-/// Collects failures instead of panicking at the first, so the figures are printed either way.
-#[derive(Default)]
-struct Failures {
-    by_check: BTreeMap<String, Vec<String>>,
-}
-
-impl Failures {
-    fn add(&mut self, check: &str, msg: String) {
-        self.by_check.entry(check.to_string()).or_default().push(msg);
-    }
-    fn that(&mut self, check: &str, ok: bool, msg: impl FnOnce() -> String) {
-        if !ok {
-            self.add(check, msg());
-        }
-    }
-    fn report(&self) -> String {
-        let mut out = String::new();
-        for (check, msgs) in &self.by_check {
-            let _ = writeln!(out, "{check}: {} failure(s)", msgs.len());
-            for m in msgs.iter().take(12) {
-                let _ = writeln!(out, "  {m}");
-            }
-            if msgs.len() > 12 {
-                let _ = writeln!(out, "  … and {} more", msgs.len() - 12);
-            }
-        }
-        out
-    }
-    fn done(self, context: &str) {
-        assert!(self.by_check.is_empty(), "{}\n{context}", self.report());
-    }
-}
-
-/// The access-log line of one request, with its parsed `budget` stamp and the Envoy it came from.
-#[derive(Debug, Clone)]
-struct Logged {
-    envoy: usize,
-    start_ms: Option<i64>,
-    duration_ms: u64,
-    status: Option<u64>,
-    stamp: Option<Value>,
-    raw_stamp: String,
-}
-
-fn as_u64(v: &Value) -> Option<u64> {
-    match v {
-        Value::Number(n) => n.as_u64(),
-        Value::String(s) => s.trim().parse().ok(),
-        _ => None,
-    }
-}
-
-fn as_ms(v: &Value) -> Option<i64> {
-    match v {
-        Value::Number(n) => n.as_f64().map(|f| (f * 1000.0).round() as i64),
-        Value::String(s) => s.trim().parse::<f64>().ok().map(|f| (f * 1000.0).round() as i64),
-        _ => None,
-    }
-}
-
-/// Every access-log line of `envoys`, by request id, once at least `expected` lines are there (or
-/// 20 s passed).
-fn read_logs(envoys: &[&Envoy], expected: usize) -> HashMap<String, Logged> {
-    let _ = wait_until(Duration::from_secs(20), "the access logs", || {
-        let n: usize = envoys.iter().map(|e| e.access_log().entries().map_or(0, |l| l.len())).sum();
-        Ok((n >= expected).then_some(()))
-    });
-    let mut out = HashMap::new();
-    for (i, envoy) in envoys.iter().enumerate() {
-        for line in envoy.access_log().entries().unwrap() {
-            let Some(id) = line["request_id"].as_str() else { continue };
-            let raw_stamp = line["budget"].as_str().unwrap_or("").to_string();
-            out.insert(
-                id.to_string(),
-                Logged {
-                    envoy: i,
-                    start_ms: as_ms(&line["start_epoch"]),
-                    duration_ms: as_u64(&line["duration_ms"]).unwrap_or(0),
-                    status: as_u64(&line["status"]),
-                    stamp: serde_json::from_str(&raw_stamp).ok().filter(Value::is_object),
-                    raw_stamp,
-                },
-            );
-        }
-    }
-    out
-}
-
-/// The access-log line of `id` on `envoy`, waited for.
-fn logged_one(envoy: &Envoy, id: &str) -> Logged {
-    let line = envoy.access_log().wait_for_request(id, Duration::from_secs(10)).unwrap();
-    let raw_stamp = line["budget"].as_str().unwrap_or("").to_string();
-    Logged {
-        envoy: 0,
-        start_ms: as_ms(&line["start_epoch"]),
-        duration_ms: as_u64(&line["duration_ms"]).unwrap_or(0),
-        status: as_u64(&line["status"]),
-        stamp: serde_json::from_str(&raw_stamp).ok().filter(Value::is_object),
-        raw_stamp,
-    }
-}
-
-/// The mock's ledger once it has stopped growing (records are written when each answer ends).
-fn read_mock_ledger(mock: &MockServer) -> HashMap<String, MockRequest> {
-    let mut last = usize::MAX;
-    let stable = wait_until(Duration::from_secs(10), "the mock's ledger to settle", || {
-        let records = mock.requests()?;
-        let n = records.len();
-        let settled = n == last;
-        last = n;
-        std::thread::sleep(Duration::from_millis(250));
-        Ok(settled.then_some(records))
-    })
-    .unwrap_or_else(|_| mock.requests().unwrap());
-    stable.into_iter().map(|r| (r.request_id.clone(), r)).collect()
-}
-
 /// Request id → the body states of every head the mock read with that id.
 fn read_heads(mock: &MockServer) -> HashMap<String, Vec<String>> {
     let mut out: HashMap<String, Vec<String>> = HashMap::new();
@@ -280,14 +165,6 @@ fn read_heads(mock: &MockServer) -> HashMap<String, Vec<String>> {
         }
     }
     out
-}
-
-fn stamp_u64(stamp: &Value, field: &str) -> Option<u64> {
-    stamp.get(field).and_then(Value::as_u64)
-}
-
-fn stamp_str<'a>(stamp: &'a Value, field: &str) -> &'a str {
-    stamp.get(field).and_then(Value::as_str).unwrap_or("")
 }
 
 /// The sum of a Prometheus counter (all label sets matching `labels`) over several Envoys.
@@ -319,38 +196,7 @@ fn chat(stream: bool, max_tokens: Option<u64>, text: &str) -> String {
 
 /// The refusal body of `resp`: `(type, code)` of OpenAI's error shape.
 fn error_of(resp: &StreamedResponse) -> (String, String) {
-    let v: Value = serde_json::from_slice(&resp.body()).unwrap_or(Value::Null);
-    let s = |p: &str| v.pointer(p).and_then(Value::as_str).unwrap_or("").to_string();
-    (s("/error/type"), s("/error/code"))
-}
-
-// =============================================================================================
-// Windows (UTC calendar, as the plugin's)
-
-/// Days since 1970-01-01 → (year, month), proleptic Gregorian (Howard Hinnant's algorithm).
-fn year_month(days: i64) -> (i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(month <= 2), month)
-}
-
-/// The window holding `ms` (epoch milliseconds), numbered as the plugin numbers it (`w<id>`).
-fn window_of(window: &str, ms: i64) -> i64 {
-    match window {
-        "minute" => ms.div_euclid(60_000),
-        "hour" => ms.div_euclid(3_600_000),
-        "day" => ms.div_euclid(86_400_000),
-        "month" => {
-            let (y, m) = year_month(ms.div_euclid(86_400_000));
-            y * 12 + m - 1
-        }
-        other => panic!("unknown window {other}"),
-    }
+    error_fields(&resp.body())
 }
 
 // =============================================================================================
@@ -362,414 +208,45 @@ const A_ENVOYS: usize = 3;
 /// No new request after this; the test fails if fewer than 3,000 were sent.
 const A_TRAFFIC_DEADLINE: Duration = Duration::from_secs(70);
 const A_SEED: u64 = 0xf1ee_7b0d_9e7c_0ffe;
-/// A request may be settled into the window of any instant from its start to its end plus this.
-const WINDOW_SLACK_MS: i64 = 500;
 /// The plugin's output limit when a request sets none (the policy's `default_max_output_tokens`).
 const A_DEFAULT_MAX_OUTPUT: u64 = 64;
 
-/// Keys (key, team, org) and their share of the traffic. Five are metered below what their traffic
-/// asks for; `ads-rt` and `labs-open` have room for everything.
-const A_KEYS: [(&str, &str, &str, u64); 7] = [
-    ("search-prod", "search", "acme", 10),
-    ("search-dev", "search", "acme", 7),
-    ("search-batch", "search", "acme", 10),
-    ("ads-batch", "ads", "acme", 8),
-    ("ads-rt", "ads", "acme", 22),
-    ("labs-metered", "labs", "globex", 8),
-    ("labs-open", "labs", "globex", 35),
-];
-
-/// xorshift64*: small, deterministic, good enough to pick test traffic.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Api {
-    ChatStreamUsage,
-    /// Streamed without `include_usage`: the plugin injects it and hides the usage chunk.
-    ChatStream,
-    ChatWhole,
-    MessagesStream,
-    MessagesWhole,
-}
-
-impl Api {
-    fn path(self) -> &'static str {
-        match self {
-            Api::ChatStreamUsage | Api::ChatStream | Api::ChatWhole => CHAT,
-            Api::MessagesStream | Api::MessagesWhole => MESSAGES,
-        }
-    }
-    fn stream(self) -> bool {
-        matches!(self, Api::ChatStreamUsage | Api::ChatStream | Api::MessagesStream)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    None,
-    /// Read at least this many body bytes, then drop the connection.
-    Disconnect(usize),
-    /// `x-mock-fail: reset-after:N`.
-    Reset(u64),
-}
-
-#[derive(Debug, Clone)]
-struct Planned {
-    id: String,
-    key: &'static str,
-    api: Api,
-    tokens: u64,
-    ttft_ms: u64,
-    itl_ms: u64,
-    max_tokens: Option<u64>,
-    user_text: String,
-    fault: Fault,
-}
-
-impl Planned {
-    fn body(&self) -> String {
-        let mut body = match self.api {
-            Api::ChatStreamUsage | Api::ChatStream | Api::ChatWhole => json!({
-                "model": "llama-3-70b",
-                "stream": self.api.stream(),
-                "messages": [{"role": "system", "content": "You are terse."},
-                             {"role": "user", "content": self.user_text}],
-            }),
-            Api::MessagesStream | Api::MessagesWhole => json!({
-                "model": "claude-3-5-haiku",
-                "stream": self.api.stream(),
-                "system": "You are terse.",
-                "messages": [{"role": "user", "content": self.user_text}],
-            }),
-        };
-        if self.api == Api::ChatStreamUsage {
-            body["stream_options"] = json!({"include_usage": true});
-        }
-        if let Some(m) = self.max_tokens {
-            body["max_tokens"] = json!(m);
-        }
-        body.to_string()
-    }
-
-    fn headers(&self) -> Vec<(&'static str, String)> {
-        let mut h = vec![
-            ("x-request-id", self.id.clone()),
-            ("x-sluice-key", self.key.to_string()),
-            ("x-mock-ttft-ms", self.ttft_ms.to_string()),
-            ("x-mock-itl-ms", self.itl_ms.to_string()),
-            ("x-mock-tokens", self.tokens.to_string()),
-        ];
-        if let Fault::Reset(n) = self.fault {
-            h.push(("x-mock-fail", format!("reset-after:{n}")));
-        }
-        h
-    }
-
-    /// What the request costs if admitted and answered whole, by the mock's token rule
-    /// (`ceil(chars / 4) + 4` per text unit; the system prompt is 8): (input, output).
-    fn full_usage(&self) -> (u64, u64) {
-        let input = 8 + (self.user_text.chars().count() as u64).div_ceil(4) + 4;
-        (input, self.tokens.min(self.max_tokens.unwrap_or(A_DEFAULT_MAX_OUTPUT)))
-    }
-}
-
-fn plan_traffic(n: usize, seed: u64, prefix: &str) -> Vec<Planned> {
-    let mut rng = Rng(seed);
-    let total_weight: u64 = A_KEYS.iter().map(|k| k.3).sum();
-    let words = ["budget", "tenant", "stream", "token", "window", "ledger", "model", "quota"];
-    (0..n)
-        .map(|i| {
-            let mut pick = rng.range(0, total_weight - 1);
-            let key = A_KEYS
-                .iter()
-                .find(|k| {
-                    let hit = pick < k.3;
-                    pick = pick.saturating_sub(k.3);
-                    hit
-                })
-                .map_or("labs-open", |k| k.0);
-            let api = match rng.range(0, 99) {
-                0..=29 => Api::ChatStreamUsage,
-                30..=54 => Api::ChatStream,
-                55..=74 => Api::ChatWhole,
-                75..=89 => Api::MessagesStream,
-                _ => Api::MessagesWhole,
-            };
-            let tokens = rng.range(5, 60);
-            let max_tokens = match api {
-                Api::MessagesStream | Api::MessagesWhole => Some(if rng.chance(70) { 64 } else { rng.range(20, 80) }),
-                _ if rng.chance(40) => Some(rng.range(tokens.saturating_sub(10).max(1), 80)),
-                _ => None,
-            };
-            let user_text = (0..rng.range(1, 20))
-                .map(|_| words[rng.range(0, words.len() as u64 - 1) as usize])
-                .collect::<Vec<_>>()
-                .join(" ");
-            // ≈5 % disconnects (streams only) and ≈5 % resets overall.
-            let roll = rng.range(0, 99);
-            let fault = if api.stream() && roll < 7 {
-                Fault::Disconnect(rng.range(64, 64 + tokens * 80) as usize)
-            } else if (10..15).contains(&roll) {
-                Fault::Reset(rng.range(0, tokens))
-            } else {
-                Fault::None
-            };
-            Planned {
-                id: format!("{prefix}-{i:05}"),
-                key,
-                api,
-                tokens,
-                ttft_ms: rng.range(0, 5),
-                itl_ms: rng.range(0, 2),
-                max_tokens,
-                user_text,
-                fault,
-            }
-        })
-        .collect()
-}
-
-/// What the client saw of one request.
-#[derive(Debug, Clone, Default)]
-struct Seen {
-    status: Option<u16>,
-    complete: bool,
-    aborted: bool,
-    received_tokens: u64,
-    usage_seen: bool,
-    retry_after: Option<String>,
-    body: Vec<u8>,
-    error: Option<String>,
-}
-
-/// Content tokens (`tok<digits>`) in `bytes`.
-fn count_tokens(bytes: &[u8]) -> u64 {
-    bytes.windows(4).filter(|w| &w[..3] == b"tok" && w[3].is_ascii_digit()).count() as u64
-}
-
-/// The prefix of an SSE body made of complete events.
-fn complete_events(bytes: &[u8]) -> &[u8] {
-    let end = bytes
-        .windows(2)
-        .rposition(|w| w == b"\n\n")
-        .map(|p| p + 2)
-        .or_else(|| bytes.windows(4).rposition(|w| w == b"\r\n\r\n").map(|p| p + 4))
-        .unwrap_or(0);
-    &bytes[..end]
-}
-
-fn seen_from(resp: &StreamedResponse, stream: bool) -> Seen {
-    let body = resp.body();
-    let counted = match (resp.complete, stream) {
-        (true, _) => &body[..],
-        (false, true) => complete_events(&body),
-        (false, false) => &[][..],
-    };
-    Seen {
-        status: Some(resp.status),
-        complete: resp.complete,
-        aborted: false,
-        received_tokens: if resp.status == 200 { count_tokens(counted) } else { 0 },
-        usage_seen: String::from_utf8_lossy(&body).contains("\"usage\":{"),
-        retry_after: resp.header("retry-after").map(str::to_string),
-        body,
-        error: None,
-    }
-}
-
-fn run_one(conn: Connection, p: &Planned) -> (Seen, Option<Connection>) {
-    let headers = p.headers();
-    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-    let body = p.body();
-    let failed = |e: anyhow::Error| Seen { error: Some(format!("{e:#}")), ..Seen::default() };
-    if let Fault::Disconnect(after) = p.fault {
-        let stream = match conn.send("POST", p.api.path(), &headers, body.as_bytes()) {
-            Ok(s) => s,
-            Err(e) => return (failed(e), None),
-        };
-        if stream.status != 200 {
-            return match stream.collect() {
-                Ok(resp) => (seen_from(&resp, p.api.stream()), None),
-                Err(e) => (failed(e), None),
-            };
-        }
-        let status = stream.status;
-        return match stream.abort_after(after) {
-            Ok(bytes) => (
-                Seen {
-                    status: Some(status),
-                    aborted: true,
-                    received_tokens: count_tokens(complete_events(&bytes)),
-                    usage_seen: String::from_utf8_lossy(&bytes).contains("\"usage\":{"),
-                    body: bytes,
-                    ..Seen::default()
-                },
-                None,
-            ),
-            Err(e) => (failed(e), None),
-        };
-    }
-    match conn.request("POST", p.api.path(), &headers, body.as_bytes()) {
-        Ok((resp, conn)) => {
-            let seen = seen_from(&resp, p.api.stream());
-            let reusable = resp.complete && !resp.header("connection").is_some_and(|c| c.eq_ignore_ascii_case("close"));
-            (seen, reusable.then_some(conn))
-        }
-        Err(e) => (failed(e), None),
-    }
-}
-
-/// `A_CONNECTIONS` threads, thread `t` on Envoy `t % n`, each on one kept-alive connection (a new
-/// one after a cut), pulling the next planned request until the plan or the time is used up.
-fn run_traffic(addrs: &[SocketAddr], plans: &[Planned]) -> Vec<(usize, Seen)> {
-    let next = AtomicUsize::new(0);
-    let deadline = Instant::now() + A_TRAFFIC_DEADLINE;
-    let mut results: Vec<(usize, Seen)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..A_CONNECTIONS)
-            .map(|t| {
-                let addr = addrs[t % addrs.len()];
-                let next = &next;
-                scope.spawn(move || {
-                    let mut done = Vec::new();
-                    let mut conn: Option<Connection> = None;
-                    while Instant::now() < deadline {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(p) = plans.get(i) else { break };
-                        let c = match conn.take() {
-                            Some(c) => c,
-                            None => match Connection::connect(addr) {
-                                Ok(c) => c,
-                                Err(e) => {
-                                    done.push((i, Seen { error: Some(format!("connect: {e:#}")), ..Seen::default() }));
-                                    continue;
-                                }
-                            },
-                        };
-                        let (seen, keep) = run_one(c, p);
-                        conn = keep;
-                        done.push((i, seen));
-                    }
-                    done
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
-    });
-    results.sort_by_key(|(i, _)| *i);
-    results
-}
-
-/// One budget of test (a)'s policy.
-#[derive(Debug, Clone)]
-struct Budget {
-    level: &'static str,
-    id: &'static str,
-    /// Its position among its owner's budgets: the Redis counter is `<level>:<id>:<n>:w<window>`.
-    n: usize,
-    window: &'static str,
-    /// `tokens_total`, `tokens_input`, `tokens_output`, `requests`, `micro_usd`.
-    kind: &'static str,
-    limit: u64,
-}
-
-impl Budget {
-    fn describe(&self) -> String {
-        let unit = match self.kind {
-            "tokens_total" => "tok",
-            "tokens_input" => "in tok",
-            "tokens_output" => "out tok",
-            "requests" => "req",
-            _ => "µUSD",
-        };
-        format!("{}:{} {} {unit}/{}", self.level, self.id, self.limit, self.window)
-    }
-
-    fn json(&self) -> Value {
-        let mut b = json!({"window": self.window});
-        match self.kind {
-            "tokens_total" => b["tokens"] = json!(self.limit),
-            "tokens_input" => {
-                b["tokens"] = json!(self.limit);
-                b["count"] = json!("input");
-            }
-            "tokens_output" => {
-                b["tokens"] = json!(self.limit);
-                b["count"] = json!("output");
-            }
-            "requests" => b["requests"] = json!(self.limit),
-            _ => b["usd"] = json!(self.limit as f64 / 1e6),
-        }
-        b
-    }
-
-    /// Whether a request by `key` counts against this budget.
-    fn applies(&self, key: &str) -> bool {
-        let Some((_, team, org, _)) = A_KEYS.iter().find(|k| k.0 == key) else { return false };
-        match self.level {
-            "key" => self.id == key,
-            "team" => self.id == *team,
-            _ => self.id == *org,
-        }
-    }
-
-    /// This budget's share of a charge.
-    fn amount(&self, input: u64, output: u64, micro_usd: u64) -> u64 {
-        match self.kind {
-            "tokens_total" => input + output,
-            "tokens_input" => input,
-            "tokens_output" => output,
-            "requests" => 1,
-            _ => micro_usd,
-        }
-    }
-
-    /// The Redis counter key's prefix, before the window id.
-    fn redis_prefix(&self) -> String {
-        format!("{}:{}:{}:w", self.level, self.id, self.n)
-    }
+/// What a request costs if admitted and answered whole, by the mock's token rule
+/// (`ceil(chars / 4) + 4` per text unit; the system prompt is 8): (input, output).
+fn full_usage(p: &Planned) -> (u64, u64) {
+    let input = 8 + (p.user_text.chars().count() as u64).div_ceil(4) + 4;
+    (input, p.tokens.min(p.max_tokens.unwrap_or(A_DEFAULT_MAX_OUTPUT)))
 }
 
 /// Test (a)'s budgets, sized from the plan: each metered budget is 30–35 % of what its traffic
 /// would cost if all of it were admitted, so the fleet must refuse most of it, while each of three
-/// local ledgers sees a third of the traffic and lets nearly all of that through.
+/// local ledgers sees a third of the traffic and lets nearly all of that through. Five keys are
+/// metered below what their traffic asks for; `ads-rt` and `labs-open` have room for everything.
 fn a_budgets(plans: &[Planned]) -> Vec<Budget> {
     let demand = |keys: &[&str], f: &dyn Fn(u64, u64) -> u64| -> u64 {
         plans.iter().filter(|p| keys.contains(&p.key)).map(|p| {
-            let (i, o) = p.full_usage();
+            let (i, o) = full_usage(p);
             f(i, o)
         }).sum()
     };
     let total = |i: u64, o: u64| i + o;
     let pct = |x: u64, p: u64| (x * p / 100).max(1);
     let search = ["search-prod", "search-dev", "search-batch"];
-    let b = |level, id, n, window, kind, limit| Budget { level, id, n, window, kind, limit };
+    let b = |level, id: &str, n, window, measure, limit| Budget { level, id: id.to_string(), n, window, measure, limit };
+    use Measure::*;
+    use Window::*;
     vec![
-        b("org", "acme", 0, "month", "micro_usd", 5_000_000),
-        b("team", "search", 0, "day", "tokens_total", pct(demand(&search, &total), 35)),
-        b("key", "search-prod", 0, "day", "tokens_total", pct(demand(&["search-prod"], &total), 30)),
-        b("key", "search-dev", 0, "day", "requests", pct(demand(&["search-dev"], &|_, _| 1), 30)),
-        b("key", "ads-batch", 0, "day", "tokens_output", pct(demand(&["ads-batch"], &|_, o| o), 30)),
-        b("key", "ads-rt", 0, "day", "tokens_total", 10 * demand(&["ads-rt"], &total)),
-        b("org", "globex", 0, "month", "micro_usd", 5_000_000),
-        b("team", "labs", 0, "day", "tokens_total", 10_000_000),
+        b("org", "acme", 0, Month, MicroUsd, 5_000_000),
+        b("team", "search", 0, Day, TotalTokens, pct(demand(&search, &total), 35)),
+        b("key", "search-prod", 0, Day, TotalTokens, pct(demand(&["search-prod"], &total), 30)),
+        b("key", "search-dev", 0, Day, Requests, pct(demand(&["search-dev"], &|_, _| 1), 30)),
+        b("key", "ads-batch", 0, Day, OutputTokens, pct(demand(&["ads-batch"], &|_, o| o), 30)),
+        b("key", "ads-rt", 0, Day, TotalTokens, 10 * demand(&["ads-rt"], &total)),
+        b("org", "globex", 0, Month, MicroUsd, 5_000_000),
+        b("team", "labs", 0, Day, TotalTokens, 10_000_000),
         // Whole thousandths of a dollar, so the policy's decimal USD reads back exactly.
-        b("key", "labs-metered", 0, "month", "micro_usd", pct(demand(&["labs-metered"], &|i, o| i + 4 * o), 30) / 1000 * 1000),
-        b("key", "labs-open", 0, "day", "tokens_input", 3_000_000),
+        b("key", "labs-metered", 0, Month, MicroUsd, pct(demand(&["labs-metered"], &|i, o| i + 4 * o), 30) / 1000 * 1000),
+        b("key", "labs-open", 0, Day, InputTokens, 3_000_000),
     ]
 }
 
@@ -778,10 +255,10 @@ fn a_policy(budgets: &[Budget], ledger: Value) -> String {
     let mut orgs = Vec::new();
     for org in ["acme", "globex"] {
         let mut teams = Vec::new();
-        let mut team_ids: Vec<&str> = A_KEYS.iter().filter(|k| k.2 == org).map(|k| k.1).collect();
+        let mut team_ids: Vec<&str> = KEYS.iter().filter(|k| k.org == org).map(|k| k.team).collect();
         team_ids.dedup();
         for team in team_ids {
-            let keys: Vec<Value> = A_KEYS.iter().filter(|k| k.1 == team).map(|k| json!({"id": k.0, "budgets": of("key", k.0)})).collect();
+            let keys: Vec<Value> = KEYS.iter().filter(|k| k.team == team).map(|k| json!({"id": k.key, "budgets": of("key", k.key)})).collect();
             teams.push(json!({"id": team, "budgets": of("team", team), "keys": keys}));
         }
         orgs.push(json!({"id": org, "budgets": of("org", org), "teams": teams}));
@@ -797,58 +274,6 @@ fn a_policy(budgets: &[Budget], ledger: Value) -> String {
         "prices": [{"model": "*", "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 4.0}],
     })
     .to_string()
-}
-
-/// One admitted request's charge against one budget, with the windows it may have been settled in.
-#[derive(Debug, Clone)]
-struct Charge {
-    id: String,
-    amount: u64,
-    first: i64,
-    last: i64,
-}
-
-/// Checks that the charges of every window stay within `limit` (a charge straddling a window edge
-/// may belong to either window; it stays in the earlier one unless that overflows). Returns
-/// (violations, peak window total, total over all windows).
-fn check_windows(b: &Budget, charges: &[Charge]) -> (Vec<String>, u64, u64) {
-    let mut windows: Vec<i64> = charges.iter().flat_map(|c| [c.first, c.last]).collect();
-    windows.sort_unstable();
-    windows.dedup();
-    let mut carried: BTreeMap<i64, u64> = BTreeMap::new();
-    let (mut violations, mut peak) = (Vec::new(), 0);
-    for w in windows {
-        let fixed: u64 = charges.iter().filter(|c| c.first == w && c.last == w).map(|c| c.amount).sum();
-        let mut movable: Vec<&Charge> = charges.iter().filter(|c| c.first == w && c.last != w).collect();
-        movable.sort_by_key(|c| std::cmp::Reverse(c.amount));
-        let mut total = fixed + carried.get(&w).copied().unwrap_or(0) + movable.iter().map(|c| c.amount).sum::<u64>();
-        for c in movable {
-            if total <= b.limit {
-                break;
-            }
-            total -= c.amount;
-            *carried.entry(c.last).or_insert(0) += c.amount;
-        }
-        peak = peak.max(total);
-        if total > b.limit {
-            let ids: Vec<&str> = charges.iter().filter(|c| c.first == w || c.last == w).map(|c| c.id.as_str()).take(5).collect();
-            violations.push(format!("{} — window {w} charged {total} > limit {} (e.g. {ids:?})", b.describe(), b.limit));
-        }
-    }
-    (violations, peak, charges.iter().map(|c| c.amount).sum())
-}
-
-#[derive(Debug, Default, Clone)]
-struct Figures {
-    sent: u64,
-    admitted: u64,
-    rejected: u64,
-    unavailable: u64,
-    disconnects: u64,
-    resets: u64,
-    client_errors: u64,
-    charged_tokens: u64,
-    charged_micro_usd: u64,
 }
 
 /// One run of test (a)'s traffic, checked.
@@ -870,184 +295,88 @@ fn check_run(
     results: &[(usize, Seen)],
     envoys: &[&Envoy],
     mock: &MockServer,
-    budgets: &[Budget],
+    policy: &Policy,
     redis_mode: bool,
     failures: &mut Failures,
 ) -> RunReport {
-    let logged = read_logs(envoys, results.len());
-    let ledger = read_mock_ledger(mock);
+    let records = Records::read(envoys, mock, results.len()).unwrap();
     let heads = read_heads(mock);
-    let mut figures: BTreeMap<&str, Figures> = A_KEYS.iter().map(|k| (k.0, Figures::default())).collect();
-    let mut fleet: Vec<Vec<Charge>> = budgets.iter().map(|_| Vec::new()).collect();
-    let mut per_envoy: Vec<Vec<Vec<Charge>>> = envoys.iter().map(|_| budgets.iter().map(|_| Vec::new()).collect()).collect();
-    let mut statuses: BTreeMap<String, u64> = BTreeMap::new();
+    let mut per_envoy: Vec<Vec<Vec<Charge>>> = envoys.iter().map(|_| policy.budgets.iter().map(|_| Vec::new()).collect()).collect();
     let mut refused_without_head = 0;
-    let label = if redis_mode { "redis" } else { "local" };
-    let check = |c: &str| format!("{label} {c}");
+    let mode = if redis_mode { "redis" } else { "local" };
+    let check = |c: &str| format!("{mode} {c}");
+    let name = |c: Check| {
+        check(match c {
+            Check::Join => "join",
+            Check::Stamp => "stamp",
+            Check::Strict => "strict",
+            Check::Completed => "exact",
+            Check::Interrupted => "interrupted",
+            Check::Refused => "refused",
+            Check::TooMany => "429",
+        })
+    };
+    let mut tally = Tally::new(policy, &name);
 
     for (i, seen) in results {
-        let p = &plans[*i];
-        let fig = figures.get_mut(p.key).unwrap();
-        fig.sent += 1;
-        *statuses.entry(seen.status.map_or_else(|| "no response".to_string(), |s| s.to_string())).or_insert(0) += 1;
-        if seen.error.is_some() {
-            fig.client_errors += 1;
-        }
-        let upstream = ledger.get(&p.id);
-        let Some(log) = logged.get(&p.id) else {
-            if seen.status.is_some() {
-                failures.add(&check("join"), format!("{}: no access-log line in any Envoy", p.id));
-            }
-            continue;
-        };
-        let Some(stamp) = &log.stamp else {
-            failures.add(&check("join"), format!("{}: no budget stamp: {:?}", p.id, log.raw_stamp));
-            continue;
-        };
-        let (_, team, org, _) = A_KEYS.iter().find(|k| k.0 == p.key).unwrap();
-        if (stamp_str(stamp, "key"), stamp_str(stamp, "team"), stamp_str(stamp, "org")) != (p.key, *team, *org) {
-            failures.add(&check("stamp"), format!("{}: sent as {}, stamped {stamp}", p.id, p.key));
-        }
-        let decision = stamp_str(stamp, "decision");
-        let input = stamp_u64(stamp, "input_tokens").unwrap_or(0);
-        let output = stamp_u64(stamp, "output_tokens").unwrap_or(0);
-        let charged = stamp_u64(stamp, "charged_tokens").unwrap_or(0);
-        let micro_usd = stamp_u64(stamp, "charged_micro_usd").unwrap_or(0);
-        fig.charged_tokens += charged;
-        fig.charged_micro_usd += micro_usd;
-
+        let Some(r) = tally.join(&plans[*i], seen, &records, failures) else { continue };
+        let p = r.plan;
         // (e) a refusal reaches the upstream not at all: no ledger record, no request head.
-        if decision == "rejected" {
-            let code = stamp_str(stamp, "reject_code");
-            if code == "budget_ledger_unavailable" {
-                fig.unavailable += 1;
-            } else {
-                fig.rejected += 1;
-            }
-            if upstream.is_some() || heads.contains_key(&p.id) {
+        if r.decision == "rejected" {
+            let code = stamp_str(r.stamp, "reject_code");
+            if r.upstream.is_some() || heads.contains_key(&p.id) {
                 failures.add(&check("(e)"), format!("{}: refused ({code}) but the mock saw it: heads {:?}", p.id, heads.get(&p.id)));
             } else {
                 refused_without_head += 1;
             }
-            if charged != 0 || micro_usd != 0 {
-                failures.add(&check("refused"), format!("{}: refused but charged: {stamp}", p.id));
+            if seen.status.is_some() && r.log.status != seen.status.map(u64::from) {
+                failures.add(&check("refused"), format!("{}: the client got {:?}, the access log says {:?}", p.id, seen.status, r.log.status));
             }
-            if seen.status.is_some() && log.status != seen.status.map(u64::from) {
-                failures.add(&check("refused"), format!("{}: the client got {:?}, the access log says {:?}", p.id, seen.status, log.status));
-            }
-            if seen.status == Some(429) {
-                let body: Value = serde_json::from_slice(&seen.body).unwrap_or(Value::Null);
-                let body_code = body.pointer("/error/code").and_then(Value::as_str).unwrap_or("");
-                let kind = body.pointer("/error/type").and_then(Value::as_str).unwrap_or("");
-                let names_a_budget = budgets.iter().any(|b| {
-                    let measure = match b.kind.strip_prefix("tokens_") {
-                        Some(count) => format!("{count}_tokens"),
-                        None => b.kind.to_string(),
-                    };
-                    b.applies(p.key) && body_code == format!("{}:{}:{}:{measure}", b.level, b.id, b.window)
-                });
-                let shaped = p.api.path() == MESSAGES && body.pointer("/error/message").is_some() || (kind == "budget_exceeded" && names_a_budget);
-                if !shaped {
-                    failures.add(&check("429"), format!("{}: 429 body does not name a budget of {}: {body}", p.id, p.key));
-                }
-                if seen.retry_after.as_deref().and_then(|r| r.trim().parse::<u64>().ok()).is_none() {
-                    failures.add(&check("429"), format!("{}: 429 without a numeric retry-after", p.id));
-                }
-            } else if seen.status.is_some() && code != "budget_ledger_unavailable" {
+            tally.check_refusal(&r, failures);
+            if seen.status.is_some() && seen.status != Some(429) && code != LEDGER_UNAVAILABLE {
                 failures.add(&check("refused"), format!("{}: refused ({code}) with status {:?}", p.id, seen.status));
             }
             continue;
         }
-        if !matches!(decision, "admitted" | "clamped") {
-            failures.add(&check("stamp"), format!("{}: decision {decision:?}: {stamp}", p.id));
+        if !r.admitted() {
             continue;
         }
-        fig.admitted += 1;
-        let ledger_field = stamp_str(stamp, "ledger");
+        let ledger_field = stamp_str(r.stamp, "ledger");
         if redis_mode && ledger_field != "redis" {
-            failures.add(&check("ledger"), format!("{}: admitted by ledger {ledger_field:?}, not redis: {stamp}", p.id));
+            failures.add(&check("ledger"), format!("{}: admitted by ledger {ledger_field:?}, not redis: {}", p.id, r.stamp));
         }
-        if charged != input + output {
-            failures.add(&check("stamp"), format!("{}: charged_tokens {charged} ≠ {input} + {output}", p.id));
-        }
-        if micro_usd != input + 4 * output {
-            failures.add(&check("stamp"), format!("{}: charged_micro_usd {micro_usd} ≠ {input}×1 + {output}×4", p.id));
-        }
-        if stamp_u64(stamp, "reserved_tokens").is_some_and(|r| charged > r) {
-            failures.add(&check("strict"), format!("{}: charged {charged} > reserved: {stamp}", p.id));
-        }
-        let reset = matches!(p.fault, Fault::Reset(_));
-        if seen.aborted {
-            fig.disconnects += 1;
-        }
-        if reset {
-            fig.resets += 1;
-        }
-        let interrupted =
-            seen.aborted || reset || seen.error.is_some() || !seen.complete || upstream.is_none_or(|u| !u.completed || u.failure.is_some());
-        if !interrupted {
-            // Completed: charged exactly the usage the upstream reported.
-            let u = upstream.unwrap();
-            if input != u.prompt_tokens || output != u.completion_tokens || stamp_str(stamp, "usage") != "reported" {
-                failures.add(
-                    &check("exact"),
-                    format!("{}: stamped {input}/{output} ({}), the mock reported {}/{}", p.id, stamp_str(stamp, "usage"), u.prompt_tokens, u.completion_tokens),
-                );
-            }
-            if seen.received_tokens != u.tokens_flushed {
-                failures.add(&check("exact"), format!("{}: client got {} tokens, mock sent {}", p.id, seen.received_tokens, u.tokens_flushed));
-            }
-            if p.api == Api::ChatStream && seen.usage_seen {
-                failures.add(&check("exact"), format!("{}: usage chunk reached a client that did not ask for it", p.id));
-            }
-        } else {
-            // Interrupted: between what the client got and what the mock flushed.
-            let flushed = upstream.map_or(0, |u| u.tokens_flushed);
-            if !(seen.received_tokens <= output && output <= flushed) {
-                failures.add(
-                    &check("interrupted"),
-                    format!("{}: client {} ≤ charged output {output} ≤ mock flushed {flushed} fails ({:?})", p.id, seen.received_tokens, p.fault),
-                );
-            }
-        }
-        let Some(start) = log.start_ms else {
-            failures.add(&check("join"), format!("{}: no start_epoch", p.id));
-            continue;
-        };
-        let end = start + log.duration_ms as i64 + WINDOW_SLACK_MS;
-        for (bi, b) in budgets.iter().enumerate() {
-            if !b.applies(p.key) {
-                continue;
-            }
-            let c = Charge { id: p.id.clone(), amount: b.amount(input, output, micro_usd), first: window_of(b.window, start), last: window_of(b.window, end) };
-            per_envoy[log.envoy][bi].push(c.clone());
-            fleet[bi].push(c);
+        for (bi, c) in tally.check_admitted(&r, failures).charges {
+            per_envoy[r.log.envoy][bi].push(c);
         }
     }
-    let planned: HashSet<&str> = plans.iter().map(|p| p.id.as_str()).collect();
-    for id in ledger.keys() {
-        if !planned.contains(id.as_str()) {
-            failures.add(&check("join"), format!("the mock served {id:?}, which this run never sent"));
-        }
-    }
+    tally.check_unplanned(plans, &records, failures);
     // Per key, the stamps add up to the plugin's counters, summed over the Envoys.
-    for (k, f) in &figures {
+    for (k, f) in &tally.figures {
         let have = metric_sum(envoys, "sluice_budget_charged_tokens_total", &[("key", k)]);
         if have != f.charged_tokens as f64 {
             failures.add(&check("metrics"), format!("{k}: Σ sluice_budget_charged_tokens_total = {have}, the stamps add up to {}", f.charged_tokens));
         }
     }
-    RunReport { figures, fleet, per_envoy, statuses, traffic_time: Duration::ZERO, sent: results.len(), refused_without_head }
+    RunReport {
+        figures: tally.figures,
+        fleet: tally.charges,
+        per_envoy,
+        statuses: tally.statuses,
+        traffic_time: Duration::ZERO,
+        sent: results.len(),
+        refused_without_head,
+    }
 }
 
 /// Runs test (a)'s traffic on `envoys`, then checks it.
-fn a_run(envoys: &[&Envoy], mock: &MockServer, plans: &[Planned], budgets: &[Budget], redis_mode: bool, failures: &mut Failures) -> RunReport {
+fn a_run(envoys: &[&Envoy], mock: &MockServer, plans: &[Planned], policy: &Policy, redis_mode: bool, failures: &mut Failures) -> RunReport {
     mock.reset().unwrap();
     let addrs: Vec<SocketAddr> = envoys.iter().map(|e| e.listen_addr()).collect();
     let started = Instant::now();
-    let results = run_traffic(&addrs, plans);
+    // `A_CONNECTIONS` threads, thread `t` on Envoy `t % n`.
+    let results = run_traffic(&addrs, plans, A_CONNECTIONS, A_TRAFFIC_DEADLINE).unwrap();
     let traffic_time = started.elapsed();
-    let mut report = check_run(plans, &results, envoys, mock, budgets, redis_mode, failures);
+    let mut report = check_run(plans, &results, envoys, mock, policy, redis_mode, failures);
     report.traffic_time = traffic_time;
     report
 }
@@ -1064,15 +393,16 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     let mock = MockServer::start(&[]).unwrap();
     let strict_plan = plan_traffic(A_REQUESTS, A_SEED, "fleet");
     let local_plan: Vec<Planned> = strict_plan.iter().map(|p| Planned { id: p.id.replacen("fleet", "local", 1), ..p.clone() }).collect();
-    let budgets = a_budgets(&strict_plan);
+    let policy = Policy::of_traffic_keys(a_budgets(&strict_plan));
+    let budgets = &policy.budgets;
     let mut failures = Failures::default();
 
     // The fleet: one Redis ledger. A generous admission timeout: on 2 cores, 96 connections keep
     // every process busy, and a timed-out reservation would be refused (503), not miscounted.
-    let fleet_policy = a_policy(&budgets, redis_ledger("redis", "deny", json!({"timeout_ms": 2000})));
+    let fleet_policy = a_policy(budgets, redis_ledger("redis", "deny", json!({"timeout_ms": 2000})));
     let envoys = fleet_envoys(&mock, ledger.port(), &[&fleet_policy, &fleet_policy, &fleet_policy]);
     let refs: Vec<&Envoy> = envoys.iter().collect();
-    let strict = a_run(&refs, &mock, &strict_plan, &budgets, true, &mut failures);
+    let strict = a_run(&refs, &mock, &strict_plan, &policy, true, &mut failures);
 
     // Redis agrees with the stamps once every settlement has landed (they are sent from the root
     // context's tick): per budget, Σ used over windows = Σ charged, nothing left reserved.
@@ -1111,7 +441,7 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     let dropped = metric_sum(&refs, "sluice_budget_ledger_settlements_dropped_total", &[]);
     failures.that("redis counters", dropped == 0.0, || format!("{dropped} settlements dropped"));
     // Three counts of the same calls: the stamps, the Envoys' ledger-call counters, the service's.
-    let admitted: u64 = strict.figures.values().map(|f| f.admitted).sum();
+    let admitted: u64 = strict.figures.values().map(Figures::let_through).sum();
     let refused: u64 = strict.figures.values().map(|f| f.rejected).sum();
     let service = sluice_e2e::prometheus::Metrics::parse(&ledger.metrics().unwrap()).unwrap();
     let served = |endpoint: &str, result: &str| service.value("sluice_ledger_requests_total", &[("endpoint", endpoint), ("result", result)]).unwrap_or(0.0) as u64;
@@ -1132,10 +462,10 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     drop(envoys);
 
     // The same traffic, each Envoy with its own ledger.
-    let local_policy = a_policy(&budgets, json!({"mode": "local"}));
+    let local_policy = a_policy(budgets, json!({"mode": "local"}));
     let envoys = fleet_envoys(&mock, ledger.port(), &[&local_policy, &local_policy, &local_policy]);
     let refs: Vec<&Envoy> = envoys.iter().collect();
-    let local = a_run(&refs, &mock, &local_plan, &budgets, false, &mut failures);
+    let local = a_run(&refs, &mock, &local_plan, &policy, false, &mut failures);
     drop(envoys);
 
     // Limits: the fleet never above one in any window; each local Envoy not above one on its own;
@@ -1143,8 +473,9 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     let mut lines = Vec::new();
     let mut overshoots = 0;
     for (bi, b) in budgets.iter().enumerate() {
-        let (violations, strict_peak, _) = check_windows(b, &strict.fleet[bi]);
-        for v in violations {
+        let fleet = check_windows(b, &strict.fleet[bi]);
+        let strict_peak = fleet.peak;
+        for v in fleet.violations {
             failures.add("(a) fleet overshoot", v);
         }
         if redis_peak[bi] > b.limit {
@@ -1152,14 +483,15 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
         }
         let mut envoy_peaks = Vec::new();
         for (e, charges) in local.per_envoy.iter().enumerate() {
-            let (violations, peak, _) = check_windows(b, &charges[bi]);
-            for v in violations {
+            let own = check_windows(b, &charges[bi]);
+            for v in own.violations {
                 failures.add("(a) local Envoy overshoot", format!("Envoy {e}: {v}"));
             }
-            envoy_peaks.push(peak);
+            envoy_peaks.push(own.peak);
         }
-        let (fleet_violations, local_peak, _) = check_windows(b, &local.fleet[bi]);
-        if !fleet_violations.is_empty() {
+        let together = check_windows(b, &local.fleet[bi]);
+        let local_peak = together.peak;
+        if !together.violations.is_empty() {
             overshoots += 1;
         }
         lines.push(format!(
@@ -1214,7 +546,16 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
         let _ = writeln!(
             table,
             "{:<13} {:>5} │ {:>8} {:>8} {:>6} {:>6} {:>9} │ {:>8} {:>8} {:>9}",
-            k, f.sent, f.admitted, f.rejected, f.disconnects, f.resets, f.charged_tokens, l.admitted, l.rejected, l.charged_tokens
+            k,
+            f.sent,
+            f.let_through(),
+            f.rejected,
+            f.disconnects,
+            f.resets,
+            f.charged_tokens,
+            l.let_through(),
+            l.rejected,
+            l.charged_tokens
         );
     }
     let _ = writeln!(
@@ -1226,7 +567,7 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
         let _ = writeln!(table, "{l}");
     }
     println!("{table}");
-    failures.done(&format!("ledger stderr:\n{}", ledger.stderr_tail(10)));
+    failures.verdict(&format!("ledger stderr:\n{}", ledger.stderr_tail(10))).unwrap();
 }
 
 // =============================================================================================
@@ -1434,8 +775,9 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     });
 
     // Redis stalled (SIGSTOP) past the service's 200 ms Redis timeout: the service answers 503 and
-    // the deny Envoy refuses; the script the service had sent runs when Redis wakes, and makes the
-    // hold of a request that was refused (measured, printed; the expiry below charges it).
+    // the deny Envoy refuses; the script the service had sent runs when Redis wakes. The plugin
+    // releases that hold id a second after the failure: the hold is freed, or never made (the
+    // ledger's tombstone), and nothing is charged for the refused request.
     let stall_redis_ms = redis_time_ms(&redis);
     redis.pause().unwrap();
     let stall_started = Instant::now();
@@ -1499,7 +841,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     // but the orphaned holds stays reserved.
     let refs: Vec<&Envoy> = envoys.iter().collect();
     let ids: Vec<&str> = steady.iter().chain(&long).map(|r| r.id.as_str()).collect();
-    let logged = read_logs(&refs, ids.len() + lim_answers.len() + lim_before.len() + 2);
+    let logged = read_logs(&refs, ids.len() + lim_answers.len() + lim_before.len() + 2).unwrap();
     let mut via_redis = 0u64;
     let mut via_redis_n = 0;
     let mut fallback_n = 0;
@@ -1521,7 +863,8 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         let (used, reserved) = counter_state(&redis, "acme", k_prefix);
         let orphans = holds(&redis, "acme");
         let held: u64 = orphans.iter().flat_map(|h| &h.counters).filter(|(c, _)| c.starts_with(k_prefix)).map(|(_, a)| a).sum();
-        Ok((used == via_redis && reserved == held).then_some(orphans))
+        let stalled_hold_left = orphans.iter().any(|h| h.expires_ms >= stall_redis_ms + 60_000);
+        Ok((used == via_redis && reserved == held && !stalled_hold_left).then_some(orphans))
     });
     let (used_before_expiry, reserved_before_expiry) = counter_state(&redis, "acme", k_prefix);
     let orphans = orphans.unwrap_or_else(|_| {
@@ -1538,6 +881,16 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     // Holds are named by the plugin, not by x-request-id: the stalled request's is the one made
     // after the stall began (its expiry is a minute after that).
     let stall_holds: Vec<&Hold> = orphans.iter().filter(|h| h.expires_ms >= stall_redis_ms + 60_000).collect();
+    failures.that("(b) stall", stall_holds.is_empty(), || format!("the refused request's hold is still in Redis: {stall_holds:?}"));
+    // The refused request's stamp names its hold id; the ledger has it released (freed, or tombstoned
+    // before the late script ran).
+    let stalled_line = e_deny.access_log().wait_for_request("b-stalled", Duration::from_secs(10)).unwrap();
+    let stalled_stamp = Logged::from_line(0, &stalled_line).stamp.unwrap_or(Value::Null);
+    let stalled_hold = stalled_stamp.get("ledger_hold").and_then(Value::as_str).unwrap_or("").to_string();
+    let stalled_marker = redis.command(&["GET", &format!("{PREFIX}:{{acme}}:s:{stalled_hold}")]).unwrap().text();
+    failures.that("(b) stall", matches!(stalled_marker.as_deref(), Some("settled" | "released")), || {
+        format!("the refused request's hold {stalled_hold:?}: marker {stalled_marker:?}")
+    });
 
     // The holds expire a minute after they were made; the next reservation of org acme sweeps them
     // and charges each its reserved amount. Other tests run meanwhile.
@@ -1549,7 +902,8 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let swept_at = started.elapsed();
     let r = send(addrs[0], &[("x-request-id", "b-sweeper"), ("x-sluice-key", "k"), ("x-mock-tokens", "3")], &chat(false, None, "sweep"), Duration::ZERO);
     failures.that("(b) expiry", r.status == 200, || format!("the sweeping request: {} {}", r.status, r.text()));
-    let sweeper = logged_one(e_deny, "b-sweeper").stamp.unwrap_or(Value::Null);
+    let sweeper_line = e_deny.access_log().wait_for_request("b-sweeper", Duration::from_secs(10)).unwrap();
+    let sweeper = Logged::from_line(0, &sweeper_line).stamp.unwrap_or(Value::Null);
     let sweeper_charge = stamp_u64(&sweeper, "charged_tokens").unwrap_or(0);
     let orphaned_k: u64 = orphans.iter().flat_map(|h| &h.counters).filter(|(c, _)| c.starts_with(k_prefix)).map(|(_, a)| a).sum();
     let want = used_before_expiry + orphaned_k + sweeper_charge;
@@ -1586,17 +940,19 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     );
     let _ = writeln!(
         out,
-        "  Redis stalled (SIGSTOP) 0.3 s: answered {} {} after {:.0} ms; holds made after the stall began (the script ran when Redis woke, for a request already refused): {:?}",
+        "  Redis stalled (SIGSTOP) 0.3 s: answered {} {} after {:.0} ms; the refused request's hold {} released by the plugin (marker {:?}); holds left from it: {}",
         stalled.status,
         error_of(&stalled).1,
         stall_answered.as_secs_f64() * 1e3,
-        stall_holds.iter().map(|h| &h.counters).collect::<Vec<_>>()
+        stalled_hold,
+        stalled_marker,
+        stall_holds.len()
     );
     let _ = writeln!(out, "  requests settled through Redis: {via_redis_n} ({via_redis} tokens) = Redis used {used_before_expiry}; admitted by the local fallback: {fallback_n}");
     let _ = writeln!(out, "  killed Envoy's stream: status {victim_status}; holds left in Redis after the drain: {} ({orphaned_k} tokens reserved on key k)", orphans.len());
     let _ = writeln!(out, "  after expiry: used {used_after} = {used_before_expiry} + {orphaned_k} (holds, charged at their reservation) + {sweeper_charge} (the sweeping request); reserved {reserved_after}; late settles answered {}", Value::Array(late_settles));
     println!("{out}");
-    failures.done(&format!("ledger stderr:\n{}", ledger.stderr_tail(10)));
+    failures.verdict(&format!("ledger stderr:\n{}", ledger.stderr_tail(10))).unwrap();
 }
 
 // =============================================================================================
@@ -1667,7 +1023,7 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
     failures.that("(c) continues", second_k.iter().all(|(_, s, _)| *s == 200), || format!("key k after the restart: {second_k:?}"));
     let refs: Vec<&Envoy> = envoys.iter().collect();
     let all: Vec<&(String, u16, String)> = first_k.iter().chain(&second_k).collect();
-    let logged = read_logs(&refs, n);
+    let logged = read_logs(&refs, n).unwrap();
     let k_charged: u64 = all.iter().filter_map(|(id, _, _)| logged.get(id).and_then(|l| l.stamp.as_ref()).and_then(|s| stamp_u64(s, "charged_tokens"))).sum();
     let end = wait_until(Duration::from_secs(10), "the settlements after the restart", || {
         let k = counter_state(&redis, "acme", "key:k:0:w");
@@ -1686,7 +1042,7 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
     let _ = writeln!(out, "  while down: {:?}", down.iter().map(|(_, s, c)| format!("{s} {c}")).collect::<Vec<_>>());
     let _ = writeln!(out, "  after: key lim {admitted} of 40 admitted (limit 80, 50 used before), Redis lim {lim_end:?}; key k Redis {k_end:?} = stamps {k_charged}");
     println!("{out}");
-    failures.done("");
+    failures.verdict("").unwrap();
 }
 
 // =============================================================================================
@@ -1814,7 +1170,7 @@ fn d_a_thousand_jwt_subjects_are_each_limited_on_their_own_with_no_series_per_id
     let _ = writeln!(out, "\n(d) {D_SUBJECTS} JWT subjects × 3 requests over 2 Envoys in {:.1} s (test {:.1} s); answers (1st 2nd 3rd, 3rd's code): {pattern:?}", traffic_time.as_secs_f64(), started.elapsed().as_secs_f64());
     let _ = writeln!(out, "  Redis per-identity counters: {} (each used 2: {}); Envoy /stats lines before → after: {stats_before:?} → {stats_after:?}; sluice_budget* series on Envoy 0: {budget_series}", per_identity.len(), per_identity.iter().all(|u| *u == 2));
     println!("{out}");
-    failures.done("");
+    failures.verdict("").unwrap();
 }
 
 // =============================================================================================
@@ -1931,7 +1287,7 @@ fn e_refused_requests_reach_no_upstream_not_even_their_headers() {
     let leaked = rows.iter().filter(|r| r.0 == "fleet without buffer" && !r.5.is_empty()).count();
     failures.that("(e) control", leaked > 0, || "without the buffer filter no refused request's head reached the mock: the check proves nothing".into());
     println!("{out}");
-    failures.done("");
+    failures.verdict("").unwrap();
 }
 
 #[cfg(test)]
@@ -1944,15 +1300,6 @@ mod unit {
             assert_eq!(base64url(plain.as_bytes()), encoded);
         }
         assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
-    }
-
-    #[test]
-    fn window_check_catches_overshoot_and_tolerates_edges() {
-        let b = Budget { level: "key", id: "k", n: 0, window: "minute", kind: "tokens_total", limit: 100 };
-        let c = |amount, first, last| Charge { id: "x".into(), amount, first, last };
-        assert_eq!(check_windows(&b, &[c(60, 1, 1), c(50, 1, 1)]).0.len(), 1);
-        assert!(check_windows(&b, &[c(60, 1, 1), c(50, 1, 2), c(40, 2, 2)]).0.is_empty());
-        assert_eq!(check_windows(&b, &[c(60, 1, 1), c(50, 1, 2), c(60, 2, 2)]).0.len(), 1);
     }
 
     #[test]

@@ -662,6 +662,8 @@ impl Stream {
         match call {
             Ok(token) => {
                 if let Some(b) = self.state.as_mut() {
+                    // Named in the stamp from here on, whatever the answer: a hold can be traced.
+                    b.stamp.insert("ledger_hold".into(), pending.id.clone().into());
                     b.reserve = Some((token, pending, host::now_ns()));
                 }
                 Action::Pause
