@@ -2,12 +2,7 @@
 //! of key `search-prod` of `policies/tenant-budget.example.json` (3 levels, 5 counters: org month $,
 //! team month $ and minute tokens, key minute tokens and day $) against the in-memory CAS store, and
 //! of computing a month window's id (done once per counter per admission and settlement).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_core::budget::{Demand, MemoryStore, Policy, Window};
@@ -63,17 +58,13 @@ fn budget(c: &mut Criterion) {
     let actual = Usage { input_tokens: 1_100, output_tokens: 300, ..Usage::default() };
     let mut g = c.benchmark_group("budget_request");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("admit_settle_search_prod", |b| {
-        b.iter_custom(|iters| admit_settle(&policy, key, &demand, &actual, iters))
-    });
+    g.bench_function("admit_settle_search_prod", |b| b.iter_custom(|iters| admit_settle(&policy, key, &demand, &actual, iters)));
     // Worst case the key's 1.5M tokens/minute cannot hold: the first try reserves 3 counters, is
     // refused on the 4th and rolls back; the clamp reads all 5, then admits with a lower output limit.
     let too_big = Demand { output_tokens: 1_600_000, ..demand.clone() };
     let clamped = policy.admit(&mut MemoryStore::default(), key, &too_big, NOW_NS).expect("clamped");
     assert!(clamped.clamped && clamped.output_tokens < too_big.output_tokens);
-    g.bench_function("admit_clamped_settle_search_prod", |b| {
-        b.iter_custom(|iters| admit_settle(&policy, key, &too_big, &actual, iters))
-    });
+    g.bench_function("admit_clamped_settle_search_prod", |b| b.iter_custom(|iters| admit_settle(&policy, key, &too_big, &actual, iters)));
     g.finish();
 
     let mut g = c.benchmark_group("window_id");

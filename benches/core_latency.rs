@@ -4,12 +4,7 @@
 //! 250 ms, TPOTs around 30 ms): the admission path (evaluate the shared breaker on time alone,
 //! admit, shed check) and the completion path (CAS-record into the window, snapshot, evaluate
 //! the breaker).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_core::budget::MemoryStore;

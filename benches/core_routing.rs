@@ -2,12 +2,7 @@
 //! ramps evaluated at the request's time) for a 2-version model with a ramp (the brief's canary) and
 //! a 5-version model, the model lookup, shadow sampling, and the shadow similarity score on two
 //! 4 KiB texts.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_core::routing::similarity::jaccard_per_mille;
@@ -43,10 +38,38 @@ const POLICY: &str = r#"{
 /// A 4 KiB English-like text from a word list, varied by `seed`.
 fn text(seed: u64, bytes: usize) -> String {
     const WORDS: [&str; 32] = [
-        "the", "model", "answer", "request", "token", "latency", "stream", "version", "shadow", "canary",
-        "gateway", "envoy", "budget", "tenant", "metric", "histogram", "weight", "split", "sticky", "key",
-        "user", "session", "response", "output", "input", "compare", "similar", "score", "prefix", "cap",
-        "Paris", "capital",
+        "the",
+        "model",
+        "answer",
+        "request",
+        "token",
+        "latency",
+        "stream",
+        "version",
+        "shadow",
+        "canary",
+        "gateway",
+        "envoy",
+        "budget",
+        "tenant",
+        "metric",
+        "histogram",
+        "weight",
+        "split",
+        "sticky",
+        "key",
+        "user",
+        "session",
+        "response",
+        "output",
+        "input",
+        "compare",
+        "similar",
+        "score",
+        "prefix",
+        "cap",
+        "Paris",
+        "capital",
     ];
     let mut s = String::with_capacity(bytes + 16);
     let mut x = seed;
@@ -69,9 +92,7 @@ fn routing(c: &mut Criterion) {
     let five = policy.model_for("mixtral-8x7b").expect("mixtral");
     assert_eq!(policy.model(five).unwrap().versions.len(), 5);
     // Keys look like API-key hashes (64 hex digits), the longest usual sticky key.
-    let keys: Vec<Vec<u8>> = (0..1024u32)
-        .map(|i| sluice_core::identity::sha256_hex(&i.to_le_bytes()).into_bytes())
-        .collect();
+    let keys: Vec<Vec<u8>> = (0..1024u32).map(|i| sluice_core::identity::sha256_hex(&i.to_le_bytes()).into_bytes()).collect();
 
     let mut g = c.benchmark_group("routing_decide");
     g.throughput(Throughput::Elements(1));

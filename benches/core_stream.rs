@@ -1,11 +1,6 @@
 //! Criterion benchmarks of `sluice-core` stream observation: MB/s over realistic 1000-token
 //! OpenAI chat and Anthropic streams fed one chunk per event, and ns per chunk.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_core::api::ApiKind;
@@ -13,25 +8,17 @@ use sluice_core::response::StreamObserver;
 use std::hint::black_box;
 
 const TOKENS: usize = 1000;
-const WORDS: [&str; 8] = [
-    " the", " model", " answers", " quickly", ",", " and", " tokens", " flow",
-];
+const WORDS: [&str; 8] = [" the", " model", " answers", " quickly", ",", " and", " tokens", " flow"];
 
 /// One SSE event per chunk, as an upstream flushing per token sends them.
 fn openai_chat_chunks() -> Vec<Vec<u8>> {
     let head = r#"data: {"id":"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT","object":"chat.completion.chunk","created":1741569952,"model":"gpt-4o-mini-2024-07-18","service_tier":"default","system_fingerprint":"fp_06737a9306","choices":[{"index":0,"delta":"#;
-    let mut chunks = vec![format!(
-        "{head}{{\"role\":\"assistant\",\"content\":\"\",\"refusal\":null}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n"
-    )];
+    let mut chunks =
+        vec![format!("{head}{{\"role\":\"assistant\",\"content\":\"\",\"refusal\":null}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n")];
     for i in 0..TOKENS {
-        chunks.push(format!(
-            "{head}{{\"content\":\"{}\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n",
-            WORDS[i % WORDS.len()]
-        ));
+        chunks.push(format!("{head}{{\"content\":\"{}\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n", WORDS[i % WORDS.len()]));
     }
-    chunks.push(format!(
-        "{head}{{}},\"logprobs\":null,\"finish_reason\":\"stop\"}}],\"usage\":null}}\n\n"
-    ));
+    chunks.push(format!("{head}{{}},\"logprobs\":null,\"finish_reason\":\"stop\"}}],\"usage\":null}}\n\n"));
     chunks.push(r#"data: {"id":"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT","object":"chat.completion.chunk","created":1741569952,"model":"gpt-4o-mini-2024-07-18","service_tier":"default","system_fingerprint":"fp_06737a9306","choices":[],"usage":{"prompt_tokens":19,"completion_tokens":1000,"total_tokens":1019,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}
 
 "#.to_owned());
@@ -51,10 +38,7 @@ fn anthropic_chunks() -> Vec<Vec<u8>> {
             WORDS[i % WORDS.len()]
         ));
     }
-    chunks.push(
-        "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n"
-            .to_owned(),
-    );
+    chunks.push("event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n".to_owned());
     chunks.push("event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":1000}}\n\n".to_owned());
     chunks.push("event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n".to_owned());
     chunks.into_iter().map(String::into_bytes).collect()
@@ -72,18 +56,9 @@ fn observe(kind: ApiKind, chunks: &[Vec<u8>]) -> u64 {
 }
 
 fn streams(c: &mut Criterion) {
-    for (name, kind, chunks) in [
-        (
-            "openai_chat_1000_tokens",
-            ApiKind::ChatCompletions,
-            openai_chat_chunks(),
-        ),
-        (
-            "anthropic_1000_tokens",
-            ApiKind::AnthropicMessages,
-            anthropic_chunks(),
-        ),
-    ] {
+    for (name, kind, chunks) in
+        [("openai_chat_1000_tokens", ApiKind::ChatCompletions, openai_chat_chunks()), ("anthropic_1000_tokens", ApiKind::AnthropicMessages, anthropic_chunks())]
+    {
         let bytes: usize = chunks.iter().map(Vec::len).sum();
         let mut g = c.benchmark_group("stream_bytes");
         g.throughput(Throughput::Bytes(bytes as u64));

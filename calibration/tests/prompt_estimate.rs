@@ -209,11 +209,7 @@ fn anthropic_body(c: &Conversation, model: &str, max_tokens: u64) -> Value {
         body["system"] = json!(s);
     }
     if !c.tools.is_empty() {
-        body["tools"] = c
-            .tools
-            .iter()
-            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.parameters}))
-            .collect();
+        body["tools"] = c.tools.iter().map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.parameters})).collect();
     }
     body
 }
@@ -503,9 +499,7 @@ fn numbers_text(rng: &mut Rng) -> String {
         }
         1 => {
             out.push_str("Check these invoice totals: ");
-            let v: Vec<String> = (0..rng.range(10, 50))
-                .map(|_| format!("${},{:03}.{:02}", rng.range(1, 99), rng.range(0, 999), rng.range(0, 99)))
-                .collect();
+            let v: Vec<String> = (0..rng.range(10, 50)).map(|_| format!("${},{:03}.{:02}", rng.range(1, 99), rng.range(0, 999), rng.range(0, 99))).collect();
             out.push_str(&v.join(", "));
             out.push_str(". Sum them and tell me which are above $50,000.");
         }
@@ -573,8 +567,12 @@ fn tool_call(rng: &mut Rng, tool: &Tool) -> Call {
     let arguments = match tool.name {
         "get_weather" => json!({"city": rng.pick(CITIES), "unit": "celsius"}),
         "search_orders" => json!({"email": format!("{}@example.com", rng.pick(FIRST_NAMES).to_lowercase().replace(' ', ".")), "status": "shipped"}),
-        "run_sql" => json!({"query": "SELECT country, COUNT(*) AS n FROM signups WHERE created_at > '2025-01-01' GROUP BY country ORDER BY n DESC", "limit": 50}),
-        "create_calendar_event" => json!({"title": "Quarterly planning", "start": "2025-10-02T14:00:00+02:00", "duration_minutes": 90, "attendees": ["alice@example.com", "bob@example.com"]}),
+        "run_sql" => {
+            json!({"query": "SELECT country, COUNT(*) AS n FROM signups WHERE created_at > '2025-01-01' GROUP BY country ORDER BY n DESC", "limit": 50})
+        }
+        "create_calendar_event" => {
+            json!({"title": "Quarterly planning", "start": "2025-10-02T14:00:00+02:00", "duration_minutes": 90, "attendees": ["alice@example.com", "bob@example.com"]})
+        }
         "send_email" => json!({"to": "support@example.com", "subject": "Order follow-up", "body": rng.sentences(ENGLISH, (2, 2), " ")}),
         _ => json!({"q": rng.pick(ENGLISH), "num_results": 5}),
     };
@@ -595,24 +593,12 @@ fn tool_result(rng: &mut Rng, call: &Call) -> String {
 /// Text of one user turn in `category`.
 fn user_text(rng: &mut Rng, category: &str) -> String {
     match category {
-        "english" | "long_system" | "multi_turn" | "tools" => {
-            rng.sentences(ENGLISH, (1, 8), " ")
-        }
-        "german" => {
-            rng.sentences(GERMAN, (1, 8), " ")
-        }
-        "russian" => {
-            rng.sentences(RUSSIAN, (1, 8), " ")
-        }
-        "chinese" => {
-            rng.sentences(CHINESE, (1, 10), "")
-        }
-        "japanese" => {
-            rng.sentences(JAPANESE, (1, 10), "")
-        }
-        "emoji" => {
-            rng.sentences(EMOJI, (1, 6), " ")
-        }
+        "english" | "long_system" | "multi_turn" | "tools" => rng.sentences(ENGLISH, (1, 8), " "),
+        "german" => rng.sentences(GERMAN, (1, 8), " "),
+        "russian" => rng.sentences(RUSSIAN, (1, 8), " "),
+        "chinese" => rng.sentences(CHINESE, (1, 10), ""),
+        "japanese" => rng.sentences(JAPANESE, (1, 10), ""),
+        "emoji" => rng.sentences(EMOJI, (1, 6), " "),
         "code" => format!("{}\n\n{}", rng.pick(CODE_ASKS), rng.pick(CODE)),
         "json" => {
             let records: Vec<Value> = (0..rng.range(1, 6)).map(|_| json_record(rng)).collect();
@@ -675,10 +661,12 @@ fn conversation(rng: &mut Rng, category: &'static str) -> Conversation {
             messages.push(Msg::User(user_text(rng, "tools")));
             // Some requests are the first turn (definitions only); others replay calls and results.
             for _ in 0..rng.range(0, 3) {
-                let calls: Vec<Call> = (0..rng.range(1, 2)).map(|_| {
-                    let t = rng.pick(&tools).clone();
-                    tool_call(rng, &t)
-                }).collect();
+                let calls: Vec<Call> = (0..rng.range(1, 2))
+                    .map(|_| {
+                        let t = rng.pick(&tools).clone();
+                        tool_call(rng, &t)
+                    })
+                    .collect();
                 let text = rng.chance(30).then(|| "Let me look that up.".to_owned());
                 messages.push(Msg::Assistant { text, calls: calls.clone() });
                 for k in &calls {
@@ -802,14 +790,7 @@ fn prompt_estimate_against_deepseek_tokenizer() {
 
     // (a) Strict mode: body bytes ≥ real prompt tokens, for every request.
     for (r, (_, _, body)) in rows.iter().zip(&corpus) {
-        assert!(
-            r.bytes >= r.real,
-            "strict bound broken: {} bytes < {} tokens ({}): {}",
-            r.bytes,
-            r.real,
-            r.category,
-            String::from_utf8_lossy(body)
-        );
+        assert!(r.bytes >= r.real, "strict bound broken: {} bytes < {} tokens ({}): {}", r.bytes, r.real, r.category, String::from_utf8_lossy(body));
     }
 
     // Table per category and group, as markdown.
@@ -874,10 +855,7 @@ fn prompt_estimate_against_deepseek_tokenizer() {
         tool_overhead.iter().min().unwrap_or(&0),
         tool_overhead.iter().max().unwrap_or(&0),
     );
-    let (worst_cat, worst) = BOUNDS
-        .iter()
-        .map(|(c, _)| (*c, measured[*c]))
-        .fold(("", 0.0), |acc, (c, m)| if m > acc.1 { (c, m) } else { acc });
+    let (worst_cat, worst) = BOUNDS.iter().map(|(c, _)| (*c, measured[*c])).fold(("", 0.0), |acc, (c, m)| if m > acc.1 { (c, m) } else { acc });
     println!(
         "strict bound: min bytes/real = {:.2}; estimate underestimation bound: max real/estimate = {worst:.3} ({worst_cat})",
         rows.iter().map(|r| r.bytes as f64 / r.real as f64).fold(f64::INFINITY, f64::min),
@@ -904,14 +882,22 @@ fn strict_bound_on_minimal_bodies() {
     let cases = [
         ("chat, \"hi\"", Conversation { category: "edge", system: None, messages: vec![Msg::User("hi".into())], tools: vec![] }),
         ("chat, empty content", Conversation { category: "edge", system: None, messages: vec![Msg::User(String::new())], tools: vec![] }),
-        ("chat, 9 empty turns", Conversation {
-            category: "edge",
-            system: Some(String::new()),
-            messages: (0..8).map(|i| if i % 2 == 0 { Msg::User(String::new()) } else { Msg::Assistant { text: Some(String::new()), calls: vec![] } }).collect(),
-            tools: vec![],
-        }),
+        (
+            "chat, 9 empty turns",
+            Conversation {
+                category: "edge",
+                system: Some(String::new()),
+                messages: (0..8)
+                    .map(|i| if i % 2 == 0 { Msg::User(String::new()) } else { Msg::Assistant { text: Some(String::new()), calls: vec![] } })
+                    .collect(),
+                tools: vec![],
+            },
+        ),
         ("1 tiny tool, \"hi\"", Conversation { category: "edge", system: None, messages: vec![Msg::User("hi".into())], tools: vec![tiny.clone()] }),
-        ("1 realistic tool, 1 sentence", Conversation { category: "edge", system: None, messages: vec![Msg::User(ENGLISH[0].into())], tools: vec![tool_pool()[0].clone()] }),
+        (
+            "1 realistic tool, 1 sentence",
+            Conversation { category: "edge", system: None, messages: vec![Msg::User(ENGLISH[0].into())], tools: vec![tool_pool()[0].clone()] },
+        ),
     ];
     println!("\ntool-use prompt of the DeepSeek template: {tool_prompt} tokens");
     println!("| case | api | body bytes | real tokens | bytes ≥ real | bytes + {tool_prompt} ≥ real |");

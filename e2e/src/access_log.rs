@@ -36,10 +36,7 @@ impl AccessLog {
             .lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| {
-                serde_json::from_str(l)
-                    .with_context(|| format!("{} line {}: not JSON: {l}", self.path.display(), i + 1))
-            })
+            .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{} line {}: not JSON: {l}", self.path.display(), i + 1)))
             .collect()
     }
 
@@ -53,14 +50,10 @@ impl AccessLog {
 
     /// Waits until at least `n` entries are there, and returns all of them.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<Value>> {
-        crate::wait_until(
-            timeout,
-            &format!("{n} access log entries in {}", self.path.display()),
-            || {
-                let entries = self.entries()?;
-                Ok((entries.len() >= n).then_some(entries))
-            },
-        )
+        crate::wait_until(timeout, &format!("{n} access log entries in {}", self.path.display()), || {
+            let entries = self.entries()?;
+            Ok((entries.len() >= n).then_some(entries))
+        })
     }
 }
 

@@ -207,17 +207,7 @@ pub fn plan_traffic(n: usize, seed: u64, prefix: &str) -> Vec<Planned> {
             } else {
                 Fault::None
             };
-            Planned {
-                id: format!("{prefix}-{i:05}"),
-                key,
-                api,
-                tokens,
-                ttft_ms: rng.range(0, 5),
-                itl_ms: rng.range(0, 2),
-                max_tokens,
-                user_text,
-                fault,
-            }
+            Planned { id: format!("{prefix}-{i:05}"), key, api, tokens, ttft_ms: rng.range(0, 5), itl_ms: rng.range(0, 2), max_tokens, user_text, fault }
         })
         .collect()
 }
@@ -250,12 +240,8 @@ pub fn count_tokens(bytes: &[u8]) -> u64 {
 
 /// The prefix of an SSE body made of complete events (up to the last blank line).
 pub fn complete_events(bytes: &[u8]) -> &[u8] {
-    let end = bytes
-        .windows(2)
-        .rposition(|w| w == b"\n\n")
-        .map(|p| p + 2)
-        .or_else(|| bytes.windows(4).rposition(|w| w == b"\r\n\r\n").map(|p| p + 4))
-        .unwrap_or(0);
+    let end =
+        bytes.windows(2).rposition(|w| w == b"\n\n").map(|p| p + 2).or_else(|| bytes.windows(4).rposition(|w| w == b"\r\n\r\n").map(|p| p + 4)).unwrap_or(0);
     bytes.get(..end).unwrap_or_default()
 }
 
@@ -652,12 +638,7 @@ pub fn check_windows(b: &Budget, charges: &[Charge]) -> WindowCheck {
         out.peak = out.peak.max(total);
         if total > b.limit {
             let ids: Vec<&str> = charges.iter().filter(|c| c.first == w || c.last == w).map(|c| c.id.as_str()).take(5).collect();
-            out.violations.push(format!(
-                "{} — window {w} charged {total} > limit {} (by {}; e.g. {ids:?})",
-                b.describe(),
-                b.limit,
-                total - b.limit
-            ));
+            out.violations.push(format!("{} — window {w} charged {total} > limit {} (by {}; e.g. {ids:?})", b.describe(), b.limit, total - b.limit));
         }
     }
     out

@@ -87,13 +87,7 @@ impl Envoy {
             attempt += 1;
             match Envoy::try_start(&template, substitutions, extra_args) {
                 // Another process took one of our free ports between probe and bind: new ports.
-                Err(e)
-                    if attempt < 3
-                        && !(given("ADMIN_PORT") && given("LISTEN_PORT"))
-                        && format!("{e:#}").contains("in use") =>
-                {
-                    continue
-                }
+                Err(e) if attempt < 3 && !(given("ADMIN_PORT") && given("LISTEN_PORT")) && format!("{e:#}").contains("in use") => continue,
                 other => return other,
             }
         }
@@ -113,14 +107,8 @@ impl Envoy {
             vars.retain(|(n, _)| n != name);
             vars.push((name.to_string(), value.to_string()));
         }
-        let var = |name: &str| {
-            vars.iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default()
-        };
-        let port =
-            |name: &str| -> Result<u16> { var(name).parse().map_err(|_| anyhow!("{name} is not a port number")) };
+        let var = |name: &str| vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()).unwrap_or_default();
+        let port = |name: &str| -> Result<u16> { var(name).parse().map_err(|_| anyhow!("{name} is not a port number")) };
         let refs: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let config_path = dir.join("envoy.yaml");
         let written = render_config(template, &refs).and_then(|c| Ok(std::fs::write(&config_path, c)?));
@@ -178,11 +166,7 @@ impl Envoy {
 
     /// The error plus the last lines of Envoy's stderr.
     fn with_stderr(&self, e: anyhow::Error) -> anyhow::Error {
-        e.context(format!(
-            "Envoy stderr ({}), last lines:\n{}",
-            self.stderr_path.display(),
-            self.stderr_tail(40)
-        ))
+        e.context(format!("Envoy stderr ({}), last lines:\n{}", self.stderr_path.display(), self.stderr_tail(40)))
     }
 
     /// The last `n` lines Envoy wrote to stderr.
@@ -249,14 +233,7 @@ impl Envoy {
             cmd.current_dir(dir);
         }
         let out = cmd
-            .args([
-                "--mode",
-                "validate",
-                "--log-level",
-                "warn",
-                "--disable-hot-restart",
-                "-c",
-            ])
+            .args(["--mode", "validate", "--log-level", "warn", "--disable-hot-restart", "-c"])
             .arg(path)
             .output()
             .with_context(|| format!("starting {}", tools.envoy.display()))?;
@@ -294,11 +271,7 @@ fn unique_base_id() -> u32 {
 
 fn scratch_dir() -> Result<PathBuf> {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "sluice-e2e-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
+    let dir = std::env::temp_dir().join(format!("sluice-e2e-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)

@@ -5,8 +5,8 @@
 
 use crate::tools::workspace_root;
 use crate::{Envoy, MockServer};
-use sluice_envoy_render::GATEWAYS;
 use anyhow::{Context, Result};
+use sluice_envoy_render::GATEWAYS;
 
 /// The plugin configuration is JSON inside a double-quoted YAML string: escape what YAML would read
 /// (the rules are `sluice_envoy_render`'s, shared with `cargo xtask render`).
@@ -27,10 +27,7 @@ pub fn demo_plugin_config() -> Result<String> {
 pub fn start_gateway(mock: &MockServer, plugin_config: &str) -> Result<Envoy> {
     let upstream = mock.port().to_string();
     let config = yaml_string_body(plugin_config);
-    Envoy::start(
-        &shipped("envoy/gateway.yaml"),
-        &[("UPSTREAM_PORT", upstream.as_str()), ("PLUGIN_CONFIG", config.as_str())],
-    )
+    Envoy::start(&shipped("envoy/gateway.yaml"), &[("UPSTREAM_PORT", upstream.as_str()), ("PLUGIN_CONFIG", config.as_str())])
 }
 
 /// The tenant-budget policy the end-to-end tests use, `policies/tenant-budget.e2e.json`.
@@ -47,20 +44,11 @@ pub fn start_budget_gateway(mock: &MockServer, budget_config: &str, metrics_conf
 
 /// [`start_budget_gateway`] with more placeholder values (e.g. `("WASM_DIR", dir)`), which take
 /// precedence over the defaults.
-pub fn start_budget_gateway_with(
-    mock: &MockServer,
-    budget_config: &str,
-    metrics_config: &str,
-    substitutions: &[(&str, &str)],
-) -> Result<Envoy> {
+pub fn start_budget_gateway_with(mock: &MockServer, budget_config: &str, metrics_config: &str, substitutions: &[(&str, &str)]) -> Result<Envoy> {
     let upstream = mock.port().to_string();
     let budget = yaml_string_body(budget_config);
     let metrics = yaml_string_body(metrics_config);
-    let mut vars = vec![
-        ("UPSTREAM_PORT", upstream.as_str()),
-        ("BUDGET_CONFIG", budget.as_str()),
-        ("PLUGIN_CONFIG", metrics.as_str()),
-    ];
+    let mut vars = vec![("UPSTREAM_PORT", upstream.as_str()), ("BUDGET_CONFIG", budget.as_str()), ("PLUGIN_CONFIG", metrics.as_str())];
     vars.extend_from_slice(substitutions);
     Envoy::start(&shipped("envoy/budget-gateway.yaml"), &vars)
 }
@@ -108,11 +96,7 @@ pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Resu
         };
         configs.push((placeholder, yaml_string_body(&json)));
     }
-    let mut vars: Vec<(&str, &str)> = vec![
-        ("UPSTREAM_PORT", ports[0].as_str()),
-        ("UPSTREAM_PORT_V2", ports[1].as_str()),
-        ("SHADOW_PORT", ports[2].as_str()),
-    ];
+    let mut vars: Vec<(&str, &str)> = vec![("UPSTREAM_PORT", ports[0].as_str()), ("UPSTREAM_PORT_V2", ports[1].as_str()), ("SHADOW_PORT", ports[2].as_str())];
     vars.extend(configs.iter().map(|(p, c)| (*p, c.as_str())));
     let envoy = Envoy::start(&shipped("envoy/full-gateway.yaml"), &vars)?;
     Ok(FullGateway { envoy, v1, v2, shadow })

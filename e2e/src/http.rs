@@ -38,10 +38,7 @@ impl Response {
 }
 
 fn find_header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
+    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 
 /// A piece of response body as it arrived: one decoded HTTP chunk (or one read, for bodies that
@@ -95,11 +92,7 @@ impl StreamedResponse {
     }
     pub fn into_response(self) -> Response {
         let body = self.body();
-        Response {
-            status: self.status,
-            headers: self.headers,
-            body,
-        }
+        Response { status: self.status, headers: self.headers, body }
     }
 }
 
@@ -112,8 +105,7 @@ pub struct Connection {
 
 impl Connection {
     pub fn connect(addr: SocketAddr) -> Result<Connection> {
-        let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-            .with_context(|| format!("connecting to {addr}"))?;
+        let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(|| format!("connecting to {addr}"))?;
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(READ_TIMEOUT))?;
         stream.set_write_timeout(Some(READ_TIMEOUT))?;
@@ -131,14 +123,7 @@ impl Connection {
     /// [`Connection::send`], but the body is written `pause` after the head (when `pause` is not
     /// zero): the gateway has the headers alone for that long, as with a slow client or a large
     /// upload.
-    pub fn send_with_pause(
-        mut self,
-        method: &str,
-        path: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-        pause: Duration,
-    ) -> Result<ClientStream> {
+    pub fn send_with_pause(mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8], pause: Duration) -> Result<ClientStream> {
         let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {}\r\n", self.addr);
         if !body.is_empty() && !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("content-type")) {
             head.push_str("content-type: application/json\r\n");
@@ -161,9 +146,7 @@ impl Connection {
         self.stream.write_all(&out).context("sending request")?;
         let (status, headers) = read_head(&mut self.reader).context("reading response head")?;
         let head_at = Instant::now();
-        let framing = if find_header(&headers, "transfer-encoding")
-            .is_some_and(|te| te.to_ascii_lowercase().contains("chunked"))
-        {
+        let framing = if find_header(&headers, "transfer-encoding").is_some_and(|te| te.to_ascii_lowercase().contains("chunked")) {
             Framing::Chunked
         } else if let Some(cl) = find_header(&headers, "content-length") {
             Framing::Length(cl.trim().parse().map_err(|_| anyhow!("bad content-length {cl:?}"))?)
@@ -172,26 +155,11 @@ impl Connection {
         } else {
             Framing::UntilClose
         };
-        Ok(ClientStream {
-            conn: self,
-            status,
-            headers,
-            sent_at,
-            head_at,
-            framing,
-            done: false,
-            complete: false,
-        })
+        Ok(ClientStream { conn: self, status, headers, sent_at, head_at, framing, done: false, complete: false })
     }
 
     /// Sends a request and reads the whole response, keeping the connection for the next one.
-    pub fn request(
-        self,
-        method: &str,
-        path: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(StreamedResponse, Connection)> {
+    pub fn request(self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<(StreamedResponse, Connection)> {
         let mut s = self.send(method, path, headers, body)?;
         let mut chunks = Vec::new();
         while let Some(c) = s.next_chunk()? {
@@ -229,13 +197,7 @@ pub struct ClientStream {
 
 /// Whether an I/O error means "the peer went away" (a cut stream) rather than a test failure.
 fn is_disconnect(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe
-    )
+    matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe)
 }
 
 impl ClientStream {
@@ -250,10 +212,7 @@ impl ClientStream {
             return Ok(None);
         }
         match self.read_piece() {
-            Ok(Some(data)) => Ok(Some(Chunk {
-                data,
-                at: Instant::now(),
-            })),
+            Ok(Some(data)) => Ok(Some(Chunk { data, at: Instant::now() })),
             Ok(None) => {
                 self.done = true;
                 self.complete = true;
@@ -278,8 +237,7 @@ impl ClientStream {
             Framing::Chunked => {
                 let line = read_line(r)?;
                 let size_hex = line.split(';').next().unwrap_or("").trim();
-                let size = usize::from_str_radix(size_hex, 16)
-                    .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("bad chunk size {line:?}")))?;
+                let size = usize::from_str_radix(size_hex, 16).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("bad chunk size {line:?}")))?;
                 if size == 0 {
                     while !read_line(r)?.is_empty() {} // trailers
                     return Ok(None);
@@ -323,14 +281,7 @@ impl ClientStream {
         while let Some(c) = self.next_chunk()? {
             chunks.push(c);
         }
-        Ok(StreamedResponse {
-            status: self.status,
-            headers: self.headers,
-            sent_at: self.sent_at,
-            head_at: self.head_at,
-            chunks,
-            complete: self.complete,
-        })
+        Ok(StreamedResponse { status: self.status, headers: self.headers, sent_at: self.sent_at, head_at: self.head_at, chunks, complete: self.complete })
     }
 
     /// Client disconnect: reads body until at least `n_bytes` have arrived (or the body ends),
@@ -363,20 +314,14 @@ fn read_line<R: BufRead>(r: &mut R) -> io::Result<String> {
 fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, Vec<(String, String)>)> {
     loop {
         let status_line = read_line(r)?;
-        let status: u16 = status_line
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| anyhow!("malformed status line {status_line:?}"))?;
+        let status: u16 = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| anyhow!("malformed status line {status_line:?}"))?;
         let mut headers = Vec::new();
         loop {
             let line = read_line(r)?;
             if line.is_empty() {
                 break;
             }
-            let (n, v) = line
-                .split_once(':')
-                .ok_or_else(|| anyhow!("malformed header line {line:?}"))?;
+            let (n, v) = line.split_once(':').ok_or_else(|| anyhow!("malformed header line {line:?}"))?;
             headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
         }
         // 1xx heads (100 Continue) precede the real one.
@@ -388,20 +333,14 @@ fn read_head<R: BufRead>(r: &mut R) -> Result<(u16, Vec<(String, String)>)> {
 
 /// `GET path` on a new connection.
 pub fn get(addr: SocketAddr, path: &str) -> Result<Response> {
-    Ok(Connection::connect(addr)?
-        .send("GET", path, &[], b"")?
-        .collect()?
-        .into_response())
+    Ok(Connection::connect(addr)?.send("GET", path, &[], b"")?.collect()?.into_response())
 }
 
 /// `POST path` with a JSON body on a new connection; reads the whole response (streamed or not).
 pub fn post_json(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Result<Response> {
     let resp = post_stream(addr, path, headers, body)?.collect()?;
     if !resp.complete {
-        bail!(
-            "connection closed before the end of the response body ({} bytes read)",
-            resp.body().len()
-        );
+        bail!("connection closed before the end of the response body ({} bytes read)", resp.body().len());
     }
     Ok(resp.into_response())
 }

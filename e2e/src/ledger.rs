@@ -31,11 +31,7 @@ impl LedgerService {
     /// waits until `GET /healthz` answers 200 (Redis reachable).
     pub fn start(redis_url: &str, threads: usize) -> Result<LedgerService> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        let stderr_path = std::env::temp_dir().join(format!(
-            "sluice-ledger-{}-{}.stderr",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let stderr_path = std::env::temp_dir().join(format!("sluice-ledger-{}-{}.stderr", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         let mut ledger = LedgerService {
             process: Process::new("sluice-ledger"),
             bin: ledger_bin()?,

@@ -36,10 +36,7 @@ impl MockServer {
             let _ = tx.send(lines.next());
             for _ in lines {}
         });
-        let mut server = MockServer {
-            child,
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-        };
+        let mut server = MockServer { child, addr: SocketAddr::from(([127, 0, 0, 1], 0)) };
         let line = match rx.recv_timeout(Duration::from_secs(10)) {
             Ok(Some(Ok(line))) => line,
             Ok(_) => bail!("mock server exited before listening: {:?}", server.child.try_wait()),

@@ -20,9 +20,7 @@ pub struct Sample {
 impl Sample {
     /// True when every `(key, value)` of `subset` is among this sample's labels.
     pub fn has_labels(&self, subset: &[(&str, &str)]) -> bool {
-        subset
-            .iter()
-            .all(|(k, v)| self.labels.get(*k).is_some_and(|have| have == v))
+        subset.iter().all(|(k, v)| self.labels.get(*k).is_some_and(|have| have == v))
     }
 }
 
@@ -102,11 +100,7 @@ impl Metrics {
             return None;
         }
         buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-        Some(Histogram {
-            count: count.map_or(0, to_count),
-            sum: self.value(&format!("{name}_sum"), labels).unwrap_or(0.0),
-            buckets,
-        })
+        Some(Histogram { count: count.map_or(0, to_count), sum: self.value(&format!("{name}_sum"), labels).unwrap_or(0.0), buckets })
     }
 
     /// Distinct sample names, sorted (handy in failure messages: "what is there instead?").
@@ -137,9 +131,7 @@ fn parse_value(v: &str) -> Result<f64> {
 }
 
 fn parse_sample(line: &str) -> Result<Sample> {
-    let name_end = line
-        .find(|c: char| c == '{' || c.is_whitespace())
-        .ok_or_else(|| anyhow!("no value"))?;
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).ok_or_else(|| anyhow!("no value"))?;
     let (name, mut rest) = line.split_at(name_end);
     if name.is_empty() {
         bail!("empty metric name");
@@ -152,11 +144,7 @@ fn parse_sample(line: &str) -> Result<Sample> {
     }
     // Value, then an optional timestamp.
     let value = rest.split_whitespace().next().ok_or_else(|| anyhow!("no value"))?;
-    Ok(Sample {
-        name: name.to_string(),
-        labels,
-        value: parse_value(value)?,
-    })
+    Ok(Sample { name: name.to_string(), labels, value: parse_value(value)? })
 }
 
 /// Parses `k="v",k2="v2"}` (after the opening brace); returns the labels and the text after `}`.
@@ -171,9 +159,7 @@ fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str)> {
         let eq = rest.find('=').ok_or_else(|| anyhow!("label without '='"))?;
         let key = rest.get(..eq).unwrap_or("").trim().to_string();
         rest = rest.get(eq + 1..).unwrap_or("").trim_start();
-        rest = rest
-            .strip_prefix('"')
-            .ok_or_else(|| anyhow!("label value not quoted"))?;
+        rest = rest.strip_prefix('"').ok_or_else(|| anyhow!("label value not quoted"))?;
         let mut value = String::new();
         let mut chars = rest.char_indices();
         let end = loop {

@@ -76,12 +76,7 @@ impl Redis {
             Persistence::None => cmd.args(["--appendonly", "no"]),
             Persistence::AppendOnly => cmd.args(["--appendonly", "yes", "--appendfsync", "everysec"]),
         };
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", self.bin.display()))?;
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().with_context(|| format!("starting {}", self.bin.display()))?;
         self.process.run(child);
         let (addr, log) = (self.addr(), self.dir.join("redis.log"));
         let pong = || matches!(command_at(addr, &["PING"]), Ok(Resp::Simple(p)) if p == "PONG");

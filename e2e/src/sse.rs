@@ -26,10 +26,7 @@ pub fn parse(text: &str) -> Vec<Event> {
     for line in normalized.split('\n') {
         if line.is_empty() {
             if let Some(d) = data.take() {
-                events.push(Event {
-                    event: event.take(),
-                    data: d,
-                });
+                events.push(Event { event: event.take(), data: d });
             }
             event = None;
             continue;
@@ -67,18 +64,9 @@ mod tests {
         assert_eq!(
             events,
             vec![
-                Event {
-                    event: Some("ping".into()),
-                    data: "{}".into()
-                },
-                Event {
-                    event: None,
-                    data: "a\nb".into()
-                },
-                Event {
-                    event: None,
-                    data: "[DONE]".into()
-                },
+                Event { event: Some("ping".into()), data: "{}".into() },
+                Event { event: None, data: "a\nb".into() },
+                Event { event: None, data: "[DONE]".into() },
             ]
         );
     }

@@ -32,10 +32,7 @@ impl Tools {
             None => workspace_root().join(".tools/venv/bin/envoy"),
         };
         if !envoy.is_file() {
-            bail!(
-                "Envoy not found at {}: run `cargo xtask setup` (or set SLUICE_ENVOY)",
-                envoy.display()
-            );
+            bail!("Envoy not found at {}: run `cargo xtask setup` (or set SLUICE_ENVOY)", envoy.display());
         }
         Ok(Tools { envoy })
     }
@@ -82,10 +79,7 @@ fn built_binary(name: &str, env: &str, build: &str) -> Result<PathBuf> {
     }
     let mut target_dirs = Vec::new();
     // Test binaries live in <target>/<profile>/deps/.
-    if let Some(dir) = std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
-    {
+    if let Some(dir) = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf())) {
         target_dirs.push(dir);
     }
     target_dirs.push(workspace_root().join("target"));

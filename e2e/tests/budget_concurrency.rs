@@ -200,12 +200,8 @@ fn budgets_hold_under_concurrency_with_disconnects_and_resets() {
         "key", "sent", "admitted", "clamped", "rejected", "discon", "resets", "errors", "tokens", "µUSD", "metric"
     );
     for (k, f) in figures {
-        let limits: Vec<String> = policy
-            .budgets
-            .iter()
-            .filter(|b| b.level == "key" && b.id == *k)
-            .map(|b| format!("{} {}/{}", b.limit, b.measure.name(), b.window.name()))
-            .collect();
+        let limits: Vec<String> =
+            policy.budgets.iter().filter(|b| b.level == "key" && b.id == *k).map(|b| format!("{} {}/{}", b.limit, b.measure.name(), b.window.name())).collect();
         let _ = writeln!(
             table,
             "{:<13} {:>5} {:>8} {:>7} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9}  {}",

@@ -36,8 +36,8 @@
 
 use serde_json::{json, Value};
 use sluice_e2e::budget_traffic::{
-    check_windows, error_fields, plan_traffic, read_logs, run_traffic, stamp_str, stamp_u64, Budget, Charge, Check, Failures, Fault, Figures,
-    Logged, Measure, Planned, Policy, Records, Seen, Tally, Window, CHAT, KEYS, LEDGER_UNAVAILABLE,
+    check_windows, error_fields, plan_traffic, read_logs, run_traffic, stamp_str, stamp_u64, Budget, Charge, Check, Failures, Fault, Figures, Logged, Measure,
+    Planned, Policy, Records, Seen, Tally, Window, CHAT, KEYS, LEDGER_UNAVAILABLE,
 };
 use sluice_e2e::gateway::{demo_plugin_config, shipped, start_budget_gateway, start_full_gateway, yaml_string_body};
 use sluice_e2e::ledger::{LedgerService, PREFIX};
@@ -73,11 +73,7 @@ fn prerequisites() -> bool {
     if Tools::locate_or_skip().unwrap().is_none() {
         return false;
     }
-    let mut missing: Vec<String> = [redis_server_bin().err(), ledger_bin().err(), mock_bin().err()]
-        .into_iter()
-        .flatten()
-        .map(|e| format!("{e:#}"))
-        .collect();
+    let mut missing: Vec<String> = [redis_server_bin().err(), ledger_bin().err(), mock_bin().err()].into_iter().flatten().map(|e| format!("{e:#}")).collect();
     let wasm = wasm_dir().join("sluice_tenant_budget.wasm");
     if !wasm.is_file() {
         missing.push(format!("{} is missing: build the plugins with `cargo xtask build`", wasm.display()));
@@ -122,12 +118,7 @@ fn fleet_envoy_from(template: &str, mock: &MockServer, ledger_port: u16, policy:
     let metrics = yaml_string_body(&metrics_config());
     Envoy::start(
         template,
-        &[
-            ("UPSTREAM_PORT", upstream.as_str()),
-            ("LEDGER_PORT", ledger.as_str()),
-            ("BUDGET_CONFIG", budget.as_str()),
-            ("PLUGIN_CONFIG", metrics.as_str()),
-        ],
+        &[("UPSTREAM_PORT", upstream.as_str()), ("LEDGER_PORT", ledger.as_str()), ("BUDGET_CONFIG", budget.as_str()), ("PLUGIN_CONFIG", metrics.as_str())],
     )
     .unwrap()
 }
@@ -175,12 +166,7 @@ fn metric_sum(envoys: &[&Envoy], name: &str, labels: &[(&str, &str)]) -> f64 {
 /// Sends one chat request (body written `pause` after the head) on a new connection and reads the
 /// whole answer.
 fn send(addr: SocketAddr, headers: &[(&str, &str)], body: &str, pause: Duration) -> StreamedResponse {
-    Connection::connect(addr)
-        .unwrap()
-        .send_with_pause("POST", CHAT, headers, body.as_bytes(), pause)
-        .unwrap()
-        .collect()
-        .unwrap()
+    Connection::connect(addr).unwrap().send_with_pause("POST", CHAT, headers, body.as_bytes(), pause).unwrap().collect().unwrap()
 }
 
 fn chat(stream: bool, max_tokens: Option<u64>, text: &str) -> String {
@@ -224,10 +210,14 @@ fn full_usage(p: &Planned) -> (u64, u64) {
 /// metered below what their traffic asks for; `ads-rt` and `labs-open` have room for everything.
 fn a_budgets(plans: &[Planned]) -> Vec<Budget> {
     let demand = |keys: &[&str], f: &dyn Fn(u64, u64) -> u64| -> u64 {
-        plans.iter().filter(|p| keys.contains(&p.key)).map(|p| {
-            let (i, o) = full_usage(p);
-            f(i, o)
-        }).sum()
+        plans
+            .iter()
+            .filter(|p| keys.contains(&p.key))
+            .map(|p| {
+                let (i, o) = full_usage(p);
+                f(i, o)
+            })
+            .sum()
     };
     let total = |i: u64, o: u64| i + o;
     let pct = |x: u64, p: u64| (x * p / 100).max(1);
@@ -444,7 +434,8 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     let admitted: u64 = strict.figures.values().map(Figures::let_through).sum();
     let refused: u64 = strict.figures.values().map(|f| f.rejected).sum();
     let service = sluice_e2e::prometheus::Metrics::parse(&ledger.metrics().unwrap()).unwrap();
-    let served = |endpoint: &str, result: &str| service.value("sluice_ledger_requests_total", &[("endpoint", endpoint), ("result", result)]).unwrap_or(0.0) as u64;
+    let served =
+        |endpoint: &str, result: &str| service.value("sluice_ledger_requests_total", &[("endpoint", endpoint), ("result", result)]).unwrap_or(0.0) as u64;
     let reserve_calls = metric_sum(&refs, "sluice_budget_ledger_calls_total", &[("call", "reserve"), ("result", "ok")]) as u64;
     let settle_calls = metric_sum(&refs, "sluice_budget_ledger_calls_total", &[("call", "settle"), ("result", "ok")]) as u64;
     let call_counts = format!(
@@ -456,7 +447,11 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     );
     failures.that(
         "ledger calls",
-        served("reserve", "admitted") == admitted && served("reserve", "refused") == refused && served("settle", "settled") == admitted && reserve_calls == admitted + refused && settle_calls >= admitted,
+        served("reserve", "admitted") == admitted
+            && served("reserve", "refused") == refused
+            && served("settle", "settled") == admitted
+            && reserve_calls == admitted + refused
+            && settle_calls >= admitted,
         || call_counts.clone(),
     );
     drop(envoys);
@@ -515,7 +510,8 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
         failures.that(&format!("{label} volume"), unavailable == 0, || format!("{unavailable} requests refused for an unavailable ledger"));
     }
     let rejected: u64 = strict.figures.values().map(|f| f.rejected).sum();
-    failures.that("(a) volume", rejected * 100 >= strict.sent as u64 * 15, || format!("only {rejected} of {} refused: the limits were barely tested", strict.sent));
+    failures
+        .that("(a) volume", rejected * 100 >= strict.sent as u64 * 15, || format!("only {rejected} of {} refused: the limits were barely tested", strict.sent));
 
     let mut table = String::new();
     let _ = writeln!(
@@ -741,7 +737,12 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         // Key lim through Redis: its 12 requests of the day, over both Envoys; a 13th is refused.
         for n in 0..13 {
             let id = format!("b-lim-redis-{n}");
-            let r = send(addrs[n % 2], &[("x-request-id", id.as_str()), ("x-sluice-key", "lim"), ("x-mock-tokens", "2")], &chat(false, None, "lim"), Duration::ZERO);
+            let r = send(
+                addrs[n % 2],
+                &[("x-request-id", id.as_str()), ("x-sluice-key", "lim"), ("x-mock-tokens", "2")],
+                &chat(false, None, "lim"),
+                Duration::ZERO,
+            );
             lim_before.push((r.status, error_of(&r).1));
         }
         // Let the long streams get admitted, then kill the ledger mid-run.
@@ -755,8 +756,13 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         // a fallback ledger that starts from zero, not from what Redis counted.
         for n in 0..10 {
             let id = format!("b-lim-{n}");
-            let r = send(addrs[1], &[("x-request-id", id.as_str()), ("x-sluice-key", "lim"), ("x-mock-tokens", "2")], &chat(false, None, "lim"), Duration::ZERO);
-            let stamp = e_local.access_log().wait_for_request(&id, Duration::from_secs(5)).ok().and_then(|l| sluice_e2e::access_log::stamp(&l, "budget").ok().flatten());
+            let r =
+                send(addrs[1], &[("x-request-id", id.as_str()), ("x-sluice-key", "lim"), ("x-mock-tokens", "2")], &chat(false, None, "lim"), Duration::ZERO);
+            let stamp = e_local
+                .access_log()
+                .wait_for_request(&id, Duration::from_secs(5))
+                .ok()
+                .and_then(|l| sluice_e2e::access_log::stamp(&l, "budget").ok().flatten());
             lim_answers.push((r.status, error_of(&r).1, stamp));
         }
         // One refused by the deny Envoy, written slowly (headers first): nothing may reach the mock.
@@ -785,7 +791,9 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let stall_answered = stall_started.elapsed();
     std::thread::sleep(Duration::from_millis(300));
     redis.resume().unwrap();
-    failures.that("(b) stall", stalled.status == 503 && error_of(&stalled).1 == "budget_ledger_unavailable", || format!("a stalled Redis: {} {}", stalled.status, stalled.text()));
+    failures.that("(b) stall", stalled.status == 503 && error_of(&stalled).1 == "budget_ledger_unavailable", || {
+        format!("a stalled Redis: {} {}", stalled.status, stalled.text())
+    });
     failures.that("(b) stall", stall_answered < Duration::from_millis(1000), || format!("a stalled Redis answered after {stall_answered:?}"));
 
     // What each side of the outage answered.
@@ -806,22 +814,30 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
                 failures.that("(b) deny", r.retry_after.as_deref() == Some("1"), || format!("{}: retry-after {:?}", r.id, r.retry_after));
             }
             (1, "outage") => failures.that("(b) local", r.status == 200, || format!("{}: the local-fallback Envoy answered {} {:?}", r.id, r.status, r.error)),
-            (_, "before" | "after") => failures.that("(b) ledger up", r.status == 200, || format!("{}: answered {} {:?} with the ledger up", r.id, r.status, r.error)),
+            (_, "before" | "after") => {
+                failures.that("(b) ledger up", r.status == 200, || format!("{}: answered {} {:?} with the ledger up", r.id, r.status, r.error))
+            }
             _ => {}
         }
     }
     for (envoy, when) in [(0, "outage"), (1, "outage"), (0, "after"), (1, "after")] {
-        failures.that("(b) volume", table.get(&(envoy, when)).is_some_and(|m| m.values().sum::<u64>() >= 3), || format!("Envoy {envoy}: fewer than 3 requests {when}"));
+        failures.that("(b) volume", table.get(&(envoy, when)).is_some_and(|m| m.values().sum::<u64>() >= 3), || {
+            format!("Envoy {envoy}: fewer than 3 requests {when}")
+        });
     }
     for l in &long {
-        failures.that("(b) long streams", l.status == 200 && l.phase_sent == 0 && l.phase_done == 2, || format!("{l:?}: not admitted before the kill and finished after the restart"));
+        failures.that("(b) long streams", l.status == 200 && l.phase_sent == 0 && l.phase_done == 2, || {
+            format!("{l:?}: not admitted before the kill and finished after the restart")
+        });
     }
     // No 503 reached the upstream, not even as a head.
     let heads_now = read_heads(&mock);
     let leaked: Vec<&str> = steady.iter().filter(|r| r.status == 503 && heads_now.contains_key(&r.id)).map(|r| r.id.as_str()).collect();
     failures.that("(e) 503", leaked.is_empty(), || format!("requests refused 503 whose head reached the mock: {leaked:?}"));
     let (split, heads_then) = deny_during_outage.unwrap();
-    failures.that("(b) deny", split.status == 503 && error_of(&split).1 == "budget_ledger_unavailable", || format!("slowly written request: {} {}", split.status, split.text()));
+    failures.that("(b) deny", split.status == 503 && error_of(&split).1 == "budget_ledger_unavailable", || {
+        format!("slowly written request: {} {}", split.status, split.text())
+    });
     failures.that("(e) 503", !heads_then.contains_key("b-deny-split"), || "the mock saw the head of a request refused 503".into());
     failures.that(
         "(b) lim",
@@ -833,7 +849,8 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     failures.that("(b) local", lim_admitted == 6 && lim_fallback == 6, || format!("key lim (12 a day, replicas 2) during the outage: {lim_answers:?}"));
     failures.that(
         "(b) local",
-        lim_answers.iter().filter(|(s, _, _)| *s == 429).all(|(_, code, _)| code == "key:lim:day:requests") && lim_answers.iter().all(|(s, _, _)| *s == 200 || *s == 429),
+        lim_answers.iter().filter(|(s, _, _)| *s == 429).all(|(_, code, _)| code == "key:lim:day:requests")
+            && lim_answers.iter().all(|(s, _, _)| *s == 200 || *s == 429),
         || format!("key lim refusals: {lim_answers:?}"),
     );
 
@@ -870,7 +887,10 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let orphans = orphans.unwrap_or_else(|_| {
         failures.add(
             "(b) no usage lost",
-            format!("Redis key k: used {used_before_expiry} reserved {reserved_before_expiry}; stamps settled through Redis: {via_redis}; holds {:?}", holds(&redis, "acme")),
+            format!(
+                "Redis key k: used {used_before_expiry} reserved {reserved_before_expiry}; stamps settled through Redis: {via_redis}; holds {:?}",
+                holds(&redis, "acme")
+            ),
         );
         holds(&redis, "acme")
     });
@@ -920,13 +940,22 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         let marker = redis.command(&["GET", &format!("{PREFIX}:{{acme}}:s:{}", h.id)]).unwrap().text();
         failures.that("(b) expiry", marker.as_deref() == Some("expired"), || format!("hold {}: marker {marker:?}", h.id));
         let (status, answer) = ledger.post("/v1/settle", &json!({"id": h.id, "tag": "acme", "charges": vec![0; h.counters.len()]})).unwrap();
-        failures.that("(b) expiry", status == 200 && answer == json!({"settled": false, "reason": "expired"}), || format!("a late settle of {}: {status} {answer}", h.id));
+        failures.that("(b) expiry", status == 200 && answer == json!({"settled": false, "reason": "expired"}), || {
+            format!("a late settle of {}: {status} {answer}", h.id)
+        });
         late_settles.push(answer);
     }
     failures.that("(b) expiry", holds(&redis, "acme").is_empty(), || format!("holds left: {:?}", holds(&redis, "acme")));
 
     let mut out = String::new();
-    let _ = writeln!(out, "\n(b) the ledger SIGKILLed at {:.1} s, back after {:.2} s; holds swept at {:.1} s (test {:.1} s)", kill_at.as_secs_f64(), outage.as_secs_f64(), swept_at.as_secs_f64(), started.elapsed().as_secs_f64());
+    let _ = writeln!(
+        out,
+        "\n(b) the ledger SIGKILLed at {:.1} s, back after {:.2} s; holds swept at {:.1} s (test {:.1} s)",
+        kill_at.as_secs_f64(),
+        outage.as_secs_f64(),
+        swept_at.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
     for ((envoy, when), statuses) in &table {
         let _ = writeln!(out, "  {:<26} {when:<7} {statuses:?}", if *envoy == 0 { "Envoy on_failure=deny" } else { "Envoy on_failure=local" });
     }
@@ -948,8 +977,15 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         stalled_marker,
         stall_holds.len()
     );
-    let _ = writeln!(out, "  requests settled through Redis: {via_redis_n} ({via_redis} tokens) = Redis used {used_before_expiry}; admitted by the local fallback: {fallback_n}");
-    let _ = writeln!(out, "  killed Envoy's stream: status {victim_status}; holds left in Redis after the drain: {} ({orphaned_k} tokens reserved on key k)", orphans.len());
+    let _ = writeln!(
+        out,
+        "  requests settled through Redis: {via_redis_n} ({via_redis} tokens) = Redis used {used_before_expiry}; admitted by the local fallback: {fallback_n}"
+    );
+    let _ = writeln!(
+        out,
+        "  killed Envoy's stream: status {victim_status}; holds left in Redis after the drain: {} ({orphaned_k} tokens reserved on key k)",
+        orphans.len()
+    );
     let _ = writeln!(out, "  after expiry: used {used_after} = {used_before_expiry} + {orphaned_k} (holds, charged at their reservation) + {sweeper_charge} (the sweeping request); reserved {reserved_after}; late settles answered {}", Value::Array(late_settles));
     println!("{out}");
     failures.verdict(&format!("ledger stderr:\n{}", ledger.stderr_tail(10))).unwrap();
@@ -988,7 +1024,8 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
             .map(|_| {
                 n += 1;
                 let id = format!("c-{n}");
-                let r = send(envoys[n % 2].listen_addr(), &[("x-request-id", id.as_str()), ("x-sluice-key", key)], &chat(false, None, "persist"), Duration::ZERO);
+                let r =
+                    send(envoys[n % 2].listen_addr(), &[("x-request-id", id.as_str()), ("x-sluice-key", key)], &chat(false, None, "persist"), Duration::ZERO);
                 (id, r.status, error_of(&r).1)
             })
             .collect()
@@ -1034,13 +1071,22 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
     failures.that("(c) continues", end.is_ok(), || format!("Redis after: k {k_end:?} (stamps {k_charged}), lim {lim_end:?} (want 80)"));
 
     let mut out = String::new();
-    let _ = writeln!(out, "\n(c) Redis (appendonly yes, appendfsync everysec) SIGKILLed and restarted: down {:.0} ms, ledger healthy {:.0} ms after (test {:.1} s)", down_for.as_secs_f64() * 1e3, healthy_after.as_secs_f64() * 1e3, started.elapsed().as_secs_f64());
+    let _ = writeln!(
+        out,
+        "\n(c) Redis (appendonly yes, appendfsync everysec) SIGKILLed and restarted: down {:.0} ms, ledger healthy {:.0} ms after (test {:.1} s)",
+        down_for.as_secs_f64() * 1e3,
+        healthy_after.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
     let _ = writeln!(out, "  counters before the kill = after the restart: {} ({} keys)", intact == before, intact.len());
     for ((org, key), (u, r)) in &intact {
         let _ = writeln!(out, "    {org} {key:<28} used {u:>8} reserved {r}");
     }
     let _ = writeln!(out, "  while down: {:?}", down.iter().map(|(_, s, c)| format!("{s} {c}")).collect::<Vec<_>>());
-    let _ = writeln!(out, "  after: key lim {admitted} of 40 admitted (limit 80, 50 used before), Redis lim {lim_end:?}; key k Redis {k_end:?} = stamps {k_charged}");
+    let _ = writeln!(
+        out,
+        "  after: key lim {admitted} of 40 admitted (limit 80, 50 used before), Redis lim {lim_end:?}; key k Redis {k_end:?} = stamps {k_charged}"
+    );
     println!("{out}");
     failures.verdict("").unwrap();
 }
@@ -1167,7 +1213,12 @@ fn d_a_thousand_jwt_subjects_are_each_limited_on_their_own_with_no_series_per_id
     let budget_series: usize = envoys[0].stats_prometheus().unwrap().lines().filter(|l| l.starts_with("sluice_budget")).count();
 
     let mut out = String::new();
-    let _ = writeln!(out, "\n(d) {D_SUBJECTS} JWT subjects × 3 requests over 2 Envoys in {:.1} s (test {:.1} s); answers (1st 2nd 3rd, 3rd's code): {pattern:?}", traffic_time.as_secs_f64(), started.elapsed().as_secs_f64());
+    let _ = writeln!(
+        out,
+        "\n(d) {D_SUBJECTS} JWT subjects × 3 requests over 2 Envoys in {:.1} s (test {:.1} s); answers (1st 2nd 3rd, 3rd's code): {pattern:?}",
+        traffic_time.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
     let _ = writeln!(out, "  Redis per-identity counters: {} (each used 2: {}); Envoy /stats lines before → after: {stats_before:?} → {stats_after:?}; sluice_budget* series on Envoy 0: {budget_series}", per_identity.len(), per_identity.iter().all(|u| *u == 2));
     println!("{out}");
     failures.verdict("").unwrap();

@@ -67,21 +67,16 @@ fn normalize(sse: &str) -> String {
 
 fn sse_lines(sse: &str) -> Vec<String> {
     sse.lines()
-        .map(|line| {
-            match line
-                .strip_prefix("data: ")
-                .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-            {
-                Some(mut v) => {
-                    for key in ["id", "created"] {
-                        if v.get(key).is_some() {
-                            v[key] = "X".into();
-                        }
+        .map(|line| match line.strip_prefix("data: ").and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok()) {
+            Some(mut v) => {
+                for key in ["id", "created"] {
+                    if v.get(key).is_some() {
+                        v[key] = "X".into();
                     }
-                    format!("data: {v}")
                 }
-                None => line.to_string(),
+                format!("data: {v}")
             }
+            None => line.to_string(),
         })
         .collect()
 }
@@ -97,14 +92,8 @@ fn envoy_passes_streams_through_unchanged() {
 
     let body = r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Hello"}]}"#;
     let headers = [("x-mock-ttft-ms", "100"), ("x-mock-itl-ms", "10")];
-    let direct = post_stream(mock.addr(), "/v1/chat/completions", &headers, body)
-        .unwrap()
-        .collect()
-        .unwrap();
-    let proxied = post_stream(envoy.listen_addr(), "/v1/chat/completions", &headers, body)
-        .unwrap()
-        .collect()
-        .unwrap();
+    let direct = post_stream(mock.addr(), "/v1/chat/completions", &headers, body).unwrap().collect().unwrap();
+    let proxied = post_stream(envoy.listen_addr(), "/v1/chat/completions", &headers, body).unwrap().collect().unwrap();
     assert_eq!(proxied.status, 200);
     assert!(proxied.complete && direct.complete);
     assert_eq!(proxied.header("x-mock-served-by"), Some("mock-a"));
@@ -118,15 +107,10 @@ fn envoy_passes_streams_through_unchanged() {
     assert_eq!(whole.json().unwrap()["content"][0]["text"], "tok0 tok1 tok2 tok3 tok4 ");
 
     let metrics = envoy.metrics().unwrap();
-    let ok = metrics.value(
-        "envoy_cluster_upstream_rq",
-        &[("envoy_cluster_name", "mock"), ("envoy_response_code", "200")],
-    );
+    let ok = metrics.value("envoy_cluster_upstream_rq", &[("envoy_cluster_name", "mock"), ("envoy_response_code", "200")]);
     assert_eq!(ok, Some(2.0), "names present: {:?}", metrics.names());
     let rq_time = wait_until(Duration::from_secs(5), "upstream_rq_time histogram", || {
-        let h = envoy
-            .metrics()?
-            .histogram("envoy_cluster_upstream_rq_time", &[("envoy_cluster_name", "mock")]);
+        let h = envoy.metrics()?.histogram("envoy_cluster_upstream_rq_time", &[("envoy_cluster_name", "mock")]);
         Ok(h.filter(|h| h.count == 2))
     })
     .unwrap();
@@ -148,16 +132,9 @@ fn validate_accepts_the_rendered_bootstrap_and_rejects_garbage() {
     let dir = std::env::temp_dir().join(format!("sluice-e2e-validate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let good = dir.join("good.yaml");
-    let rendered = sluice_e2e::render_config(
-        BOOTSTRAP,
-        &[
-            ("ADMIN_PORT", "9901"),
-            ("LISTEN_PORT", "10000"),
-            ("UPSTREAM_PORT", "18000"),
-            ("ACCESS_LOG", "/dev/null"),
-        ],
-    )
-    .unwrap();
+    let rendered =
+        sluice_e2e::render_config(BOOTSTRAP, &[("ADMIN_PORT", "9901"), ("LISTEN_PORT", "10000"), ("UPSTREAM_PORT", "18000"), ("ACCESS_LOG", "/dev/null")])
+            .unwrap();
     std::fs::write(&good, rendered).unwrap();
     Envoy::validate(&good).unwrap();
     let bad = dir.join("bad.yaml");

@@ -10,13 +10,7 @@ const CHAT: &str = r#"{"model":"m","stream":true,"stream_options":{"include_usag
 #[test]
 fn whole_json_response() {
     let mock = MockServer::start(&["--tokens", "2"]).unwrap();
-    let r = post_json(
-        mock.addr(),
-        "/v1/chat/completions",
-        &[("x-mock-version", "v9")],
-        r#"{"messages":[]}"#,
-    )
-    .unwrap();
+    let r = post_json(mock.addr(), "/v1/chat/completions", &[("x-mock-version", "v9")], r#"{"messages":[]}"#).unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("X-Mock-Served-By"), Some("v9"));
     assert_eq!(r.json().unwrap()["choices"][0]["message"]["content"], "tok0 tok1 ");
@@ -30,11 +24,7 @@ fn whole_json_response() {
 #[test]
 fn stream_chunks_arrive_with_timestamps() {
     let mock = MockServer::start(&[]).unwrap();
-    let headers = [
-        ("x-mock-ttft-ms", "150"),
-        ("x-mock-itl-ms", "20"),
-        ("x-mock-tokens", "3"),
-    ];
+    let headers = [("x-mock-ttft-ms", "150"), ("x-mock-itl-ms", "20"), ("x-mock-tokens", "3")];
     let s = post_stream(mock.addr(), "/v1/chat/completions", &headers, CHAT).unwrap();
     assert_eq!(s.status, 200);
     assert_eq!(s.header("content-type"), Some("text/event-stream"));
@@ -58,15 +48,7 @@ fn stream_chunks_arrive_with_timestamps() {
 fn split_events_reassemble() {
     let mock = MockServer::start(&["--tokens", "2"]).unwrap();
     let headers = [("x-mock-split", "5"), ("x-mock-crlf", "1")];
-    let r = post_stream(
-        mock.addr(),
-        "/v1/messages",
-        &headers,
-        r#"{"stream":true,"messages":[]}"#,
-    )
-    .unwrap()
-    .collect()
-    .unwrap();
+    let r = post_stream(mock.addr(), "/v1/messages", &headers, r#"{"stream":true,"messages":[]}"#).unwrap().collect().unwrap();
     assert!(r.chunks.len() > 20);
     let names: Vec<_> = r.events().into_iter().map(|e| e.event.unwrap()).collect();
     assert_eq!(names.first().map(String::as_str), Some("message_start"));
@@ -76,25 +58,11 @@ fn split_events_reassemble() {
 #[test]
 fn cut_stream_is_incomplete_not_an_error() {
     let mock = MockServer::start(&["--tokens", "5"]).unwrap();
-    let r = post_stream(
-        mock.addr(),
-        "/v1/chat/completions",
-        &[("x-mock-fail", "reset-after:2")],
-        CHAT,
-    )
-    .unwrap()
-    .collect()
-    .unwrap();
+    let r = post_stream(mock.addr(), "/v1/chat/completions", &[("x-mock-fail", "reset-after:2")], CHAT).unwrap().collect().unwrap();
     assert!(!r.complete);
     assert!(r.text().contains("tok1") && !r.text().contains("tok2"));
     // post_json wants a whole body and says so.
-    let err = post_json(
-        mock.addr(),
-        "/v1/chat/completions",
-        &[("x-mock-fail", "reset-after:2")],
-        CHAT,
-    )
-    .unwrap_err();
+    let err = post_json(mock.addr(), "/v1/chat/completions", &[("x-mock-fail", "reset-after:2")], CHAT).unwrap_err();
     assert!(err.to_string().contains("closed before the end"));
 }
 
@@ -114,12 +82,8 @@ fn abort_after_disconnects_the_client() {
 fn connection_reuse() {
     let mock = MockServer::start(&["--tokens", "1"]).unwrap();
     let conn = Connection::connect(mock.addr()).unwrap();
-    let (a, conn) = conn
-        .request("POST", "/v1/chat/completions", &[], CHAT.as_bytes())
-        .unwrap();
-    let (b, conn) = conn
-        .request("POST", "/v1/completions", &[], br#"{"prompt":"x"}"#)
-        .unwrap();
+    let (a, conn) = conn.request("POST", "/v1/chat/completions", &[], CHAT.as_bytes()).unwrap();
+    let (b, conn) = conn.request("POST", "/v1/completions", &[], br#"{"prompt":"x"}"#).unwrap();
     let (c, _conn) = conn.request("GET", "/mock/stats", &[], b"").unwrap();
     assert!(a.complete && b.complete && c.complete);
     let stats: serde_json::Value = serde_json::from_slice(&c.body()).unwrap();

@@ -50,8 +50,7 @@ fn start() -> Gateway {
 }
 
 fn body(stream: bool) -> String {
-    json!({"model": "llama-3-70b", "stream": stream, "messages": [{"role": "user", "content": "How fast are you today?"}]})
-        .to_string()
+    json!({"model": "llama-3-70b", "stream": stream, "messages": [{"role": "user", "content": "How fast are you today?"}]}).to_string()
 }
 
 fn headers<'a>(tenant: &'a str, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
@@ -65,10 +64,7 @@ fn stalled_upstream_is_answered_504_at_the_ttft_deadline_and_healthy_streams_pas
     let gw = start();
     // Healthy: released at the first token.
     let t = Instant::now();
-    let ok = post_stream(gw.envoy.listen_addr(), CHAT, &headers("std-a", &[("x-mock-ttft-ms", "150")]), &body(true))
-        .unwrap()
-        .collect()
-        .unwrap();
+    let ok = post_stream(gw.envoy.listen_addr(), CHAT, &headers("std-a", &[("x-mock-ttft-ms", "150")]), &body(true)).unwrap().collect().unwrap();
     assert_eq!(ok.status, 200, "{}", ok.text());
     assert!(ok.complete);
     let head = ok.head_at.duration_since(ok.sent_at);
@@ -223,9 +219,7 @@ fn slow_version_trips_the_breaker_critical_fails_over_sheddable_is_refused_and_i
     for s in 0..end_at.as_secs() {
         let mut line = format!("{s:>4}");
         for class in ["critical", "standard", "sheddable"] {
-            let in_second = |what: &dyn Fn(&Seen) -> bool| {
-                seen.iter().filter(|x| x.class == class && x.at.as_secs() == s && what(x)).count()
-            };
+            let in_second = |what: &dyn Fn(&Seen) -> bool| seen.iter().filter(|x| x.class == class && x.at.as_secs() == s && what(x)).count();
             let v1 = in_second(&|x| x.status == 200 && x.served_by == "llama-v1");
             let v2 = in_second(&|x| x.status == 200 && x.served_by == "llama-v2");
             let refused = in_second(&|x| x.status == 503);
@@ -259,9 +253,7 @@ fn slow_version_trips_the_breaker_critical_fails_over_sheddable_is_refused_and_i
     assert!(shed.len() >= 5, "sheddable refusals: {}", shed.len());
     assert!(shed.iter().all(|x| x.retry_after.as_deref().and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s >= 1)));
     assert!(shed.iter().all(|x| x.at > slow_at), "refused before the slowdown");
-    let shed_metric = metrics
-        .value("sluice_latency_shed_total", &[("version", "v1"), ("priority", "sheddable"), ("reason", "breaker_open")])
-        .unwrap_or(0.0);
+    let shed_metric = metrics.value("sluice_latency_shed_total", &[("version", "v1"), ("priority", "sheddable"), ("reason", "breaker_open")]).unwrap_or(0.0);
     assert_eq!(shed_metric as usize, shed.len());
     // Recovery: the breaker closes and traffic comes back to v1 for every class.
     let closed_at = closed_at.expect("the breaker never closed after recovery");

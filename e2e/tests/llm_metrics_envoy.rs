@@ -63,13 +63,7 @@ fn streaming_ttft_tpot_tokens_and_cost_match_the_mock() {
     let mock = MockServer::start(&[]).unwrap();
     let envoy = start_gateway(&mock, &demo_plugin_config().unwrap()).unwrap();
     let (ttft_ms, itl_ms, tokens, requests) = (150u64, 20u64, 12u64, 4usize);
-    let headers = [
-        ("x-mock-ttft-ms", "150"),
-        ("x-mock-itl-ms", "20"),
-        ("x-mock-tokens", "12"),
-        ("x-model-version", "v2"),
-        ("x-sluice-tenant", "acme"),
-    ];
+    let headers = [("x-mock-ttft-ms", "150"), ("x-mock-itl-ms", "20"), ("x-mock-tokens", "12"), ("x-model-version", "v2"), ("x-sluice-tenant", "acme")];
     for _ in 0..requests {
         let response = post_stream(envoy.listen_addr(), CHAT, &headers, &chat_body(true, true)).unwrap().collect().unwrap();
         assert_eq!(response.status, 200);
@@ -135,7 +129,11 @@ fn every_api_kind_streaming_and_not_counts_exactly() {
     let mock = MockServer::start(&[]).unwrap();
     let envoy = start_gateway(&mock, &demo_plugin_config().unwrap()).unwrap();
     let cases: &[(&str, &str, &str)] = &[
-        ("/v1/chat/completions", "chat_completions", r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Hello there, model."}],"stream_options":{"include_usage":true}"#),
+        (
+            "/v1/chat/completions",
+            "chat_completions",
+            r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Hello there, model."}],"stream_options":{"include_usage":true}"#,
+        ),
         ("/v1/completions", "completions", r#"{"model":"gpt-4o-mini","prompt":"Hello there, model.","stream_options":{"include_usage":true}"#),
         ("/v1/responses", "responses", r#"{"model":"gpt-4o-mini","input":"Hello there, model.""#),
         ("/v1/messages", "messages", r#"{"model":"claude-sonnet-4","max_tokens":100,"messages":[{"role":"user","content":"Hello there, model."}]"#),
@@ -272,15 +270,8 @@ fn the_bench_envoy_configs_validate() {
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
         }
-        let rendered = render_config(
-            &std::fs::read_to_string(&path).unwrap(),
-            &[
-                ("ADMIN_PORT", "9901"),
-                ("LISTEN_PORT", "10000"),
-                ("UPSTREAM_PORT", "18000"),
-            ],
-        )
-        .unwrap();
+        let rendered =
+            render_config(&std::fs::read_to_string(&path).unwrap(), &[("ADMIN_PORT", "9901"), ("LISTEN_PORT", "10000"), ("UPSTREAM_PORT", "18000")]).unwrap();
         let out = dir.join(path.file_name().unwrap());
         std::fs::write(&out, rendered).unwrap();
         Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));

@@ -54,25 +54,13 @@ fn counters_and_gauges_by_label_subset() {
     let ok_mock = [("envoy_cluster_name", "mock"), ("envoy_response_code", "200")];
     assert_eq!(m.value("envoy_cluster_upstream_rq", &ok_mock), Some(2.0));
     // A subset matches several series: their values add up.
-    assert_eq!(
-        m.value("envoy_cluster_upstream_rq", &[("envoy_cluster_name", "mock")]),
-        Some(3.0)
-    );
+    assert_eq!(m.value("envoy_cluster_upstream_rq", &[("envoy_cluster_name", "mock")]), Some(3.0));
     assert_eq!(m.value("envoy_cluster_upstream_rq", &[]), Some(10.0));
     assert_eq!(m.value("envoy_cluster_upstream_rq_timeout", &[]), Some(0.0));
     assert_eq!(m.value("envoy_server_live", &[]), Some(1.0));
-    assert_eq!(
-        m.value(
-            "envoy_http_downstream_rq_active",
-            &[("envoy_http_conn_manager_prefix", "admin")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(m.value("envoy_http_downstream_rq_active", &[("envoy_http_conn_manager_prefix", "admin")]), Some(1.0));
     // Absent names and labels are None, not zero: "never recorded" differs from "recorded 0".
-    assert_eq!(
-        m.value("envoy_cluster_upstream_rq", &[("envoy_cluster_name", "nope")]),
-        None
-    );
+    assert_eq!(m.value("envoy_cluster_upstream_rq", &[("envoy_cluster_name", "nope")]), None);
     assert_eq!(m.value("no_such_metric", &[]), None);
     assert!(m.names().contains(&"sluice_ttft_ms_bucket"));
 }
@@ -80,9 +68,7 @@ fn counters_and_gauges_by_label_subset() {
 #[test]
 fn envoy_histogram() {
     let m = Metrics::parse(SAMPLE).unwrap();
-    let h = m
-        .histogram("envoy_cluster_upstream_rq_time", &[("envoy_cluster_name", "mock")])
-        .unwrap();
+    let h = m.histogram("envoy_cluster_upstream_rq_time", &[("envoy_cluster_name", "mock")]).unwrap();
     assert_eq!(h.count, 3);
     assert!((h.sum - 30.4918).abs() < 1e-3);
     assert_eq!(h.buckets.len(), 9);
@@ -96,14 +82,9 @@ fn envoy_histogram() {
 #[test]
 fn sluice_histogram_merged_over_tags() {
     let m = Metrics::parse(SAMPLE).unwrap();
-    let acme_v2 = m
-        .histogram("sluice_ttft_ms", &[("tenant", "acme"), ("model_version", "v2")])
-        .unwrap();
+    let acme_v2 = m.histogram("sluice_ttft_ms", &[("tenant", "acme"), ("model_version", "v2")]).unwrap();
     assert_eq!((acme_v2.count, acme_v2.sum), (5, 1105.0));
-    assert_eq!(
-        acme_v2.buckets,
-        vec![(10.0, 0), (100.0, 1), (250.0, 4), (f64::INFINITY, 5)]
-    );
+    assert_eq!(acme_v2.buckets, vec![(10.0, 0), (100.0, 1), (250.0, 4), (f64::INFINITY, 5)]);
 
     let v2 = m.histogram("sluice_ttft_ms", &[("model_version", "v2")]).unwrap();
     assert_eq!((v2.count, v2.sum), (7, 1310.0));

@@ -198,9 +198,7 @@ impl StreamType {
 
 /// Serializes header pairs: `count: u32`, then `(key_len: u32, value_len: u32)` per pair, then
 /// each key and value followed by a NUL byte. All integers little-endian.
-pub(crate) fn encode_map<'a>(
-    pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])> + Clone,
-) -> Vec<u8> {
+pub(crate) fn encode_map<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])> + Clone) -> Vec<u8> {
     let pairs: Vec<_> = pairs.into_iter().collect();
     let mut out = Vec::new();
     out.extend_from_slice(&len_u32(pairs.len()).to_le_bytes());
@@ -252,19 +250,13 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], Status> {
         let end = self.at.checked_add(n).ok_or(Status::SerializationFailure)?;
-        let slice = self
-            .bytes
-            .get(self.at..end)
-            .ok_or(Status::SerializationFailure)?;
+        let slice = self.bytes.get(self.at..end).ok_or(Status::SerializationFailure)?;
         self.at = end;
         Ok(slice)
     }
 
     fn u32(&mut self) -> Result<u32, Status> {
-        let raw: [u8; 4] = self
-            .take(4)?
-            .try_into()
-            .map_err(|_| Status::SerializationFailure)?;
+        let raw: [u8; 4] = self.take(4)?.try_into().map_err(|_| Status::SerializationFailure)?;
         Ok(u32::from_le_bytes(raw))
     }
 
@@ -305,43 +297,30 @@ mod tests {
 
     #[test]
     fn map_round_trip_keeps_order_duplicates_and_non_utf8() {
-        let pairs: Vec<(&[u8], &[u8])> =
-            vec![(b":method", b"GET"), (b"x-a", b"\xff\xfe"), (b"x-a", b"")];
+        let pairs: Vec<(&[u8], &[u8])> = vec![(b":method", b"GET"), (b"x-a", b"\xff\xfe"), (b"x-a", b"")];
         let encoded = encode_map(pairs.clone());
         let decoded = decode_map(&encoded).unwrap();
-        let expected: Vec<(Vec<u8>, Vec<u8>)> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_vec(), v.to_vec()))
-            .collect();
+        let expected: Vec<(Vec<u8>, Vec<u8>)> = pairs.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
         assert_eq!(decoded, expected);
     }
 
     #[test]
     fn map_layout_matches_the_spec() {
         let encoded = encode_map(vec![(&b"ab"[..], &b"c"[..])]);
-        assert_eq!(
-            encoded,
-            [1, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, b'a', b'b', 0, b'c', 0]
-        );
+        assert_eq!(encoded, [1, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, b'a', b'b', 0, b'c', 0]);
     }
 
     #[test]
     fn truncated_map_is_a_serialization_failure() {
         let encoded = encode_map(vec![(&b"ab"[..], &b"c"[..])]);
-        assert_eq!(
-            decode_map(&encoded[..encoded.len() - 1]),
-            Err(Status::SerializationFailure)
-        );
+        assert_eq!(decode_map(&encoded[..encoded.len() - 1]), Err(Status::SerializationFailure));
         assert_eq!(decode_map(&[5, 0, 0, 0]), Err(Status::SerializationFailure));
     }
 
     #[test]
     fn property_paths() {
         assert_eq!(property_path(&["request", "path"]), b"request\0path");
-        assert_eq!(
-            split_property_path(b"request\0path\0"),
-            vec![&b"request"[..], b"path"]
-        );
+        assert_eq!(split_property_path(b"request\0path\0"), vec![&b"request"[..], b"path"]);
         assert!(split_property_path(b"").is_empty());
     }
 }

@@ -25,20 +25,14 @@ fn check(wasm: &[u8]) -> anyhow::Result<Vec<String>> {
     for import in module.imports().filter(|i| i.module() == MODULE) {
         let name = import.name();
         let ExternType::Func(wanted) = import.ty() else {
-            missing.push(format!(
-                "{name}: imported as something other than a function"
-            ));
+            missing.push(format!("{name}: imported as something other than a function"));
             continue;
         };
         match linker.get_by_import(&mut store, &import) {
             Some(Extern::Func(func)) => {
                 let have = func.ty(&store);
                 if signature(&have) != signature(&wanted) {
-                    missing.push(format!(
-                        "{name}: plugin wants {}, host defines {}",
-                        signature(&wanted),
-                        signature(&have)
-                    ));
+                    missing.push(format!("{name}: plugin wants {}, host defines {}", signature(&wanted), signature(&have)));
                 }
             }
             Some(_) => missing.push(format!("{name}: defined, but not as a function")),

@@ -155,31 +155,17 @@ pub(crate) struct Runtime {
 
 impl Runtime {
     /// Calls the export `name` for `context_id`, then delivers the work the call left behind.
-    pub fn call<P: WasmParams, R: WasmResults>(
-        &mut self,
-        context_id: u32,
-        name: &str,
-        params: P,
-    ) -> Result<R> {
+    pub fn call<P: WasmParams, R: WasmResults>(&mut self, context_id: u32, name: &str, params: P) -> Result<R> {
         let result = self.call_one(context_id, name, params)?;
         self.run_deferred()?;
         Ok(result)
     }
 
-    fn call_one<P: WasmParams, R: WasmResults>(
-        &mut self,
-        context_id: u32,
-        name: &str,
-        params: P,
-    ) -> Result<R> {
+    fn call_one<P: WasmParams, R: WasmResults>(&mut self, context_id: u32, name: &str, params: P) -> Result<R> {
         if let Some(why) = &self.crashed {
             bail!("the plugin VM crashed earlier and takes no more calls; it crashed with: {why}");
         }
-        let func = self
-            .instance
-            .get_typed_func::<P, R>(&mut self.store, name)
-            .map_err(anyhow::Error::from)
-            .with_context(|| format!("plugin export {name}"))?;
+        let func = self.instance.get_typed_func::<P, R>(&mut self.store, name).map_err(anyhow::Error::from).with_context(|| format!("plugin export {name}"))?;
         self.store.data_mut().effective_context = context_id;
         self.store.set_fuel(FUEL_PER_CALLBACK)?;
         match func.call(&mut self.store, params) {
@@ -199,15 +185,8 @@ impl Runtime {
                 return Ok(());
             };
             match work {
-                Deferred::QueueReady {
-                    context_id,
-                    queue_id,
-                } => {
-                    self.call_one::<(u32, u32), ()>(
-                        context_id,
-                        "proxy_on_queue_ready",
-                        (context_id, queue_id),
-                    )?;
+                Deferred::QueueReady { context_id, queue_id } => {
+                    self.call_one::<(u32, u32), ()>(context_id, "proxy_on_queue_ready", (context_id, queue_id))?;
                 }
             }
         }
@@ -219,16 +198,9 @@ impl Runtime {
         let mut report = format!("plugin trapped in {export} (context {context_id}): {error:#}");
         let stderr = state.stderr.contents();
         if !stderr.is_empty() {
-            report.push_str(&format!(
-                "\nplugin stderr:\n{}",
-                String::from_utf8_lossy(&stderr)
-            ));
+            report.push_str(&format!("\nplugin stderr:\n{}", String::from_utf8_lossy(&stderr)));
         }
-        let serious: Vec<_> = state
-            .logs
-            .iter()
-            .filter(|l| l.level >= LogLevel::Error)
-            .collect();
+        let serious: Vec<_> = state.logs.iter().filter(|l| l.level >= LogLevel::Error).collect();
         if !serious.is_empty() {
             report.push_str("\nplugin error logs:");
             for line in serious.iter().rev().take(5).rev() {
@@ -278,60 +250,26 @@ impl Gateway {
         let mut store = Store::new(&plugin.engine, state);
         store.set_fuel(FUEL_PER_CALLBACK)?;
         let instance = linker.instantiate(&mut store, &plugin.module)?;
-        if instance
-            .get_func(&mut store, "proxy_abi_version_0_2_1")
-            .is_none()
-        {
-            bail!(
-                "the module does not export proxy_abi_version_0_2_1: not a proxy-wasm 0.2.1 plugin"
-            );
+        if instance.get_func(&mut store, "proxy_abi_version_0_2_1").is_none() {
+            bail!("the module does not export proxy_abi_version_0_2_1: not a proxy-wasm 0.2.1 plugin");
         }
-        let mut runtime = Runtime {
-            store,
-            instance,
-            crashed: None,
-        };
-        let init = ["_initialize", "_start"].into_iter().find(|name| {
-            runtime
-                .instance
-                .get_func(&mut runtime.store, name)
-                .is_some()
-        });
+        let mut runtime = Runtime { store, instance, crashed: None };
+        let init = ["_initialize", "_start"].into_iter().find(|name| runtime.instance.get_func(&mut runtime.store, name).is_some());
         if let Some(init) = init {
             runtime.call::<(), ()>(ROOT_CONTEXT, init, ())?;
         }
-        runtime.call::<(u32, u32), ()>(
-            ROOT_CONTEXT,
-            "proxy_on_context_create",
-            (ROOT_CONTEXT, 0),
-        )?;
+        runtime.call::<(u32, u32), ()>(ROOT_CONTEXT, "proxy_on_context_create", (ROOT_CONTEXT, 0))?;
         let vm_config_len = len_u32(runtime.state().plugin.vm_configuration.len());
-        let started: u32 = runtime.call(
-            ROOT_CONTEXT,
-            "proxy_on_vm_start",
-            (ROOT_CONTEXT, vm_config_len),
-        )?;
+        let started: u32 = runtime.call(ROOT_CONTEXT, "proxy_on_vm_start", (ROOT_CONTEXT, vm_config_len))?;
         if started == 0 {
-            bail!(
-                "proxy_on_vm_start returned false{}",
-                error_logs(runtime.state())
-            );
+            bail!("proxy_on_vm_start returned false{}", error_logs(runtime.state()));
         }
         let config_len = len_u32(runtime.state().plugin.configuration.len());
-        let configured: u32 = runtime.call(
-            ROOT_CONTEXT,
-            "proxy_on_configure",
-            (ROOT_CONTEXT, config_len),
-        )?;
+        let configured: u32 = runtime.call(ROOT_CONTEXT, "proxy_on_configure", (ROOT_CONTEXT, config_len))?;
         if configured == 0 {
-            bail!(
-                "the plugin rejected its configuration (proxy_on_configure returned false){}",
-                error_logs(runtime.state())
-            );
+            bail!("the plugin rejected its configuration (proxy_on_configure returned false){}", error_logs(runtime.state()));
         }
-        Ok(Self {
-            runtime: RefCell::new(runtime),
-        })
+        Ok(Self { runtime: RefCell::new(runtime) })
     }
 
     pub(crate) fn runtime(&self) -> std::cell::RefMut<'_, Runtime> {
@@ -368,19 +306,13 @@ impl Gateway {
     /// Moves the clock forward by `by`. Every tick and callout timeout due on the way fires at its
     /// exact time, in time order.
     pub fn advance(&self, by: Duration) -> Result<()> {
-        let target = self
-            .now_ns()
-            .saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX));
+        let target = self.now_ns().saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX));
         loop {
             let runtime = self.runtime();
             let state = runtime.state();
             let tick = state.timer.due_ns().map(|at| (at, None));
             let timeout = state.callouts.next_deadline().map(|(at, t)| (at, Some(t)));
-            let next = [tick, timeout]
-                .into_iter()
-                .flatten()
-                .filter(|(at, _)| *at <= target)
-                .min();
+            let next = [tick, timeout].into_iter().flatten().filter(|(at, _)| *at <= target).min();
             let Some((at, event)) = next else {
                 break;
             };
@@ -421,13 +353,7 @@ impl Gateway {
 
     /// Log messages at `level` or above.
     pub fn logs_at_least(&self, level: LogLevel) -> Vec<String> {
-        self.state(|s| {
-            s.logs
-                .iter()
-                .filter(|l| l.level >= level)
-                .map(|l| l.message.clone())
-                .collect()
-        })
+        self.state(|s| s.logs.iter().filter(|l| l.level >= level).map(|l| l.message.clone()).collect())
     }
 
     /// The value of counter `name`, if defined.
@@ -469,12 +395,8 @@ impl Gateway {
     /// compare it before and after a workload to check the plugin's memory stays bounded.
     pub fn memory_bytes(&self) -> Option<usize> {
         let mut runtime = self.runtime();
-        let Runtime {
-            store, instance, ..
-        } = &mut *runtime;
-        instance
-            .get_memory(&mut *store, "memory")
-            .map(|memory| memory.data_size(&*store))
+        let Runtime { store, instance, .. } = &mut *runtime;
+        instance.get_memory(&mut *store, "memory").map(|memory| memory.data_size(&*store))
     }
 
     // ---- shared state ----
@@ -492,19 +414,12 @@ impl Gateway {
     /// Writes shared data as another worker would (the CAS changes).
     pub fn set_shared_data(&self, key: &str, value: impl Into<Vec<u8>>) {
         // A write with CAS 0 always succeeds.
-        let _ = self
-            .runtime()
-            .state_mut()
-            .shared_data
-            .set(key, Some(value.into()), 0);
+        let _ = self.runtime().state_mut().shared_data.set(key, Some(value.into()), 0);
     }
 
     /// A property every context sees (filter state or an attribute the test controls).
     pub fn set_property(&self, path: &[&str], value: impl Into<Vec<u8>>) {
-        self.runtime()
-            .state_mut()
-            .properties
-            .set(property_path(path), value.into());
+        self.runtime().state_mut().properties.set(property_path(path), value.into());
     }
 
     /// What the plugin set on its root context under `path` (or what the test set for everyone).
@@ -516,14 +431,8 @@ impl Gateway {
     pub fn enqueue(&self, name: &str, item: impl Into<Vec<u8>>) -> Result<()> {
         let mut runtime = self.runtime();
         let state = runtime.state_mut();
-        let id = state
-            .queues
-            .resolve(name)
-            .with_context(|| format!("no shared queue named {name:?}"))?;
-        let owner = state
-            .queues
-            .enqueue(id, item.into())
-            .map_err(|s| anyhow::anyhow!("enqueue: {s:?}"))?;
+        let id = state.queues.resolve(name).with_context(|| format!("no shared queue named {name:?}"))?;
+        let owner = state.queues.enqueue(id, item.into()).map_err(|s| anyhow::anyhow!("enqueue: {s:?}"))?;
         runtime.call::<(u32, u32), ()>(owner, "proxy_on_queue_ready", (owner, id))
     }
 
@@ -552,29 +461,14 @@ impl Gateway {
 
     fn finish_http_call(&self, token: u32, reply: Option<HttpReply>) -> Result<()> {
         let mut runtime = self.runtime();
-        let call = runtime
-            .state_mut()
-            .callouts
-            .http
-            .remove(&token)
-            .with_context(|| format!("no HTTP callout with token {token} is pending"))?;
+        let call = runtime.state_mut().callouts.http.remove(&token).with_context(|| format!("no HTTP callout with token {token} is pending"))?;
         let context = call.context_id;
         if !runtime.state().context_exists(context) {
             return Ok(()); // the stream that asked is gone
         }
-        let sizes = reply.as_ref().map_or((0, 0, 0), |r| {
-            (
-                len_u32(r.headers.len()),
-                len_u32(r.body.len()),
-                len_u32(r.trailers.len()),
-            )
-        });
+        let sizes = reply.as_ref().map_or((0, 0, 0), |r| (len_u32(r.headers.len()), len_u32(r.body.len()), len_u32(r.trailers.len())));
         runtime.state_mut().callback.http_reply = reply;
-        let result = runtime.call::<(u32, u32, u32, u32, u32), ()>(
-            context,
-            "proxy_on_http_call_response",
-            (context, token, sizes.0, sizes.1, sizes.2),
-        );
+        let result = runtime.call::<(u32, u32, u32, u32, u32), ()>(context, "proxy_on_http_call_response", (context, token, sizes.0, sizes.1, sizes.2));
         runtime.state_mut().callback.http_reply = None;
         result
     }
@@ -630,21 +524,12 @@ impl Gateway {
     }
 
     /// Runs one gRPC callback for `token`; `last` removes the call first.
-    fn grpc_deliver(
-        &self,
-        token: u32,
-        last: bool,
-        prepare: impl FnOnce(&mut HostState) -> (&'static str, u32),
-    ) -> Result<()> {
+    fn grpc_deliver(&self, token: u32, last: bool, prepare: impl FnOnce(&mut HostState) -> (&'static str, u32)) -> Result<()> {
         let mut runtime = self.runtime();
         let state = runtime.state_mut();
         let context = match (last, state.callouts.grpc.get(&token)) {
             (_, None) => bail!("no gRPC call or stream with token {token} is open"),
-            (true, Some(_)) => state
-                .callouts
-                .grpc
-                .remove(&token)
-                .map_or(0, |c| c.context_id),
+            (true, Some(_)) => state.callouts.grpc.remove(&token).map_or(0, |c| c.context_id),
             (false, Some(call)) => call.context_id,
         };
         if !state.context_exists(context) {
@@ -694,12 +579,7 @@ fn len_u32(len: usize) -> u32 {
 }
 
 fn error_logs(state: &HostState) -> String {
-    let lines: Vec<_> = state
-        .logs
-        .iter()
-        .filter(|l| l.level >= LogLevel::Warn)
-        .map(|l| format!("\n  [{}] {}", l.level, l.message))
-        .collect();
+    let lines: Vec<_> = state.logs.iter().filter(|l| l.level >= LogLevel::Warn).map(|l| format!("\n  [{}] {}", l.level, l.message)).collect();
     if lines.is_empty() {
         String::new()
     } else {

@@ -24,31 +24,19 @@ pub(crate) fn read(caller: &mut Caller<'_, HostState>, ptr: u32, len: u32) -> Re
     }
     let memory = memory(caller)?;
     let start = ptr as usize;
-    let end = start
-        .checked_add(len as usize)
-        .ok_or_else(|| format_err!("pointer overflow"))?;
-    memory
-        .data(&*caller)
-        .get(start..end)
-        .map(<[u8]>::to_vec)
-        .ok_or_else(|| format_err!("plugin passed bytes {start}..{end} outside its linear memory"))
+    let end = start.checked_add(len as usize).ok_or_else(|| format_err!("pointer overflow"))?;
+    memory.data(&*caller).get(start..end).map(<[u8]>::to_vec).ok_or_else(|| format_err!("plugin passed bytes {start}..{end} outside its linear memory"))
 }
 
 /// Reads `len` bytes at `ptr` as UTF-8 (lossily: names from the plugin are only ever compared or
 /// shown).
-pub(crate) fn read_string(
-    caller: &mut Caller<'_, HostState>,
-    ptr: u32,
-    len: u32,
-) -> Result<String> {
+pub(crate) fn read_string(caller: &mut Caller<'_, HostState>, ptr: u32, len: u32) -> Result<String> {
     Ok(String::from_utf8_lossy(&read(caller, ptr, len)?).into_owned())
 }
 
 fn write(caller: &mut Caller<'_, HostState>, ptr: u32, bytes: &[u8]) -> Result<()> {
     let memory = memory(caller)?;
-    memory
-        .write(&mut *caller, ptr as usize, bytes)
-        .with_context(|| format!("plugin passed out-pointer {ptr} outside its linear memory"))
+    memory.write(&mut *caller, ptr as usize, bytes).with_context(|| format!("plugin passed out-pointer {ptr} outside its linear memory"))
 }
 
 /// Stores a `u32` out-parameter.
@@ -64,12 +52,7 @@ pub(crate) fn write_u64(caller: &mut Caller<'_, HostState>, ptr: u32, value: u64
 /// Returns `bytes` to the plugin: allocates with `proxy_on_memory_allocate`, copies, and stores
 /// the pointer and size at `ptr_out` and `size_out`. Empty data allocates nothing and returns a
 /// null pointer, which the SDK reads as "no data".
-pub(crate) fn return_bytes(
-    caller: &mut Caller<'_, HostState>,
-    bytes: &[u8],
-    ptr_out: u32,
-    size_out: u32,
-) -> Result<()> {
+pub(crate) fn return_bytes(caller: &mut Caller<'_, HostState>, bytes: &[u8], ptr_out: u32, size_out: u32) -> Result<()> {
     let size = u32::try_from(bytes.len()).context("value too large for wasm32")?;
     let ptr = if bytes.is_empty() {
         0

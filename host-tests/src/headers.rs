@@ -19,12 +19,7 @@ impl Headers {
     /// Builds a map from pairs of anything byte-like: `&[(":path", "/"), ("x", "y")]`, or byte
     /// strings for non-UTF-8 values.
     pub fn from_pairs<K: AsRef<[u8]>, V: AsRef<[u8]>>(pairs: &[(K, V)]) -> Self {
-        Self {
-            pairs: pairs
-                .iter()
-                .map(|(k, v)| (k.as_ref().to_vec(), v.as_ref().to_vec()))
-                .collect(),
-        }
+        Self { pairs: pairs.iter().map(|(k, v)| (k.as_ref().to_vec(), v.as_ref().to_vec())).collect() }
     }
 
     pub(crate) fn from_vec(pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Self {
@@ -33,8 +28,7 @@ impl Headers {
 
     /// The first value of `name` as text, if present and valid UTF-8.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.get_bytes(name)
-            .and_then(|v| std::str::from_utf8(v).ok())
+        self.get_bytes(name).and_then(|v| std::str::from_utf8(v).ok())
     }
 
     /// The first value of `name`, if present.
@@ -44,10 +38,7 @@ impl Headers {
 
     /// Every value of `name`, in order.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.pairs
-            .iter()
-            .filter(move |(k, _)| k.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v.as_slice())
+        self.pairs.iter().filter(move |(k, _)| k.eq_ignore_ascii_case(name.as_bytes())).map(|(_, v)| v.as_slice())
     }
 
     /// Whether `name` is present.
@@ -72,10 +63,7 @@ impl Headers {
 
     /// The names in order, lossily decoded.
     pub fn names(&self) -> Vec<String> {
-        self.pairs
-            .iter()
-            .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
-            .collect()
+        self.pairs.iter().map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect()
     }
 
     /// Appends a value, keeping existing ones (`proxy_add_header_map_value`).
@@ -109,22 +97,13 @@ impl Headers {
     }
 
     pub(crate) fn first(&self, name: &[u8]) -> Option<&[u8]> {
-        self.pairs
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_slice())
+        self.pairs.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
     }
 }
 
 impl fmt::Debug for Headers {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list()
-            .entries(
-                self.pairs
-                    .iter()
-                    .map(|(k, v)| (String::from_utf8_lossy(k), String::from_utf8_lossy(v))),
-            )
-            .finish()
+        f.debug_list().entries(self.pairs.iter().map(|(k, v)| (String::from_utf8_lossy(k), String::from_utf8_lossy(v)))).finish()
     }
 }
 

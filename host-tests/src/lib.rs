@@ -51,17 +51,11 @@ pub fn workspace_target_dir() -> PathBuf {
         return PathBuf::from(dir);
     }
     let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest_dir.parent().map_or_else(
-        || manifest_dir.join("target"),
-        |workspace| workspace.join("target"),
-    )
+    manifest_dir.parent().map_or_else(|| manifest_dir.join("target"), |workspace| workspace.join("target"))
 }
 
 /// Where the workspace build puts plugin `name` (e.g. `sluice_llm_metrics`):
 /// `<workspace>/target/wasm32-wasip1/release/<name>.wasm`.
 pub fn workspace_wasm(name: &str) -> PathBuf {
-    workspace_target_dir()
-        .join("wasm32-wasip1")
-        .join("release")
-        .join(format!("{name}.wasm"))
+    workspace_target_dir().join("wasm32-wasip1").join("release").join(format!("{name}.wasm"))
 }

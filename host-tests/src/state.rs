@@ -170,12 +170,7 @@ pub(crate) struct HostState {
 }
 
 impl HostState {
-    pub fn new(
-        wasi: WasiP1Ctx,
-        stderr: MemoryOutputPipe,
-        clock: VirtualClock,
-        plugin: PluginInfo,
-    ) -> Self {
+    pub fn new(wasi: WasiP1Ctx, stderr: MemoryOutputPipe, clock: VirtualClock, plugin: PluginInfo) -> Self {
         Self {
             wasi,
             stderr,
@@ -207,24 +202,16 @@ impl HostState {
 
     /// The stream the plugin is acting for, if the effective context is a live stream.
     pub fn current_stream(&self) -> Option<&HttpStream> {
-        self.streams
-            .get(&self.effective_context)
-            .filter(|s| s.phase != Phase::Finished)
+        self.streams.get(&self.effective_context).filter(|s| s.phase != Phase::Finished)
     }
 
     /// Mutable [`HostState::current_stream`].
     pub fn current_stream_mut(&mut self) -> Option<&mut HttpStream> {
-        self.streams
-            .get_mut(&self.effective_context)
-            .filter(|s| s.phase != Phase::Finished)
+        self.streams.get_mut(&self.effective_context).filter(|s| s.phase != Phase::Finished)
     }
 
     /// Whether `context_id` names the root or a live stream.
     pub fn context_exists(&self, context_id: u32) -> bool {
-        context_id == ROOT_CONTEXT
-            || self
-                .streams
-                .get(&context_id)
-                .is_some_and(|s| s.created && s.phase != Phase::Finished)
+        context_id == ROOT_CONTEXT || self.streams.get(&context_id).is_some_and(|s| s.created && s.phase != Phase::Finished)
     }
 }

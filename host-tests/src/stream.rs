@@ -59,11 +59,7 @@ impl<'g> Stream<'g> {
     // ---- events ----
 
     /// Request headers arrive from the client. Values may be any bytes.
-    pub fn request_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-        &mut self,
-        headers: &[(K, V)],
-        end_of_stream: bool,
-    ) -> Result<Action> {
+    pub fn request_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, headers: &[(K, V)], end_of_stream: bool) -> Result<Action> {
         self.headers(Side::Request, Headers::from_pairs(headers), end_of_stream)
     }
 
@@ -73,19 +69,12 @@ impl<'g> Stream<'g> {
     }
 
     /// Request trailers arrive (they end the request).
-    pub fn request_trailers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-        &mut self,
-        trailers: &[(K, V)],
-    ) -> Result<Action> {
+    pub fn request_trailers<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, trailers: &[(K, V)]) -> Result<Action> {
         self.trailers(Side::Request, Headers::from_pairs(trailers))
     }
 
     /// Response headers arrive from upstream.
-    pub fn response_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-        &mut self,
-        headers: &[(K, V)],
-        end_of_stream: bool,
-    ) -> Result<Action> {
+    pub fn response_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, headers: &[(K, V)], end_of_stream: bool) -> Result<Action> {
         self.headers(Side::Response, Headers::from_pairs(headers), end_of_stream)
     }
 
@@ -95,10 +84,7 @@ impl<'g> Stream<'g> {
     }
 
     /// Response trailers arrive (they end the response).
-    pub fn response_trailers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-        &mut self,
-        trailers: &[(K, V)],
-    ) -> Result<Action> {
+    pub fn response_trailers<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, trailers: &[(K, V)]) -> Result<Action> {
         self.trailers(Side::Response, Headers::from_pairs(trailers))
     }
 
@@ -143,14 +129,12 @@ impl<'g> Stream<'g> {
 
     /// Whether the plugin is holding the request (it paused and has not resumed).
     pub fn request_paused(&self) -> bool {
-        self.read(|s| s.phase == Phase::Open && s.request.paused)
-            .unwrap_or(false)
+        self.read(|s| s.phase == Phase::Open && s.request.paused).unwrap_or(false)
     }
 
     /// Whether the plugin is holding the response.
     pub fn response_paused(&self) -> bool {
-        self.read(|s| s.phase == Phase::Open && s.response.paused)
-            .unwrap_or(false)
+        self.read(|s| s.phase == Phase::Open && s.response.paused).unwrap_or(false)
     }
 
     /// The request headers as sent upstream (after the plugin's changes), once they were let go.
@@ -160,8 +144,7 @@ impl<'g> Stream<'g> {
 
     /// The request body bytes sent upstream so far.
     pub fn upstream_request_body(&self) -> Vec<u8> {
-        self.read(|s| s.request.sent_body.clone())
-            .unwrap_or_default()
+        self.read(|s| s.request.sent_body.clone()).unwrap_or_default()
     }
 
     /// The request trailers as sent upstream.
@@ -211,8 +194,7 @@ impl<'g> Stream<'g> {
     /// Filter state the plugin set with `set_property([name], …)`: what Envoy's access log prints
     /// as `%FILTER_STATE(wasm.name:PLAIN)%`.
     pub fn filter_state(&self, name: &str) -> Option<Vec<u8>> {
-        self.read(|s| s.properties.get(name.as_bytes()).map(<[u8]>::to_vec))
-            .flatten()
+        self.read(|s| s.properties.get(name.as_bytes()).map(<[u8]>::to_vec)).flatten()
     }
 
     /// Sets a property for this stream only (an attribute or filter state from an earlier filter).
@@ -231,11 +213,7 @@ impl<'g> Stream<'g> {
 
     fn with<T>(&self, f: impl FnOnce(&mut HttpStream) -> T) -> Result<T> {
         let mut runtime = self.gateway.runtime();
-        let stream = runtime
-            .state_mut()
-            .streams
-            .get_mut(&self.id)
-            .with_context(|| format!("unknown stream {}", self.id))?;
+        let stream = runtime.state_mut().streams.get_mut(&self.id).with_context(|| format!("unknown stream {}", self.id))?;
         Ok(f(stream))
     }
 
@@ -243,11 +221,7 @@ impl<'g> Stream<'g> {
     /// Returns false when the event is to be dropped (the plugin stopped the stream).
     fn open(&self, runtime: &mut Runtime) -> Result<bool> {
         let now = runtime.state().clock.now_ns();
-        let stream = runtime
-            .state_mut()
-            .streams
-            .get_mut(&self.id)
-            .with_context(|| format!("unknown stream {}", self.id))?;
+        let stream = runtime.state_mut().streams.get_mut(&self.id).with_context(|| format!("unknown stream {}", self.id))?;
         match stream.phase {
             Phase::Finished => bail!("stream {} has already ended", self.id),
             Phase::Stopped => return Ok(false),
@@ -256,11 +230,7 @@ impl<'g> Stream<'g> {
         if !stream.created {
             stream.created = true;
             stream.started_ns = now;
-            runtime.call::<(u32, u32), ()>(
-                self.id,
-                "proxy_on_context_create",
-                (self.id, ROOT_CONTEXT),
-            )?;
+            runtime.call::<(u32, u32), ()>(self.id, "proxy_on_context_create", (self.id, ROOT_CONTEXT))?;
         }
         Ok(true)
     }
@@ -291,11 +261,7 @@ impl<'g> Stream<'g> {
             direction.headers = headers;
             direction.headers_seen = true;
         }
-        let code: u32 = runtime.call(
-            self.id,
-            &side.export("headers"),
-            (self.id, count, u32::from(end_of_stream)),
-        )?;
+        let code: u32 = runtime.call(self.id, &side.export("headers"), (self.id, count, u32::from(end_of_stream)))?;
         Ok(self.settle(&mut runtime, side, code))
     }
 
@@ -310,11 +276,7 @@ impl<'g> Stream<'g> {
             direction.body.extend_from_slice(chunk);
             size = len_u32(direction.body.len());
         }
-        let code: u32 = runtime.call(
-            self.id,
-            &side.export("body"),
-            (self.id, size, u32::from(end_of_stream)),
-        )?;
+        let code: u32 = runtime.call(self.id, &side.export("body"), (self.id, size, u32::from(end_of_stream)))?;
         Ok(self.settle(&mut runtime, side, code))
     }
 
@@ -336,11 +298,7 @@ impl<'g> Stream<'g> {
     /// Ends the context's life: done, log, delete (the order proxy-wasm hosts use), once.
     fn finish(&mut self) -> Result<()> {
         let mut runtime = self.gateway.runtime();
-        let stream = runtime
-            .state_mut()
-            .streams
-            .get_mut(&self.id)
-            .with_context(|| format!("unknown stream {}", self.id))?;
+        let stream = runtime.state_mut().streams.get_mut(&self.id).with_context(|| format!("unknown stream {}", self.id))?;
         if stream.phase == Phase::Finished {
             return Ok(());
         }

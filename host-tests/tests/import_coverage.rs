@@ -12,10 +12,7 @@ fn workspace_plugins() -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return Vec::new();
     };
-    let mut found: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
-        .collect();
+    let mut found: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "wasm")).collect();
     found.sort();
     found
 }
@@ -31,11 +28,7 @@ fn every_plugin_import_is_implemented() {
             problems.push(format!("{}: {missing}", path.display()));
         }
     }
-    assert!(
-        problems.is_empty(),
-        "imports the host does not implement:\n{}",
-        problems.join("\n")
-    );
+    assert!(problems.is_empty(), "imports the host does not implement:\n{}", problems.join("\n"));
 }
 
 /// Every import the proxy-wasm Rust SDK 0.2.5 declares (`src/hostcalls.rs`), with its wasm32
@@ -90,10 +83,7 @@ fn every_import_the_sdk_can_emit_is_implemented() {
             if *i64 {
                 params.push("i64");
             }
-            format!(
-                "(import \"env\" \"{name}\" (func (param {}) (result i32)))\n",
-                params.join(" ")
-            )
+            format!("(import \"env\" \"{name}\" (func (param {}) (result i32)))\n", params.join(" "))
         })
         .collect();
     let wat = format!("(module\n{imports})");
@@ -109,10 +99,7 @@ fn a_missing_hostcall_is_reported() {
     let missing = unimplemented_imports(wat.as_bytes());
     assert_eq!(missing.len(), 2, "{missing:?}");
     assert_eq!(missing[0], "proxy_not_in_the_abi: not defined");
-    assert!(
-        missing[1].starts_with("proxy_get_current_time_nanoseconds: plugin wants (i64)"),
-        "{missing:?}"
-    );
+    assert!(missing[1].starts_with("proxy_get_current_time_nanoseconds: plugin wants (i64)"), "{missing:?}");
 }
 
 /// A minimal plugin by hand: it loads although it imports a function nobody defines, and traps
@@ -136,30 +123,16 @@ const UNKNOWN_IMPORT_PLUGIN: &str = r#"(module
 
 #[test]
 fn unknown_imports_trap_when_called_not_at_load() {
-    let gw = Gateway::from_bytes(UNKNOWN_IMPORT_PLUGIN.as_bytes(), "")
-        .expect("loads despite the unknown import");
-    assert_eq!(
-        unimplemented_imports(UNKNOWN_IMPORT_PLUGIN.as_bytes()),
-        ["proxy_from_the_future: not defined"]
-    );
+    let gw = Gateway::from_bytes(UNKNOWN_IMPORT_PLUGIN.as_bytes(), "").expect("loads despite the unknown import");
+    assert_eq!(unimplemented_imports(UNKNOWN_IMPORT_PLUGIN.as_bytes()), ["proxy_from_the_future: not defined"]);
     let mut s = gw.stream();
-    let error = s
-        .request_headers(&[(":path", "/")], true)
-        .expect_err("the call traps");
-    assert!(
-        format!("{error:#}").contains("proxy_on_request_headers"),
-        "{error:#}"
-    );
+    let error = s.request_headers(&[(":path", "/")], true).expect_err("the call traps");
+    assert!(format!("{error:#}").contains("proxy_on_request_headers"), "{error:#}");
     assert!(gw.crashed().is_some());
 }
 
 #[test]
 fn a_module_without_the_abi_marker_is_refused() {
-    let error = Gateway::from_bytes(b"(module (memory (export \"memory\") 1))", "")
-        .err()
-        .expect("refused");
-    assert!(
-        format!("{error:#}").contains("proxy_abi_version_0_2_1"),
-        "{error:#}"
-    );
+    let error = Gateway::from_bytes(b"(module (memory (export \"memory\") 1))", "").err().expect("refused");
+    assert!(format!("{error:#}").contains("proxy_abi_version_0_2_1"), "{error:#}");
 }

@@ -50,12 +50,7 @@ const PERIOD: usize = 60;
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
-const FORCE_PROPERTY: [&str; 4] = [
-    "metadata",
-    "filter_metadata",
-    "sluice_trusted",
-    "force_version",
-];
+const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
 const GATEWAY_REPLY: &str = "sluice_gateway_reply";
 const AVOID: &str = "sluice_latency_avoid";
 
@@ -110,10 +105,7 @@ struct Family {
 }
 
 fn family(metric: &str, labels: Labels) -> Family {
-    Family {
-        metric: metric.to_string(),
-        variants: vec![labels],
-    }
+    Family { metric: metric.to_string(), variants: vec![labels] }
 }
 
 struct Schema {
@@ -124,11 +116,7 @@ struct Schema {
 impl Schema {
     /// Σ over families and variants of Π of the label vocabularies' sizes.
     fn bound(&self) -> usize {
-        self.families
-            .iter()
-            .flat_map(|f| &f.variants)
-            .map(|v| v.iter().map(|(_, d)| d.size()).product::<usize>())
-            .sum()
+        self.families.iter().flat_map(|f| &f.variants).map(|v| v.iter().map(|(_, d)| d.size()).product::<usize>()).sum()
     }
 
     /// The bound, spelled out.
@@ -136,20 +124,9 @@ impl Schema {
         let mut out = String::new();
         for f in &self.families {
             for v in &f.variants {
-                let factors: Vec<String> = v
-                    .iter()
-                    .map(|(k, d)| format!("{k} {}", d.describe()))
-                    .collect();
+                let factors: Vec<String> = v.iter().map(|(k, d)| format!("{k} {}", d.describe())).collect();
                 let n: usize = v.iter().map(|(_, d)| d.size()).product();
-                out += &format!(
-                    "  {}: {} = {n}\n",
-                    f.metric,
-                    if factors.is_empty() {
-                        "1".to_string()
-                    } else {
-                        factors.join(" × ")
-                    }
-                );
+                out += &format!("  {}: {} = {n}\n", f.metric, if factors.is_empty() { "1".to_string() } else { factors.join(" × ") });
             }
         }
         out += &format!("  total: {}", self.bound());
@@ -163,51 +140,28 @@ impl Schema {
         let mut dynamic: BTreeMap<&'static str, (usize, BTreeSet<String>)> = BTreeMap::new();
         let mut refused = Vec::new();
         for name in names {
-            let fam = self
-                .families
-                .iter()
-                .filter(|f| name == &f.metric || name.starts_with(&format!("{}.", f.metric)))
-                .max_by_key(|f| f.metric.len());
+            let fam = self.families.iter().filter(|f| name == &f.metric || name.starts_with(&format!("{}.", f.metric))).max_by_key(|f| f.metric.len());
             let Some(fam) = fam else {
                 refused.push(format!("{name}: not a metric the schema declares"));
                 continue;
             };
             let rest = name[fam.metric.len()..].trim_start_matches('.');
-            let segments: Vec<&str> = if rest.is_empty() {
-                Vec::new()
-            } else {
-                rest.split('.').collect()
-            };
+            let segments: Vec<&str> = if rest.is_empty() { Vec::new() } else { rest.split('.').collect() };
             if !segments.len().is_multiple_of(2) {
-                refused.push(format!(
-                    "{name}: not `.label.value` pairs after {}",
-                    fam.metric
-                ));
+                refused.push(format!("{name}: not `.label.value` pairs after {}", fam.metric));
                 continue;
             }
             let pairs: Vec<(&str, &str)> = segments.chunks(2).map(|c| (c[0], c[1])).collect();
-            let variant = fam.variants.iter().find(|v| {
-                v.len() == pairs.len()
-                    && v.iter()
-                        .zip(&pairs)
-                        .all(|((k, d), (pk, pv))| k == pk && d.admits(pv))
-            });
+            let variant = fam.variants.iter().find(|v| v.len() == pairs.len() && v.iter().zip(&pairs).all(|((k, d), (pk, pv))| k == pk && d.admits(pv)));
             let Some(variant) = variant else {
-                refused.push(format!(
-                    "{name}: a label or value {} does not allow",
-                    fam.metric
-                ));
+                refused.push(format!("{name}: a label or value {} does not allow", fam.metric));
                 continue;
             };
             for ((k, d), (_, v)) in variant.iter().zip(&pairs) {
                 values.entry(k).or_default().insert(v.to_string());
                 if let Dim::Bounded { named, cap } = d {
                     if *v != "other" && !named.iter().any(|n| n == v) {
-                        dynamic
-                            .entry(k)
-                            .or_insert_with(|| (*cap, BTreeSet::new()))
-                            .1
-                            .insert(v.to_string());
+                        dynamic.entry(k).or_insert_with(|| (*cap, BTreeSet::new())).1.insert(v.to_string());
                     }
                 }
             }
@@ -220,12 +174,7 @@ impl Schema {
             refused.iter().take(30).cloned().collect::<Vec<_>>().join("\n  ")
         );
         for (label, (cap, seen)) in &dynamic {
-            assert!(
-                seen.len() <= *cap,
-                "{}: label `{label}` has {} dynamic values, more than its cap of {cap}: {seen:?}",
-                self.plugin,
-                seen.len()
-            );
+            assert!(seen.len() <= *cap, "{}: label `{label}` has {} dynamic values, more than its cap of {cap}: {seen:?}", self.plugin, seen.len());
         }
         values
     }
@@ -270,11 +219,7 @@ fn run(gw: &Gateway, mut one: impl FnMut(usize)) -> Run {
         }
     }
     assert_eq!(gw.crashed(), None, "the plugin must never trap");
-    Run {
-        at_checkpoint,
-        at_end: gw.metric_names(),
-        elapsed: started.elapsed(),
-    }
+    Run { at_checkpoint, at_end: gw.metric_names(), elapsed: started.elapsed() }
 }
 
 /// The assertions every plugin's run must pass; `leak_cap`: how many distinct client values may
@@ -282,16 +227,7 @@ fn run(gw: &Gateway, mut one: impl FnMut(usize)) -> Run {
 fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
     let values = schema.check(&run.at_end);
     let bound = schema.bound();
-    let per_label: Vec<String> = values
-        .iter()
-        .map(|(k, v)| {
-            format!(
-                "{k} ({}): {}",
-                v.len(),
-                v.iter().cloned().collect::<Vec<_>>().join(" ")
-            )
-        })
-        .collect();
+    let per_label: Vec<String> = values.iter().map(|(k, v)| format!("{k} ({}): {}", v.len(), v.iter().cloned().collect::<Vec<_>>().join(" "))).collect();
     println!(
         "{}: {} metric names after {CHECKPOINT} requests, {} after {REQUESTS} ({:.2?}); bound {bound}\n\
          values per label:\n  {}\nbound derivation:\n{}",
@@ -302,12 +238,7 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
         per_label.join("\n  "),
         schema.derivation()
     );
-    assert!(
-        run.at_end.len() <= bound,
-        "{}: {} metric names, more than the bound {bound} derived from the configuration",
-        schema.plugin,
-        run.at_end.len()
-    );
+    assert!(run.at_end.len() <= bound, "{}: {} metric names, more than the bound {bound} derived from the configuration", schema.plugin, run.at_end.len());
     let before: BTreeSet<&String> = run.at_checkpoint.iter().collect();
     let grown: Vec<&String> = run.at_end.iter().filter(|n| !before.contains(n)).collect();
     assert!(
@@ -325,12 +256,7 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
             leaked.entry(i).or_default().push(name);
         }
     }
-    let late: Vec<(&usize, &&String)> = leaked
-        .iter()
-        .filter(|(i, _)| **i >= CHECKPOINT)
-        .map(|(i, n)| (i, &n[0]))
-        .take(20)
-        .collect();
+    let late: Vec<(&usize, &&String)> = leaked.iter().filter(|(i, _)| **i >= CHECKPOINT).map(|(i, n)| (i, &n[0])).take(20).collect();
     assert!(
         late.is_empty(),
         "{}: values sent after the first {CHECKPOINT} requests appear in metric names \
@@ -343,11 +269,7 @@ fn assert_bounded(schema: &Schema, run: &Run, leak_cap: usize) {
          allow ({leak_cap}): {:#?}",
         schema.plugin,
         leaked.len(),
-        leaked
-            .iter()
-            .map(|(i, n)| (i, n[0]))
-            .take(20)
-            .collect::<Vec<_>>()
+        leaked.iter().map(|(i, n)| (i, n[0])).take(20).collect::<Vec<_>>()
     );
 }
 
@@ -439,10 +361,7 @@ fn b64url(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::new();
     for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (k, &b)| acc | (u32::from(b) << (16 - 8 * k)));
+        let n = chunk.iter().enumerate().fold(0u32, |acc, (k, &b)| acc | (u32::from(b) << (16 - 8 * k)));
         for k in 0..=chunk.len() {
             out.push(A[((n >> (18 - 6 * k)) & 63) as usize] as char);
         }
@@ -450,21 +369,12 @@ fn b64url(bytes: &[u8]) -> String {
     out
 }
 
-fn request_body(
-    api: Api,
-    model: Option<&str>,
-    t: &str,
-    stream: bool,
-    max_tokens: Option<u64>,
-    follow_up: bool,
-) -> Vec<u8> {
+fn request_body(api: Api, model: Option<&str>, t: &str, stream: bool, max_tokens: Option<u64>, follow_up: bool) -> Vec<u8> {
     let user = format!("{t}-user");
     let mut b = match api {
         Api::Chat => {
-            let mut messages = vec![
-                json!({"role": "system", "content": format!("You help {t}.")}),
-                json!({"role": "user", "content": format!("Hello from {t}!")}),
-            ];
+            let mut messages =
+                vec![json!({"role": "system", "content": format!("You help {t}.")}), json!({"role": "user", "content": format!("Hello from {t}!")})];
             if follow_up {
                 messages.push(json!({"role": "assistant", "content": format!("Hi {t}")}));
                 messages.push(json!({"role": "user", "content": "And then?"}));
@@ -473,8 +383,7 @@ fn request_body(
         }
         Api::Completions => json!({"prompt": format!("Say {t}"), "user": user, "stream": stream}),
         Api::Responses => {
-            let mut v =
-                json!({"input": format!("Tell {t} a joke"), "user": user, "stream": stream});
+            let mut v = json!({"input": format!("Tell {t} a joke"), "user": user, "stream": stream});
             if follow_up {
                 v["previous_response_id"] = json!(format!("resp_{t}"));
             }
@@ -517,10 +426,8 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
     match api {
         Api::Chat | Api::Completions => {
             let chunk = |choice: Value, usage: Value| {
-                sse_event(
-                    json!({"id": format!("cmpl-{}", a.text), "object": "chat.completion.chunk",
-                    "model": a.model, "choices": [choice], "usage": usage}),
-                )
+                sse_event(json!({"id": format!("cmpl-{}", a.text), "object": "chat.completion.chunk",
+                    "model": a.model, "choices": [choice], "usage": usage}))
             };
             if api == Api::Chat {
                 out.push((chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}), Value::Null), false));
@@ -535,12 +442,7 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
                 out.push((chunk(choice, Value::Null), true));
             }
             if let Some(e) = &a.error {
-                out.push((
-                    sse_event(
-                        json!({"error": {"message": e, "type": format!("{e}-type"), "code": e}}),
-                    ),
-                    false,
-                ));
+                out.push((sse_event(json!({"error": {"message": e, "type": format!("{e}-type"), "code": e}})), false));
             } else {
                 let choice = match api {
                     Api::Chat => json!({"index": 0, "delta": {}, "finish_reason": a.finish}),
@@ -559,55 +461,41 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
         }
         Api::Responses => {
             out.push((
-                named_event("response.created", json!({"type": "response.created",
-                    "response": {"id": format!("resp_{}", a.text), "object": "response", "model": a.model, "status": "in_progress"}})),
+                named_event(
+                    "response.created",
+                    json!({"type": "response.created",
+                    "response": {"id": format!("resp_{}", a.text), "object": "response", "model": a.model, "status": "in_progress"}}),
+                ),
                 false,
             ));
             for text in texts {
-                out.push((
-                    named_event(
-                        "response.output_text.delta",
-                        json!({"type": "response.output_text.delta", "delta": text}),
-                    ),
-                    true,
-                ));
+                out.push((named_event("response.output_text.delta", json!({"type": "response.output_text.delta", "delta": text})), true));
             }
-            let mut response =
-                json!({"id": format!("resp_{}", a.text), "object": "response", "model": a.model});
+            let mut response = json!({"id": format!("resp_{}", a.text), "object": "response", "model": a.model});
             if let Some((p, c)) = a.usage {
-                response["usage"] =
-                    json!({"input_tokens": p, "output_tokens": c, "total_tokens": p + c});
+                response["usage"] = json!({"input_tokens": p, "output_tokens": c, "total_tokens": p + c});
             }
             if let Some(e) = &a.error {
                 response["status"] = json!("failed");
                 response["error"] = json!({"code": format!("{e}-code"), "message": e});
-                out.push((
-                    named_event(
-                        "response.failed",
-                        json!({"type": "response.failed", "response": response}),
-                    ),
-                    false,
-                ));
+                out.push((named_event("response.failed", json!({"type": "response.failed", "response": response})), false));
             } else {
                 if let Some(f) = &a.finish {
                     response["status"] = json!(f);
                     response["incomplete_details"] = json!({"reason": f});
                 }
-                out.push((
-                    named_event(
-                        "response.completed",
-                        json!({"type": "response.completed", "response": response}),
-                    ),
-                    false,
-                ));
+                out.push((named_event("response.completed", json!({"type": "response.completed", "response": response})), false));
             }
         }
         Api::Messages => {
             let input = a.usage.map_or(0, |u| u.0);
             out.push((
-                named_event("message_start", json!({"type": "message_start", "message": {"id": format!("msg_{}", a.text),
+                named_event(
+                    "message_start",
+                    json!({"type": "message_start", "message": {"id": format!("msg_{}", a.text),
                     "type": "message", "role": "assistant", "content": [], "model": a.model, "stop_reason": null,
-                    "usage": {"input_tokens": input, "output_tokens": 1}}})),
+                    "usage": {"input_tokens": input, "output_tokens": 1}}}),
+                ),
                 false,
             ));
             out.push((
@@ -632,10 +520,7 @@ fn sse_answer(api: Api, a: &Answer) -> Vec<(Vec<u8>, bool)> {
                     delta["usage"] = json!({"output_tokens": c});
                 }
                 out.push((named_event("message_delta", delta), false));
-                out.push((
-                    named_event("message_stop", json!({"type": "message_stop"})),
-                    false,
-                ));
+                out.push((named_event("message_stop", json!({"type": "message_stop"})), false));
             }
         }
     }
@@ -650,8 +535,7 @@ fn whole_answer(api: Api, a: &Answer) -> Vec<u8> {
             let mut v = json!({"id": format!("chatcmpl-{}", a.text), "object": "chat.completion", "model": a.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": a.finish}]});
             if let Some((p, c)) = a.usage {
-                v["usage"] =
-                    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
             }
             v
         }
@@ -659,8 +543,7 @@ fn whole_answer(api: Api, a: &Answer) -> Vec<u8> {
             let mut v = json!({"id": format!("cmpl-{}", a.text), "object": "text_completion", "model": a.model,
                 "choices": [{"index": 0, "text": text, "finish_reason": a.finish}]});
             if let Some((p, c)) = a.usage {
-                v["usage"] =
-                    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
             }
             v
         }
@@ -689,9 +572,7 @@ fn whole_answer(api: Api, a: &Answer) -> Vec<u8> {
 
 /// An upstream's error body: message, type and code all the upstream's own strings.
 fn error_answer(t: &str) -> Vec<u8> {
-    json!({"error": {"message": format!("{t} is overloaded, try again"), "type": format!("{t}_error"), "code": format!("{t}-code")}})
-        .to_string()
-        .into_bytes()
+    json!({"error": {"message": format!("{t} is overloaded, try again"), "type": format!("{t}_error"), "code": format!("{t}-code")}}).to_string().into_bytes()
 }
 
 /// Finish reasons the APIs document (the `finish` label's vocabulary, besides `none` and `other`).
@@ -823,20 +704,8 @@ fn traffic(i: usize) -> Traffic {
         0 => h("x-user", b"alice"),
         _ => h("x-user", format!("{t}-user").as_bytes()),
     }
-    let claim = if id == 3 {
-        "soft".to_string()
-    } else {
-        format!("{t}-claim")
-    };
-    h(
-        "x-jwt-payload",
-        b64url(
-            json!({"sub": t, "sluice_key": claim})
-                .to_string()
-                .as_bytes(),
-        )
-        .as_bytes(),
-    );
+    let claim = if id == 3 { "soft".to_string() } else { format!("{t}-claim") };
+    h("x-jwt-payload", b64url(json!({"sub": t, "sluice_key": claim}).to_string().as_bytes()).as_bytes());
     // What a client sends to steer model-router (stripped, never honoured).
     h("x-sluice-force-version", format!("{t}-force").as_bytes());
     h("x-sluice-route", format!("{t}-route").as_bytes());
@@ -852,14 +721,7 @@ fn traffic(i: usize) -> Traffic {
             Some([b"\x1f\x8b\x08\x00".as_slice(), t.as_bytes()].concat())
         }
         29 => Some(format!("{{\"model\": \"{t}\", not json").into_bytes()),
-        _ => Some(request_body(
-            api,
-            body_model.as_deref(),
-            &t,
-            stream,
-            max_tokens,
-            follow_up,
-        )),
+        _ => Some(request_body(api, body_model.as_deref(), &t, stream, max_tokens, follow_up)),
     };
     if let Some(b) = &body {
         h("content-length", b.len().to_string().as_bytes());
@@ -931,12 +793,7 @@ fn traffic(i: usize) -> Traffic {
         _ => Some("stop".to_string()),
     };
     let answer = Answer {
-        model: [
-            format!("{t}-rmodel"),
-            format!("gpt-4o-{t}"),
-            format!("claude-{t}"),
-        ][s % 3]
-            .clone(),
+        model: [format!("{t}-rmodel"), format!("gpt-4o-{t}"), format!("claude-{t}")][s % 3].clone(),
         finish,
         usage: (s % 5 != 4).then_some(([19, 1500, 3000, 6000, 12000, 40000][s % 6], 9)),
         text: format!("{t}-text"),
@@ -972,15 +829,7 @@ fn traffic(i: usize) -> Traffic {
         user_metadata,
         force,
         avoid,
-        up: Upstream {
-            status,
-            sse,
-            pieces,
-            end,
-            gateway_reply,
-            code_details,
-            answer,
-        },
+        up: Upstream { status, sse, pieces, end, gateway_reply, code_details, answer },
     }
 }
 
@@ -1000,8 +849,7 @@ fn send<'g>(gw: &'g Gateway, tr: &Traffic) -> Stream<'g> {
     if let Some(a) = &tr.avoid {
         s.set_property(&[AVOID], a.as_bytes());
     }
-    s.request_headers(&tr.headers, tr.body.is_none())
-        .expect("request headers");
+    s.request_headers(&tr.headers, tr.body.is_none()).expect("request headers");
     if let Some(body) = &tr.body {
         if tr.s.is_multiple_of(2) && body.len() > 1 {
             let (a, b) = body.split_at(body.len() / 2);
@@ -1028,19 +876,10 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
         _ => {}
     }
     let status = up.status.to_string();
-    let content_type = if up.sse {
-        "text/event-stream; charset=utf-8"
-    } else {
-        "application/json"
-    };
+    let content_type = if up.sse { "text/event-stream; charset=utf-8" } else { "application/json" };
     let model_header = format!("{}-served", tr.t);
     s.response_headers(
-        &[
-            (":status", status.as_str()),
-            ("content-type", content_type),
-            ("x-request-id", model_header.as_str()),
-            ("openai-model", model_header.as_str()),
-        ],
+        &[(":status", status.as_str()), ("content-type", content_type), ("x-request-id", model_header.as_str()), ("openai-model", model_header.as_str())],
         false,
     )
     .expect("response headers");
@@ -1050,8 +889,7 @@ fn play(gw: &Gateway, s: &mut Stream<'_>, tr: &Traffic) {
             break;
         }
         gw.advance(step).expect("advance");
-        s.response_body(piece, up.end == End::Complete && k + 1 == n)
-            .expect("response body");
+        s.response_body(piece, up.end == End::Complete && k + 1 == n).expect("response body");
     }
     if let Some(d) = &up.code_details {
         s.set_property(&["response", "code_details"], d.as_bytes());
@@ -1089,24 +927,12 @@ fn llm_config() -> String {
 /// llm-metrics' metric families and label vocabularies (plugins/core/src/report.rs and
 /// plugins/llm-metrics/src/lib.rs).
 fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
-    let model_version = Dim::Bounded {
-        named: named.iter().map(|s| s.to_string()).collect(),
-        cap,
-    };
+    let model_version = Dim::Bounded { named: named.iter().map(|s| s.to_string()).collect(), cap };
     let base: Labels = vec![
         ("model_version", model_version.clone()),
-        (
-            "tenant",
-            fixed(tenants.iter().copied().chain(["other", "anonymous"])),
-        ),
-        (
-            "api",
-            fixed(["chat_completions", "completions", "responses", "messages"]),
-        ),
-        (
-            "ctx",
-            fixed(["1k", "2k", "4k", "8k", "16k", "over_16k", "unknown"]),
-        ),
+        ("tenant", fixed(tenants.iter().copied().chain(["other", "anonymous"]))),
+        ("api", fixed(["chat_completions", "completions", "responses", "messages"])),
+        ("ctx", fixed(["1k", "2k", "4k", "8k", "16k", "over_16k", "unknown"])),
         ("turn", fixed(["first", "follow_up", "unknown"])),
         ("stream", fixed(["true", "false"])),
     ];
@@ -1130,27 +956,15 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
     .collect();
     let mut requests = base.clone();
     requests.push(("status", fixed(["1xx", "2xx", "3xx", "4xx", "5xx", "none"])));
-    requests.push((
-        "finish",
-        fixed(KNOWN_FINISH.iter().copied().chain(["none", "other"])),
-    ));
+    requests.push(("finish", fixed(KNOWN_FINISH.iter().copied().chain(["none", "other"]))));
     requests.push(("usage", fixed(["reported", "estimated"])));
     families.push(family("sluice.requests_total", requests));
     let mut replies = base.clone();
     replies.push(("reason", fixed(["refused", "deadline"])));
     families.push(family("sluice.gateway_replies_total", replies));
-    families.push(family(
-        "sluice.in_flight",
-        vec![("model_version", model_version)],
-    ));
-    families.push(family(
-        "sluice.request_body_uninspected_total",
-        vec![("reason", fixed(["malformed", "encoded", "too_large"]))],
-    ));
-    Schema {
-        plugin: "llm-metrics",
-        families,
-    }
+    families.push(family("sluice.in_flight", vec![("model_version", model_version)]));
+    families.push(family("sluice.request_body_uninspected_total", vec![("reason", fixed(["malformed", "encoded", "too_large"]))]));
+    Schema { plugin: "llm-metrics", families }
 }
 
 /// Bound (printed by the test): every per-request metric carries model_version × tenant × api ×
@@ -1163,8 +977,7 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
 /// `anonymous`, finish only the documented reasons, `none` and `other`.
 #[test]
 fn llm_metrics_labels_stay_bounded_whatever_clients_and_upstreams_send() {
-    let gw = Gateway::start(&common::llm::plugin(), PluginSpec::new(llm_config()))
-        .expect("llm-metrics starts");
+    let gw = Gateway::start(&common::llm::plugin(), PluginSpec::new(llm_config())).expect("llm-metrics starts");
     let result = run(&gw, |i| {
         let tr = traffic(i);
         let mut s = send(&gw, &tr);
@@ -1233,31 +1046,21 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
     let mut paths: Vec<Labels> = Vec::new();
     let mut counters: Vec<Labels> = Vec::new();
     let mut codes = Vec::new();
-    let mut add_budgets =
-        |level: &'static str, owner: &str, budgets: &Value, per_identity: bool| {
-            for b in budgets.as_array().into_iter().flatten() {
-                let window = b["window"].as_str().expect("window");
-                let measure = if b.get("tokens").is_some() {
-                    "total_tokens"
-                } else if b.get("requests").is_some() {
-                    "requests"
-                } else {
-                    "micro_usd"
-                };
-                counters.push(vec![
-                    (level, fixed([owner])),
-                    ("window", fixed([window])),
-                    ("unit", fixed([measure])),
-                ]);
-                let suffix = if per_identity { "_per_identity" } else { "" };
-                codes.push(
-                    format!("{level}_{owner}_{window}_{measure}{suffix}").replace(
-                        |c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-',
-                        "_",
-                    ),
-                );
-            }
-        };
+    let mut add_budgets = |level: &'static str, owner: &str, budgets: &Value, per_identity: bool| {
+        for b in budgets.as_array().into_iter().flatten() {
+            let window = b["window"].as_str().expect("window");
+            let measure = if b.get("tokens").is_some() {
+                "total_tokens"
+            } else if b.get("requests").is_some() {
+                "requests"
+            } else {
+                "micro_usd"
+            };
+            counters.push(vec![(level, fixed([owner])), ("window", fixed([window])), ("unit", fixed([measure]))]);
+            let suffix = if per_identity { "_per_identity" } else { "" };
+            codes.push(format!("{level}_{owner}_{window}_{measure}{suffix}").replace(|c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-', "_"));
+        }
+    };
     for org in policy["orgs"].as_array().expect("orgs") {
         let o = org["id"].as_str().expect("org id");
         add_budgets("org", o, &org["budgets"], false);
@@ -1271,18 +1074,11 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
                 add_budgets("key", k, &key["budgets"], false);
                 add_budgets("key", k, &key["identity_budgets"], true);
                 keys.push(k.to_string());
-                paths.push(vec![
-                    ("key", fixed([k])),
-                    ("team", fixed([tm])),
-                    ("org", fixed([o])),
-                ]);
+                paths.push(vec![("key", fixed([k])), ("team", fixed([tm])), ("org", fixed([o]))]);
             }
         }
     }
-    let model_version = Dim::Bounded {
-        named: named.iter().map(|s| s.to_string()).collect(),
-        cap,
-    };
+    let model_version = Dim::Bounded { named: named.iter().map(|s| s.to_string()).collect(), cap };
     let charge = |metric: &str| Family {
         metric: metric.to_string(),
         variants: paths
@@ -1312,48 +1108,18 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
     Schema {
         plugin: "tenant-budget",
         families: vec![
-            family(
-                "sluice.budget.rejections_total",
-                vec![
-                    (
-                        "key",
-                        fixed(keys.iter().map(String::as_str).chain(["unknown"])),
-                    ),
-                    ("reason", Dim::Fixed(reasons)),
-                ],
-            ),
+            family("sluice.budget.rejections_total", vec![("key", fixed(keys.iter().map(String::as_str).chain(["unknown"]))), ("reason", Dim::Fixed(reasons))]),
             family("sluice.budget.clamps_total", vec![("key", fixed(&keys))]),
             charge("sluice.budget.charged_tokens_total"),
             charge("sluice.budget.charged_micro_usd_total"),
-            family(
-                "sluice.budget.overestimate_tokens",
-                vec![("key", fixed(&keys))],
-            ),
-            Family {
-                metric: "sluice.budget.remaining".into(),
-                variants: counters.clone(),
-            },
-            Family {
-                metric: "sluice.budget.soft_limit_crossings_total".into(),
-                variants: counters,
-            },
+            family("sluice.budget.overestimate_tokens", vec![("key", fixed(&keys))]),
+            Family { metric: "sluice.budget.remaining".into(), variants: counters.clone() },
+            Family { metric: "sluice.budget.soft_limit_crossings_total".into(), variants: counters },
             // The Redis ledger's health and calls.
             family("sluice.budget.ledger_up", vec![]),
-            family(
-                "sluice.budget.ledger_calls_total",
-                vec![
-                    ("call", fixed(["reserve", "settle"])),
-                    ("result", fixed(["ok", "timeout", "error"])),
-                ],
-            ),
-            family(
-                "sluice.budget.ledger_latency_ms",
-                vec![("call", fixed(["reserve", "settle"]))],
-            ),
-            family(
-                "sluice.budget.ledger_fallback_total",
-                vec![("action", fixed(["allow", "local"]))],
-            ),
+            family("sluice.budget.ledger_calls_total", vec![("call", fixed(["reserve", "settle"])), ("result", fixed(["ok", "timeout", "error"]))]),
+            family("sluice.budget.ledger_latency_ms", vec![("call", fixed(["reserve", "settle"]))]),
+            family("sluice.budget.ledger_fallback_total", vec![("action", fixed(["allow", "local"]))]),
             family("sluice.budget.ledger_settlements_dropped_total", vec![]),
         ],
     }
@@ -1374,11 +1140,7 @@ fn budget_policy_redis() -> Value {
 /// request's position in the period; a settlement is taken, except that each one fails once for
 /// a tenth of the requests (and is retried).
 fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>>) {
-    let reply = |v: Value| {
-        HttpReply::status(200)
-            .header("content-type", "application/json")
-            .body(v.to_string())
-    };
+    let reply = |v: Value| HttpReply::status(200).header("content-type", "application/json").body(v.to_string());
     // A refusal may come back as a clamped retry: answer until nothing is pending.
     for _ in 0..8 {
         let calls = gw.http_calls();
@@ -1391,15 +1153,10 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
                 "/v1/reserve" => {
                     let n = body["counters"].as_array().map_or(0, Vec::len);
                     match tr.s % 10 {
-                        1 => Some(reply(
-                            json!({"admitted": false, "refused": 0, "used": 999_999,
-                                                "reserved": 0, "limit": 1_000}),
-                        )),
+                        1 => Some(reply(json!({"admitted": false, "refused": 0, "used": 999_999,
+                                                "reserved": 0, "limit": 1_000}))),
                         2 => None,
-                        7 => Some(
-                            HttpReply::status(500)
-                                .body(format!("{} ledger exploded", tr.t).into_bytes()),
-                        ),
+                        7 => Some(HttpReply::status(500).body(format!("{} ledger exploded", tr.t).into_bytes())),
                         _ => Some(reply(json!({"admitted": true, "replayed": false,
                             "counters": vec![json!({"used": 0, "reserved": 1}); n]}))),
                     }
@@ -1416,9 +1173,7 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
                 _ => None,
             };
             match r {
-                Some(r) => gw
-                    .respond_http_call(call.token, r)
-                    .expect("answer the ledger call"),
+                Some(r) => gw.respond_http_call(call.token, r).expect("answer the ledger call"),
                 None => gw.fail_http_call(call.token).expect("fail the ledger call"),
             }
         }
@@ -1439,11 +1194,7 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
 fn tenant_budget_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let start = common::budget::at(common::budget::MAR31_120030);
     for policy in [budget_policy(), budget_policy_redis()] {
-        let gw = Gateway::start(
-            &common::budget::plugin(),
-            PluginSpec::new(policy.to_string()).start_time(start),
-        )
-        .expect("tenant-budget starts");
+        let gw = Gateway::start(&common::budget::plugin(), PluginSpec::new(policy.to_string()).start_time(start)).expect("tenant-budget starts");
         let mut settled_once = BTreeSet::new();
         let result = run(&gw, |i| {
             let tr = traffic(i);
@@ -1514,15 +1265,7 @@ fn router_policy() -> Value {
 }
 
 fn sanitized(v: &str) -> String {
-    v.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    v.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect()
 }
 
 /// model-router's metric families (plugins/model-router/src/lib.rs), labels drawn from `policy`.
@@ -1534,31 +1277,15 @@ fn router_schema(policy: &Value) -> Schema {
     let mut shadows = Vec::new();
     for m in policy["models"].as_array().expect("models") {
         let pattern = sanitized(m["model"].as_str().expect("model"));
-        let versions: Vec<String> = m["versions"]
-            .as_array()
-            .expect("versions")
-            .iter()
-            .map(|v| sanitized(v["name"].as_str().expect("name")))
-            .collect();
-        requests.push(vec![
-            ("model", fixed([&pattern])),
-            ("version", Dim::Fixed(versions.clone())),
-            ("reason", reasons.clone()),
-        ]);
+        let versions: Vec<String> = m["versions"].as_array().expect("versions").iter().map(|v| sanitized(v["name"].as_str().expect("name"))).collect();
+        requests.push(vec![("model", fixed([&pattern])), ("version", Dim::Fixed(versions.clone())), ("reason", reasons.clone())]);
         if let Some(shadow) = m.get("shadow") {
             primaries.extend(versions.iter().cloned());
-            shadows.push(sanitized(
-                shadow["version"]["name"].as_str().expect("shadow name"),
-            ));
+            shadows.push(sanitized(shadow["version"]["name"].as_str().expect("shadow name")));
         }
         patterns.push(pattern);
     }
-    let pair = || -> Labels {
-        vec![
-            ("primary", Dim::Fixed(primaries.clone())),
-            ("shadow", Dim::Fixed(shadows.clone())),
-        ]
-    };
+    let pair = || -> Labels { vec![("primary", Dim::Fixed(primaries.clone())), ("shadow", Dim::Fixed(shadows.clone()))] };
     let with = |extra: Vec<(&'static str, Dim)>| -> Labels {
         let mut v = pair();
         v.extend(extra);
@@ -1568,54 +1295,20 @@ fn router_schema(policy: &Value) -> Schema {
     Schema {
         plugin: "model-router",
         families: vec![
-            Family {
-                metric: "sluice.router.requests_total".into(),
-                variants: requests,
-            },
+            Family { metric: "sluice.router.requests_total".into(), variants: requests },
             Family {
                 metric: "sluice.router.unrouted_total".into(),
                 variants: vec![
                     vec![("reason", fixed(["no_model", "unknown_model"]))],
-                    vec![
-                        ("reason", fixed(["no_version"])),
-                        ("model", Dim::Fixed(patterns)),
-                    ],
+                    vec![("reason", fixed(["no_version"])), ("model", Dim::Fixed(patterns))],
                 ],
             },
-            family(
-                "sluice.router.shadow_total",
-                with(vec![(
-                    "result",
-                    fixed([
-                        "sent",
-                        "failed",
-                        "sampled",
-                        "skipped_cap",
-                        "excluded",
-                        "refused",
-                    ]),
-                )]),
-            ),
-            family(
-                "sluice.router.compare_duration_ms",
-                with(vec![("side", sides.clone())]),
-            ),
-            family(
-                "sluice.router.compare_output_tokens",
-                with(vec![("side", sides.clone())]),
-            ),
-            family(
-                "sluice.router.compare_errors_total",
-                with(vec![("side", sides)]),
-            ),
-            family(
-                "sluice.router.compare_ttft_ms",
-                with(vec![("side", fixed(["primary"]))]),
-            ),
-            family(
-                "sluice.router.compare_total",
-                with(vec![("finish_agree", fixed(["true", "false"]))]),
-            ),
+            family("sluice.router.shadow_total", with(vec![("result", fixed(["sent", "failed", "sampled", "skipped_cap", "excluded", "refused"]))])),
+            family("sluice.router.compare_duration_ms", with(vec![("side", sides.clone())])),
+            family("sluice.router.compare_output_tokens", with(vec![("side", sides.clone())])),
+            family("sluice.router.compare_errors_total", with(vec![("side", sides)])),
+            family("sluice.router.compare_ttft_ms", with(vec![("side", fixed(["primary"]))])),
+            family("sluice.router.compare_total", with(vec![("finish_agree", fixed(["true", "false"]))])),
             family("sluice.router.compare_similarity_per_mille", pair()),
         ],
     }
@@ -1641,18 +1334,9 @@ fn answer_shadows(gw: &Gateway, tr: &Traffic) {
             3 => gw.fail_http_call(call.token).expect("fail the shadow call"),
             status => {
                 let status = [200, 200, 500, 0, 429][status];
-                let body = if status == 200 {
-                    whole_answer(tr.api, &answer)
-                } else {
-                    error_answer(&t)
-                };
-                gw.respond_http_call(
-                    call.token,
-                    HttpReply::status(status)
-                        .header("content-type", "application/json")
-                        .body(body),
-                )
-                .expect("answer the shadow call");
+                let body = if status == 200 { whole_answer(tr.api, &answer) } else { error_answer(&t) };
+                gw.respond_http_call(call.token, HttpReply::status(status).header("content-type", "application/json").body(body))
+                    .expect("answer the shadow call");
             }
         }
     }
@@ -1666,11 +1350,7 @@ fn answer_shadows(gw: &Gateway, tr: &Traffic) {
 #[test]
 fn model_router_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let policy = router_policy();
-    let gw = Gateway::start(
-        &common::router::plugin(),
-        PluginSpec::new(policy.to_string()),
-    )
-    .expect("model-router starts");
+    let gw = Gateway::start(&common::router::plugin(), PluginSpec::new(policy.to_string())).expect("model-router starts");
     let result = run(&gw, |i| {
         let mut tr = traffic(i);
         // Once a period, Envoy finds no healthy upstream for the request's route (a `gpt-*` one):
@@ -1729,22 +1409,9 @@ fn guard_policy() -> Value {
 
 /// latency-guard's metric families (plugins/latency-guard/src/lib.rs), labels drawn from `policy`.
 fn guard_schema(policy: &Value) -> Schema {
-    let versions = Dim::Fixed(
-        policy["versions"]
-            .as_array()
-            .expect("versions")
-            .iter()
-            .map(|v| sanitized(v["name"].as_str().expect("name")))
-            .collect(),
-    );
+    let versions = Dim::Fixed(policy["versions"].as_array().expect("versions").iter().map(|v| sanitized(v["name"].as_str().expect("name"))).collect());
     let classes = Dim::Fixed(
-        policy["classes"]
-            .as_array()
-            .expect("classes")
-            .iter()
-            .map(|c| sanitized(c["name"].as_str().expect("name")))
-            .chain(["other".to_string()])
-            .collect(),
+        policy["classes"].as_array().expect("classes").iter().map(|c| sanitized(c["name"].as_str().expect("name"))).chain(["other".to_string()]).collect(),
     );
     let priorities = fixed(["critical", "standard", "sheddable"]);
     let v = || ("version", versions.clone());
@@ -1753,51 +1420,16 @@ fn guard_schema(policy: &Value) -> Schema {
         families: vec![
             family(
                 "sluice.latency.requests_total",
-                vec![
-                    v(),
-                    ("class", classes),
-                    (
-                        "outcome",
-                        fixed([
-                            "ok",
-                            "error",
-                            "client_disconnect",
-                            "ttft",
-                            "total",
-                            "refused",
-                            "deadline",
-                        ]),
-                    ),
-                ],
+                vec![v(), ("class", classes), ("outcome", fixed(["ok", "error", "client_disconnect", "ttft", "total", "refused", "deadline"]))],
             ),
-            family(
-                "sluice.latency.deadline_total",
-                vec![
-                    v(),
-                    ("kind", fixed(["ttft", "total"])),
-                    ("action", fixed(["reply_504", "reset", "error_event"])),
-                ],
-            ),
-            family(
-                "sluice.latency.shed_total",
-                vec![
-                    v(),
-                    ("priority", priorities.clone()),
-                    ("reason", fixed(["breaker_open", "in_flight"])),
-                ],
-            ),
-            family(
-                "sluice.latency.fallback_unavailable_total",
-                vec![v(), ("priority", priorities)],
-            ),
+            family("sluice.latency.deadline_total", vec![v(), ("kind", fixed(["ttft", "total"])), ("action", fixed(["reply_504", "reset", "error_event"]))]),
+            family("sluice.latency.shed_total", vec![v(), ("priority", priorities.clone()), ("reason", fixed(["breaker_open", "in_flight"]))]),
+            family("sluice.latency.fallback_unavailable_total", vec![v(), ("priority", priorities)]),
             family("sluice.latency.in_flight", vec![v()]),
             family("sluice.latency.probes_total", vec![v()]),
             family("sluice.latency.output_capped_total", vec![v()]),
             family("sluice.latency.breaker_state", vec![v()]),
-            family(
-                "sluice.latency.breaker_transitions_total",
-                vec![v(), ("to", fixed(["closed", "open", "half_open"]))],
-            ),
+            family("sluice.latency.breaker_transitions_total", vec![v(), ("to", fixed(["closed", "open", "half_open"]))]),
         ],
     }
 }
@@ -1835,11 +1467,7 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
         out
     };
     let error = |status: &'static str| -> Vec<(u64, Step)> {
-        vec![
-            (2, Step::Headers(status, false)),
-            (3, Step::Piece(error_answer(&tr.t), false, true)),
-            (3, Step::End),
-        ]
+        vec![(2, Step::Headers(status, false)), (3, Step::Piece(error_answer(&tr.t), false, true)), (3, Step::End)]
     };
     let cut = |last: Step, events: &mut Vec<(Vec<u8>, bool)>| -> Vec<(u64, Step)> {
         let mut out = vec![(1, Step::Headers("200", true))];
@@ -1866,11 +1494,7 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
             3 => vec![(45, Step::Headers("200", true)), (45, Step::End)], // no headers by the TTFT deadline: 504
             4 => {
                 let whole = whole_answer(tr.api, answer);
-                vec![
-                    (8, Step::Headers("200", false)),
-                    (9, Step::Piece(whole, true, true)),
-                    (9, Step::End),
-                ]
+                vec![(8, Step::Headers("200", false)), (9, Step::Piece(whole, true, true)), (9, Step::End)]
             }
             5 => vec![
                 (0, Step::GatewayReply("429 refused".into())),
@@ -1886,10 +1510,7 @@ fn guard_steps(tr: &Traffic) -> Vec<(u64, Step)> {
             }
             7 => error("400"),
             8 => vec![(2, Step::UpstreamReset)],
-            9 => vec![
-                (0, Step::GatewayReply("504 deadline".into())),
-                (1, Step::ClientGone),
-            ],
+            9 => vec![(0, Step::GatewayReply("504 deadline".into())), (1, Step::ClientGone)],
             _ => stream(3, 2, &mut events),
         },
         // Fast answers: probes pass, the breaker closes.
@@ -1907,9 +1528,7 @@ fn guard_request(tr: &Traffic) -> lat::Req {
     let s = tr.s;
     let route = match s % 12 {
         0 | 6 | 7 => Route::Version("v1".into()),
-        1 | 2 | 9 => Route::Router {
-            preferred: "v1".into(),
-        },
+        1 | 2 | 9 => Route::Router { preferred: "v1".into() },
         3 => Route::Version(format!("{}-ver", tr.t)),
         4 => Route::Raw(format!("{{\"version\": 7, \"x\": \"{}\"}}", tr.t).into_bytes()),
         5 => Route::Nothing,
@@ -1917,12 +1536,7 @@ fn guard_request(tr: &Traffic) -> lat::Req {
         10 => Route::Version("v3".into()),
         _ => Route::Raw([b"\xff".as_slice(), tr.t.as_bytes()].concat()),
     };
-    let request_id = tr
-        .headers
-        .iter()
-        .find(|(k, _)| k == b"x-request-id")
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_default();
+    let request_id = tr.headers.iter().find(|(k, _)| k == b"x-request-id").map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
     lat::Req {
         tenant: tr.tenant.clone(),
         request_id,
@@ -1931,10 +1545,7 @@ fn guard_request(tr: &Traffic) -> lat::Req {
         llm_metrics: s % 30 != 29,
         wake: s % 10 != 3,
         path: tr.path.clone(),
-        body: tr
-            .body
-            .clone()
-            .unwrap_or_else(|| request_body(tr.api, None, &tr.t, true, None, false)),
+        body: tr.body.clone().unwrap_or_else(|| request_body(tr.api, None, &tr.t, true, None, false)),
     }
 }
 
@@ -1960,24 +1571,13 @@ fn latency_guard_labels_stay_bounded_whatever_clients_and_upstreams_send() {
         }
         let mut xs: Vec<Exchange<'_>> = trs.iter().map(|tr| guard_request(tr).send(&gw)).collect();
         let plans: Vec<Vec<(u64, Step)>> = trs.iter().map(guard_steps).collect();
-        let mut order: Vec<(u64, usize, usize)> = plans
-            .iter()
-            .enumerate()
-            .flat_map(|(e, p)| p.iter().enumerate().map(move |(k, (ms, _))| (*ms, e, k)))
-            .collect();
+        let mut order: Vec<(u64, usize, usize)> =
+            plans.iter().enumerate().flat_map(|(e, p)| p.iter().enumerate().map(move |(k, (ms, _))| (*ms, e, k))).collect();
         order.sort_unstable();
         for (ms, e, k) in order {
             let x = &mut xs[e];
             match &plans[e][k].1 {
-                Step::Headers(status, sse) => x.response_headers(
-                    ms,
-                    status,
-                    if *sse {
-                        "text/event-stream; charset=utf-8"
-                    } else {
-                        "application/json"
-                    },
-                ),
+                Step::Headers(status, sse) => x.response_headers(ms, status, if *sse { "text/event-stream; charset=utf-8" } else { "application/json" }),
                 Step::Piece(bytes, content, end) => x.chunk(ms, bytes, *content, *end),
                 Step::GatewayReply(v) => {
                     x.at(ms);
@@ -2008,11 +1608,7 @@ fn latency_guard_labels_stay_bounded_whatever_clients_and_upstreams_send() {
         }
     }
     assert_eq!(gw.crashed(), None, "the plugin must never trap");
-    let result = Run {
-        at_checkpoint: checkpoint,
-        at_end: gw.metric_names(),
-        elapsed: started.elapsed(),
-    };
+    let result = Run { at_checkpoint: checkpoint, at_end: gw.metric_names(), elapsed: started.elapsed() };
     let schema = guard_schema(&policy);
     assert_bounded(&schema, &result, 0);
 }

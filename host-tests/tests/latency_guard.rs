@@ -130,9 +130,7 @@ fn ttft_deadline_answers_504_at_the_deadline_not_before_while_headers_are_held()
         }})
     );
     assert_eq!(gw.counter(&deadline_total("v1", "ttft", "reply_504")), Some(1));
-    assert!(info_logs(&gw).contains(
-        &"sluice latency-guard: ttft deadline of 1000 ms fired for a request to v1 after 1000 ms: reply_504".to_string()
-    ));
+    assert!(info_logs(&gw).contains(&"sluice latency-guard: ttft deadline of 1000 ms fired for a request to v1 after 1000 ms: reply_504".to_string()));
     assert!(!x.stream.closed_by_plugin());
 
     // Nothing fires twice (the total deadline passes too), and the late token never reaches anyone.
@@ -240,8 +238,11 @@ fn a_stream_without_content_is_released_at_its_end_with_the_upstreams_own_answer
     x.at(2500);
     assert_eq!(x.local_reply(), None);
     x.end();
-    assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "standard", "priority": "standard",
-        "probe": false, "outcome": "error", "status": 200, "ttft_ms": null})));
+    assert_eq!(
+        x.stamp(),
+        Some(json!({"version": "v1", "class": "standard", "priority": "standard",
+        "probe": false, "outcome": "error", "status": 200, "ttft_ms": null}))
+    );
     assert_eq!(gw.counter(&deadline_total("v1", "ttft", "reply_504")), None);
     assert_no_crash(&gw);
 }
@@ -374,9 +375,7 @@ fn total_deadline_resets_a_stalled_stream_whose_headers_went_out() {
     assert_eq!(x.local_reply(), None);
     assert_eq!(gw.counter(&deadline_total("v1", "total", "reset")), Some(1));
     assert_eq!(gw.counter(&deadline_total("v1", "total", "error_event")), None);
-    assert!(info_logs(&gw).contains(
-        &"sluice latency-guard: total deadline of 2000 ms fired for a request to v1 after 2500 ms: reset".to_string()
-    ));
+    assert!(info_logs(&gw).contains(&"sluice latency-guard: total deadline of 2000 ms fired for a request to v1 after 2500 ms: reset".to_string()));
     x.end();
     assert_eq!(x.stamp().unwrap()["outcome"], "total");
     assert_no_crash(&gw);
@@ -395,10 +394,7 @@ struct ApiCase {
 fn total_deadline_event_takes_the_error_shape_of_each_api() {
     use common::llm::{completions, messages, responses};
     let message = "sluice latency-guard: total deadline of 2000 ms exceeded; the response was cut here";
-    let openai = format!(
-        "data: {}\n\ndata: [DONE]\n\n",
-        json!({"error": {"message": message, "type": "timeout", "code": "total_deadline_exceeded"}})
-    );
+    let openai = format!("data: {}\n\ndata: [DONE]\n\n", json!({"error": {"message": message, "type": "timeout", "code": "total_deadline_exceeded"}}));
     let cases = [
         ApiCase {
             path: messages::PATH,
@@ -438,10 +434,7 @@ fn total_deadline_event_takes_the_error_shape_of_each_api() {
         match case.error_event {
             None => assert_eq!(event, openai, "{path}"),
             Some(expected) => {
-                let data = event
-                    .strip_prefix("event: error\ndata: ")
-                    .and_then(|e| e.strip_suffix("\n\n"))
-                    .unwrap_or_else(|| panic!("{path}: {event:?}"));
+                let data = event.strip_prefix("event: error\ndata: ").and_then(|e| e.strip_suffix("\n\n")).unwrap_or_else(|| panic!("{path}: {event:?}"));
                 assert_eq!(serde_json::from_str::<Value>(data).unwrap(), expected, "{path}");
             }
         }
@@ -510,8 +503,11 @@ fn whole_answers_have_no_ttft_deadline_only_the_total_one() {
     assert_eq!(x.local_reply(), None);
     assert_eq!(x.downstream_body(), x.upstream);
     x.end();
-    assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "standard", "priority": "standard",
-        "probe": false, "outcome": "ok", "status": 200, "ttft_ms": null})));
+    assert_eq!(
+        x.stamp(),
+        Some(json!({"version": "v1", "class": "standard", "priority": "standard",
+        "probe": false, "outcome": "ok", "status": 200, "ttft_ms": null}))
+    );
 
     // A whole answer still missing at the total deadline: 504 then, not at the TTFT deadline.
     let mut y = Req::new(STANDARD, "v1").whole().send(&gw);
@@ -643,8 +639,11 @@ fn while_open_critical_and_standard_fail_over_and_sheddable_gets_503() {
     );
     assert_eq!(gw.counter(&shed_total("v1", "sheddable", "breaker_open")), Some(1));
     x.end();
-    assert_eq!(x.stamp(), Some(json!({"version": "v1", "class": "batch", "priority": "sheddable",
-        "probe": false, "outcome": "shed_breaker_open", "status": 503, "ttft_ms": null})));
+    assert_eq!(
+        x.stamp(),
+        Some(json!({"version": "v1", "class": "batch", "priority": "sheddable",
+        "probe": false, "outcome": "shed_breaker_open", "status": 503, "ttft_ms": null}))
+    );
 
     // Critical and standard: the avoid list sends them to v2, where they pass.
     for (tenant, class, priority) in [(CRITICAL, "interactive", "critical"), (STANDARD, "standard", "standard")] {
@@ -655,8 +654,11 @@ fn while_open_critical_and_standard_fail_over_and_sheddable_gets_503() {
         assert_eq!(x.local_reply(), None);
         x.end();
         // Ended before any response: no status.
-        assert_eq!(x.stamp(), Some(json!({"version": "v2", "class": class, "priority": priority,
-            "probe": false, "outcome": "ok", "status": 0, "ttft_ms": null})));
+        assert_eq!(
+            x.stamp(),
+            Some(json!({"version": "v2", "class": class, "priority": priority,
+            "probe": false, "outcome": "ok", "status": 0, "ttft_ms": null}))
+        );
         let s = stream_ok_req(&gw, &req, 100);
         assert_eq!(s, stamp("v2", class, priority, false, "ok", 100));
     }
@@ -1003,26 +1005,14 @@ fn broken_policies_are_refused_with_the_field_that_is_wrong() {
             classes_bad.to_string(),
             "latency-guard policy is not valid JSON: classes[1].priority: unknown variant `urgent`, expected one of `critical`, `standard`, `sheddable`",
         ),
-        (
-            v1(json!({"ttft_deadline_ms": 3000, "total_deadline_ms": 2000})),
-            "versions[0].ttft_deadline_ms: must not exceed total_deadline_ms (3000 > 2000)",
-        ),
+        (v1(json!({"ttft_deadline_ms": 3000, "total_deadline_ms": 2000})), "versions[0].ttft_deadline_ms: must not exceed total_deadline_ms (3000 > 2000)"),
         (v1(json!({"ttft_deadline_ms": 0})), "versions[0].ttft_deadline_ms: must be 1–3600000, got 0"),
         (v1(json!({"in_flight": {"limit": 0}})), "versions[0].in_flight.limit: must be 1–1000000, got 0"),
         (with_breaker(json!({"fallback": "v9"})), "versions[0].breaker.fallback: \"v9\" is not a version of the policy"),
         (with_breaker(json!({"fallback": "v1"})), "versions[0].breaker.fallback: must name another version"),
-        (
-            with_breaker(json!({"objective": {"percentile": 100}})),
-            "versions[0].breaker.objective.percentile: must be 1–99.9, got 100",
-        ),
-        (
-            with_breaker(json!({"objective": {"ttft_ms": null}})),
-            "versions[0].breaker.objective: set at least one of ttft_ms, tpot_ms, error_per_mille",
-        ),
-        (
-            with_breaker(json!({"window_s": 10, "slots": 7})),
-            "versions[0].breaker.slots: must divide the window into whole milliseconds (10000 ms / 7)",
-        ),
+        (with_breaker(json!({"objective": {"percentile": 100}})), "versions[0].breaker.objective.percentile: must be 1–99.9, got 100"),
+        (with_breaker(json!({"objective": {"ttft_ms": null}})), "versions[0].breaker.objective: set at least one of ttft_ms, tpot_ms, error_per_mille"),
+        (with_breaker(json!({"window_s": 10, "slots": 7})), "versions[0].breaker.slots: must divide the window into whole milliseconds (10000 ms / 7)"),
         (with_breaker(json!({"open_for_ms": 50})), "versions[0].breaker.open_for_ms: must be 100–86400000, got 50"),
         (with_breaker(json!({"hysteresis_percent": 95})), "versions[0].breaker.hysteresis_percent: must be 0–90, got 95"),
         (with_breaker(json!({"probe_percent": 0})), "versions[0].breaker.probe_percent: must be 1–100, got 0"),
@@ -1092,12 +1082,7 @@ fn garbage_sse_passes_through_untouched() {
 #[test]
 fn non_utf8_and_blank_tenants_are_classified_without_crashing() {
     let gw = gateway(&deadlines());
-    for (tenant, class) in [
-        (&b"\xff\xfe\x80"[..], "other"),
-        (&b"crit-\xff"[..], "interactive"),
-        (&b"   "[..], "other"),
-        (&b""[..], "other"),
-    ] {
+    for (tenant, class) in [(&b"\xff\xfe\x80"[..], "other"), (&b"crit-\xff"[..], "interactive"), (&b"   "[..], "other"), (&b""[..], "other")] {
         let req = Req::new(STANDARD, "v1").raw_tenant(Some(tenant));
         let s = stream_ok_req(&gw, &req, 100);
         assert_eq!(s["class"], class, "tenant {tenant:?}");

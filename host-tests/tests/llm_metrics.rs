@@ -7,10 +7,7 @@
 
 mod common;
 
-use common::llm::{
-    chat, completions, config_with, gateway, gateway_with, headers, messages, plugin, responses,
-    Call, Delivery, Labels, ACME_V2, CONFIG,
-};
+use common::llm::{chat, completions, config_with, gateway, gateway_with, headers, messages, plugin, responses, Call, Delivery, Labels, ACME_V2, CONFIG};
 use serde_json::{json, Value};
 use sluice_host::{Gateway, PluginSpec};
 
@@ -127,16 +124,8 @@ fn chat_stream_figures() -> Figures {
 }
 
 /// Plays the standard streamed chat answer (with the usage chunk) on `gw`, delivered as `delivery`.
-fn play_chat_stream<'g>(
-    gw: &'g Gateway,
-    timeline: &[(u64, String)],
-    delivery: Delivery,
-) -> Call<'g> {
-    let mut c = Call::start(
-        gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, true),
-    );
+fn play_chat_stream<'g>(gw: &'g Gateway, timeline: &[(u64, String)], delivery: Delivery) -> Call<'g> {
+    let mut c = Call::start(gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
     c.sse_headers(timeline[0].0);
     c.body(timeline, delivery, true);
     c.end();
@@ -157,16 +146,9 @@ fn chat_stream_exact_ttft_tpot_duration_tokens_and_cost() {
     let c = play_chat_stream(&gw, &chat::timeline(true), Delivery::PerEntry);
     let l = Labels::new("chat_completions");
     assert_eq!(figures(&gw, &l), chat_stream_figures());
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
     assert_eq!(c.stamp(), chat_stream_stamp());
-    assert_eq!(
-        c.downstream_body(),
-        c.upstream_body,
-        "the stream passes byte-identical"
-    );
+    assert_eq!(c.downstream_body(), c.upstream_body, "the stream passes byte-identical");
     assert_eq!(gw.gauge("sluice.in_flight.model_version.v2"), Some(0));
     assert_no_crash(&gw);
 }
@@ -174,37 +156,19 @@ fn chat_stream_exact_ttft_tpot_duration_tokens_and_cost() {
 #[test]
 fn chat_non_stream_has_no_ttft_and_exact_duration_tokens_and_cost() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(false, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(false, false));
     c.response_headers(640, "200", "application/json");
     let body = chat::response(19, 9);
     let (a, b) = body.split_at(body.len() / 2);
-    c.body(
-        &[(640, a.to_string()), (641, b.to_string())],
-        Delivery::PerEntry,
-        true,
-    );
+    c.body(&[(640, a.to_string()), (641, b.to_string())], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("chat_completions").stream(false);
     assert_eq!(
         figures(&gw, &l),
-        One {
-            duration_ms: 641,
-            input: 19,
-            output: 9,
-            cost: Some(138),
-            ..One::default()
-        }
-        .figures(),
+        One { duration_ms: 641, input: 19, output: 9, cost: Some(138), ..One::default() }.figures(),
         "no TTFT, TPOT or decode-speed sample without a stream"
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
     assert_eq!(
         c.stamp(),
         with(
@@ -231,17 +195,10 @@ fn completions_stamp() -> Value {
 #[test]
 fn completions_stream_exact_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(completions::PATH, &ACME_V2),
-        &completions::request(true),
-    );
+    let mut c = Call::start(&gw, &headers(completions::PATH, &ACME_V2), &completions::request(true));
     c.sse_headers(90);
-    let mut t: Vec<(u64, String)> = ["This", " is", " indeed", " a", " test"]
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (90 + 20 * i as u64, completions::text(p, None)))
-        .collect();
+    let mut t: Vec<(u64, String)> =
+        ["This", " is", " indeed", " a", " test"].iter().enumerate().map(|(i, p)| (90 + 20 * i as u64, completions::text(p, None))).collect();
     t.push((175, completions::text("", Some("length"))));
     t.push((176, completions::usage(5, 5)));
     t.push((177, chat::DONE.to_string()));
@@ -262,10 +219,7 @@ fn completions_stream_exact_figures() {
         }
         .figures()
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "length", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "length", "reported")), Some(1));
     assert_eq!(c.stamp(), completions_stamp());
     assert_eq!(c.downstream_body(), c.upstream_body);
 }
@@ -273,31 +227,14 @@ fn completions_stream_exact_figures() {
 #[test]
 fn completions_non_stream_exact_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(completions::PATH, &ACME_V2),
-        &completions::request(false),
-    );
+    let mut c = Call::start(&gw, &headers(completions::PATH, &ACME_V2), &completions::request(false));
     c.response_headers(500, "200", "application/json");
     c.body(&[(500, completions::response())], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("completions").stream(false);
     // 5 × 1.5 + 7 × 2 = 21.5 → 22
-    assert_eq!(
-        figures(&gw, &l),
-        One {
-            duration_ms: 500,
-            input: 5,
-            output: 7,
-            cost: Some(22),
-            ..One::default()
-        }
-        .figures()
-    );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "length", "reported")),
-        Some(1)
-    );
+    assert_eq!(figures(&gw, &l), One { duration_ms: 500, input: 5, output: 7, cost: Some(22), ..One::default() }.figures());
+    assert_eq!(gw.counter(&l.requests_total("2xx", "length", "reported")), Some(1));
     assert_eq!(
         c.stamp(),
         with(
@@ -323,11 +260,7 @@ fn responses_stamp() -> Value {
 #[test]
 fn responses_stream_exact_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(responses::PATH, &ACME_V2),
-        &responses::request(true),
-    );
+    let mut c = Call::start(&gw, &headers(responses::PATH, &ACME_V2), &responses::request(true));
     c.sse_headers(200);
     c.body(&responses::timeline(), Delivery::PerEntry, true);
     c.end();
@@ -347,10 +280,7 @@ fn responses_stream_exact_figures() {
         }
         .figures()
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "completed", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "completed", "reported")), Some(1));
     assert_eq!(c.stamp(), responses_stamp());
     assert_eq!(c.downstream_body(), c.upstream_body);
 }
@@ -358,31 +288,13 @@ fn responses_stream_exact_figures() {
 #[test]
 fn responses_non_stream_exact_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(responses::PATH, &ACME_V2),
-        &responses::request(false),
-    );
+    let mut c = Call::start(&gw, &headers(responses::PATH, &ACME_V2), &responses::request(false));
     c.response_headers(900, "200", "application/json");
     c.body(&[(900, responses::response())], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("responses").ctx("2k").stream(false);
-    assert_eq!(
-        figures(&gw, &l),
-        One {
-            duration_ms: 900,
-            input: 1500,
-            output: 6,
-            cached: 1024,
-            cost: Some(2530),
-            ..One::default()
-        }
-        .figures()
-    );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "completed", "reported")),
-        Some(1)
-    );
+    assert_eq!(figures(&gw, &l), One { duration_ms: 900, input: 1500, output: 6, cached: 1024, cost: Some(2530), ..One::default() }.figures());
+    assert_eq!(gw.counter(&l.requests_total("2xx", "completed", "reported")), Some(1));
     assert_eq!(
         c.stamp(),
         with(
@@ -409,14 +321,7 @@ fn messages_stamp() -> Value {
 #[test]
 fn messages_stream_exact_figures_with_cumulative_output_usage() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(
-            messages::PATH,
-            &[ACME_V2[0], ACME_V2[1], ("anthropic-version", "2023-06-01")],
-        ),
-        &messages::request(true),
-    );
+    let mut c = Call::start(&gw, &headers(messages::PATH, &[ACME_V2[0], ACME_V2[1], ("anthropic-version", "2023-06-01")]), &messages::request(true));
     c.sse_headers(300);
     c.body(&messages::timeline(), Delivery::PerEntry, true);
     c.end();
@@ -436,10 +341,7 @@ fn messages_stream_exact_figures_with_cumulative_output_usage() {
         }
         .figures()
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "end_turn", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "end_turn", "reported")), Some(1));
     assert_eq!(c.stamp(), messages_stamp());
     assert_eq!(c.downstream_body(), c.upstream_body);
 }
@@ -447,31 +349,13 @@ fn messages_stream_exact_figures_with_cumulative_output_usage() {
 #[test]
 fn messages_non_stream_exact_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(messages::PATH, &ACME_V2),
-        &messages::request(false),
-    );
+    let mut c = Call::start(&gw, &headers(messages::PATH, &ACME_V2), &messages::request(false));
     c.response_headers(1200, "200", "application/json");
     c.body(&[(1200, messages::response())], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("messages").ctx("2k").stream(false);
-    assert_eq!(
-        figures(&gw, &l),
-        One {
-            duration_ms: 1200,
-            input: 1025,
-            output: 15,
-            cached: 1000,
-            cost: Some(600),
-            ..One::default()
-        }
-        .figures()
-    );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "end_turn", "reported")),
-        Some(1)
-    );
+    assert_eq!(figures(&gw, &l), One { duration_ms: 1200, input: 1025, output: 15, cached: 1000, cost: Some(600), ..One::default() }.figures());
+    assert_eq!(gw.counter(&l.requests_total("2xx", "end_turn", "reported")), Some(1));
     assert_eq!(
         c.stamp(),
         with(
@@ -493,11 +377,7 @@ fn a_role_only_first_chunk_is_not_the_first_token() {
     t[0] = (5, chat::role()); // role-only chunk at +5 ms; first content at +180 ms
     let c = play_chat_stream(&gw, &t, Delivery::PerEntry);
     let l = Labels::new("chat_completions");
-    assert_eq!(
-        gw.histogram(&l.name("ttft_ms")),
-        Some(vec![180]),
-        "TTFT is 180 ms, not 5 ms"
-    );
+    assert_eq!(gw.histogram(&l.name("ttft_ms")), Some(vec![180]), "TTFT is 180 ms, not 5 ms");
     assert_eq!(c.stamp()["ttft_us"], json!(180_000));
     assert_eq!(figures(&gw, &l), chat_stream_figures());
 }
@@ -505,14 +385,8 @@ fn a_role_only_first_chunk_is_not_the_first_token() {
 #[test]
 fn keep_alive_comments_before_content_do_not_count() {
     let gw = gateway();
-    let mut t = vec![
-        (20, ": keep-alive\n\n".to_string()),
-        (60, ": keep-alive\n\n".to_string()),
-        (
-            100,
-            ": ping - 2026-01-01 00:00:00.100000+00:00\n\n".to_string(),
-        ),
-    ];
+    let mut t =
+        vec![(20, ": keep-alive\n\n".to_string()), (60, ": keep-alive\n\n".to_string()), (100, ": ping - 2026-01-01 00:00:00.100000+00:00\n\n".to_string())];
     t.extend(chat::timeline(true));
     let c = play_chat_stream(&gw, &t, Delivery::PerEntry);
     let l = Labels::new("chat_completions");
@@ -526,14 +400,8 @@ fn the_usage_chunk_is_read_whatever_its_choices_and_adds_no_content() {
     let variants = [
         ("choices: []", json!([])),
         ("choices: null", Value::Null),
-        (
-            "choices with an empty delta",
-            json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": null}]),
-        ),
-        (
-            "choices with empty content",
-            json!([{"index": 0, "delta": {"content": ""}, "logprobs": null, "finish_reason": null}]),
-        ),
+        ("choices with an empty delta", json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": null}])),
+        ("choices with empty content", json!([{"index": 0, "delta": {"content": ""}, "logprobs": null, "finish_reason": null}])),
     ];
     for (what, choices) in variants {
         let gw = gateway();
@@ -544,11 +412,7 @@ fn the_usage_chunk_is_read_whatever_its_choices_and_adds_no_content() {
         let l = Labels::new("chat_completions");
         assert_eq!(figures(&gw, &l), chat_stream_figures(), "{what}");
         assert_eq!(c.stamp(), chat_stream_stamp(), "{what}");
-        assert_eq!(
-            gw.counter(&l.requests_total("2xx", "stop", "reported")),
-            Some(1),
-            "{what}"
-        );
+        assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1), "{what}");
     }
 }
 
@@ -559,11 +423,7 @@ fn the_usage_chunk_is_read_whatever_its_choices_and_adds_no_content() {
 #[test]
 fn without_usage_output_tokens_are_estimated_from_content_chunks() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
     c.sse_headers(120);
     c.body(&chat::timeline(false), Delivery::PerEntry, true);
     c.end();
@@ -584,14 +444,8 @@ fn without_usage_output_tokens_are_estimated_from_content_chunks() {
         }
         .figures()
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "estimated")),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        None
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "estimated")), Some(1));
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), None);
     assert_eq!(
         c.stamp(),
         with(
@@ -609,34 +463,14 @@ fn without_usage_output_tokens_are_estimated_from_content_chunks() {
 #[test]
 fn line_endings_and_chunking_do_not_change_the_figures() {
     let lf = chat::timeline(true);
-    let with_endings = |ending: &str| -> Vec<(u64, String)> {
-        lf.iter()
-            .map(|(t, s)| (*t, s.replace('\n', ending)))
-            .collect()
-    };
+    let with_endings = |ending: &str| -> Vec<(u64, String)> { lf.iter().map(|(t, s)| (*t, s.replace('\n', ending))).collect() };
     let cases = [
         ("LF, one call per event", lf.clone(), Delivery::PerEntry),
-        (
-            "CRLF, one call per event",
-            with_endings("\r\n"),
-            Delivery::PerEntry,
-        ),
-        (
-            "CR, one call per event",
-            with_endings("\r"),
-            Delivery::PerEntry,
-        ),
+        ("CRLF, one call per event", with_endings("\r\n"), Delivery::PerEntry),
+        ("CR, one call per event", with_endings("\r"), Delivery::PerEntry),
         ("LF, one call per byte", lf.clone(), Delivery::ByteByByte),
-        (
-            "CRLF, one call per byte",
-            with_endings("\r\n"),
-            Delivery::ByteByByte,
-        ),
-        (
-            "CR, one call per byte",
-            with_endings("\r"),
-            Delivery::ByteByByte,
-        ),
+        ("CRLF, one call per byte", with_endings("\r\n"), Delivery::ByteByByte),
+        ("CR, one call per byte", with_endings("\r"), Delivery::ByteByByte),
     ];
     for (what, timeline, delivery) in cases {
         let gw = gateway();
@@ -645,32 +479,17 @@ fn line_endings_and_chunking_do_not_change_the_figures() {
         let l = Labels::new("chat_completions");
         assert_eq!(figures(&gw, &l), chat_stream_figures(), "{what}");
         assert_eq!(c.stamp(), chat_stream_stamp(), "{what}");
-        assert_eq!(
-            gw.counter(&l.requests_total("2xx", "stop", "reported")),
-            Some(1),
-            "{what}"
-        );
-        assert_eq!(
-            c.downstream_body(),
-            c.upstream_body,
-            "{what}: byte-identical"
-        );
+        assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1), "{what}");
+        assert_eq!(c.downstream_body(), c.upstream_body, "{what}: byte-identical");
     }
 }
 
 #[test]
 fn anthropic_stream_one_byte_at_a_time_gives_the_same_figures() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(messages::PATH, &ACME_V2),
-        &messages::request(true),
-    );
+    let mut c = Call::start(&gw, &headers(messages::PATH, &ACME_V2), &messages::request(true));
     c.sse_headers(300);
-    let crlf: Vec<(u64, String)> = messages::timeline()
-        .into_iter()
-        .map(|(t, s)| (t, s.replace('\n', "\r\n")))
-        .collect();
+    let crlf: Vec<(u64, String)> = messages::timeline().into_iter().map(|(t, s)| (t, s.replace('\n', "\r\n"))).collect();
     c.body(&crlf, Delivery::ByteByByte, true);
     c.end();
     assert_eq!(c.stamp(), messages_stamp());
@@ -684,11 +503,7 @@ fn anthropic_stream_one_byte_at_a_time_gives_the_same_figures() {
 #[test]
 fn an_upstream_5xx_is_an_upstream_error() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, true),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
     c.response_headers(35, "500", "application/json");
     let body = json!({"error": {"message": "The server had an error while processing your request. Sorry about that!",
                                 "type": "server_error", "param": null, "code": null}})
@@ -698,20 +513,14 @@ fn an_upstream_5xx_is_an_upstream_error() {
     let l = Labels::new("chat_completions").stream(false);
     assert_eq!(gw.counter(&l.name("upstream_errors_total")), Some(1));
     assert_eq!(gw.counter(&l.name("client_disconnects_total")), None);
-    assert_eq!(
-        gw.counter(&l.requests_total("5xx", "none", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("5xx", "none", "estimated")), Some(1));
     assert_eq!(gw.histogram(&l.name("ttft_ms")), None);
     assert_eq!(gw.histogram(&l.name("request_duration_ms")), Some(vec![35]));
     assert_eq!(gw.histogram(&l.name("output_tokens")), Some(vec![0]));
     let stamp = c.stamp();
     assert_eq!(stamp["status"], json!(500));
     assert_eq!(stamp["outcome"], json!("upstream_error"));
-    assert_eq!(
-        stamp["upstream_error"],
-        json!("The server had an error while processing your request. Sorry about that!")
-    );
+    assert_eq!(stamp["upstream_error"], json!("The server had an error while processing your request. Sorry about that!"));
     assert_eq!(stamp["output_tokens"], json!(0));
     // The model never ran the prompt: no input tokens, the request counts as an error instead.
     assert_eq!(stamp["input_tokens"], json!(0));
@@ -726,19 +535,12 @@ fn an_upstream_5xx_is_an_upstream_error() {
 #[test]
 fn an_upstream_reset_before_headers_is_an_upstream_error() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, true),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
     c.at(30);
     c.stream.upstream_reset().unwrap();
     let l = Labels::new("chat_completions").stream(false);
     assert_eq!(gw.counter(&l.name("upstream_errors_total")), Some(1));
-    assert_eq!(
-        gw.counter(&l.requests_total("5xx", "none", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("5xx", "none", "estimated")), Some(1));
     assert_eq!(gw.histogram(&l.name("request_duration_ms")), Some(vec![30]));
     assert_eq!(c.stamp()["outcome"], json!("upstream_error"));
     assert_eq!(c.stamp()["status"], json!(503));
@@ -747,16 +549,8 @@ fn an_upstream_reset_before_headers_is_an_upstream_error() {
 
 /// Plays the standard chat stream up to and including the third content chunk (+230 ms).
 fn chat_stream_cut_after_three_chunks(gw: &Gateway) -> Call<'_> {
-    let mut c = Call::start(
-        gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, true),
-    );
-    assert_eq!(
-        gw.gauge("sluice.in_flight.model_version.v2"),
-        Some(1),
-        "in flight from the request headers on"
-    );
+    let mut c = Call::start(gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, true));
+    assert_eq!(gw.gauge("sluice.in_flight.model_version.v2"), Some(1), "in flight from the request headers on");
     c.sse_headers(120);
     let t = chat::timeline(true);
     c.body(&t[..4], Delivery::PerEntry, false); // role, "Hi", "!", " How"
@@ -787,10 +581,7 @@ fn a_client_disconnect_mid_stream_counts_the_tokens_seen_so_far() {
         }
         .figures()
     );
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "none", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "none", "estimated")), Some(1));
     let stamp = c.stamp();
     assert_eq!(stamp["outcome"], json!("client_disconnect"));
     assert_eq!(stamp["content_chunks"], json!(3));
@@ -819,10 +610,7 @@ fn an_upstream_reset_mid_stream_is_an_upstream_error() {
         ..One::default()
     };
     assert_eq!(figures(&gw, &l), expected.figures());
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "none", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "none", "estimated")), Some(1));
     assert_eq!(c.stamp()["outcome"], json!("upstream_error"));
     assert_eq!(gw.gauge("sluice.in_flight.model_version.v2"), Some(0));
 }
@@ -854,11 +642,7 @@ fn malformed_stream() -> Vec<(u64, Vec<u8>)> {
 #[test]
 fn malformed_events_and_malformed_sse_never_trap_and_pass_byte_identical() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
     c.sse_headers(120);
     let t = malformed_stream();
     for (i, (ms, bytes)) in t.iter().enumerate() {
@@ -891,41 +675,23 @@ fn malformed_events_and_malformed_sse_never_trap_and_pass_byte_identical() {
 #[test]
 fn malformed_stream_one_byte_at_a_time_with_summary_never_traps() {
     let gw = gateway_with(&config_with(json!({"stream_summary_comment": true})));
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
     c.sse_headers(120);
-    let t: Vec<(u64, String)> = malformed_stream()
-        .into_iter()
-        .map(|(ms, b)| (ms, String::from_utf8_lossy(&b).into_owned()))
-        .collect();
+    let t: Vec<(u64, String)> = malformed_stream().into_iter().map(|(ms, b)| (ms, String::from_utf8_lossy(&b).into_owned())).collect();
     c.body(&t, Delivery::ByteByByte, true);
     c.end();
     assert_no_crash(&gw);
     let down = c.downstream_body();
     let summary = b": sluice ttft_us=180000 tpot_us=20000 output_tokens=3 input_tokens=17 usage=estimated\n\n";
-    assert!(
-        down.starts_with(&c.upstream_body),
-        "the upstream bytes reach the client unchanged"
-    );
-    assert!(
-        down.ends_with(summary),
-        "{}",
-        String::from_utf8_lossy(&down[c.upstream_body.len()..])
-    );
+    assert!(down.starts_with(&c.upstream_body), "the upstream bytes reach the client unchanged");
+    assert!(down.ends_with(summary), "{}", String::from_utf8_lossy(&down[c.upstream_body.len()..]));
     assert_eq!(c.stamp()["content_chunks"], json!(3));
 }
 
 #[test]
 fn the_summary_comment_never_corrupts_an_unterminated_last_event() {
     let gw = gateway_with(&config_with(json!({"stream_summary_comment": true})));
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
     c.sse_headers(120);
     let mut t = chat::timeline(false);
     t.pop(); // no [DONE]
@@ -935,11 +701,7 @@ fn the_summary_comment_never_corrupts_an_unterminated_last_event() {
     c.body(&t, Delivery::PerEntry, true);
     c.end();
     let down = String::from_utf8(c.downstream_body()).unwrap();
-    assert!(
-        down.lines().any(|l| l == last_line),
-        "the client must still see the last data line intact; it got:\n{}",
-        &down[down.len().saturating_sub(300)..]
-    );
+    assert!(down.lines().any(|l| l == last_line), "the client must still see the last data line intact; it got:\n{}", &down[down.len().saturating_sub(300)..]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -948,18 +710,10 @@ fn the_summary_comment_never_corrupts_an_unterminated_last_event() {
 
 /// Sends `body` with `extra` headers and a short streamed answer without usage (so no figure can
 /// come from anywhere but the request body), then returns the call.
-fn uninspected<'g>(
-    gw: &'g Gateway,
-    extra: &[(&str, &str)],
-    body: &[u8],
-    chunks: usize,
-) -> Call<'g> {
+fn uninspected<'g>(gw: &'g Gateway, extra: &[(&str, &str)], body: &[u8], chunks: usize) -> Call<'g> {
     let mut h = headers(chat::PATH, &ACME_V2);
     h.extend_from_slice(extra);
-    let raw: Vec<(&[u8], &[u8])> = h
-        .iter()
-        .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
-        .collect();
+    let raw: Vec<(&[u8], &[u8])> = h.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
     let mut stream = gw.stream();
     let start_ns = gw.now_ns();
     stream.request_headers(&raw, false).unwrap();
@@ -968,27 +722,10 @@ fn uninspected<'g>(
     for (i, p) in pieces.iter().enumerate() {
         stream.request_body(p, i + 1 == pieces.len()).unwrap();
     }
-    assert_eq!(
-        stream.upstream_request_body(),
-        body,
-        "the request body passes untouched"
-    );
-    let mut c = Call {
-        gw,
-        stream,
-        start_ns,
-        upstream_body: Vec::new(),
-    };
+    assert_eq!(stream.upstream_request_body(), body, "the request body passes untouched");
+    let mut c = Call { gw, stream, start_ns, upstream_body: Vec::new() };
     c.sse_headers(100);
-    c.body(
-        &[
-            (100, chat::content("Hi")),
-            (150, chat::finish("stop")),
-            (151, chat::DONE.to_string()),
-        ],
-        Delivery::PerEntry,
-        true,
-    );
+    c.body(&[(100, chat::content("Hi")), (150, chat::finish("stop")), (151, chat::DONE.to_string())], Delivery::PerEntry, true);
     c.end();
     c
 }
@@ -997,30 +734,12 @@ fn uninspected<'g>(
 fn a_request_body_that_is_not_json_is_counted_as_malformed() {
     let gw = gateway();
     let c = uninspected(&gw, &[], b"{\"model\": \"gpt-4o\", \"messages\": [", 1);
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.malformed"),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.encoded"),
-        None
-    );
-    let l = Labels::new("chat_completions")
-        .ctx("unknown")
-        .turn("unknown");
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.malformed"), Some(1));
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.encoded"), None);
+    let l = Labels::new("chat_completions").ctx("unknown").turn("unknown");
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "estimated")), Some(1));
     let stamp = c.stamp();
-    assert_eq!(
-        (
-            stamp["ctx"].clone(),
-            stamp["turn"].clone(),
-            stamp["model"].clone()
-        ),
-        (json!("unknown"), json!("unknown"), Value::Null)
-    );
+    assert_eq!((stamp["ctx"].clone(), stamp["turn"].clone(), stamp["model"].clone()), (json!("unknown"), json!("unknown"), Value::Null));
     assert_eq!(stamp["output_tokens"], json!(1));
     assert_eq!(stamp["ttft_us"], json!(100_000));
     assert_no_crash(&gw);
@@ -1032,21 +751,10 @@ fn a_gzip_request_body_is_counted_as_encoded() {
     // A gzip member header and some deflate bytes: not something to parse.
     let gz = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xabV\xca\xcdOI\xcdQ\xb2RJ\xaf(\xd1\x35\xc9\x07\x00\xff\xff";
     let c = uninspected(&gw, &[("content-encoding", "gzip")], gz, 1);
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.encoded"),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.malformed"),
-        None
-    );
-    let l = Labels::new("chat_completions")
-        .ctx("unknown")
-        .turn("unknown");
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.encoded"), Some(1));
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.malformed"), None);
+    let l = Labels::new("chat_completions").ctx("unknown").turn("unknown");
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "estimated")), Some(1));
     assert_eq!(c.stamp()["ctx"], json!("unknown"));
     assert_no_crash(&gw);
 }
@@ -1055,30 +763,14 @@ fn a_gzip_request_body_is_counted_as_encoded() {
 fn a_request_body_over_the_cap_is_counted_as_too_large() {
     let gw = gateway_with(&config_with(json!({"max_request_body_bytes": 1024})));
     let long = "x".repeat(3000);
-    let body =
-        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": long}], "stream": true})
-            .to_string();
+    let body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": long}], "stream": true}).to_string();
     let c = uninspected(&gw, &[], body.as_bytes(), 3);
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.too_large"),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter("sluice.request_body_uninspected_total.reason.malformed"),
-        None
-    );
-    let l = Labels::new("chat_completions")
-        .ctx("unknown")
-        .turn("unknown");
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.too_large"), Some(1));
+    assert_eq!(gw.counter("sluice.request_body_uninspected_total.reason.malformed"), None);
+    let l = Labels::new("chat_completions").ctx("unknown").turn("unknown");
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "estimated")), Some(1));
     let stamp = c.stamp();
-    assert_eq!(
-        (stamp["ctx"].clone(), stamp["turn"].clone()),
-        (json!("unknown"), json!("unknown"))
-    );
+    assert_eq!((stamp["ctx"].clone(), stamp["turn"].clone()), (json!("unknown"), json!("unknown")));
     assert_eq!(stamp["input_tokens"], json!(0), "nothing to estimate from");
     assert_no_crash(&gw);
 }
@@ -1092,11 +784,7 @@ fn a_50_mb_stream_is_measured_in_bounded_memory() {
     let gw = gateway();
     // Baseline: a 10-content-event stream.
     {
-        let mut c = Call::start(
-            &gw,
-            &headers(chat::PATH, &ACME_V2),
-            &chat::request(true, false),
-        );
+        let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
         c.sse_headers(100);
         let t: Vec<(u64, String)> = (0..10).map(|i| (100 + i, chat::content("ab"))).collect();
         c.body(&t, Delivery::PerEntry, true);
@@ -1120,22 +808,10 @@ fn a_50_mb_stream_is_measured_in_bounded_memory() {
     const CHUNK: usize = 64 * 1024;
     let mut s = gw.stream();
     let start = gw.now_ns();
-    s.request_headers(
-        &headers(
-            chat::PATH,
-            &[("x-sluice-tenant", "acme"), ("x-model-version", "big")],
-        ),
-        false,
-    )
-    .unwrap();
-    s.request_body(chat::request(true, false).as_bytes(), true)
-        .unwrap();
+    s.request_headers(&headers(chat::PATH, &[("x-sluice-tenant", "acme"), ("x-model-version", "big")]), false).unwrap();
+    s.request_body(chat::request(true, false).as_bytes(), true).unwrap();
     gw.advance(std::time::Duration::from_millis(100)).unwrap();
-    s.response_headers(
-        &[(":status", "200"), ("content-type", "text/event-stream")],
-        false,
-    )
-    .unwrap();
+    s.response_headers(&[(":status", "200"), ("content-type", "text/event-stream")], false).unwrap();
     let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
     for (i, chunk) in chunks.iter().enumerate() {
         if i > 0 {
@@ -1148,39 +824,22 @@ fn a_50_mb_stream_is_measured_in_bounded_memory() {
     assert_no_crash(&gw);
 
     let after = gw.memory_bytes().unwrap();
-    assert!(
-        after <= baseline + (1 << 20),
-        "linear memory grew from {baseline} to {after} bytes over a {} byte stream",
-        body.len()
-    );
+    assert!(after <= baseline + (1 << 20), "linear memory grew from {baseline} to {after} bytes over a {} byte stream", body.len());
 
     // The last content event ends in chunk (last_content_end − 1) / CHUNK, at +100 ms + that many ms.
     let last_chunk = ((last_content_end - 1) / CHUNK) as u64;
     let n = n as u64;
     let l = Labels::new("chat_completions").model_version("big");
     let raw: Value = serde_json::from_slice(&s.filter_state("sluice_llm").unwrap()).unwrap();
-    assert_eq!(
-        raw["output_tokens"],
-        json!(n),
-        "one estimated token per \"ab\" event"
-    );
+    assert_eq!(raw["output_tokens"], json!(n), "one estimated token per \"ab\" event");
     assert_eq!(raw["content_chunks"], json!(n));
     assert_eq!(raw["usage"], json!("estimated"));
     assert_eq!(gw.histogram(&l.name("ttft_ms")), Some(vec![100]));
-    assert_eq!(
-        gw.histogram(&l.name("tpot_us")),
-        Some(vec![last_chunk * 1_000_000 / (n - 1) / 1000])
-    );
-    assert_eq!(
-        gw.histogram(&l.name("request_duration_ms")),
-        Some(vec![end_ms])
-    );
+    assert_eq!(gw.histogram(&l.name("tpot_us")), Some(vec![last_chunk * 1_000_000 / (n - 1) / 1000]));
+    assert_eq!(gw.histogram(&l.name("request_duration_ms")), Some(vec![end_ms]));
     assert_eq!(gw.counter(&l.name("output_tokens_total")), Some(n));
     let down = s.downstream_body();
-    assert!(
-        down.len() == body.len() && down == body,
-        "the stream passes byte-identical"
-    );
+    assert!(down.len() == body.len() && down == body, "the stream passes byte-identical");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1188,12 +847,7 @@ fn a_50_mb_stream_is_measured_in_bounded_memory() {
 // ---------------------------------------------------------------------------------------------
 
 fn label_safe(name: &str) -> bool {
-    name.split('.').all(|seg| {
-        !seg.is_empty()
-            && seg
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    })
+    name.split('.').all(|seg| !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))
 }
 
 #[test]
@@ -1219,21 +873,10 @@ fn non_utf8_header_values_never_trap_and_labels_are_sanitized() {
         assert!(label_safe(name), "unsafe metric name {name:?}");
     }
     // Each non-UTF-8 byte becomes one U+FFFD, then `_`; the dots cannot inject labels.
-    let l = Labels::new("chat_completions")
-        .model_version("v2___tenant_evil")
-        .tenant("other");
+    let l = Labels::new("chat_completions").model_version("v2___tenant_evil").tenant("other");
     assert_eq!(figures(&gw, &l), chat_stream_figures());
-    assert_eq!(
-        c.stamp(),
-        with(
-            &chat_stream_stamp(),
-            json!({"model_version": "v2___tenant_evil", "tenant": "other"})
-        )
-    );
-    assert_eq!(
-        gw.gauge("sluice.in_flight.model_version.v2___tenant_evil"),
-        Some(0)
-    );
+    assert_eq!(c.stamp(), with(&chat_stream_stamp(), json!({"model_version": "v2___tenant_evil", "tenant": "other"})));
+    assert_eq!(gw.gauge("sluice.in_flight.model_version.v2___tenant_evil"), Some(0));
 
     // An unknown but well-formed tenant is `other`; a missing one is `anonymous`.
     for (tenant, label) in [(Some("initech"), "other"), (None, "anonymous")] {
@@ -1247,13 +890,8 @@ fn non_utf8_header_values_never_trap_and_labels_are_sanitized() {
         c.end();
         assert_eq!(c.stamp()["tenant"], json!(label));
     }
-    let other = Labels::new("chat_completions")
-        .tenant("other")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&other.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    let other = Labels::new("chat_completions").tenant("other").stream(false);
+    assert_eq!(gw.counter(&other.requests_total("2xx", "stop", "reported")), Some(1));
 }
 
 fn headers_vec<'a>(extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
@@ -1281,13 +919,8 @@ fn a_conversation_with_an_earlier_assistant_message_is_a_follow_up() {
     c.response_headers(300, "200", "application/json");
     c.body(&[(300, chat::response(31, 2))], Delivery::PerEntry, true);
     c.end();
-    let l = Labels::new("chat_completions")
-        .turn("follow_up")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    let l = Labels::new("chat_completions").turn("follow_up").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
     assert_eq!(c.stamp()["turn"], json!("follow_up"));
 
     let body = json!({
@@ -1303,14 +936,8 @@ fn a_conversation_with_an_earlier_assistant_message_is_a_follow_up() {
     c.response_headers(300, "200", "application/json");
     c.body(&[(300, messages::response())], Delivery::PerEntry, true);
     c.end();
-    let l = Labels::new("messages")
-        .ctx("2k")
-        .turn("follow_up")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "end_turn", "reported")),
-        Some(1)
-    );
+    let l = Labels::new("messages").ctx("2k").turn("follow_up").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("2xx", "end_turn", "reported")), Some(1));
 }
 
 #[test]
@@ -1331,58 +958,28 @@ fn a_long_prompt_is_in_the_over_16k_context_bucket() {
     c.body(&chat::timeline(false), Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("chat_completions").ctx("over_16k");
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "estimated")), Some(1));
     assert_eq!(gw.histogram(&l.name("input_tokens")), Some(vec![estimate]));
     assert_eq!(gw.histogram(&l.name("ttft_ms")), Some(vec![180]));
     let stamp = c.stamp();
-    assert_eq!(
-        (stamp["ctx"].clone(), stamp["input_tokens"].clone()),
-        (json!("over_16k"), json!(estimate))
-    );
+    assert_eq!((stamp["ctx"].clone(), stamp["input_tokens"].clone()), (json!("over_16k"), json!(estimate)));
 }
 
 #[test]
 fn reported_prompt_tokens_decide_the_context_bucket() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(false, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(false, false));
     c.response_headers(300, "200", "application/json");
-    c.body(
-        &[(300, chat::response(16_385, 9))],
-        Delivery::PerEntry,
-        true,
-    );
+    c.body(&[(300, chat::response(16_385, 9))], Delivery::PerEntry, true);
     c.end();
-    let l = Labels::new("chat_completions")
-        .ctx("over_16k")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(false, false),
-    );
+    let l = Labels::new("chat_completions").ctx("over_16k").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(false, false));
     c.response_headers(300, "200", "application/json");
-    c.body(
-        &[(300, chat::response(16_384, 9))],
-        Delivery::PerEntry,
-        true,
-    );
+    c.body(&[(300, chat::response(16_384, 9))], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("chat_completions").ctx("16k").stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1394,25 +991,12 @@ fn the_summary_comment_reaches_the_client_at_the_end_of_the_stream() {
     let gw = gateway_with(&config_with(json!({"stream_summary_comment": true})));
     let c = play_chat_stream(&gw, &chat::timeline(true), Delivery::PerEntry);
     let mut expected = c.upstream_body.clone();
-    expected.extend_from_slice(
-        b": sluice ttft_us=180000 tpot_us=25000 output_tokens=9 input_tokens=19 usage=reported\n\n",
-    );
-    assert_eq!(
-        String::from_utf8(c.downstream_body()).unwrap(),
-        String::from_utf8(expected).unwrap()
-    );
-    assert_eq!(
-        c.stamp(),
-        chat_stream_stamp(),
-        "the comment changes no figure"
-    );
+    expected.extend_from_slice(b": sluice ttft_us=180000 tpot_us=25000 output_tokens=9 input_tokens=19 usage=reported\n\n");
+    assert_eq!(String::from_utf8(c.downstream_body()).unwrap(), String::from_utf8(expected).unwrap());
+    assert_eq!(c.stamp(), chat_stream_stamp(), "the comment changes no figure");
 
     // Estimated usage says so.
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
     c.sse_headers(120);
     c.body(&chat::timeline(false), Delivery::PerEntry, true);
     c.end();
@@ -1424,11 +1008,7 @@ fn the_summary_comment_reaches_the_client_at_the_end_of_the_stream() {
     );
 
     // A non-streamed answer is JSON: nothing is appended to it.
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(false, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(false, false));
     c.response_headers(300, "200", "application/json");
     c.body(&[(300, chat::response(19, 9))], Delivery::PerEntry, true);
     c.end();
@@ -1440,11 +1020,7 @@ fn without_the_summary_comment_every_stream_is_byte_identical() {
     let gw = gateway();
     let c = play_chat_stream(&gw, &chat::timeline(true), Delivery::PerEntry);
     assert_eq!(c.downstream_body(), c.upstream_body);
-    let mut c = Call::start(
-        &gw,
-        &headers(responses::PATH, &ACME_V2),
-        &responses::request(true),
-    );
+    let mut c = Call::start(&gw, &headers(responses::PATH, &ACME_V2), &responses::request(true));
     c.sse_headers(200);
     c.body(&responses::timeline(), Delivery::PerEntry, true);
     c.end();
@@ -1467,29 +1043,13 @@ fn non_llm_paths_define_no_metric_and_write_no_stamp() {
     ];
     for (method, path) in cases {
         let mut s = gw.stream();
-        s.request_headers(
-            &[
-                (":method", method),
-                (":path", path),
-                ("x-sluice-tenant", "acme"),
-            ],
-            method == "GET",
-        )
-        .unwrap();
+        s.request_headers(&[(":method", method), (":path", path), ("x-sluice-tenant", "acme")], method == "GET").unwrap();
         if method == "POST" {
-            s.request_body(chat::request(true, true).as_bytes(), true)
-                .unwrap();
+            s.request_body(chat::request(true, true).as_bytes(), true).unwrap();
         }
         gw.advance(std::time::Duration::from_millis(5)).unwrap();
-        s.response_headers(
-            &[(":status", "200"), ("content-type", "text/event-stream")],
-            false,
-        )
-        .unwrap();
-        let body = chat::timeline(true)
-            .into_iter()
-            .map(|(_, b)| b)
-            .collect::<String>();
+        s.response_headers(&[(":status", "200"), ("content-type", "text/event-stream")], false).unwrap();
+        let body = chat::timeline(true).into_iter().map(|(_, b)| b).collect::<String>();
         s.response_body(body.as_bytes(), true).unwrap();
         s.end().unwrap();
         assert_eq!(s.filter_state("sluice_llm"), None, "{path}");
@@ -1506,54 +1066,21 @@ fn non_llm_paths_define_no_metric_and_write_no_stamp() {
 #[test]
 fn configuration_errors_are_refused_at_load_with_precise_messages() {
     let cases = [
-        (
-            r#"{"path_prefixes": ["v1/"]}"#,
-            r#"path_prefixes[0]: must start with '/', got "v1/""#,
-        ),
-        (
-            r#"{"path_prefixes": ["/v1/", "openai"]}"#,
-            r#"path_prefixes[1]: must start with '/', got "openai""#,
-        ),
-        (
-            r#"{"path_prefixes": []}"#,
-            "path_prefixes: must list at least one prefix",
-        ),
-        (
-            r#"{"path_prefix": ["/v1/"]}"#,
-            "unknown field `path_prefix`",
-        ),
-        (
-            r#"{"tenant": {"header": ""}}"#,
-            "tenant.header: must not be empty",
-        ),
-        (
-            r#"{"tenant": {"cookie": "session"}}"#,
-            "unknown variant `cookie`",
-        ),
-        (
-            r#"{"model_version_header": "x model"}"#,
-            "model_version_header: must be a header name",
-        ),
-        (
-            r#"{"max_dynamic_model_versions": 5000}"#,
-            "max_dynamic_model_versions: at most 1000",
-        ),
-        (
-            r#"{"max_request_body_bytes": 1000000000}"#,
-            "max_request_body_bytes: at most 67108864 bytes, got 1000000000",
-        ),
-        (
-            r#"{"filter_state_key": "sluice llm"}"#,
-            "filter_state_key: must be letters, digits",
-        ),
+        (r#"{"path_prefixes": ["v1/"]}"#, r#"path_prefixes[0]: must start with '/', got "v1/""#),
+        (r#"{"path_prefixes": ["/v1/", "openai"]}"#, r#"path_prefixes[1]: must start with '/', got "openai""#),
+        (r#"{"path_prefixes": []}"#, "path_prefixes: must list at least one prefix"),
+        (r#"{"path_prefix": ["/v1/"]}"#, "unknown field `path_prefix`"),
+        (r#"{"tenant": {"header": ""}}"#, "tenant.header: must not be empty"),
+        (r#"{"tenant": {"cookie": "session"}}"#, "unknown variant `cookie`"),
+        (r#"{"model_version_header": "x model"}"#, "model_version_header: must be a header name"),
+        (r#"{"max_dynamic_model_versions": 5000}"#, "max_dynamic_model_versions: at most 1000"),
+        (r#"{"max_request_body_bytes": 1000000000}"#, "max_request_body_bytes: at most 67108864 bytes, got 1000000000"),
+        (r#"{"filter_state_key": "sluice llm"}"#, "filter_state_key: must be letters, digits"),
         (
             r#"{"prices": [{"model": "gpt-4o*", "input_usd_per_mtok": -1, "output_usd_per_mtok": 10}]}"#,
             "prices[0].input_usd_per_mtok: must be a finite number >= 0, got -1",
         ),
-        (
-            r#"{"prices": [{"model": "gpt-4o*", "input_usd_per_mtok": 1}]}"#,
-            "missing field `output_usd_per_mtok`",
-        ),
+        (r#"{"prices": [{"model": "gpt-4o*", "input_usd_per_mtok": 1}]}"#, "missing field `output_usd_per_mtok`"),
         ("{not json", "configuration is not valid JSON"),
     ];
     for (config, message) in cases {
@@ -1561,14 +1088,8 @@ fn configuration_errors_are_refused_at_load_with_precise_messages() {
             Ok(_) => panic!("accepted {config}"),
             Err(e) => format!("{e:#}"),
         };
-        assert!(
-            error.contains("proxy_on_configure returned false"),
-            "{config}: {error}"
-        );
-        assert!(
-            error.contains(message),
-            "{config}: expected {message:?} in: {error}"
-        );
+        assert!(error.contains("proxy_on_configure returned false"), "{config}: {error}");
+        assert!(error.contains(message), "{config}: expected {message:?} in: {error}");
     }
     // The shipped configuration and an empty one load.
     assert!(Gateway::start(&plugin(), PluginSpec::new(CONFIG)).is_ok());
@@ -1581,8 +1102,7 @@ fn configuration_errors_are_refused_at_load_with_precise_messages() {
 
 /// A non-streamed chat call with `extra` headers and a body asking for `model`; returns the stamp.
 fn quick_chat(gw: &Gateway, extra: &[(&str, &str)], model: &str) -> Value {
-    let body =
-        json!({"model": model, "messages": [{"role": "user", "content": "Hello!"}]}).to_string();
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "Hello!"}]}).to_string();
     let mut c = Call::start(gw, &headers(chat::PATH, extra), &body);
     c.response_headers(100, "200", "application/json");
     c.body(&[(100, chat::response(10, 9))], Delivery::PerEntry, true);
@@ -1601,76 +1121,33 @@ fn model_version_falls_back_to_the_body_model_and_the_header_wins() {
         "model": "gpt-4.1-mini", "messages": [{"role": "user", "content": "Hello!"}]})
         .to_string(),
     );
-    assert_eq!(
-        gw.gauge("sluice.in_flight.model_version.gpt-4_1-mini"),
-        Some(1),
-        "in flight once the body names it"
-    );
+    assert_eq!(gw.gauge("sluice.in_flight.model_version.gpt-4_1-mini"), Some(1), "in flight once the body names it");
     c.response_headers(100, "200", "application/json");
     c.body(&[(100, chat::response(10, 9))], Delivery::PerEntry, true);
     c.end();
     assert_eq!(c.stamp()["model_version"], json!("gpt-4_1-mini"));
-    assert_eq!(
-        gw.gauge("sluice.in_flight.model_version.gpt-4_1-mini"),
-        Some(0)
-    );
-    let l = Labels::new("chat_completions")
-        .model_version("gpt-4_1-mini")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    assert_eq!(gw.gauge("sluice.in_flight.model_version.gpt-4_1-mini"), Some(0));
+    let l = Labels::new("chat_completions").model_version("gpt-4_1-mini").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
 
     // The header wins over the body.
-    let stamp = quick_chat(
-        &gw,
-        &[("x-sluice-tenant", "acme"), ("x-model-version", "canary-7")],
-        "gpt-4.1-mini",
-    );
+    let stamp = quick_chat(&gw, &[("x-sluice-tenant", "acme"), ("x-model-version", "canary-7")], "gpt-4.1-mini");
     assert_eq!(stamp["model_version"], json!("canary-7"));
     assert_eq!(stamp["model"], json!("gpt-4.1-mini"));
-    let l = Labels::new("chat_completions")
-        .model_version("canary-7")
-        .stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("2xx", "stop", "reported")),
-        Some(1)
-    );
+    let l = Labels::new("chat_completions").model_version("canary-7").stream(false);
+    assert_eq!(gw.counter(&l.requests_total("2xx", "stop", "reported")), Some(1));
 }
 
 #[test]
 fn model_versions_beyond_the_dynamic_limit_are_other() {
-    let gw = gateway_with(&config_with(
-        json!({"model_versions": ["stable"], "max_dynamic_model_versions": 2}),
-    ));
+    let gw = gateway_with(&config_with(json!({"model_versions": ["stable"], "max_dynamic_model_versions": 2})));
     let seen: Vec<Value> = ["stable", "v1", "v2", "v3", "v1", "stable", "v4"]
         .iter()
-        .map(|v| {
-            quick_chat(
-                &gw,
-                &[("x-sluice-tenant", "acme"), ("x-model-version", v)],
-                "gpt-4o",
-            )["model_version"]
-                .clone()
-        })
+        .map(|v| quick_chat(&gw, &[("x-sluice-tenant", "acme"), ("x-model-version", v)], "gpt-4o")["model_version"].clone())
         .collect();
-    assert_eq!(
-        seen,
-        ["stable", "v1", "v2", "other", "v1", "stable", "other"].map(|s| json!(s))
-    );
-    let count = |mv: &str| {
-        gw.counter(
-            &Labels::new("chat_completions")
-                .model_version(mv)
-                .stream(false)
-                .requests_total("2xx", "stop", "reported"),
-        )
-    };
-    assert_eq!(
-        (count("stable"), count("v1"), count("v2"), count("other")),
-        (Some(2), Some(2), Some(1), Some(2))
-    );
+    assert_eq!(seen, ["stable", "v1", "v2", "other", "v1", "stable", "other"].map(|s| json!(s)));
+    let count = |mv: &str| gw.counter(&Labels::new("chat_completions").model_version(mv).stream(false).requests_total("2xx", "stop", "reported"));
+    assert_eq!((count("stable"), count("v1"), count("v2"), count("other")), (Some(2), Some(2), Some(1), Some(2)));
     assert_eq!((count("v3"), count("v4")), (None, None));
     assert_eq!(gw.gauge("sluice.in_flight.model_version.other"), Some(0));
     assert_eq!(gw.gauge("sluice.in_flight.model_version.v3"), None);
@@ -1683,11 +1160,7 @@ fn model_versions_beyond_the_dynamic_limit_are_other() {
 #[test]
 fn a_4xx_error_body_is_not_an_upstream_error() {
     let gw = gateway();
-    let mut c = Call::start(
-        &gw,
-        &headers(chat::PATH, &ACME_V2),
-        &chat::request(false, false),
-    );
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(false, false));
     c.response_headers(40, "400", "application/json");
     let body = json!({"error": {"message": "'messages' is a required property", "type": "invalid_request_error",
                                 "param": null, "code": null}})
@@ -1695,15 +1168,9 @@ fn a_4xx_error_body_is_not_an_upstream_error() {
     c.body(&[(40, body)], Delivery::PerEntry, true);
     c.end();
     let l = Labels::new("chat_completions").stream(false);
-    assert_eq!(
-        gw.counter(&l.requests_total("4xx", "none", "estimated")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&l.requests_total("4xx", "none", "estimated")), Some(1));
     let stamp = c.stamp();
-    assert_eq!(
-        stamp["upstream_error"],
-        json!("'messages' is a required property")
-    );
+    assert_eq!(stamp["upstream_error"], json!("'messages' is a required property"));
     assert_eq!(gw.counter(&l.name("upstream_errors_total")), None);
     assert_eq!(stamp["outcome"], json!("completed"));
 }

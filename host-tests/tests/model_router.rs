@@ -35,14 +35,8 @@ fn assert_same_bytes(actual: &[u8], expected: &[u8], what: &str) {
     if actual == expected {
         return;
     }
-    let at = actual
-        .iter()
-        .zip(expected)
-        .position(|(a, b)| a != b)
-        .unwrap_or(actual.len().min(expected.len()));
-    let show = |b: &[u8]| {
-        String::from_utf8_lossy(&b[at.saturating_sub(40)..(at + 80).min(b.len())]).into_owned()
-    };
+    let at = actual.iter().zip(expected).position(|(a, b)| a != b).unwrap_or(actual.len().min(expected.len()));
+    let show = |b: &[u8]| String::from_utf8_lossy(&b[at.saturating_sub(40)..(at + 80).min(b.len())]).into_owned();
     panic!(
         "{what}: {} bytes, expected {}; first difference at byte {at}:\n  got      …{}…\n  expected …{}…",
         actual.len(),
@@ -84,34 +78,18 @@ fn the_same_tenant_gets_the_same_route_every_time_and_on_every_worker() {
     assert_eq!(first.version(), version, "route and version header agree");
     for i in 1..100 {
         let r = decide_tenant(&gw, "tenant-sticky", &format!("req-sticky-{i}"));
-        assert_eq!(
-            (r.route(), r.version(), r.reason()),
-            (first.route(), version, "weight"),
-            "request {i} of the same tenant"
-        );
+        assert_eq!((r.route(), r.version(), r.reason()), (first.route(), version, "weight"), "request {i} of the same tenant");
     }
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, version, "weight")),
-        Some(100)
-    );
+    assert_eq!(gw.counter(&requests_total(MODEL, version, "weight")), Some(100));
     // Another worker, replica or restart: no per-process state or seed.
     let other = gateway(&split(90, 10));
-    assert_eq!(
-        decide_tenant(&other, "tenant-sticky", "elsewhere").route(),
-        first.route()
-    );
+    assert_eq!(decide_tenant(&other, "tenant-sticky", "elsewhere").route(), first.route());
     // The stamp tells the access log the whole decision.
-    let upstream = if version == "v1" {
-        V1_UPSTREAM
-    } else {
-        V2_UPSTREAM
-    };
+    let upstream = if version == "v1" { V1_UPSTREAM } else { V2_UPSTREAM };
     assert_eq!(
         first.stamp,
-        Some(
-            json!({"model": MODEL, "version": version, "reason": "weight", "route": first.route(),
-                    "upstream_model": upstream, "shadow": null})
-        )
+        Some(json!({"model": MODEL, "version": version, "reason": "weight", "route": first.route(),
+                    "upstream_model": upstream, "shadow": null}))
     );
     assert_no_crash(&gw);
 }
@@ -121,19 +99,9 @@ fn two_thousand_tenants_split_90_10_within_two_points() {
     let gw = gateway(&split(90, 10));
     let (v1, v2) = tenants_by_route(&gw, "tenant", 2000);
     let share = v2.len() as f64 / 2000.0;
-    assert!(
-        (share - 0.10).abs() <= 0.02,
-        "v2 share {share:.4} ({} of 2000) is not 10 % ± 2 %",
-        v2.len()
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "weight")),
-        Some(v1.len() as u64)
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v2", "weight")),
-        Some(v2.len() as u64)
-    );
+    assert!((share - 0.10).abs() <= 0.02, "v2 share {share:.4} ({} of 2000) is not 10 % ± 2 %", v2.len());
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "weight")), Some(v1.len() as u64));
+    assert_eq!(gw.counter(&requests_total(MODEL, "v2", "weight")), Some(v2.len() as u64));
     // Every tenant keeps its version on a second pass.
     for t in v2.iter().take(50) {
         assert_eq!(decide_tenant(&gw, t, "again").route(), ROUTE_V2, "{t}");
@@ -150,23 +118,11 @@ fn a_request_without_sticky_key_is_split_on_its_request_id_as_unkeyed() {
         let a = decide(&gw, &Req::new("x", &id).tenant(None));
         let b = decide(&gw, &Req::new("x", &id).tenant(None));
         assert_eq!(a.reason(), "unkeyed");
-        assert_eq!(
-            a.route(),
-            b.route(),
-            "the same request id gets the same version"
-        );
+        assert_eq!(a.route(), b.route(), "the same request id gets the same version");
         routes.insert(a.route().to_string());
     }
-    assert_eq!(
-        routes.len(),
-        2,
-        "40 request ids at 50/50 reach both versions"
-    );
-    let total = gw
-        .counter(&requests_total(MODEL, "v1", "unkeyed"))
-        .unwrap_or(0)
-        + gw.counter(&requests_total(MODEL, "v2", "unkeyed"))
-            .unwrap_or(0);
+    assert_eq!(routes.len(), 2, "40 request ids at 50/50 reach both versions");
+    let total = gw.counter(&requests_total(MODEL, "v1", "unkeyed")).unwrap_or(0) + gw.counter(&requests_total(MODEL, "v2", "unkeyed")).unwrap_or(0);
     assert_eq!(total, 80);
     assert_no_crash(&gw);
 }
@@ -209,22 +165,12 @@ fn on_v2(gw: &Gateway, tenants: &[String], phase: &str) -> BTreeSet<usize> {
 
 #[test]
 fn a_ramp_moves_tenants_to_v2_at_each_step_by_the_weights_and_only_forward() {
-    let gw = gateway_at(
-        &ramp_policy(),
-        UNIX_EPOCH + Duration::from_secs(RAMP_T1 - 10),
-    );
+    let gw = gateway_at(&ramp_policy(), UNIX_EPOCH + Duration::from_secs(RAMP_T1 - 10));
     let tenants: Vec<String> = (0..1000).map(|i| format!("org-{i:04}")).collect();
 
     let before = on_v2(&gw, &tenants, "before");
-    assert!(
-        before.is_empty(),
-        "before the first step v2 has weight 0: {} on v2",
-        before.len()
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "weight")),
-        Some(1000)
-    );
+    assert!(before.is_empty(), "before the first step v2 has weight 0: {} on v2", before.len());
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "weight")), Some(1000));
 
     let mut shares = Vec::new();
     let mut previous = before;
@@ -235,27 +181,14 @@ fn a_ramp_moves_tenants_to_v2_at_each_step_by_the_weights_and_only_forward() {
         let expected = w2 / (100.0 + w2);
         // Three standard deviations of a share over 1,000 keys: ±2.0 points at 5 %, ±3.8 at 20 %.
         let tolerance = 3.0 * (expected * (1.0 - expected) / 1000.0).sqrt();
-        assert!(
-            (share - expected).abs() <= tolerance,
-            "v2 at weight {w2}: share {share:.3}, expected {expected:.3} ± {tolerance:.3}"
-        );
-        assert!(
-            previous.is_subset(&now),
-            "raising v2's weight only moves tenants to v2: {:?} left it",
-            previous.difference(&now).collect::<Vec<_>>()
-        );
+        assert!((share - expected).abs() <= tolerance, "v2 at weight {w2}: share {share:.3}, expected {expected:.3} ± {tolerance:.3}");
+        assert!(previous.is_subset(&now), "raising v2's weight only moves tenants to v2: {:?} left it", previous.difference(&now).collect::<Vec<_>>());
         shares.push(now.len() as u64);
         previous = now;
     }
     let on_v2_total: u64 = shares.iter().sum();
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v2", "ramp")),
-        Some(on_v2_total)
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "weight")),
-        Some(1000 + 3000 - on_v2_total)
-    );
+    assert_eq!(gw.counter(&requests_total(MODEL, "v2", "ramp")), Some(on_v2_total));
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "weight")), Some(1000 + 3000 - on_v2_total));
     assert_eq!(gw.counter(&requests_total(MODEL, "v2", "weight")), None);
     assert_eq!(gw.counter(&requests_total(MODEL, "v1", "ramp")), None);
     assert_no_crash(&gw);
@@ -266,21 +199,11 @@ fn a_ramp_step_takes_effect_at_its_exact_instant() {
     // A tenant that the first step (weight 5) puts on v2.
     let probe = gateway_at(&ramp_policy(), UNIX_EPOCH + Duration::from_secs(RAMP_T1));
     let (_, v2) = tenants_by_route(&probe, "edge", 400);
-    let tenant = v2
-        .first()
-        .expect("some of 400 tenants are on v2 at weight 5")
-        .clone();
+    let tenant = v2.first().expect("some of 400 tenants are on v2 at weight 5").clone();
 
-    let gw = gateway_at(
-        &ramp_policy(),
-        UNIX_EPOCH + Duration::from_nanos(RAMP_T1 * NS_PER_S - 1),
-    );
+    let gw = gateway_at(&ramp_policy(), UNIX_EPOCH + Duration::from_nanos(RAMP_T1 * NS_PER_S - 1));
     let r = decide_tenant(&gw, &tenant, "one-ns-before");
-    assert_eq!(
-        (r.route(), r.reason()),
-        (ROUTE_V1, "weight"),
-        "1 ns before the step"
-    );
+    assert_eq!((r.route(), r.reason()), (ROUTE_V1, "weight"), "1 ns before the step");
     gw.advance(Duration::from_nanos(1)).expect("advance");
     let r = decide_tenant(&gw, &tenant, "at-the-step");
     assert_eq!((r.route(), r.reason()), (ROUTE_V2, "ramp"), "at the step");
@@ -295,35 +218,17 @@ fn a_ramp_step_takes_effect_at_its_exact_instant() {
 fn the_trusted_property_forces_the_version_and_client_headers_are_removed_and_ignored() {
     let gw = gateway(&demo_no_shadow());
     let (v1, v2) = tenants_by_route(&gw, "acct", 600);
-    let (t1, t2) = (
-        v1[0].clone(),
-        v2.first().expect("1 % of 600 tenants on v2").clone(),
-    );
+    let (t1, t2) = (v1[0].clone(), v2.first().expect("1 % of 600 tenants on v2").clone());
 
     let r = decide(&gw, &Req::new(&t1, "force-1").force("v2"));
-    assert_eq!(
-        (r.route(), r.version(), r.reason()),
-        (ROUTE_V2, "v2", "override")
-    );
+    assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V2, "v2", "override"));
     let r = decide(&gw, &Req::new(&t2, "force-2").force("v1"));
-    assert_eq!(
-        (r.route(), r.version(), r.reason()),
-        (ROUTE_V1, "v1", "override")
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v2", "override")),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "override")),
-        Some(1)
-    );
+    assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V1, "v1", "override"));
+    assert_eq!(gw.counter(&requests_total(MODEL, "v2", "override")), Some(1));
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "override")), Some(1));
     // A name that is not a version of the model is ignored: the split decides.
     let r = decide(&gw, &Req::new(&t1, "force-3").force("v9"));
-    assert_eq!(
-        (r.route(), r.version(), r.reason()),
-        (ROUTE_V1, "v1", "weight")
-    );
+    assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V1, "v1", "weight"));
 
     // The client tries every header: they are removed, and the decision is the split's.
     let req = Req::new(&t1, "client-tries")
@@ -334,38 +239,17 @@ fn the_trusted_property_forces_the_version_and_client_headers_are_removed_and_ig
         .chat();
     let mut s = req.send(&gw);
     let up = s.upstream_request_headers().expect("headers went upstream");
-    assert!(
-        !up.contains(CLIENT_OVERRIDE_HEADER),
-        "client override header removed: {up:?}"
-    );
+    assert!(!up.contains(CLIENT_OVERRIDE_HEADER), "client override header removed: {up:?}");
     let r = routed(&s);
-    assert_eq!(
-        r.routes,
-        vec![ROUTE_V1.to_string()],
-        "only the router's route header"
-    );
-    assert_eq!(
-        r.versions,
-        vec!["v1".to_string()],
-        "only the router's version header"
-    );
+    assert_eq!(r.routes, vec![ROUTE_V1.to_string()], "only the router's route header");
+    assert_eq!(r.versions, vec!["v1".to_string()], "only the router's version header");
     assert_eq!(r.reason(), "weight");
     // The trusted property still wins when the client also sends headers.
     s.end().expect("end");
-    let s = Req::new(&t2, "both")
-        .force("v1")
-        .header(CLIENT_OVERRIDE_HEADER, "v2")
-        .header(ROUTE_HEADER, ROUTE_V2)
-        .send(&gw);
+    let s = Req::new(&t2, "both").force("v1").header(CLIENT_OVERRIDE_HEADER, "v2").header(ROUTE_HEADER, ROUTE_V2).send(&gw);
     let r = routed(&s);
-    assert_eq!(
-        (r.route(), r.version(), r.reason()),
-        (ROUTE_V1, "v1", "override")
-    );
-    assert!(!s
-        .upstream_request_headers()
-        .expect("sent")
-        .contains(CLIENT_OVERRIDE_HEADER));
+    assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V1, "v1", "override"));
+    assert!(!s.upstream_request_headers().expect("sent").contains(CLIENT_OVERRIDE_HEADER));
     assert_no_crash(&gw);
 }
 
@@ -385,25 +269,15 @@ fn assert_rewrite(template: &str, chunk: Option<usize>) {
     req.chunk = chunk;
     let s = req.send(&gw);
     assert_eq!(routed(&s).version(), "v2");
-    assert_same_bytes(
-        &s.upstream_request_body(),
-        expected.as_bytes(),
-        "rewritten body",
-    );
+    assert_same_bytes(&s.upstream_request_body(), expected.as_bytes(), "rewritten body");
     let up = s.upstream_request_headers().expect("sent");
-    assert!(
-        !up.contains("content-length"),
-        "the body changed length: content-length removed"
-    );
+    assert!(!up.contains("content-length"), "the body changed length: content-length removed");
     assert_no_crash(&gw);
 }
 
 #[test]
 fn rewrite_keeps_unicode_and_escapes_byte_for_byte() {
-    assert_rewrite(
-        r#"{"model":@M@,"messages":[{"role":"user","content":"Grüße, 世界! 🚀 — \u00e9\ud83d\ude80 \/ \b\f\n\r\t ünïcödé"}],"stream":true}"#,
-        None,
-    );
+    assert_rewrite(r#"{"model":@M@,"messages":[{"role":"user","content":"Grüße, 世界! 🚀 — \u00e9\ud83d\ude80 \/ \b\f\n\r\t ünïcödé"}],"stream":true}"#, None);
 }
 
 #[test]
@@ -427,9 +301,7 @@ fn rewrite_of_a_5_mb_message_in_64_kib_chunks() {
     let unit = r#"the model \"llama-3-70b\" said {\"model\":\"llama-3-70b\"} — ü 世界 "#;
     let big = unit.repeat(5 * 1024 * 1024 / unit.len() + 1);
     assert!(big.len() >= 5 * 1024 * 1024);
-    let template = format!(
-        r#"{{"model":@M@,"messages":[{{"role":"user","content":"{big}"}}],"stream":false}}"#
-    );
+    let template = format!(r#"{{"model":@M@,"messages":[{{"role":"user","content":"{big}"}}],"stream":false}}"#);
     assert_rewrite(&template, Some(64 * 1024));
 }
 
@@ -443,35 +315,21 @@ fn rewrite_of_pretty_printed_json_keeps_its_layout() {
 
 #[test]
 fn rewrite_sets_every_top_level_duplicate_and_escaped_spellings_of_model() {
-    assert_rewrite(
-        r#"{"model":@M@,"messages":[{"role":"user","content":"hi","model":"llama-3-70b"}],"model":@M@}"#,
-        None,
-    );
-    assert_rewrite(
-        r#"{"mod\u0065l":@M@,"messages":[{"role":"user","content":"hi"}]}"#,
-        None,
-    );
+    assert_rewrite(r#"{"model":@M@,"messages":[{"role":"user","content":"hi","model":"llama-3-70b"}],"model":@M@}"#, None);
+    assert_rewrite(r#"{"mod\u0065l":@M@,"messages":[{"role":"user","content":"hi"}]}"#, None);
 }
 
 #[test]
 fn a_body_that_is_not_json_is_forwarded_as_sent_and_not_shadowed() {
     let gw = gateway(&demo_shadow_all(8));
     let body = br#"{"model":"llama-3-70b","messages":[{"role":"user","content":"cut off"#.to_vec();
-    let s = Req::new("acme", "not-json")
-        .force("v2")
-        .body(body.clone())
-        .send(&gw);
+    let s = Req::new("acme", "not-json").force("v2").body(body.clone()).send(&gw);
     assert_eq!(routed(&s).version(), "v2");
     assert_same_bytes(&s.upstream_request_body(), &body, "body as sent");
     gw.advance(ms(20)).expect("tick");
+    assert!(gw.http_calls().is_empty(), "no shadow of a body that cannot be rewritten");
     assert!(
-        gw.http_calls().is_empty(),
-        "no shadow of a body that cannot be rewritten"
-    );
-    assert!(
-        gw.logs_at_least(sluice_host::LogLevel::Warn)
-            .iter()
-            .any(|l| l.contains("model not rewritten")),
+        gw.logs_at_least(sluice_host::LogLevel::Warn).iter().any(|l| l.contains("model not rewritten")),
         "{:?}",
         gw.logs_at_least(sluice_host::LogLevel::Warn)
     );
@@ -482,17 +340,11 @@ fn a_body_that_is_not_json_is_forwarded_as_sent_and_not_shadowed() {
 fn no_rewrite_when_the_version_keeps_the_requested_name() {
     let gw = gateway(&demo_no_shadow());
     let body = chat_body(MODEL);
-    let s = Req::new("acme", "keep")
-        .force("v1")
-        .body(body.clone())
-        .send(&gw);
+    let s = Req::new("acme", "keep").force("v1").body(body.clone()).send(&gw);
     assert_eq!(routed(&s).version(), "v1");
     assert_same_bytes(&s.upstream_request_body(), body.as_bytes(), "body as sent");
     let up = s.upstream_request_headers().expect("sent");
-    assert_eq!(
-        up.get("content-length"),
-        Some(body.len().to_string().as_str())
-    );
+    assert_eq!(up.get("content-length"), Some(body.len().to_string().as_str()));
     assert_no_crash(&gw);
 }
 
@@ -523,27 +375,15 @@ fn play(gw: &Gateway, req: &Req) -> Played {
     let calls = gw.http_calls();
     c.at(100);
     for call in &calls {
-        gw.respond_http_call(
-            call.token,
-            HttpReply::status(200)
-                .header("content-type", "application/json")
-                .body(chat::response(19, 8)),
-        )
-        .expect("shadow reply");
+        gw.respond_http_call(call.token, HttpReply::status(200).header("content-type", "application/json").body(chat::response(19, 8))).expect("shadow reply");
     }
     c.sse_headers(120);
     c.body(&chat::timeline(true), Delivery::PerEntry, true);
     c.end();
     Played {
-        down_headers: c
-            .stream
-            .downstream_response_headers()
-            .expect("response headers reached the client"),
+        down_headers: c.stream.downstream_response_headers().expect("response headers reached the client"),
         down_body: c.downstream_body(),
-        up_headers: c
-            .stream
-            .upstream_request_headers()
-            .expect("request headers went upstream"),
+        up_headers: c.stream.upstream_request_headers().expect("request headers went upstream"),
         up_body: c.stream.upstream_request_body(),
         calls_at_19,
         calls,
@@ -561,36 +401,14 @@ fn a_shadowed_request_reaches_the_client_byte_identical_to_an_unshadowed_one() {
     assert_eq!(a.version, b.version);
     assert_eq!(a.down_headers, b.down_headers, "client response headers");
     assert_same_bytes(&a.down_body, &b.down_body, "client response body");
-    assert_same_bytes(
-        &a.down_body,
-        chat::timeline(true)
-            .iter()
-            .map(|(_, e)| e.as_str())
-            .collect::<String>()
-            .as_bytes(),
-        "client gets the upstream's stream",
-    );
+    assert_same_bytes(&a.down_body, chat::timeline(true).iter().map(|(_, e)| e.as_str()).collect::<String>().as_bytes(), "client gets the upstream's stream");
     assert_same_bytes(&a.up_body, &b.up_body, "primary request body");
     assert_eq!(b.calls.len(), 0, "no shadow without a shadow configured");
-    assert_eq!(
-        a.calls_at_19, 0,
-        "the shadow waits for the root's 20 ms tick"
-    );
+    assert_eq!(a.calls_at_19, 0, "the shadow waits for the root's 20 ms tick");
     assert_eq!(a.calls.len(), 1, "one shadow callout by +20 ms");
     // The primary request goes where it would go anyway.
-    for name in [
-        ROUTE_HEADER,
-        VERSION_HEADER,
-        ":path",
-        ":authority",
-        "x-request-id",
-        TENANT_HEADER,
-    ] {
-        assert_eq!(
-            a.up_headers.get(name),
-            b.up_headers.get(name),
-            "upstream header {name}"
-        );
+    for name in [ROUTE_HEADER, VERSION_HEADER, ":path", ":authority", "x-request-id", TENANT_HEADER] {
+        assert_eq!(a.up_headers.get(name), b.up_headers.get(name), "upstream header {name}");
     }
     assert_no_crash(&on);
     assert_no_crash(&off);
@@ -603,33 +421,19 @@ fn the_shadow_callout_carries_the_same_body_with_its_model_to_the_configured_clu
     let s = req.send(&gw);
     let stamp = routed(&s).stamp.expect("stamp");
     assert_eq!(stamp["shadow"], json!(SHADOW));
-    assert!(
-        gw.http_calls().is_empty(),
-        "nothing is sent from the stream itself"
-    );
+    assert!(gw.http_calls().is_empty(), "nothing is sent from the stream itself");
     gw.advance(ms(20)).expect("advance to the tick");
     let calls = gw.http_calls();
     assert_eq!(calls.len(), 1);
     let call = &calls[0];
     assert_eq!(call.upstream, SHADOW_CLUSTER);
-    assert_ne!(
-        call.context_id,
-        s.id(),
-        "sent by the root context, which outlives the stream"
-    );
+    assert_ne!(call.context_id, s.id(), "sent by the root context, which outlives the stream");
     assert_eq!(call.timeout, Some(Duration::from_secs(300)));
     let mut names = call.headers.names();
     names.sort();
     assert_eq!(
         names,
-        [
-            ":authority",
-            ":method",
-            ":path",
-            "content-type",
-            "x-request-id",
-            "x-sluice-shadow"
-        ],
+        [":authority", ":method", ":path", "content-type", "x-request-id", "x-sluice-shadow"],
         "exactly these headers (no client credentials): {:?}",
         call.headers
     );
@@ -639,56 +443,29 @@ fn the_shadow_callout_carries_the_same_body_with_its_model_to_the_configured_clu
     assert_eq!(call.headers.get("content-type"), Some("application/json"));
     assert_eq!(call.headers.get("x-sluice-shadow"), Some("1"));
     assert_eq!(call.headers.get("x-request-id"), Some("req-shadow-call"));
-    assert_same_bytes(
-        &call.body,
-        chat_body(SHADOW_UPSTREAM).as_bytes(),
-        "shadow body",
-    );
+    assert_same_bytes(&call.body, chat_body(SHADOW_UPSTREAM).as_bytes(), "shadow body");
     // The primary's body is untouched (v1 keeps the requested name) whatever the shadow gets.
     let version = routed(&s).version().to_string();
-    let primary_model = if version == "v1" {
-        V1_UPSTREAM
-    } else {
-        V2_UPSTREAM
-    };
-    assert_same_bytes(
-        &s.upstream_request_body(),
-        chat_body(primary_model).as_bytes(),
-        "primary body",
-    );
-    assert_eq!(
-        gw.counter(&shadow_total(&version, SHADOW, "sampled")),
-        Some(1)
-    );
+    let primary_model = if version == "v1" { V1_UPSTREAM } else { V2_UPSTREAM };
+    assert_same_bytes(&s.upstream_request_body(), chat_body(primary_model).as_bytes(), "primary body");
+    assert_eq!(gw.counter(&shadow_total(&version, SHADOW, "sampled")), Some(1));
     assert_eq!(gw.counter(&shadow_total(&version, SHADOW, "sent")), Some(1));
     assert_no_crash(&gw);
 }
 
 #[test]
-fn the_shadow_authority_defaults_to_the_cluster_and_the_body_of_a_rewritten_primary_is_the_original(
-) {
+fn the_shadow_authority_defaults_to_the_cluster_and_the_body_of_a_rewritten_primary_is_the_original() {
     let mut p = demo_shadow_all(8);
-    p["models"][0]["shadow"]["version"]
-        .as_object_mut()
-        .expect("version")
-        .remove("authority");
+    p["models"][0]["shadow"]["version"].as_object_mut().expect("version").remove("authority");
     let gw = gateway(&p);
     // Primary forced to v2 (rewritten); the shadow copy starts from the client's body.
     let s = Req::new("acme", "req-auth").force("v2").chat().send(&gw);
-    assert_same_bytes(
-        &s.upstream_request_body(),
-        chat_body(V2_UPSTREAM).as_bytes(),
-        "primary body",
-    );
+    assert_same_bytes(&s.upstream_request_body(), chat_body(V2_UPSTREAM).as_bytes(), "primary body");
     gw.advance(ms(20)).expect("tick");
     let calls = gw.http_calls();
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].headers.get(":authority"), Some(SHADOW_CLUSTER));
-    assert_same_bytes(
-        &calls[0].body,
-        chat_body(SHADOW_UPSTREAM).as_bytes(),
-        "shadow body",
-    );
+    assert_same_bytes(&calls[0].body, chat_body(SHADOW_UPSTREAM).as_bytes(), "shadow body");
     assert_no_crash(&gw);
 }
 
@@ -713,11 +490,7 @@ fn shadow_sampling_at_5_percent_is_deterministic_in_the_request_id() {
         let is = routed(&s).stamp.expect("stamp")["shadow"] == json!(SHADOW);
         assert_eq!(is, sampled.contains(&i), "rid-{i}");
     }
-    let counted = gw
-        .counter(&shadow_total("v1", SHADOW, "sampled"))
-        .unwrap_or(0)
-        + gw.counter(&shadow_total("v2", SHADOW, "sampled"))
-            .unwrap_or(0);
+    let counted = gw.counter(&shadow_total("v1", SHADOW, "sampled")).unwrap_or(0) + gw.counter(&shadow_total("v2", SHADOW, "sampled")).unwrap_or(0);
     assert_eq!(counted, sampled.len() as u64);
     assert_no_crash(&gw);
 }
@@ -748,10 +521,7 @@ fn primary_stream(c: &mut Call) {
 
 /// `sluice.router.compare_total.primary.<p>.shadow.<s>.finish_agree.<agree>`
 fn compare_total(primary: &str, agree: bool) -> String {
-    format!(
-        "{}.finish_agree.{agree}",
-        compare("compare_total", primary, SHADOW)
-    )
+    format!("{}.finish_agree.{agree}", compare("compare_total", primary, SHADOW))
 }
 
 fn compare_metrics(gw: &Gateway) -> Vec<String> {
@@ -765,67 +535,30 @@ fn comparison_when_the_primary_finishes_first() {
     let p = routed(&c.stream).version().to_string();
     primary_stream(&mut c);
     c.end();
-    assert!(
-        compare_metrics(&gw).is_empty(),
-        "nothing is compared before the shadow answers"
-    );
+    assert!(compare_metrics(&gw).is_empty(), "nothing is compared before the shadow answers");
     c.at(700);
     let calls = gw.http_calls();
     assert_eq!(calls.len(), 1);
-    gw.respond_http_call(
-        calls[0].token,
-        HttpReply::status(200)
-            .header("content-type", "application/json")
-            .body(shadow_answer(&primary_text(), 11, "stop")),
-    )
-    .expect("shadow reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).header("content-type", "application/json").body(shadow_answer(&primary_text(), 11, "stop")))
+        .expect("shadow reply");
 
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "primary")),
-        Some(vec![392])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "shadow")),
-        Some(vec![680]),
-        "sent at +20, answered at +700"
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_ttft_ms", "primary")),
-        Some(vec![180])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_ttft_ms", "shadow")),
-        None,
-        "not observable"
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "primary")),
-        Some(vec![9])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "shadow")),
-        Some(vec![11])
-    );
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "primary")), Some(vec![392]));
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![680]), "sent at +20, answered at +700");
+    assert_eq!(gw.histogram(&side("compare_ttft_ms", "primary")), Some(vec![180]));
+    assert_eq!(gw.histogram(&side("compare_ttft_ms", "shadow")), None, "not observable");
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "primary")), Some(vec![9]));
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![11]));
     assert_eq!(gw.counter(&compare_total(&p, true)), Some(1));
     assert_eq!(gw.counter(&compare_total(&p, false)), None);
-    assert_eq!(
-        gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)),
-        Some(vec![1000]),
-        "identical texts"
-    );
+    assert_eq!(gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)), Some(vec![1000]), "identical texts");
     assert_eq!(gw.counter(&side("compare_errors_total", "primary")), None);
     assert_eq!(gw.counter(&side("compare_errors_total", "shadow")), None);
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sent")), Some(1));
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "failed")), None);
     // One log line per comparison, with the request id (its JSON-ness: see the ignored test below).
     let line = comparison_log_line(&gw);
-    for part in [
-        r#""request_id":"cmp-primary-first""#,
-        r#""duration_ms":[392,680]"#,
-        r#""output_tokens":[9,11]"#,
-        r#""similarity_per_mille":1000"#,
-    ] {
+    for part in [r#""request_id":"cmp-primary-first""#, r#""duration_ms":[392,680]"#, r#""output_tokens":[9,11]"#, r#""similarity_per_mille":1000"#] {
         assert!(line.contains(part), "{part} in {line}");
     }
     assert_no_crash(&gw);
@@ -833,12 +566,7 @@ fn comparison_when_the_primary_finishes_first() {
 
 /// The one `shadow comparison {…}` log line.
 fn comparison_log_line(gw: &Gateway) -> String {
-    let lines: Vec<String> = gw
-        .logs()
-        .into_iter()
-        .map(|l| l.message)
-        .filter(|m| m.starts_with("shadow comparison "))
-        .collect();
+    let lines: Vec<String> = gw.logs().into_iter().map(|l| l.message).filter(|m| m.starts_with("shadow comparison ")).collect();
     assert_eq!(lines.len(), 1, "one comparison line: {lines:?}");
     lines[0].clone()
 }
@@ -851,14 +579,10 @@ fn the_comparison_log_line_is_one_json_object() {
     c.end();
     c.at(500);
     let calls = gw.http_calls();
-    gw.respond_http_call(
-        calls[0].token,
-        HttpReply::status(200).body(shadow_answer(&primary_text(), 11, "stop")),
-    )
-    .expect("shadow reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).body(shadow_answer(&primary_text(), 11, "stop"))).expect("shadow reply");
     let line = comparison_log_line(&gw);
-    let logged: Value = serde_json::from_str(line.trim_start_matches("shadow comparison "))
-        .unwrap_or_else(|e| panic!("the comparison line is JSON ({e}): {line}"));
+    let logged: Value =
+        serde_json::from_str(line.trim_start_matches("shadow comparison ")).unwrap_or_else(|e| panic!("the comparison line is JSON ({e}): {line}"));
     assert_eq!(logged["request_id"], json!("cmp-log"));
     assert_eq!(logged["finish"], json!(["stop", "stop"]));
     assert_eq!(logged["status"], json!([200, 200]));
@@ -875,50 +599,22 @@ fn comparison_when_the_shadow_finishes_first() {
     assert_eq!(calls.len(), 1);
     gw.respond_http_call(
         calls[0].token,
-        HttpReply::status(200)
-            .header("content-type", "application/json")
-            .body(shadow_answer(
-                "Completely unrelated words appear here",
-                40,
-                "length",
-            )),
+        HttpReply::status(200).header("content-type", "application/json").body(shadow_answer("Completely unrelated words appear here", 40, "length")),
     )
     .expect("shadow reply");
-    assert!(
-        compare_metrics(&gw).is_empty(),
-        "nothing is compared before the primary ends"
-    );
+    assert!(compare_metrics(&gw).is_empty(), "nothing is compared before the primary ends");
     primary_stream(&mut c);
     c.end();
 
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "primary")),
-        Some(vec![392])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "shadow")),
-        Some(vec![80])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_ttft_ms", "primary")),
-        Some(vec![180])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "primary")),
-        Some(vec![9])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "shadow")),
-        Some(vec![40])
-    );
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "primary")), Some(vec![392]));
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![80]));
+    assert_eq!(gw.histogram(&side("compare_ttft_ms", "primary")), Some(vec![180]));
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "primary")), Some(vec![9]));
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![40]));
     assert_eq!(gw.counter(&compare_total(&p, false)), Some(1));
     assert_eq!(gw.counter(&compare_total(&p, true)), None);
-    assert_eq!(
-        gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)),
-        Some(vec![0]),
-        "disjoint texts"
-    );
+    assert_eq!(gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)), Some(vec![0]), "disjoint texts");
     assert_eq!(gw.counter(&side("compare_errors_total", "shadow")), None);
     assert_no_crash(&gw);
 }
@@ -934,27 +630,12 @@ fn a_streamed_shadow_answer_is_compared_like_a_streamed_primary() {
     c.at(600);
     let sse: String = chat::timeline(true).into_iter().map(|(_, e)| e).collect();
     let calls = gw.http_calls();
-    gw.respond_http_call(
-        calls[0].token,
-        HttpReply::status(200)
-            .header("content-type", "text/event-stream")
-            .body(sse),
-    )
-    .expect("shadow reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).header("content-type", "text/event-stream").body(sse)).expect("shadow reply");
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "shadow")),
-        Some(vec![9])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "shadow")),
-        Some(vec![580])
-    );
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![9]));
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![580]));
     assert_eq!(gw.counter(&compare_total(&p, true)), Some(1));
-    assert_eq!(
-        gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)),
-        Some(vec![1000])
-    );
+    assert_eq!(gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)), Some(vec![1000]));
     assert_no_crash(&gw);
 }
 
@@ -974,28 +655,13 @@ fn a_non_streamed_primary_answer_over_64_kib_keeps_its_output_tokens_and_finish(
     c.response_headers(300, "200", "application/json");
     c.body_bytes(300, &body, true);
     c.end();
-    assert_same_bytes(
-        &c.downstream_body(),
-        &body,
-        "the client gets the whole answer",
-    );
+    assert_same_bytes(&c.downstream_body(), &body, "the client gets the whole answer");
     c.at(400);
     let calls = gw.http_calls();
-    gw.respond_http_call(
-        calls[0].token,
-        HttpReply::status(200).body(shadow_answer("short", 2, "stop")),
-    )
-    .expect("shadow reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).body(shadow_answer("short", 2, "stop"))).expect("shadow reply");
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "primary")),
-        Some(vec![25_000])
-    );
-    assert_eq!(
-        gw.counter(&compare_total(&p, true)),
-        Some(1),
-        "both finished with stop"
-    );
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "primary")), Some(vec![25_000]));
+    assert_eq!(gw.counter(&compare_total(&p, true)), Some(1), "both finished with stop");
 }
 
 #[test]
@@ -1008,18 +674,10 @@ fn a_shadow_answer_over_256_kib_keeps_its_output_tokens_and_finish() {
     c.end();
     c.at(500);
     let calls = gw.http_calls();
-    gw.respond_http_call(calls[0].token, HttpReply::status(200).body(body))
-        .expect("shadow reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).body(body)).expect("shadow reply");
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "shadow")),
-        Some(vec![75_000])
-    );
-    assert_eq!(
-        gw.counter(&compare_total(&p, true)),
-        Some(1),
-        "both finished with stop"
-    );
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![75_000]));
+    assert_eq!(gw.counter(&compare_total(&p, true)), Some(1), "both finished with stop");
 }
 
 #[test]
@@ -1037,20 +695,10 @@ fn a_failed_shadow_callout_counts_as_failed_and_as_a_shadow_error() {
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
     assert_eq!(gw.counter(&side("compare_errors_total", "shadow")), Some(1));
     assert_eq!(gw.counter(&side("compare_errors_total", "primary")), None);
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "shadow")),
-        Some(vec![30])
-    );
-    assert_eq!(
-        gw.histogram(&side("compare_output_tokens", "shadow")),
-        Some(vec![0])
-    );
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![30]));
+    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![0]));
     assert_eq!(gw.counter(&compare_total(&p, false)), Some(1));
-    assert_eq!(
-        gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)),
-        Some(vec![0]),
-        "no shadow text"
-    );
+    assert_eq!(gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)), Some(vec![0]), "no shadow text");
     assert_no_crash(&gw);
 }
 
@@ -1066,18 +714,13 @@ fn a_5xx_shadow_answer_is_a_shadow_error() {
     assert_eq!(calls.len(), 1);
     gw.respond_http_call(
         calls[0].token,
-        HttpReply::status(503)
-            .header("content-type", "application/json")
-            .body(r#"{"error":{"message":"The server is overloaded","type":"server_error"}}"#),
+        HttpReply::status(503).header("content-type", "application/json").body(r#"{"error":{"message":"The server is overloaded","type":"server_error"}}"#),
     )
     .expect("shadow reply");
     let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
     assert_eq!(gw.counter(&side("compare_errors_total", "shadow")), Some(1));
     assert_eq!(gw.counter(&side("compare_errors_total", "primary")), None);
-    assert_eq!(
-        gw.histogram(&side("compare_duration_ms", "shadow")),
-        Some(vec![430])
-    );
+    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![430]));
     // `failed` counts callouts that got no answer; a 503 is an answer (an error of the shadow side).
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "failed")), None);
     assert_no_crash(&gw);
@@ -1091,17 +734,10 @@ fn an_unanswered_shadow_times_out_after_300_s_as_failed() {
     primary_stream(&mut c);
     c.end();
     c.at(20 + 300_000 - 1);
-    assert_eq!(
-        gw.counter(&shadow_total(&p, SHADOW, "failed")),
-        None,
-        "still waiting 1 ms before the timeout"
-    );
+    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "failed")), None, "still waiting 1 ms before the timeout");
     c.at(20 + 300_000);
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "failed")), Some(1));
-    assert_eq!(
-        gw.histogram(&compare_side("compare_duration_ms", &p, SHADOW, "shadow")),
-        Some(vec![300_000])
-    );
+    assert_eq!(gw.histogram(&compare_side("compare_duration_ms", &p, SHADOW, "shadow")), Some(vec![300_000]));
     assert!(gw.http_calls().is_empty());
     assert_no_crash(&gw);
 }
@@ -1118,75 +754,33 @@ fn at_most_max_concurrent_shadows_and_the_rest_skipped_cap() {
         streams.push(Req::new("acme", &format!("cap-{i}")).chat().send(&gw));
     }
     let p = routed(&streams[0]).version().to_string();
-    assert!(
-        streams.iter().all(|s| routed(s).version() == p),
-        "one tenant, one version"
-    );
+    assert!(streams.iter().all(|s| routed(s).version() == p), "one tenant, one version");
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sampled")), Some(5));
-    assert_eq!(
-        gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")),
-        Some(3)
-    );
-    assert_eq!(
-        gw.counter(&shadow_total(&p, SHADOW, "sent")),
-        None,
-        "queued, not sent yet"
-    );
+    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")), Some(3));
+    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sent")), None, "queued, not sent yet");
     gw.advance(ms(20)).expect("tick");
     let calls = gw.http_calls();
-    let ids: Vec<_> = calls
-        .iter()
-        .map(|c| {
-            c.headers
-                .get("x-request-id")
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
+    let ids: Vec<_> = calls.iter().map(|c| c.headers.get("x-request-id").unwrap_or_default().to_string()).collect();
     assert_eq!(ids, ["cap-0", "cap-1"], "the first two are shadowed");
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sent")), Some(2));
 
     // A sixth while two are in flight: skipped too.
     let _s5 = Req::new("acme", "cap-5").chat().send(&gw);
-    assert_eq!(
-        gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")),
-        Some(4)
-    );
+    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")), Some(4));
     // One answers: room for one more.
-    gw.respond_http_call(
-        calls[0].token,
-        HttpReply::status(200).body(shadow_answer("ok", 1, "stop")),
-    )
-    .expect("reply");
+    gw.respond_http_call(calls[0].token, HttpReply::status(200).body(shadow_answer("ok", 1, "stop"))).expect("reply");
     let _s6 = Req::new("acme", "cap-6").chat().send(&gw);
     let _s7 = Req::new("acme", "cap-7").chat().send(&gw);
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sampled")), Some(8));
-    assert_eq!(
-        gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")),
-        Some(5)
-    );
+    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "skipped_cap")), Some(5));
     gw.advance(ms(20)).expect("tick");
-    let ids: Vec<_> = gw
-        .http_calls()
-        .iter()
-        .map(|c| {
-            c.headers
-                .get("x-request-id")
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
+    let ids: Vec<_> = gw.http_calls().iter().map(|c| c.headers.get("x-request-id").unwrap_or_default().to_string()).collect();
     assert_eq!(ids, ["cap-1", "cap-6"]);
     assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sent")), Some(3));
     // The skipped requests are not compared: their primaries end without a comparison.
     for mut s in streams.into_iter().skip(2) {
-        s.response_headers(
-            &[(":status", "200"), ("content-type", "application/json")],
-            false,
-        )
-        .expect("headers");
-        s.response_body(chat::response(19, 9).as_bytes(), true)
-            .expect("body");
+        s.response_headers(&[(":status", "200"), ("content-type", "application/json")], false).expect("headers");
+        s.response_body(chat::response(19, 9).as_bytes(), true).expect("body");
         s.end().expect("end");
     }
     assert!(compare_metrics(&gw).is_empty());
@@ -1199,14 +793,11 @@ fn at_most_max_concurrent_shadows_and_the_rest_skipped_cap() {
 
 /// The `excluded` counters the plugin defined, whatever their shadow label.
 fn excluded_total(gw: &Gateway, primary: &str) -> u64 {
-    metrics_with_prefix(
-        gw,
-        &format!("sluice.router.shadow_total.primary.{primary}.shadow."),
-    )
-    .into_iter()
-    .filter(|n| n.ends_with(".result.excluded"))
-    .map(|n| gw.counter(&n).unwrap_or(0))
-    .sum()
+    metrics_with_prefix(gw, &format!("sluice.router.shadow_total.primary.{primary}.shadow."))
+        .into_iter()
+        .filter(|n| n.ends_with(".result.excluded"))
+        .map(|n| gw.counter(&n).unwrap_or(0))
+        .sum()
 }
 
 #[test]
@@ -1217,40 +808,26 @@ fn excluded_tenants_and_requests_without_tenant_are_never_shadowed() {
         for j in 0..3 {
             let s = Req::new(tenant, &format!("ex-{i}-{j}")).chat().send(&gw);
             let r = routed(&s);
-            assert_eq!(
-                r.stamp.as_ref().expect("stamp")["shadow"],
-                Value::Null,
-                "{tenant}"
-            );
+            assert_eq!(r.stamp.as_ref().expect("stamp")["shadow"], Value::Null, "{tenant}");
             versions.insert(r.version().to_string());
         }
     }
     // No tenant header while exclusions exist: excluded (fail closed). The sticky key falls back to
     // the API key.
     for j in 0..2 {
-        let s = Req::new("x", &format!("ex-none-{j}"))
-            .tenant(None)
-            .header("authorization", "Bearer sk-live-7f3a9c")
-            .chat()
-            .send(&gw);
+        let s = Req::new("x", &format!("ex-none-{j}")).tenant(None).header("authorization", "Bearer sk-live-7f3a9c").chat().send(&gw);
         assert_eq!(routed(&s).stamp.expect("stamp")["shadow"], Value::Null);
         versions.insert(routed(&s).version().to_string());
     }
     gw.advance(ms(40)).expect("ticks");
-    assert!(
-        gw.http_calls().is_empty(),
-        "no callout for excluded requests"
-    );
+    assert!(gw.http_calls().is_empty(), "no callout for excluded requests");
     let excluded: u64 = versions.iter().map(|v| excluded_total(&gw, v)).sum();
     assert_eq!(excluded, 11);
     for v in &versions {
         assert_eq!(gw.counter(&shadow_total(v, SHADOW, "sampled")), None);
     }
     // Tenants that merely resemble the glob are shadowed.
-    for (i, tenant) in ["acme", "banko", "my-bank-x", "Bank-of-x"]
-        .iter()
-        .enumerate()
-    {
+    for (i, tenant) in ["acme", "banko", "my-bank-x", "Bank-of-x"].iter().enumerate() {
         Req::new(tenant, &format!("in-{i}")).chat().send(&gw);
     }
     gw.advance(ms(20)).expect("tick");
@@ -1295,62 +872,37 @@ fn no_healthy_upstream_on_v2_sends_its_tenants_to_v1_for_exactly_10_s() {
     // Envoy answers a v2 request itself: the route's cluster has no healthy host.
     let mut s = Req::new(&v2[0], "nhu").send(&gw);
     assert_eq!(routed(&s).route(), ROUTE_V2);
-    s.response_headers(&[(":status", "503"), ("content-type", "text/plain")], false)
-        .expect("headers");
+    s.response_headers(&[(":status", "503"), ("content-type", "text/plain")], false).expect("headers");
     s.response_body(b"no healthy upstream", true).expect("body");
     s.set_property(&["response", "code_details"], "no_healthy_upstream");
     s.end().expect("end");
     let marked = gw.now_ns();
     let key = format!("sluice/model-router/unhealthy/{ROUTE_V2}");
-    let until = gw
-        .shared_data(&key)
-        .expect("the route is marked in shared data");
+    let until = gw.shared_data(&key).expect("the route is marked in shared data");
     assert_eq!(until, (marked + 10 * NS_PER_S).to_le_bytes().to_vec());
-    assert_eq!(
-        gw.shared_data(&format!("sluice/model-router/unhealthy/{ROUTE_V1}")),
-        None
-    );
+    assert_eq!(gw.shared_data(&format!("sluice/model-router/unhealthy/{ROUTE_V1}")), None);
 
     let check = |phase: &str, fallback: bool| {
         for t in v2 {
             let r = decide_tenant(&gw, t, &format!("{phase}-{t}"));
             if fallback {
-                assert_eq!(
-                    (r.route(), r.version(), r.reason()),
-                    (ROUTE_V1, "v1", "fallback"),
-                    "{phase}: {t}"
-                );
+                assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V1, "v1", "fallback"), "{phase}: {t}");
             } else {
-                assert_eq!(
-                    (r.route(), r.version(), r.reason()),
-                    (ROUTE_V2, "v2", "weight"),
-                    "{phase}: {t}"
-                );
+                assert_eq!((r.route(), r.version(), r.reason()), (ROUTE_V2, "v2", "weight"), "{phase}: {t}");
             }
         }
         for t in v1 {
             let r = decide_tenant(&gw, t, &format!("{phase}-{t}"));
-            assert_eq!(
-                (r.route(), r.reason()),
-                (ROUTE_V1, "weight"),
-                "{phase}: v1 tenant {t}"
-            );
+            assert_eq!((r.route(), r.reason()), (ROUTE_V1, "weight"), "{phase}: v1 tenant {t}");
         }
     };
     check("marked", true);
-    gw.advance(Duration::from_nanos(10 * NS_PER_S - 1))
-        .expect("advance");
+    gw.advance(Duration::from_nanos(10 * NS_PER_S - 1)).expect("advance");
     check("1 ns before 10 s", true);
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "fallback")),
-        Some(20)
-    );
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "fallback")), Some(20));
     gw.advance(Duration::from_nanos(1)).expect("advance");
     check("at 10 s", false);
-    assert_eq!(
-        gw.counter(&requests_total(MODEL, "v1", "fallback")),
-        Some(20)
-    );
+    assert_eq!(gw.counter(&requests_total(MODEL, "v1", "fallback")), Some(20));
     assert_no_crash(&gw);
 }
 
@@ -1358,27 +910,13 @@ fn no_healthy_upstream_on_v2_sends_its_tenants_to_v1_for_exactly_10_s() {
 fn other_response_details_do_not_mark_a_route() {
     let gw = gateway(&split(90, 10));
     let (_, v2) = tenants_by_route(&gw, "user", 300);
-    for (i, details) in [
-        "via_upstream",
-        "upstream_reset_before_response_started{connection_failure}",
-        "downstream_remote_disconnect",
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (i, details) in ["via_upstream", "upstream_reset_before_response_started{connection_failure}", "downstream_remote_disconnect"].iter().enumerate() {
         let mut s = Req::new(&v2[0], &format!("d-{i}")).send(&gw);
-        s.response_headers(&[(":status", "503")], true)
-            .expect("headers");
+        s.response_headers(&[(":status", "503")], true).expect("headers");
         s.set_property(&["response", "code_details"], *details);
         s.end().expect("end");
     }
-    assert!(
-        gw.shared_data_keys()
-            .iter()
-            .all(|k| !k.starts_with("sluice/model-router/unhealthy/")),
-        "{:?}",
-        gw.shared_data_keys()
-    );
+    assert!(gw.shared_data_keys().iter().all(|k| !k.starts_with("sluice/model-router/unhealthy/")), "{:?}", gw.shared_data_keys());
     assert_eq!(decide_tenant(&gw, &v2[0], "after").route(), ROUTE_V2);
     assert_no_crash(&gw);
 }
@@ -1388,34 +926,14 @@ fn a_mark_by_another_worker_is_honoured_and_with_every_route_down_nothing_is_rou
     let gw = gateway(&split(90, 10));
     let (v1, v2) = tenants_by_route(&gw, "user", 300);
     let until = gw.now_ns() + 5 * NS_PER_S;
-    gw.set_shared_data(
-        &format!("sluice/model-router/unhealthy/{ROUTE_V1}"),
-        until.to_le_bytes().to_vec(),
-    );
+    gw.set_shared_data(&format!("sluice/model-router/unhealthy/{ROUTE_V1}"), until.to_le_bytes().to_vec());
     let r = decide_tenant(&gw, &v1[0], "v1-down");
-    assert_eq!(
-        (r.route(), r.reason()),
-        (ROUTE_V2, "fallback"),
-        "explicit fallback order lists v2"
-    );
-    gw.set_shared_data(
-        &format!("sluice/model-router/unhealthy/{ROUTE_V2}"),
-        until.to_le_bytes().to_vec(),
-    );
-    let s = Req::new(&v2[0], "all-down")
-        .header(ROUTE_HEADER, ROUTE_V2)
-        .send(&gw);
+    assert_eq!((r.route(), r.reason()), (ROUTE_V2, "fallback"), "explicit fallback order lists v2");
+    gw.set_shared_data(&format!("sluice/model-router/unhealthy/{ROUTE_V2}"), until.to_le_bytes().to_vec());
+    let s = Req::new(&v2[0], "all-down").header(ROUTE_HEADER, ROUTE_V2).send(&gw);
     let r = routed(&s);
-    assert!(
-        r.routes.is_empty() && r.versions.is_empty(),
-        "no healthy version: no route header: {r:?}"
-    );
-    assert_eq!(
-        gw.counter(&format!(
-            "sluice.router.unrouted_total.reason.no_version.model.{MODEL}"
-        )),
-        Some(1)
-    );
+    assert!(r.routes.is_empty() && r.versions.is_empty(), "no healthy version: no route header: {r:?}");
+    assert_eq!(gw.counter(&format!("sluice.router.unrouted_total.reason.no_version.model.{MODEL}")), Some(1));
     assert_no_crash(&gw);
 }
 
@@ -1446,7 +964,9 @@ fn configuration_errors_are_refused_with_precise_messages() {
         (edited(|p| p["models"][0]["versions"][0]["weight"] = json!(1_000_001)), "models[0].versions[0].weight: must be a whole number 0–1000000, got 1000001"),
         (edited(|p| p["models"][0]["versions"][1]["weight"] = json!(-1)), "models[0].versions[1].weight: must be a whole number 0–1000000, got -1"),
         (
-            edited(|p| p["models"][0]["versions"][1]["ramp"] = json!([{"at": "2026-12-01T00:00:00Z", "weight": 5}, {"at": "2026-11-01T00:00:00Z", "weight": 50}])),
+            edited(|p| {
+                p["models"][0]["versions"][1]["ramp"] = json!([{"at": "2026-12-01T00:00:00Z", "weight": 5}, {"at": "2026-11-01T00:00:00Z", "weight": 50}])
+            }),
             "models[0].versions[1].ramp[1].at: 2026-11-01T00:00:00Z is not after the previous step (2026-12-01T00:00:00Z); steps must be in increasing time",
         ),
         (
@@ -1460,11 +980,16 @@ fn configuration_errors_are_refused_with_precise_messages() {
             }),
             "models[0].versions: every version has weight 0 before any ramp step; at least one must have weight > 0 at all times",
         ),
-        (edited(|p| p["models"][0]["versions"][0]["route"] = json!("llama v1")), r#"models[0].versions[0].route: must be 1–64 of A–Z a–z 0–9 '_' '.' '-', got "llama v1""#),
+        (
+            edited(|p| p["models"][0]["versions"][0]["route"] = json!("llama v1")),
+            r#"models[0].versions[0].route: must be 1–64 of A–Z a–z 0–9 '_' '.' '-', got "llama v1""#,
+        ),
         (edited(|p| p["models"][0]["fallback"] = json!(["v1", "v3"])), r#"models[0].fallback[1]: "v3" is not a version of this model"#),
         (edited(|p| p["models"][0]["fallback"] = json!(["v1", "v1"])), r#"models[0].fallback[1]: "v1" is listed twice"#),
         (
-            edited(|p| { p["models"][0]["shadow"].as_object_mut().expect("shadow").remove("tenant_header"); }),
+            edited(|p| {
+                p["models"][0]["shadow"].as_object_mut().expect("shadow").remove("tenant_header");
+            }),
             "models[0].shadow.tenant_header: required with exclude_tenants: the header (set by auth in front) that names the tenant",
         ),
         (edited(|p| p["models"][0]["shadow"]["fraction"] = json!(1.5)), "models[0].shadow.fraction: must be 0–1, got 1.5"),
@@ -1483,11 +1008,19 @@ fn configuration_errors_are_refused_with_precise_messages() {
         (edited(|p| p["sticky_key"] = json!([{"header": "X-A"}, {"header": "x-a"}])), "sticky_key[1]: the same source is listed twice"),
         (edited(|p| p["sticky_key"] = json!([{"property": ["a", ""]}])), "sticky_key[0].property[1]: must not be empty"),
         (
-            edited(|p| { let m = p["models"][0].clone(); p["models"].as_array_mut().expect("models").push(m); }),
+            edited(|p| {
+                let m = p["models"][0].clone();
+                p["models"].as_array_mut().expect("models").push(m);
+            }),
             r#"models[1].model: "llama-3-70b" is already matched by models[0] (the first match wins)"#,
         ),
         (edited(|p| p["modles"] = json!([])), "unknown field `modles`"),
-        (edited(|p| { p.as_object_mut().expect("policy").remove("models"); }), "missing field `models`"),
+        (
+            edited(|p| {
+                p.as_object_mut().expect("policy").remove("models");
+            }),
+            "missing field `models`",
+        ),
         ("{not json".to_string(), "model-router policy is not valid JSON"),
     ];
     for (policy, message) in &cases {
@@ -1514,57 +1047,24 @@ fn an_unknown_model_gets_no_routing_headers_and_client_route_headers_are_still_r
     for h in [ROUTE_HEADER, VERSION_HEADER, CLIENT_OVERRIDE_HEADER] {
         assert!(!up.contains(h), "{h} removed: {up:?}");
     }
-    assert_eq!(
-        up.get("content-length"),
-        Some(body.len().to_string().as_str())
-    );
-    assert_same_bytes(
-        &s.upstream_request_body(),
-        body.as_bytes(),
-        "body untouched",
-    );
+    assert_eq!(up.get("content-length"), Some(body.len().to_string().as_str()));
+    assert_same_bytes(&s.upstream_request_body(), body.as_bytes(), "body untouched");
     assert_eq!(s.filter_state("sluice_route"), None);
-    assert_eq!(
-        gw.counter("sluice.router.unrouted_total.reason.unknown_model"),
-        Some(1)
-    );
+    assert_eq!(gw.counter("sluice.router.unrouted_total.reason.unknown_model"), Some(1));
     gw.advance(ms(20)).expect("tick");
-    assert!(
-        gw.http_calls().is_empty(),
-        "an unrouted request is not shadowed"
-    );
+    assert!(gw.http_calls().is_empty(), "an unrouted request is not shadowed");
     assert_no_crash(&gw);
 }
 
 #[test]
 fn a_request_without_model_metadata_is_counted_unrouted_no_model() {
     let gw = gateway(&demo());
-    let s = Req::new("acme", "no-model")
-        .model(None)
-        .header(ROUTE_HEADER, ROUTE_V2)
-        .header(CLIENT_OVERRIDE_HEADER, "v2")
-        .chat()
-        .send(&gw);
+    let s = Req::new("acme", "no-model").model(None).header(ROUTE_HEADER, ROUTE_V2).header(CLIENT_OVERRIDE_HEADER, "v2").chat().send(&gw);
     let up = s.upstream_request_headers().expect("sent");
-    assert!(
-        !up.contains(ROUTE_HEADER)
-            && !up.contains(VERSION_HEADER)
-            && !up.contains(CLIENT_OVERRIDE_HEADER),
-        "{up:?}"
-    );
-    assert_same_bytes(
-        &s.upstream_request_body(),
-        chat_body(MODEL).as_bytes(),
-        "body untouched",
-    );
-    assert_eq!(
-        gw.counter("sluice.router.unrouted_total.reason.no_model"),
-        Some(1)
-    );
-    assert_eq!(
-        gw.counter("sluice.router.unrouted_total.reason.unknown_model"),
-        None
-    );
+    assert!(!up.contains(ROUTE_HEADER) && !up.contains(VERSION_HEADER) && !up.contains(CLIENT_OVERRIDE_HEADER), "{up:?}");
+    assert_same_bytes(&s.upstream_request_body(), chat_body(MODEL).as_bytes(), "body untouched");
+    assert_eq!(gw.counter("sluice.router.unrouted_total.reason.no_model"), Some(1));
+    assert_eq!(gw.counter("sluice.router.unrouted_total.reason.unknown_model"), None);
     assert!(metrics_with_prefix(&gw, "sluice.router.requests_total").is_empty());
     assert_no_crash(&gw);
 }

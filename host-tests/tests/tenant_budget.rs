@@ -43,15 +43,9 @@ fn without_usage(mut v: Value) -> Value {
 /// did not ask for `include_usage`: no usage member anywhere, no usage chunk.
 fn plain_chat_stream() -> Vec<u8> {
     let mut out = String::new();
-    out += &chat::event(without_usage(chat::chunk_value(
-        json!({"role": "assistant", "content": "", "refusal": null}),
-        None,
-    )));
+    out += &chat::event(without_usage(chat::chunk_value(json!({"role": "assistant", "content": "", "refusal": null}), None)));
     for p in chat::PIECES {
-        out += &chat::event(without_usage(chat::chunk_value(
-            json!({"content": p}),
-            None,
-        )));
+        out += &chat::event(without_usage(chat::chunk_value(json!({"content": p}), None)));
     }
     out += &chat::event(without_usage(chat::chunk_value(json!({}), Some("stop"))));
     out += chat::DONE;
@@ -64,41 +58,27 @@ fn plain_chat_stream() -> Vec<u8> {
 
 #[test]
 fn a_request_straddling_the_minute_boundary_is_charged_to_the_window_it_was_admitted_in() {
-    let p = policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "minute", "tokens": 100_000}]),
-    );
+    let p = policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100_000}]));
     let gw = gateway(&p);
     let old = minute_id(MAR31_235950);
     let body = chat_body(false, false, Some(500));
     let b = body.len() as u64;
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     let admitted = counter(&gw, "key", "search-prod", 0);
-    assert_eq!(
-        (admitted.window_id, admitted.used, admitted.reserved()),
-        (old, 0, b + 500),
-        "admitted 10 s before the minute ends: reserved in that minute"
-    );
+    assert_eq!((admitted.window_id, admitted.used, admitted.reserved()), (old, 0, b + 500), "admitted 10 s before the minute ends: reserved in that minute");
 
     // The answer ends 20 s later, 10 s into the next minute.
     answer(&mut c, 20_000, 19, 9);
     c.end();
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["charged_tokens"].clone(), s["outcome"].clone()),
-        (json!(28), json!("completed"))
-    );
+    assert_eq!((s["charged_tokens"].clone(), s["outcome"].clone()), (json!(28), json!("completed")));
     let now = counter_in_window(&gw, "key", "search-prod", 0, old + 1);
     assert_eq!(
         (now.window_id, now.used, now.reserved()),
         (old + 1, 0, 0),
         "the new minute starts at 0: neither the old reservation nor the late charge is carried in"
     );
-    assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
-        Some(100_000)
-    );
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")), Some(100_000));
 
     // A request in the new minute is charged exactly its own usage.
     let mut d = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
@@ -107,20 +87,13 @@ fn a_request_straddling_the_minute_boundary_is_charged_to_the_window_it_was_admi
     answer(&mut d, 100, 10, 5);
     d.end();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (15, 0));
-    assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
-        Some(100_000 - 15)
-    );
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")), Some(100_000 - 15));
     assert_no_crash(&gw);
 }
 
 #[test]
 fn retry_after_is_the_number_of_seconds_until_the_refusing_minute_ends() {
-    let p = policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "minute", "tokens": 2_000}]),
-    );
+    let p = policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 2_000}]));
     let gw = gateway(&p);
     let body = chat_body(false, false, Some(1_000));
     let b = body.len() as u64;
@@ -140,23 +113,14 @@ fn retry_after_is_the_number_of_seconds_until_the_refusing_minute_ends() {
             "code": "key:search-prod:minute:total_tokens"
         }})
     );
-    assert!(
-        second.stream.upstream_request_body().is_empty(),
-        "a refused request never reaches the model"
-    );
+    assert!(second.stream.upstream_request_body().is_empty(), "a refused request never reaches the model");
 
     // 3.5 s later: 6.5 s remain, rounded up.
     gw.advance(std::time::Duration::from_millis(3_500)).unwrap();
     let third = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     let reply = third.stream.local_reply().expect("refused");
-    assert_eq!(
-        (reply.status, reply.headers.get("retry-after")),
-        (429, Some("7"))
-    );
-    assert_eq!(
-        gw.counter(&rejections("search-prod", "key:search-prod:minute:total_tokens")),
-        Some(2)
-    );
+    assert_eq!((reply.status, reply.headers.get("retry-after")), (429, Some("7")));
+    assert_eq!(gw.counter(&rejections("search-prod", "key:search-prod:minute:total_tokens")), Some(2));
 
     // Once the minute is over, the same request fits again.
     gw.advance(std::time::Duration::from_millis(6_500)).unwrap();
@@ -169,123 +133,56 @@ fn retry_after_is_the_number_of_seconds_until_the_refusing_minute_ends() {
 #[test]
 fn retry_after_of_a_month_budget_runs_to_its_reset_day() {
     // Month windows resetting on the 15th: at 2026-03-31T23:59:50Z the window ends 2026-04-15.
-    let p = policy(
-        json!([]),
-        json!([{"window": "month", "reset_day": 15, "tokens": 1_000}]),
-        json!([]),
-    );
+    let p = policy(json!([]), json!([{"window": "month", "reset_day": 15, "tokens": 1_000}]), json!([]));
     let gw = gateway(&p);
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(1_000)),
-    );
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(1_000)));
     let reply = c.stream.local_reply().expect("refused");
     assert_eq!(reply.status, 429);
-    assert_eq!(
-        reply.headers.get("retry-after"),
-        Some("1209610"),
-        "14 days and 10 s"
-    );
-    assert_eq!(
-        reply_json(&c.stream)["error"]["code"],
-        "team:search:month:total_tokens"
-    );
+    assert_eq!(reply.headers.get("retry-after"), Some("1209610"), "14 days and 10 s");
+    assert_eq!(reply_json(&c.stream)["error"]["code"], "team:search:month:total_tokens");
 
     // A calendar month (reset day 1) ends with the day: 10 s.
-    let p = policy(
-        json!([{"window": "month", "tokens": 1_000}]),
-        json!([]),
-        json!([]),
-    );
+    let p = policy(json!([{"window": "month", "tokens": 1_000}]), json!([]), json!([]));
     let gw = gateway(&p);
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(1_000)),
-    );
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(1_000)));
     let reply = c.stream.local_reply().expect("refused");
-    assert_eq!(
-        (reply.status, reply.headers.get("retry-after")),
-        (429, Some("10"))
-    );
-    assert_eq!(
-        reply_json(&c.stream)["error"]["code"],
-        "org:acme:month:total_tokens"
-    );
+    assert_eq!((reply.status, reply.headers.get("retry-after")), (429, Some("10")));
+    assert_eq!(reply_json(&c.stream)["error"]["code"], "org:acme:month:total_tokens");
 }
 
 /// Org: month from the 15th; key: calendar month. The same straddling request is charged to the
 /// org's window (not over) and not to the key's (over) — and the other way round two weeks later.
 #[test]
 fn month_windows_reset_on_their_reset_day_for_a_request_straddling_the_boundary() {
-    let p = policy(
-        json!([{"window": "month", "reset_day": 15, "tokens": 1_000_000}]),
-        json!([]),
-        json!([{"window": "month", "tokens": 1_000_000}]),
-    );
+    let p = policy(json!([{"window": "month", "reset_day": 15, "tokens": 1_000_000}]), json!([]), json!([{"window": "month", "tokens": 1_000_000}]));
     let body = chat_body(false, false, Some(500));
     let b = body.len() as u64;
 
     // 2026-03-31T23:59:50Z → settles 2026-04-01T00:00:10Z.
     let gw = gateway_at(&p, MAR31_235950);
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
-    assert_eq!(
-        counter(&gw, "org", "acme", 0).window_id,
-        MARCH_2026,
-        "Mar 15 – Apr 15"
-    );
-    assert_eq!(
-        counter(&gw, "key", "search-prod", 0).window_id,
-        MARCH_2026,
-        "March"
-    );
+    assert_eq!(counter(&gw, "org", "acme", 0).window_id, MARCH_2026, "Mar 15 – Apr 15");
+    assert_eq!(counter(&gw, "key", "search-prod", 0).window_id, MARCH_2026, "March");
     answer(&mut c, 20_000, 19, 9);
     c.end();
     let org = counter(&gw, "org", "acme", 0);
-    assert_eq!(
-        (org.window_id, org.used, org.reserved()),
-        (MARCH_2026, 28, 0),
-        "same org window: charged"
-    );
+    assert_eq!((org.window_id, org.used, org.reserved()), (MARCH_2026, 28, 0), "same org window: charged");
     let key = counter_in_window(&gw, "key", "search-prod", 0, APRIL_2026);
-    assert_eq!(
-        (key.used, key.reserved()),
-        (0, 0),
-        "April starts at 0 for the calendar-month key budget"
-    );
-    assert_eq!(
-        gw.gauge(&remaining("org", "acme", "month", "total_tokens")),
-        Some(1_000_000 - 28)
-    );
-    assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "month", "total_tokens")),
-        Some(1_000_000)
-    );
+    assert_eq!((key.used, key.reserved()), (0, 0), "April starts at 0 for the calendar-month key budget");
+    assert_eq!(gw.gauge(&remaining("org", "acme", "month", "total_tokens")), Some(1_000_000 - 28));
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "month", "total_tokens")), Some(1_000_000));
 
     // 2026-04-14T23:59:50Z → settles 2026-04-15T00:00:10Z.
     let gw = gateway_at(&p, APR14_235950);
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (0, b + 500));
-    assert_eq!(
-        counter(&gw, "org", "acme", 0).window_id,
-        MARCH_2026,
-        "Apr 14 is in the Mar 15 – Apr 15 window"
-    );
+    assert_eq!(counter(&gw, "org", "acme", 0).window_id, MARCH_2026, "Apr 14 is in the Mar 15 – Apr 15 window");
     answer(&mut c, 20_000, 19, 9);
     c.end();
     let org = counter_in_window(&gw, "org", "acme", 0, APRIL_2026);
-    assert_eq!(
-        (org.used, org.reserved()),
-        (0, 0),
-        "the org window reset on the 15th"
-    );
+    assert_eq!((org.used, org.reserved()), (0, 0), "the org window reset on the 15th");
     let key = counter(&gw, "key", "search-prod", 0);
-    assert_eq!(
-        (key.window_id, key.used, key.reserved()),
-        (APRIL_2026, 28, 0),
-        "the key's April continues"
-    );
+    assert_eq!((key.window_id, key.used, key.reserved()), (APRIL_2026, 28, 0), "the key's April continues");
     assert_no_crash(&gw);
 }
 
@@ -302,11 +199,7 @@ fn an_exhausted_team_budget_refuses_a_key_whose_own_budget_has_room() {
     );
     let gw = gateway(&p);
     // search-dev spends 600 of the team's 1000.
-    let mut dev = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-dev"),
-        &chat_body(false, false, Some(500)),
-    );
+    let mut dev = Call::start(&gw, &key_headers(chat::PATH, "search-dev"), &chat_body(false, false, Some(500)));
     answer(&mut dev, 50, 100, 500);
     dev.end();
     assert_eq!(used_reserved(&gw, "team", "search", 0), (600, 0));
@@ -336,21 +229,14 @@ fn an_exhausted_team_budget_refuses_a_key_whose_own_budget_has_room() {
         json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
                "reject_code": "team:search:minute:total_tokens", "status": 429, "outcome": "refused"})
     );
-    assert_eq!(
-        gw.counter(&rejections("search-prod", "team:search:minute:total_tokens")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&rejections("search-prod", "team:search:minute:total_tokens")), Some(1));
     assert_no_crash(&gw);
 }
 
 #[test]
 fn the_org_money_budget_applies_to_every_key_and_refunds_to_the_actual_cost() {
     // $0.01 a month = 10 000 µUSD.
-    let p = policy(
-        json!([{"window": "month", "usd": 0.01}]),
-        json!([]),
-        json!([]),
-    );
+    let p = policy(json!([{"window": "month", "usd": 0.01}]), json!([]), json!([]));
     let gw = gateway(&p);
     let body = chat_body(false, false, Some(500));
     let b = body.len() as u64;
@@ -361,38 +247,22 @@ fn the_org_money_budget_applies_to_every_key_and_refunds_to_the_actual_cost() {
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (0, worst));
 
     let second = Call::start(&gw, &key_headers(chat::PATH, "search-dev"), &body);
-    let reply = second
-        .stream
-        .local_reply()
-        .expect("refused by the org's money");
-    assert_eq!(
-        (reply.status, reply.headers.get("retry-after")),
-        (429, Some("10"))
-    );
+    let reply = second.stream.local_reply().expect("refused by the org's money");
+    assert_eq!((reply.status, reply.headers.get("retry-after")), (429, Some("10")));
     assert_eq!(
         reply_json(&second.stream)["error"]["message"],
         format!("budget org:acme:month:micro_usd exceeded: 0 used and {worst} reserved of 10000; resets in 10 s")
     );
-    assert_eq!(
-        gw.counter(&rejections("search-dev", "org:acme:month:micro_usd")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&rejections("search-dev", "org:acme:month:micro_usd")), Some(1));
 
     // 19 × 2.5 + 9 × 10 = 137.5 → 138 µUSD charged; the rest of the reservation comes back.
     answer(&mut first, 100, 19, 9);
     first.end();
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (138, 0));
     assert_eq!(stamp(&first.stream)["charged_micro_usd"], json!(138));
-    assert_eq!(
-        gw.gauge(&remaining("org", "acme", "month", "micro_usd")),
-        Some(10_000 - 138)
-    );
+    assert_eq!(gw.gauge(&remaining("org", "acme", "month", "micro_usd")), Some(10_000 - 138));
     let third = Call::start(&gw, &key_headers(chat::PATH, "search-dev"), &body);
-    assert_eq!(
-        third.stream.local_reply(),
-        None,
-        "fits again after the refund"
-    );
+    assert_eq!(third.stream.local_reply(), None, "fits again after the refund");
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (138, worst));
     assert_no_crash(&gw);
 }
@@ -403,21 +273,14 @@ fn the_org_money_budget_applies_to_every_key_and_refunds_to_the_actual_cost() {
 
 #[test]
 fn strict_admission_reserves_body_bytes_plus_output_limit_and_settlement_keeps_only_the_usage() {
-    let p = policy(
-        json!([{"window": "month", "usd": 100}]),
-        json!([{"window": "hour", "tokens": 1_000_000}]),
-        json!([{"window": "minute", "tokens": 100_000}]),
-    );
+    let p =
+        policy(json!([{"window": "month", "usd": 100}]), json!([{"window": "hour", "tokens": 1_000_000}]), json!([{"window": "minute", "tokens": 100_000}]));
     let gw = gateway(&p);
     let body = chat_body(false, false, Some(500));
     let b = body.len() as u64;
     let worst_usd = gpt4o_cost(b, 500);
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
-    assert_eq!(
-        c.stream.upstream_request_body(),
-        body.as_bytes(),
-        "limit already what was granted: body untouched"
-    );
+    assert_eq!(c.stream.upstream_request_body(), body.as_bytes(), "limit already what was granted: body untouched");
     assert_eq!(
         stamp(&c.stream),
         json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "admitted",
@@ -427,44 +290,20 @@ fn strict_admission_reserves_body_bytes_plus_output_limit_and_settlement_keeps_o
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, b + 500));
     assert_eq!(used_reserved(&gw, "team", "search", 0), (0, b + 500));
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (0, worst_usd));
-    assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
-        Some(100_000 - (b as i64) - 500)
-    );
-    assert_eq!(
-        gw.gauge(&remaining("org", "acme", "month", "micro_usd")),
-        Some(100_000_000 - worst_usd as i64)
-    );
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")), Some(100_000 - (b as i64) - 500));
+    assert_eq!(gw.gauge(&remaining("org", "acme", "month", "micro_usd")), Some(100_000_000 - worst_usd as i64));
 
     answer(&mut c, 640, 19, 9);
     c.end();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (28, 0));
     assert_eq!(used_reserved(&gw, "team", "search", 0), (28, 0));
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (138, 0));
-    assert_eq!(
-        gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
-        Some(100_000 - 28)
-    );
-    assert_eq!(
-        gw.gauge(&remaining("team", "search", "hour", "total_tokens")),
-        Some(1_000_000 - 28)
-    );
-    assert_eq!(
-        gw.gauge(&remaining("org", "acme", "month", "micro_usd")),
-        Some(100_000_000 - 138)
-    );
-    assert_eq!(
-        gw.counter(&charged_tokens("search-prod", "gpt-4o")),
-        Some(28)
-    );
-    assert_eq!(
-        gw.counter("sluice.budget.charged_micro_usd_total.key.search-prod.team.search.org.acme.model_version.gpt-4o"),
-        Some(138)
-    );
-    assert_eq!(
-        gw.histogram("sluice.budget.overestimate_tokens.key.search-prod"),
-        Some(vec![b + 500 - 28])
-    );
+    assert_eq!(gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")), Some(100_000 - 28));
+    assert_eq!(gw.gauge(&remaining("team", "search", "hour", "total_tokens")), Some(1_000_000 - 28));
+    assert_eq!(gw.gauge(&remaining("org", "acme", "month", "micro_usd")), Some(100_000_000 - 138));
+    assert_eq!(gw.counter(&charged_tokens("search-prod", "gpt-4o")), Some(28));
+    assert_eq!(gw.counter("sluice.budget.charged_micro_usd_total.key.search-prod.team.search.org.acme.model_version.gpt-4o"), Some(138));
+    assert_eq!(gw.histogram("sluice.budget.overestimate_tokens.key.search-prod"), Some(vec![b + 500 - 28]));
     let s = stamp(&c.stream);
     for (field, value) in [
         ("input_tokens", json!(19)),
@@ -482,14 +321,7 @@ fn strict_admission_reserves_body_bytes_plus_output_limit_and_settlement_keeps_o
 
 #[test]
 fn without_an_output_limit_the_default_is_reserved_and_written_into_the_request() {
-    let p = with(
-        &policy(
-            json!([]),
-            json!([]),
-            json!([{"window": "minute", "tokens": 100_000}]),
-        ),
-        json!({"default_max_output_tokens": 1000}),
-    );
+    let p = with(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100_000}])), json!({"default_max_output_tokens": 1000}));
     let gw = gateway(&p);
     let body = chat::request(false, false);
     let b = body.len() as u64;
@@ -499,33 +331,16 @@ fn without_an_output_limit_the_default_is_reserved_and_written_into_the_request(
     expected["max_tokens"] = json!(1000);
     let sent: Value = serde_json::from_slice(&c.stream.upstream_request_body()).unwrap();
     assert_eq!(sent, expected);
-    let headers = c
-        .stream
-        .upstream_request_headers()
-        .expect("headers went upstream");
-    assert!(
-        !headers.contains("content-length"),
-        "the body changed length"
-    );
+    let headers = c.stream.upstream_request_headers().expect("headers went upstream");
+    assert!(!headers.contains("content-length"), "the body changed length");
     assert_no_crash(&gw);
 }
 
 #[test]
 fn estimate_mode_reserves_the_prompt_estimate_plus_the_margin() {
-    let p = with(
-        &policy(
-            json!([]),
-            json!([]),
-            json!([{"window": "minute", "tokens": 100_000}]),
-        ),
-        json!({"mode": "estimate", "estimate_margin_percent": 10}),
-    );
+    let p = with(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100_000}])), json!({"mode": "estimate", "estimate_margin_percent": 10}));
     let gw = gateway(&p);
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(500)),
-    );
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(500)));
     // ⌈17 × 1.1⌉ = 19
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 19 + 500));
     assert_eq!(stamp(&c.stream)["reserved_input_tokens"], json!(19));
@@ -534,17 +349,9 @@ fn estimate_mode_reserves_the_prompt_estimate_plus_the_margin() {
 
 #[test]
 fn a_non_2xx_answer_charges_no_tokens_but_keeps_the_request_on_requests_budgets() {
-    let p = policy(
-        json!([]),
-        json!([{"window": "minute", "requests": 10}]),
-        json!([{"window": "minute", "tokens": 100_000}]),
-    );
+    let p = policy(json!([]), json!([{"window": "minute", "requests": 10}]), json!([{"window": "minute", "tokens": 100_000}]));
     let gw = gateway(&p);
-    let mut c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(500)),
-    );
+    let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(500)));
     assert_eq!(used_reserved(&gw, "team", "search", 0), (0, 1));
     c.response_headers(80, "429", "application/json");
     c.body_bytes(80, br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#, true);
@@ -552,10 +359,7 @@ fn a_non_2xx_answer_charges_no_tokens_but_keeps_the_request_on_requests_budgets(
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
     assert_eq!(used_reserved(&gw, "team", "search", 0), (1, 0));
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["charged_tokens"].clone(), s["charged_micro_usd"].clone()),
-        (json!(0), json!(0))
-    );
+    assert_eq!((s["charged_tokens"].clone(), s["charged_micro_usd"].clone()), (json!(0), json!(0)));
     assert_no_crash(&gw);
 }
 
@@ -564,14 +368,7 @@ fn a_non_2xx_answer_charges_no_tokens_but_keeps_the_request_on_requests_budgets(
 // ---------------------------------------------------------------------------------------------
 
 fn clamp_policy(limit: u64) -> Value {
-    with(
-        &policy(
-            json!([]),
-            json!([]),
-            json!([{"window": "minute", "tokens": limit}]),
-        ),
-        json!({"clamp": {"enabled": true, "min_output_tokens": 64}}),
-    )
+    with(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": limit}])), json!({"clamp": {"enabled": true, "min_output_tokens": 64}}))
 }
 
 #[test]
@@ -586,34 +383,13 @@ fn a_request_that_does_not_fit_is_clamped_to_what_the_budget_can_pay() {
     expected["max_tokens"] = json!(granted);
     let sent = c.stream.upstream_request_body();
     assert_eq!(serde_json::from_slice::<Value>(&sent).unwrap(), expected);
-    assert_eq!(
-        sent,
-        body.replace(
-            r#""max_tokens":2000"#,
-            &format!(r#""max_tokens":{granted}"#)
-        )
-        .into_bytes(),
-        "only the limit changed, in place"
-    );
-    assert_eq!(
-        used_reserved(&gw, "key", "search-prod", 0),
-        (0, 1_000),
-        "exactly the whole budget"
-    );
+    assert_eq!(sent, body.replace(r#""max_tokens":2000"#, &format!(r#""max_tokens":{granted}"#)).into_bytes(), "only the limit changed, in place");
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 1_000), "exactly the whole budget");
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["decision"].clone(), s["reserved_output_tokens"].clone()),
-        (json!("clamped"), json!(granted))
-    );
-    assert_eq!(
-        gw.counter("sluice.budget.clamps_total.key.search-prod"),
-        Some(1)
-    );
+    assert_eq!((s["decision"].clone(), s["reserved_output_tokens"].clone()), (json!("clamped"), json!(granted)));
+    assert_eq!(gw.counter("sluice.budget.clamps_total.key.search-prod"), Some(1));
     answer(&mut c, 300, 19, 9);
-    assert_eq!(
-        response_header(&c.stream, "x-sluice-clamped-max-tokens"),
-        Some(granted.to_string())
-    );
+    assert_eq!(response_header(&c.stream, "x-sluice-clamped-max-tokens"), Some(granted.to_string()));
     c.end();
     assert_no_crash(&gw);
 }
@@ -630,19 +406,10 @@ fn clamping_stops_at_min_output_tokens() {
     // One token less: refused.
     let gw = gateway(&clamp_policy(b + 63));
     let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
-    let reply = c
-        .stream
-        .local_reply()
-        .expect("refused below min_output_tokens");
+    let reply = c.stream.local_reply().expect("refused below min_output_tokens");
     assert_eq!(reply.status, 429);
-    assert_eq!(
-        reply_json(&c.stream)["error"]["code"],
-        "key:search-prod:minute:total_tokens"
-    );
-    assert_eq!(
-        gw.counter("sluice.budget.clamps_total.key.search-prod"),
-        None
-    );
+    assert_eq!(reply_json(&c.stream)["error"]["code"], "key:search-prod:minute:total_tokens");
+    assert_eq!(gw.counter("sluice.budget.clamps_total.key.search-prod"), None);
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
     assert!(c.stream.upstream_request_body().is_empty());
     assert_no_crash(&gw);
@@ -655,11 +422,7 @@ fn clamping_stops_at_min_output_tokens() {
 /// A streamed chat request (no include_usage of its own), answered with the role chunk and the first
 /// `n` content chunks (each ≤ 4 characters: one token each).
 fn partial_stream<'g>(gw: &'g Gateway, n: usize) -> Call<'g> {
-    let mut c = Call::start(
-        gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(gw, &key_headers(chat::PATH, "search-prod"), &chat::request(true, false));
     c.sse_headers(120);
     let mut t = vec![(120, chat::role())];
     for (i, p) in chat::PIECES.iter().take(n).enumerate() {
@@ -671,11 +434,7 @@ fn partial_stream<'g>(gw: &'g Gateway, n: usize) -> Call<'g> {
 }
 
 fn stream_policy() -> Value {
-    policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "minute", "tokens": 100_000}]),
-    )
+    policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100_000}]))
 }
 
 #[test]
@@ -686,29 +445,11 @@ fn a_client_disconnect_charges_the_content_seen_and_the_prompt_estimate() {
     c.stream.client_reset().unwrap();
     let s = stamp(&c.stream);
     assert_eq!(
-        (
-            s["input_tokens"].clone(),
-            s["output_tokens"].clone(),
-            s["charged_tokens"].clone(),
-            s["usage"].clone(),
-            s["outcome"].clone()
-        ),
-        (
-            json!(chat::REQUEST_ESTIMATE),
-            json!(3),
-            json!(chat::REQUEST_ESTIMATE + 3),
-            json!("estimated"),
-            json!("client_disconnect")
-        )
+        (s["input_tokens"].clone(), s["output_tokens"].clone(), s["charged_tokens"].clone(), s["usage"].clone(), s["outcome"].clone()),
+        (json!(chat::REQUEST_ESTIMATE), json!(3), json!(chat::REQUEST_ESTIMATE + 3), json!("estimated"), json!("client_disconnect"))
     );
-    assert_eq!(
-        used_reserved(&gw, "key", "search-prod", 0),
-        (chat::REQUEST_ESTIMATE + 3, 0)
-    );
-    assert_eq!(
-        gw.counter(&charged_tokens("search-prod", "gpt-4o")),
-        Some(chat::REQUEST_ESTIMATE + 3)
-    );
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (chat::REQUEST_ESTIMATE + 3, 0));
+    assert_eq!(gw.counter(&charged_tokens("search-prod", "gpt-4o")), Some(chat::REQUEST_ESTIMATE + 3));
     assert_no_crash(&gw);
 }
 
@@ -720,54 +461,30 @@ fn an_upstream_reset_after_headers_charges_the_content_seen_as_an_upstream_error
     c.stream.upstream_reset().unwrap();
     let s = stamp(&c.stream);
     assert_eq!(
-        (
-            s["input_tokens"].clone(),
-            s["output_tokens"].clone(),
-            s["usage"].clone(),
-            s["outcome"].clone()
-        ),
-        (
-            json!(chat::REQUEST_ESTIMATE),
-            json!(5),
-            json!("estimated"),
-            json!("upstream_error")
-        )
+        (s["input_tokens"].clone(), s["output_tokens"].clone(), s["usage"].clone(), s["outcome"].clone()),
+        (json!(chat::REQUEST_ESTIMATE), json!(5), json!("estimated"), json!("upstream_error"))
     );
-    assert_eq!(
-        used_reserved(&gw, "key", "search-prod", 0),
-        (chat::REQUEST_ESTIMATE + 5, 0)
-    );
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (chat::REQUEST_ESTIMATE + 5, 0));
     assert_no_crash(&gw);
 }
 
 #[test]
 fn a_disconnect_before_any_answer_charges_nothing_and_frees_the_reservation() {
     let gw = gateway(&stream_policy());
-    let mut c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat::request(true, false));
     assert_ne!(used_reserved(&gw, "key", "search-prod", 0).1, 0);
     c.at(5_000);
     c.stream.client_reset().unwrap();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["charged_tokens"].clone(), s["outcome"].clone()),
-        (json!(0), json!("client_disconnect"))
-    );
+    assert_eq!((s["charged_tokens"].clone(), s["outcome"].clone()), (json!(0), json!("client_disconnect")));
     assert_no_crash(&gw);
 }
 
 #[test]
 fn a_settled_request_is_never_settled_again() {
     let gw = gateway(&stream_policy());
-    let mut c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat::request(true, false),
-    );
+    let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat::request(true, false));
     c.sse_headers(120);
     c.body(&chat::timeline(true), Delivery::PerEntry, true);
     let settled_stamp = stamp(&c.stream);
@@ -777,20 +494,9 @@ fn a_settled_request_is_never_settled_again() {
     c.at(2_000);
     c.stream.client_reset().unwrap();
     assert_eq!(stamp(&c.stream), settled_stamp, "stamp unchanged");
-    assert_eq!(
-        counter(&gw, "key", "search-prod", 0),
-        settled_counter,
-        "ledger unchanged"
-    );
-    assert_eq!(
-        gw.counter(&charged_tokens("search-prod", "gpt-4o")),
-        Some(28)
-    );
-    assert_eq!(
-        gw.histogram("sluice.budget.overestimate_tokens.key.search-prod")
-            .map(|h| h.len()),
-        Some(1)
-    );
+    assert_eq!(counter(&gw, "key", "search-prod", 0), settled_counter, "ledger unchanged");
+    assert_eq!(gw.counter(&charged_tokens("search-prod", "gpt-4o")), Some(28));
+    assert_eq!(gw.histogram("sluice.budget.overestimate_tokens.key.search-prod").map(|h| h.len()), Some(1));
     assert_eq!(settled_stamp["outcome"], json!("completed"));
     assert_no_crash(&gw);
 }
@@ -809,33 +515,19 @@ fn include_usage_is_injected_and_hidden(delivery: Delivery) {
     expected["max_tokens"] = json!(4096);
     assert_eq!(serde_json::from_slice::<Value>(&sent).unwrap(), expected);
     let text = String::from_utf8(sent).unwrap();
-    assert!(
-        text.starts_with(&body[..body.len() - 1]),
-        "the client's bytes are kept: {text}"
-    );
-    assert!(
-        text.contains(r#""stream_options":{"include_usage":true}"#),
-        "{text}"
-    );
+    assert!(text.starts_with(&body[..body.len() - 1]), "the client's bytes are kept: {text}");
+    assert!(text.contains(r#""stream_options":{"include_usage":true}"#), "{text}");
 
     c.sse_headers(120);
     c.body(&chat::timeline(true), delivery, true);
     let got = c.downstream_body();
-    assert_eq!(
-        String::from_utf8_lossy(&got),
-        String::from_utf8_lossy(&plain_chat_stream()),
-        "the client sees the stream it asked for"
-    );
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&plain_chat_stream()), "the client sees the stream it asked for");
     assert!(!String::from_utf8_lossy(&got).contains("usage"));
     assert_eq!(response_header(&c.stream, "content-length"), None);
     c.end();
     let s = stamp(&c.stream);
     assert_eq!(
-        (
-            s["input_tokens"].clone(),
-            s["output_tokens"].clone(),
-            s["usage"].clone()
-        ),
+        (s["input_tokens"].clone(), s["output_tokens"].clone(), s["usage"].clone()),
         (json!(19), json!(9), json!("reported")),
         "charged the usage chunk's numbers"
     );
@@ -860,10 +552,7 @@ fn a_client_that_asked_for_usage_gets_it_untouched() {
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     let mut expected: Value = serde_json::from_str(&body).unwrap();
     expected["max_tokens"] = json!(4096);
-    assert_eq!(
-        serde_json::from_slice::<Value>(&c.stream.upstream_request_body()).unwrap(),
-        expected
-    );
+    assert_eq!(serde_json::from_slice::<Value>(&c.stream.upstream_request_body()).unwrap(), expected);
     c.sse_headers(120);
     c.body(&chat::timeline(true), Delivery::PerEntry, true);
     c.end();
@@ -888,21 +577,10 @@ fn with_include_usage_off_nothing_is_injected_and_the_charge_is_estimated() {
     assert_eq!(c.downstream_body(), c.upstream_body, "nothing stripped");
     let s = stamp(&c.stream);
     assert_eq!(
-        (
-            s["input_tokens"].clone(),
-            s["output_tokens"].clone(),
-            s["usage"].clone()
-        ),
-        (
-            json!(chat::REQUEST_ESTIMATE),
-            json!(chat::ESTIMATED_TOKENS),
-            json!("estimated")
-        )
+        (s["input_tokens"].clone(), s["output_tokens"].clone(), s["usage"].clone()),
+        (json!(chat::REQUEST_ESTIMATE), json!(chat::ESTIMATED_TOKENS), json!("estimated"))
     );
-    assert_eq!(
-        used_reserved(&gw, "key", "search-prod", 0),
-        (chat::REQUEST_ESTIMATE + chat::ESTIMATED_TOKENS, 0)
-    );
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (chat::REQUEST_ESTIMATE + chat::ESTIMATED_TOKENS, 0));
     assert_no_crash(&gw);
 }
 
@@ -913,10 +591,7 @@ fn with_include_usage_off_nothing_is_injected_and_the_charge_is_estimated() {
 #[test]
 fn cut_off_streams_is_refused_at_load() {
     let err = load_error(&with(&stream_policy(), json!({"cut_off_streams": true})));
-    assert!(
-        err.contains("tenant-budget policy refused: cut_off_streams: not supported yet"),
-        "{err}"
-    );
+    assert!(err.contains("tenant-budget policy refused: cut_off_streams: not supported yet"), "{err}");
     // false (the default) loads.
     gateway(&with(&stream_policy(), json!({"cut_off_streams": false})));
 }
@@ -927,21 +602,10 @@ fn cut_off_streams_is_refused_at_load() {
 
 /// Checks a refusal: status, error code, never upstream, counted, no trap.
 fn assert_refused(gw: &Gateway, c: &Call<'_>, status: u32, code: &str, key: &str) {
-    let reply = c
-        .stream
-        .local_reply()
-        .unwrap_or_else(|| panic!("expected a {status} {code}"));
-    assert_eq!(
-        reply.status,
-        status,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    let reply = c.stream.local_reply().unwrap_or_else(|| panic!("expected a {status} {code}"));
+    assert_eq!(reply.status, status, "{}", String::from_utf8_lossy(&reply.body));
     assert_eq!(reply_json(&c.stream)["error"]["code"], json!(code));
-    assert!(
-        c.stream.upstream_request_body().is_empty(),
-        "never upstream"
-    );
+    assert!(c.stream.upstream_request_body().is_empty(), "never upstream");
     assert_eq!(gw.counter(&rejections(key, code)), Some(1));
     assert_eq!(stamp(&c.stream)["reject_code"], json!(code));
     assert_no_crash(gw);
@@ -949,32 +613,17 @@ fn assert_refused(gw: &Gateway, c: &Call<'_>, status: u32, code: &str, key: &str
 
 #[test]
 fn a_body_without_a_model_under_a_money_budget_is_refused_as_unpriced() {
-    let gw = gateway(&policy(
-        json!([{"window": "month", "usd": 100}]),
-        json!([]),
-        json!([]),
-    ));
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        r#"{"messages":[{"role":"user","content":"Hello!"}],"max_tokens":100}"#,
-    );
+    let gw = gateway(&policy(json!([{"window": "month", "usd": 100}]), json!([]), json!([])));
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), r#"{"messages":[{"role":"user","content":"Hello!"}],"max_tokens":100}"#);
     assert_refused(&gw, &c, 400, "unpriced_model", "search-prod");
-    assert_eq!(
-        reply_json(&c.stream)["error"]["type"],
-        "invalid_request_error"
-    );
+    assert_eq!(reply_json(&c.stream)["error"]["type"], "invalid_request_error");
     assert_eq!(used_reserved(&gw, "org", "acme", 0), (0, 0));
 }
 
 #[test]
 fn a_body_that_is_not_json_is_refused_as_malformed() {
     let gw = gateway(&stream_policy());
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        "model=gpt-4o&prompt=hi",
-    );
+    let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), "model=gpt-4o&prompt=hi");
     assert_refused(&gw, &c, 400, "malformed_body", "search-prod");
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
 }
@@ -992,8 +641,7 @@ fn a_compressed_body_is_refused_with_415() {
 fn a_request_without_a_body_is_refused() {
     let gw = gateway(&stream_policy());
     let mut s = gw.stream();
-    s.request_headers(&key_headers(chat::PATH, "search-prod"), true)
-        .unwrap();
+    s.request_headers(&key_headers(chat::PATH, "search-prod"), true).unwrap();
     let reply = s.local_reply().expect("refused");
     assert_eq!(reply.status, 400);
     assert_eq!(reply_json(&s)["error"]["code"], "no_body");
@@ -1004,11 +652,7 @@ fn a_request_without_a_body_is_refused() {
 fn a_20_mb_body_fed_in_1_mib_chunks_is_refused_with_413() {
     let gw = gateway(&stream_policy());
     let mut s = gw.stream();
-    assert_eq!(
-        s.request_headers(&key_headers(chat::PATH, "search-prod"), false)
-            .unwrap(),
-        Action::Continue
-    );
+    assert_eq!(s.request_headers(&key_headers(chat::PATH, "search-prod"), false).unwrap(), Action::Continue);
     let chunk = vec![b' '; 1 << 20];
     for i in 0..20 {
         s.request_body(&chunk, i == 19).unwrap();
@@ -1017,10 +661,7 @@ fn a_20_mb_body_fed_in_1_mib_chunks_is_refused_with_413() {
     assert_eq!(reply.status, 413);
     assert_eq!(reply_json(&s)["error"]["code"], "body_too_large");
     assert!(s.upstream_request_body().is_empty());
-    assert_eq!(
-        gw.counter(&rejections("search-prod", "body_too_large")),
-        Some(1)
-    );
+    assert_eq!(gw.counter(&rejections("search-prod", "body_too_large")), Some(1));
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
     assert_no_crash(&gw);
 }
@@ -1032,30 +673,18 @@ fn a_20_mb_body_fed_in_1_mib_chunks_is_refused_with_413() {
 #[test]
 fn an_unknown_key_is_refused_with_401_unknown_key() {
     let gw = gateway(&stream_policy());
-    let c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "nobody"),
-        &chat_body(false, false, Some(10)),
-    );
+    let c = Call::start(&gw, &key_headers(chat::PATH, "nobody"), &chat_body(false, false, Some(10)));
     let reply = c.stream.local_reply().expect("refused");
     assert_eq!(reply.status, 401);
     let body = reply_json(&c.stream);
     assert_eq!(body["error"]["code"], "unknown_key");
     assert_eq!(body["error"]["type"], "authentication_error");
     assert!(body["error"]["message"].is_string());
-    assert_eq!(
-        c.stream.upstream_request_headers(),
-        None,
-        "refused before anything went upstream"
-    );
+    assert_eq!(c.stream.upstream_request_headers(), None, "refused before anything went upstream");
     assert!(c.stream.upstream_request_body().is_empty());
     assert_eq!(gw.counter(&rejections("unknown", "unknown_key")), Some(1));
     // No key header at all: the same.
-    let c = Call::start(
-        &gw,
-        &common::llm::headers(chat::PATH, &[]),
-        &chat_body(false, false, Some(10)),
-    );
+    let c = Call::start(&gw, &common::llm::headers(chat::PATH, &[]), &chat_body(false, false, Some(10)));
     assert_eq!(c.stream.local_reply().map(|r| r.status), Some(401));
     assert_no_crash(&gw);
 }
@@ -1101,47 +730,25 @@ fn identity_policy(identity: Value) -> Value {
 fn api_keys_are_looked_up_by_their_sha256() {
     let gw = gateway(&identity_policy(json!({"api_key": true})));
     let bearer = format!("Bearer {API_KEY}");
-    let c = Call::start(
-        &gw,
-        &common::llm::headers(chat::PATH, &[("authorization", &bearer)]),
-        &chat_body(false, false, Some(10)),
-    );
+    let c = Call::start(&gw, &common::llm::headers(chat::PATH, &[("authorization", &bearer)]), &chat_body(false, false, Some(10)));
     assert_eq!(stamp(&c.stream)["key"], "search-prod");
     assert_ne!(used_reserved(&gw, "key", "search-prod", 0).1, 0);
     // Anthropic's x-api-key.
-    let c = Call::start(
-        &gw,
-        &common::llm::headers(messages::PATH, &[("x-api-key", ANTHROPIC_KEY)]),
-        &messages::request(false),
-    );
+    let c = Call::start(&gw, &common::llm::headers(messages::PATH, &[("x-api-key", ANTHROPIC_KEY)]), &messages::request(false));
     assert_eq!(stamp(&c.stream)["key"], "search-dev");
     // The hash itself is not a key, nor is an unlisted key.
     let hash_as_key = format!("Bearer {API_KEY_SHA256}");
     for auth in [hash_as_key.as_str(), "Bearer sk-live-other"] {
-        let c = Call::start(
-            &gw,
-            &common::llm::headers(chat::PATH, &[("authorization", auth)]),
-            &chat_body(false, false, Some(10)),
-        );
-        assert_eq!(
-            c.stream.local_reply().map(|r| r.status),
-            Some(401),
-            "{auth}"
-        );
+        let c = Call::start(&gw, &common::llm::headers(chat::PATH, &[("authorization", auth)]), &chat_body(false, false, Some(10)));
+        assert_eq!(c.stream.local_reply().map(|r| r.status), Some(401), "{auth}");
     }
     assert_no_crash(&gw);
 }
 
 #[test]
 fn a_jwt_payload_claim_names_the_key() {
-    let gw = gateway(&identity_policy(
-        json!({"jwt": {"header": "x-jwt-payload", "claim": "sluice_key"}}),
-    ));
-    let c = Call::start(
-        &gw,
-        &common::llm::headers(chat::PATH, &[("x-jwt-payload", JWT_PAYLOAD_SEARCH_DEV)]),
-        &chat_body(false, false, Some(10)),
-    );
+    let gw = gateway(&identity_policy(json!({"jwt": {"header": "x-jwt-payload", "claim": "sluice_key"}})));
+    let c = Call::start(&gw, &common::llm::headers(chat::PATH, &[("x-jwt-payload", JWT_PAYLOAD_SEARCH_DEV)]), &chat_body(false, false, Some(10)));
     assert_eq!(c.stream.local_reply(), None);
     assert_eq!(stamp(&c.stream)["key"], "search-dev");
     assert_ne!(used_reserved(&gw, "key", "search-dev", 0).1, 0);
@@ -1161,30 +768,15 @@ fn wrong_policies_are_refused_with_the_field_and_the_problem() {
             policy(json!([]), json!([]), json!([{"window": "month", "reset_day": 31, "tokens": 1}])),
             "orgs[0].teams[0].keys[0].budgets[0].reset_day: must be 1–28 (a day every month has), got 31",
         ),
-        (
-            org_with(json!([{"window": "minute", "reset_day": 2, "tokens": 1}])),
-            "orgs[0].budgets[0].reset_day: only month windows have a reset day",
-        ),
+        (org_with(json!([{"window": "minute", "reset_day": 2, "tokens": 1}])), "orgs[0].budgets[0].reset_day: only month windows have a reset day"),
         (
             policy(json!([]), json!([{"window": "hour", "tokens": 1, "usd": 1}]), json!([])),
             "orgs[0].teams[0].budgets[0]: set exactly one of tokens, requests, usd",
         ),
-        (
-            org_with(json!([{"window": "day", "tokens": 10, "soft_limit_percent": 0}])),
-            "orgs[0].budgets[0].soft_limit_percent: must be 1–100, got 0",
-        ),
-        (
-            org_with(json!([{"window": "day", "usd": -5}])),
-            "orgs[0].budgets[0].usd: must be a finite amount 0–1000000000, got -5",
-        ),
-        (
-            org_with(json!([{"window": "day", "tokens": 10, "input_weight": 0, "output_weight": 0}])),
-            "orgs[0].budgets[0]: weights must not both be 0",
-        ),
-        (
-            org_with(json!([{"window": "day", "requests": 10, "count": "output"}])),
-            "orgs[0].budgets[0]: count and weights apply to tokens budgets only",
-        ),
+        (org_with(json!([{"window": "day", "tokens": 10, "soft_limit_percent": 0}])), "orgs[0].budgets[0].soft_limit_percent: must be 1–100, got 0"),
+        (org_with(json!([{"window": "day", "usd": -5}])), "orgs[0].budgets[0].usd: must be a finite amount 0–1000000000, got -5"),
+        (org_with(json!([{"window": "day", "tokens": 10, "input_weight": 0, "output_weight": 0}])), "orgs[0].budgets[0]: weights must not both be 0"),
+        (org_with(json!([{"window": "day", "requests": 10, "count": "output"}])), "orgs[0].budgets[0]: count and weights apply to tokens budgets only"),
         (
             json!({"identity": {"header": "x-sluice-key"}, "orgs": [{"id": "acme", "teams": [{"id": "search",
                 "keys": [{"id": "k1"}, {"id": "k1"}]}]}]}),
@@ -1201,10 +793,7 @@ fn wrong_policies_are_refused_with_the_field_and_the_problem() {
             "orgs[0].teams[0].keys[0].api_key_sha256: must be 64 hex digits (the SHA-256 of the key)",
         ),
         (with(&base, json!({"identity": {}})), "identity: name at least one source: api_key, header or jwt"),
-        (
-            with(&base, json!({"unknown": {"action": "default", "key": "ghost"}})),
-            r#"unknown.key: "ghost" is not a key of the policy"#,
-        ),
+        (with(&base, json!({"unknown": {"action": "default", "key": "ghost"}})), r#"unknown.key: "ghost" is not a key of the policy"#),
         (with(&base, json!({"reservation_ttl_minutes": 0})), "reservation_ttl_minutes: must be 1–60, got 0"),
         (with(&base, json!({"default_max_output_tokens": 0})), "default_max_output_tokens: must be at least 1"),
         (with(&base, json!({"filter_state_key": "a b"})), r#"filter_state_key: must be letters, digits, '_' or '.', got "a b""#),
@@ -1213,10 +802,7 @@ fn wrong_policies_are_refused_with_the_field_and_the_problem() {
     ];
     for (policy, message) in cases {
         let err = load_error(&policy);
-        assert!(
-            err.contains(&format!("tenant-budget policy refused: {message}")),
-            "policy {policy}\nexpected: {message}\ngot: {err}"
-        );
+        assert!(err.contains(&format!("tenant-budget policy refused: {message}")), "policy {policy}\nexpected: {message}\ngot: {err}");
     }
 }
 
@@ -1239,53 +825,38 @@ fn responses_carry_rate_headers_for_the_tightest_window_of_each_unit() {
     let mut second = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     answer(&mut first, 200, 19, 9);
     answer(&mut second, 200, 19, 9);
-    let expect =
-        |c: &Call<'_>, tokens_remaining: u64, requests_remaining: u64, usd_remaining: u64| {
-            let got: Vec<(&str, Option<String>)> = [
-                "x-ratelimit-limit-tokens",
-                "x-ratelimit-remaining-tokens",
-                "x-ratelimit-reset-tokens",
-                "x-ratelimit-limit-requests",
-                "x-ratelimit-remaining-requests",
-                "x-ratelimit-reset-requests",
-                "x-ratelimit-limit-micro-usd",
-                "x-ratelimit-remaining-micro-usd",
-                "x-ratelimit-reset-micro-usd",
-            ]
-            .into_iter()
-            .map(|h| (h, response_header(&c.stream, h)))
-            .collect();
-            let want: Vec<(&str, Option<String>)> = vec![
-                // Least room left among the tokens budgets: the team's day (5000), not the key's minute.
-                ("x-ratelimit-limit-tokens", Some("5000".into())),
-                (
-                    "x-ratelimit-remaining-tokens",
-                    Some(tokens_remaining.to_string()),
-                ),
-                ("x-ratelimit-reset-tokens", Some("43170s".into())),
-                ("x-ratelimit-limit-requests", Some("100".into())),
-                (
-                    "x-ratelimit-remaining-requests",
-                    Some(requests_remaining.to_string()),
-                ),
-                ("x-ratelimit-reset-requests", Some("3570s".into())),
-                ("x-ratelimit-limit-micro-usd", Some("50000000".into())),
-                (
-                    "x-ratelimit-remaining-micro-usd",
-                    Some(usd_remaining.to_string()),
-                ),
-                ("x-ratelimit-reset-micro-usd", Some("43170s".into())),
-            ];
-            assert_eq!(got, want);
-        };
+    let expect = |c: &Call<'_>, tokens_remaining: u64, requests_remaining: u64, usd_remaining: u64| {
+        let got: Vec<(&str, Option<String>)> = [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+            "x-ratelimit-limit-micro-usd",
+            "x-ratelimit-remaining-micro-usd",
+            "x-ratelimit-reset-micro-usd",
+        ]
+        .into_iter()
+        .map(|h| (h, response_header(&c.stream, h)))
+        .collect();
+        let want: Vec<(&str, Option<String>)> = vec![
+            // Least room left among the tokens budgets: the team's day (5000), not the key's minute.
+            ("x-ratelimit-limit-tokens", Some("5000".into())),
+            ("x-ratelimit-remaining-tokens", Some(tokens_remaining.to_string())),
+            ("x-ratelimit-reset-tokens", Some("43170s".into())),
+            ("x-ratelimit-limit-requests", Some("100".into())),
+            ("x-ratelimit-remaining-requests", Some(requests_remaining.to_string())),
+            ("x-ratelimit-reset-requests", Some("3570s".into())),
+            ("x-ratelimit-limit-micro-usd", Some("50000000".into())),
+            ("x-ratelimit-remaining-micro-usd", Some(usd_remaining.to_string())),
+            ("x-ratelimit-reset-micro-usd", Some("43170s".into())),
+        ];
+        assert_eq!(got, want);
+    };
     let worst_usd = gpt4o_cost(b, 500);
     expect(&first, 5_000 - (b + 500), 99, 50_000_000 - worst_usd);
-    expect(
-        &second,
-        5_000 - 2 * (b + 500),
-        98,
-        50_000_000 - 2 * worst_usd,
-    );
+    expect(&second, 5_000 - 2 * (b + 500), 98, 50_000_000 - 2 * worst_usd);
     first.end();
     second.end();
     assert_no_crash(&gw);
@@ -1297,21 +868,10 @@ fn responses_carry_rate_headers_for_the_tightest_window_of_each_unit() {
 
 #[test]
 fn anthropic_refusals_use_the_anthropic_error_shape() {
-    let gw = gateway(&policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "minute", "tokens": 100}]),
-    ));
-    let c = Call::start(
-        &gw,
-        &key_headers(messages::PATH, "search-prod"),
-        &messages::request(true),
-    );
+    let gw = gateway(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100}])));
+    let c = Call::start(&gw, &key_headers(messages::PATH, "search-prod"), &messages::request(true));
     let reply = c.stream.local_reply().expect("refused");
-    assert_eq!(
-        (reply.status, reply.headers.get("retry-after")),
-        (429, Some("10"))
-    );
+    assert_eq!((reply.status, reply.headers.get("retry-after")), (429, Some("10")));
     assert_eq!(reply.headers.get("content-type"), Some("application/json"));
     assert_eq!(
         reply_json(&c.stream),
@@ -1321,17 +881,10 @@ fn anthropic_refusals_use_the_anthropic_error_shape() {
             "sluice_code": "key:search-prod:minute:total_tokens"
         }})
     );
-    let c = Call::start(
-        &gw,
-        &key_headers(messages::PATH, "nobody"),
-        &messages::request(true),
-    );
+    let c = Call::start(&gw, &key_headers(messages::PATH, "nobody"), &messages::request(true));
     assert_eq!(c.stream.local_reply().map(|r| r.status), Some(401));
     assert_eq!(reply_json(&c.stream)["type"], "error");
-    assert_eq!(
-        reply_json(&c.stream)["error"]["type"],
-        "authentication_error"
-    );
+    assert_eq!(reply_json(&c.stream)["error"]["type"], "authentication_error");
     assert_no_crash(&gw);
 }
 
@@ -1340,29 +893,15 @@ fn anthropic_streams_pass_untouched_and_are_charged_their_reported_usage() {
     let gw = gateway(&stream_policy());
     let body = messages::request(true);
     let mut c = Call::start(&gw, &key_headers(messages::PATH, "search-prod"), &body);
-    assert_eq!(
-        c.stream.upstream_request_body(),
-        body.as_bytes(),
-        "max_tokens 1024 already fits"
-    );
-    assert_eq!(
-        used_reserved(&gw, "key", "search-prod", 0),
-        (0, body.len() as u64 + 1024)
-    );
+    assert_eq!(c.stream.upstream_request_body(), body.as_bytes(), "max_tokens 1024 already fits");
+    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, body.len() as u64 + 1024));
     c.sse_headers(300);
     c.body(&messages::timeline(), Delivery::PerEntry, true);
     c.end();
     assert_eq!(c.downstream_body(), c.upstream_body);
     let s = stamp(&c.stream);
     // 25 + 1000 cache reads in, 15 out.
-    assert_eq!(
-        (
-            s["input_tokens"].clone(),
-            s["output_tokens"].clone(),
-            s["usage"].clone()
-        ),
-        (json!(1025), json!(15), json!("reported"))
-    );
+    assert_eq!((s["input_tokens"].clone(), s["output_tokens"].clone(), s["usage"].clone()), (json!(1025), json!(15), json!("reported")));
     assert_no_crash(&gw);
 }
 
@@ -1373,39 +912,23 @@ fn anthropic_streams_pass_untouched_and_are_charged_their_reported_usage() {
 #[test]
 fn crossing_a_soft_limit_is_counted_once_and_announced_while_above() {
     let p = with(
-        &policy(
-            json!([]),
-            json!([{"window": "minute", "tokens": 10_000, "soft_limit_percent": 50}]),
-            json!([]),
-        ),
+        &policy(json!([]), json!([{"window": "minute", "tokens": 10_000, "soft_limit_percent": 50}]), json!([])),
         json!({"default_max_output_tokens": 8_000}),
     );
     let gw = gateway(&p);
-    let crossings =
-        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
+    let crossings = "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
     let warning = Some("soft limit reached: team:search:minute:total_tokens".to_string());
 
     // Below: no announcement.
-    let mut below = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(100)),
-    );
+    let mut below = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(100)));
     answer(&mut below, 100, 10, 10);
     below.end();
-    assert_eq!(
-        response_header(&below.stream, "x-sluice-budget-warning"),
-        None
-    );
+    assert_eq!(response_header(&below.stream, "x-sluice-budget-warning"), None);
     assert_eq!(gw.counter(crossings).unwrap_or(0), 0);
 
     // This one takes the team's usage past 5000 (5020 used). Its worst case passed the soft limit
     // at admission already, but only usage counts: nothing is announced for a reservation.
-    let mut cross = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(5_000)),
-    );
+    let mut cross = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(5_000)));
     assert_eq!(gw.counter(crossings).unwrap_or(0), 0, "a reservation is not usage");
     answer(&mut cross, 100, 100, 4_900);
     cross.end();
@@ -1416,23 +939,13 @@ fn crossing_a_soft_limit_is_counted_once_and_announced_while_above() {
 
     // Above: announced on every response, counted no more.
     for key in ["search-dev", "search-prod"] {
-        let mut above = Call::start(
-            &gw,
-            &key_headers(chat::PATH, key),
-            &chat_body(false, false, Some(100)),
-        );
+        let mut above = Call::start(&gw, &key_headers(chat::PATH, key), &chat_body(false, false, Some(100)));
         answer(&mut above, 100, 10, 10);
         above.end();
-        assert_eq!(
-            response_header(&above.stream, "x-sluice-budget-warning"),
-            warning,
-            "{key}"
-        );
+        assert_eq!(response_header(&above.stream, "x-sluice-budget-warning"), warning, "{key}");
     }
     assert_eq!(gw.counter(crossings), Some(1));
-    assert!(gw.logs().iter().any(|l| l
-        .message
-        .contains("soft limit of team:search:minute:total_tokens crossed by key search-prod")));
+    assert!(gw.logs().iter().any(|l| l.message.contains("soft limit of team:search:minute:total_tokens crossed by key search-prod")));
     assert_no_crash(&gw);
 }
 
@@ -1442,11 +955,7 @@ fn crossing_a_soft_limit_is_counted_once_and_announced_while_above() {
 
 #[test]
 fn only_llm_paths_are_budgeted() {
-    let gw = gateway(&policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "minute", "tokens": 1}]),
-    ));
+    let gw = gateway(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 1}])));
     let mut s = gw.stream();
     let h = key_headers("/v1/models", "nobody");
     assert_eq!(s.request_headers(&h, false).unwrap(), Action::Continue);
@@ -1461,10 +970,7 @@ fn only_llm_paths_are_budgeted() {
     let len = body.len().to_string();
     h.push(("content-length", &len));
     assert_eq!(s.request_headers(&h, false).unwrap(), Action::Continue);
-    assert!(!s
-        .upstream_request_headers()
-        .unwrap()
-        .contains("content-length"));
+    assert!(!s.upstream_request_headers().unwrap().contains("content-length"));
     let (a, rest) = body.as_bytes().split_at(20);
     assert_eq!(s.request_body(a, false).unwrap(), Action::Pause);
     assert!(s.upstream_request_body().is_empty());
@@ -1481,51 +987,27 @@ fn only_llm_paths_are_budgeted() {
 /// not be the first to be counted.
 #[test]
 fn a_soft_limit_crossed_by_a_settlement_is_counted() {
-    let p = with(
-        &policy(
-            json!([]),
-            json!([{"window": "minute", "tokens": 1_000, "soft_limit_percent": 50}]),
-            json!([]),
-        ),
-        json!({"mode": "estimate"}),
-    );
+    let p = with(&policy(json!([]), json!([{"window": "minute", "tokens": 1_000, "soft_limit_percent": 50}]), json!([])), json!({"mode": "estimate"}));
     let gw = gateway(&p);
-    let crossings =
-        "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
+    let crossings = "sluice.budget.soft_limit_crossings_total.team.search.window.minute.unit.total_tokens";
     let prompt: String = "你好".repeat(200);
     let body = json!({"model": "gpt-4o", "max_tokens": 100,
                       "messages": [{"role": "user", "content": prompt}]})
     .to_string();
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     let reserved_input = stamp(&c.stream)["reserved_input_tokens"].as_u64().unwrap();
-    assert!(
-        reserved_input + 100 < 500,
-        "admission stays below the soft limit"
-    );
+    assert!(reserved_input + 100 < 500, "admission stays below the soft limit");
     assert_eq!(gw.counter(crossings).unwrap_or(0), 0);
     // 400 characters of Chinese: ~400 tokens, not the ~100 estimated.
     answer(&mut c, 100, 410, 100);
     c.end();
     assert_eq!(used_reserved(&gw, "team", "search", 0), (510, 0));
-    assert_eq!(
-        gw.counter(crossings),
-        Some(1),
-        "the settlement took the team past 500"
-    );
-    assert!(gw.logs().iter().any(|l| l
-        .message
-        .contains("soft limit of team:search:minute:total_tokens crossed")));
+    assert_eq!(gw.counter(crossings), Some(1), "the settlement took the team past 500");
+    assert!(gw.logs().iter().any(|l| l.message.contains("soft limit of team:search:minute:total_tokens crossed")));
     // The next request is above, announced, and not counted again.
-    let mut next = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat_body(false, false, Some(10)),
-    );
+    let mut next = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(10)));
     answer(&mut next, 100, 5, 5);
-    assert_eq!(
-        response_header(&next.stream, "x-sluice-budget-warning"),
-        Some("soft limit reached: team:search:minute:total_tokens".to_string())
-    );
+    assert_eq!(response_header(&next.stream, "x-sluice-budget-warning"), Some("soft limit reached: team:search:minute:total_tokens".to_string()));
     next.end();
     assert_eq!(gw.counter(crossings), Some(1));
     assert_no_crash(&gw);
@@ -1545,10 +1027,7 @@ fn a_chat_body_on_a_completions_path_has_every_output_limit_capped() {
     let sent: Value = serde_json::from_slice(&c.stream.upstream_request_body()).unwrap();
     for limit in ["max_completion_tokens", "max_tokens"] {
         if let Some(v) = sent.get(limit) {
-            assert!(
-                v.as_u64().unwrap() <= 4096,
-                "{limit} = {v} goes upstream, 4096 reserved: {sent}"
-            );
+            assert!(v.as_u64().unwrap() <= 4096, "{limit} = {v} goes upstream, 4096 reserved: {sent}");
         }
     }
     assert_no_crash(&gw);
@@ -1559,24 +1038,13 @@ fn a_chat_body_on_a_completions_path_has_every_output_limit_capped() {
 #[test]
 fn a_response_ending_with_trailers_is_settled_as_completed() {
     let gw = gateway(&stream_policy());
-    let mut c = Call::start(
-        &gw,
-        &key_headers(chat::PATH, "search-prod"),
-        &chat::request(true, true),
-    );
+    let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat::request(true, true));
     c.sse_headers(120);
     c.body(&chat::timeline(true), Delivery::PerEntry, false);
     c.stream.response_trailers(&[("grpc-status", "0")]).unwrap();
     c.end();
     let s = stamp(&c.stream);
-    assert_eq!(
-        (
-            s["charged_tokens"].clone(),
-            s["usage"].clone(),
-            s["outcome"].clone()
-        ),
-        (json!(28), json!("reported"), json!("completed"))
-    );
+    assert_eq!((s["charged_tokens"].clone(), s["usage"].clone(), s["outcome"].clone()), (json!(28), json!("reported"), json!("completed")));
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (28, 0));
     assert_no_crash(&gw);
 }
@@ -1587,32 +1055,17 @@ fn a_response_ending_with_trailers_is_settled_as_completed() {
 fn an_unsettled_reservation_expires_after_its_ttl_and_a_late_settlement_still_charges() {
     let body = chat_body(false, false, Some(500));
     let b = body.len() as u64;
-    let p = with(
-        &policy(
-            json!([]),
-            json!([]),
-            json!([{"window": "hour", "tokens": b + 500}]),
-        ),
-        json!({"reservation_ttl_minutes": 10}),
-    );
+    let p = with(&policy(json!([]), json!([]), json!([{"window": "hour", "tokens": b + 500}])), json!({"reservation_ttl_minutes": 10}));
     // 12:00:30: the hour has 59.5 minutes left.
     let gw = gateway_at(&p, MAR31_120030);
     let mut first = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, b + 500));
     gw.advance(std::time::Duration::from_secs(9 * 60)).unwrap();
     let refused = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
-    assert_eq!(
-        refused.stream.local_reply().map(|r| r.status),
-        Some(429),
-        "held 9 minutes later"
-    );
+    assert_eq!(refused.stream.local_reply().map(|r| r.status), Some(429), "held 9 minutes later");
     gw.advance(std::time::Duration::from_secs(60)).unwrap();
     let mut second = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &body);
-    assert_eq!(
-        second.stream.local_reply(),
-        None,
-        "the first lease expired after 10 minutes"
-    );
+    assert_eq!(second.stream.local_reply(), None, "the first lease expired after 10 minutes");
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, b + 500));
     // The first answer finally ends: its charge is added, the second's lease stays whole.
     answer(&mut first, 11 * 60_000, 19, 9);
@@ -1654,7 +1107,8 @@ fn several_choices_are_reserved_in_full_and_cannot_overshoot() {
     let first = &mut calls[0];
     first.response_headers(500, "200", "application/json");
     let mut answer: Value = serde_json::from_str(&chat::response(4, 480)).unwrap();
-    answer["choices"] = json!((0..8).map(|i| json!({"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"})).collect::<Vec<_>>());
+    answer["choices"] =
+        json!((0..8).map(|i| json!({"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"})).collect::<Vec<_>>());
     first.body(&[(500, answer.to_string())], Delivery::PerEntry, true);
     first.end();
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (484, 0));
@@ -1681,11 +1135,7 @@ fn best_of_and_prompt_batches_multiply_the_reservation() {
 /// separate refusal codes: the exhausted one is visible.
 #[test]
 fn two_budgets_of_one_window_have_distinct_gauges_and_codes() {
-    let p = policy(
-        json!([]),
-        json!([]),
-        json!([{"window": "day", "tokens": 30, "count": "output"}, {"window": "day", "tokens": 200_000}]),
-    );
+    let p = policy(json!([]), json!([]), json!([{"window": "day", "tokens": 30, "count": "output"}, {"window": "day", "tokens": 200_000}]));
     let gw = gateway(&p);
     let mut c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(30)));
     answer(&mut c, 100, 19, 30);
@@ -1708,10 +1158,7 @@ fn a_guard_deadline_before_any_token_charges_nothing() {
     c.stream.set_property(&["sluice_gateway_reply"], "504 deadline");
     c.stream.upstream_reset().unwrap();
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()),
-        (json!(504), json!("deadline"), json!(0))
-    );
+    assert_eq!((s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()), (json!(504), json!("deadline"), json!(0)));
     assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
     assert_no_crash(&gw);
 }
@@ -1726,10 +1173,7 @@ fn a_guard_deadline_after_tokens_charges_what_was_produced() {
     c.stream.set_property(&["sluice_gateway_reply"], "200 deadline");
     c.stream.upstream_reset().unwrap();
     let s = stamp(&c.stream);
-    assert_eq!(
-        (s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()),
-        (json!(200), json!("deadline"), json!(chat::REQUEST_ESTIMATE + 3))
-    );
+    assert_eq!((s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()), (json!(200), json!("deadline"), json!(chat::REQUEST_ESTIMATE + 3)));
 }
 
 /// A client-chosen model version cannot mint charge series: past the named versions and the

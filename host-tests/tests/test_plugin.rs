@@ -6,11 +6,7 @@ mod common;
 use common::{gateway, ms, test_plugin, CONFIG};
 use sluice_host::{Action, Gateway, Headers, HttpReply, LogLevel, PluginSpec, DEFAULT_EPOCH_NS};
 
-const CHAT: [(&str, &str); 3] = [
-    (":method", "POST"),
-    (":path", "/v1/chat/completions"),
-    (":authority", "api"),
-];
+const CHAT: [(&str, &str); 3] = [(":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "api")];
 
 fn header(headers: &Option<Headers>, name: &str) -> Option<String> {
     headers.as_ref()?.get(name).map(str::to_owned)
@@ -21,39 +17,18 @@ fn request_headers_reach_upstream_as_the_plugin_changed_them() {
     let gw = gateway();
     let mut s = gw.stream();
     s.set_property(&["tenant"], "acme");
-    let action = s
-        .request_headers(
-            &[
-                (&b":path"[..], &b"/v1/chat/completions"[..]),
-                (b":authority", b"\xff\xfe"),
-                (b"x-internal-secret", b"let me in"),
-            ],
-            true,
-        )
-        .unwrap();
+    let action =
+        s.request_headers(&[(&b":path"[..], &b"/v1/chat/completions"[..]), (b":authority", b"\xff\xfe"), (b"x-internal-secret", b"let me in")], true).unwrap();
     assert_eq!(action, Action::Continue);
     let upstream = s.upstream_request_headers();
-    assert_eq!(
-        header(&upstream, "x-seen-path").as_deref(),
-        Some("/v1/chat/completions")
-    );
+    assert_eq!(header(&upstream, "x-seen-path").as_deref(), Some("/v1/chat/completions"));
     assert_eq!(header(&upstream, "x-tenant").as_deref(), Some("acme"));
     assert_eq!(header(&upstream, "x-authority-len").as_deref(), Some("2"));
-    assert_eq!(
-        upstream.as_ref().and_then(|h| h.get_bytes(":authority")),
-        Some(&b"\xff\xfe"[..])
-    );
+    assert_eq!(upstream.as_ref().and_then(|h| h.get_bytes(":authority")), Some(&b"\xff\xfe"[..]));
     assert!(!upstream.unwrap().contains("x-internal-secret"));
     assert_eq!(s.filter_state("sluice_test").as_deref(), Some(&b"seen"[..]));
-    assert_eq!(
-        s.property(&["request", "method"]),
-        None,
-        "no :method header was sent"
-    );
-    assert_eq!(
-        s.property(&["request", "path"]).as_deref(),
-        Some(&b"/v1/chat/completions"[..])
-    );
+    assert_eq!(s.property(&["request", "method"]), None, "no :method header was sent");
+    assert_eq!(s.property(&["request", "path"]).as_deref(), Some(&b"/v1/chat/completions"[..]));
 }
 
 #[test]
@@ -62,15 +37,7 @@ fn the_client_receives_the_body_with_the_appended_line_and_exact_timing_headers(
     let mut s = gw.stream();
     s.request_headers(&CHAT, true).unwrap();
     gw.advance(ms(180)).unwrap();
-    s.response_headers(
-        &[
-            (":status", "200"),
-            ("content-type", "text/event-stream"),
-            ("content-length", "99"),
-        ],
-        false,
-    )
-    .unwrap();
+    s.response_headers(&[(":status", "200"), ("content-type", "text/event-stream"), ("content-length", "99")], false).unwrap();
     let downstream = s.downstream_response_headers();
     assert_eq!(header(&downstream, "x-elapsed-ms").as_deref(), Some("180"));
     assert!(!downstream.unwrap().contains("content-length"));
@@ -79,10 +46,7 @@ fn the_client_receives_the_body_with_the_appended_line_and_exact_timing_headers(
     assert_eq!(s.downstream_body(), b"data: {\"a\":1}\n\n");
     gw.advance(ms(20)).unwrap();
     s.response_body(b"data: [DONE]\n\n", true).unwrap();
-    assert_eq!(
-        s.downstream_body(),
-        b"data: {\"a\":1}\n\ndata: [DONE]\n\n: sluice-test done\n\n"
-    );
+    assert_eq!(s.downstream_body(), b"data: {\"a\":1}\n\ndata: [DONE]\n\n: sluice-test done\n\n");
     s.end().unwrap();
     assert_eq!(gw.histogram("test.ttfb_ms"), Some(vec![180]));
     assert_eq!(gw.histogram("test.duration_ms"), Some(vec![200]));
@@ -111,13 +75,9 @@ fn a_write_with_a_stale_cas_is_refused() {
     let gw = gateway();
     for expected in 1..=3u64 {
         let mut s = gw.stream();
-        s.request_headers(&[(":path", "/"), ("x-cas-conflict", "1")], true)
-            .unwrap();
+        s.request_headers(&[(":path", "/"), ("x-cas-conflict", "1")], true).unwrap();
         s.end().unwrap();
-        assert_eq!(
-            gw.shared_data("sluice/test/count"),
-            Some(expected.to_string().into_bytes())
-        );
+        assert_eq!(gw.shared_data("sluice/test/count"), Some(expected.to_string().into_bytes()));
         assert_eq!(gw.counter("test.cas_mismatch"), Some(expected));
     }
 }
@@ -135,10 +95,7 @@ fn ticks_fire_exactly_when_the_clock_passes_them() {
     assert_eq!(gw.ticks(), 3);
     // The third tick ran at exactly start + 300 ms, although the clock went on to 350 ms.
     let expected = (DEFAULT_EPOCH_NS + 300_000_000).to_string();
-    assert_eq!(
-        gw.shared_data("sluice/test/last_tick_ns"),
-        Some(expected.into_bytes())
-    );
+    assert_eq!(gw.shared_data("sluice/test/last_tick_ns"), Some(expected.into_bytes()));
     assert_eq!(gw.now_ns(), DEFAULT_EPOCH_NS + 350_000_000);
 }
 
@@ -146,16 +103,10 @@ fn ticks_fire_exactly_when_the_clock_passes_them() {
 fn a_callout_reply_resumes_the_paused_request() {
     let gw = gateway();
     let mut s = gw.stream();
-    let action = s
-        .request_headers(&[(":path", "/"), ("x-callout", "1")], false)
-        .unwrap();
+    let action = s.request_headers(&[(":path", "/"), ("x-callout", "1")], false).unwrap();
     assert_eq!(action, Action::Pause);
     assert!(s.request_paused());
-    assert_eq!(
-        s.upstream_request_headers(),
-        None,
-        "held while the callout is out"
-    );
+    assert_eq!(s.upstream_request_headers(), None, "held while the callout is out");
     // Body arriving meanwhile is seen by the plugin but not let through.
     let calls = gw.http_calls();
     assert_eq!(calls.len(), 1);
@@ -166,14 +117,10 @@ fn a_callout_reply_resumes_the_paused_request() {
     assert_eq!(call.timeout, Some(ms(500)));
     assert_eq!(call.context_id, s.id());
 
-    gw.respond_http_call(call.token, HttpReply::status(200).body("tenant=acme"))
-        .unwrap();
+    gw.respond_http_call(call.token, HttpReply::status(200).body("tenant=acme")).unwrap();
     assert!(!s.request_paused());
     let upstream = s.upstream_request_headers();
-    assert_eq!(
-        header(&upstream, "x-auth-result").as_deref(),
-        Some("tenant=acme")
-    );
+    assert_eq!(header(&upstream, "x-auth-result").as_deref(), Some("tenant=acme"));
     assert!(gw.http_calls().is_empty());
 }
 
@@ -181,16 +128,13 @@ fn a_callout_reply_resumes_the_paused_request() {
 fn a_callout_that_times_out_fails_at_its_deadline() {
     let gw = gateway();
     let mut s = gw.stream();
-    s.request_headers(&[(":path", "/"), ("x-callout", "1")], true)
-        .unwrap();
+    s.request_headers(&[(":path", "/"), ("x-callout", "1")], true).unwrap();
     gw.advance(ms(499)).unwrap();
     assert_eq!(gw.http_calls().len(), 1);
     assert!(s.local_reply().is_none());
     gw.advance(ms(1)).unwrap();
     assert!(gw.http_calls().is_empty());
-    let reply = s
-        .local_reply()
-        .expect("the plugin denies when auth does not answer");
+    let reply = s.local_reply().expect("the plugin denies when auth does not answer");
     assert_eq!(reply.status, 403);
     assert_eq!(reply.headers.get("x-denied-by"), Some("test-plugin"));
 }
@@ -199,9 +143,7 @@ fn a_callout_that_times_out_fails_at_its_deadline() {
 fn a_local_reply_ends_the_stream_for_the_plugin() {
     let gw = gateway();
     let mut s = gw.stream();
-    let action = s
-        .request_headers(&[(":path", "/"), ("x-local-reply", "1")], false)
-        .unwrap();
+    let action = s.request_headers(&[(":path", "/"), ("x-local-reply", "1")], false).unwrap();
     assert_eq!(action, Action::Pause);
     let reply = s.local_reply().expect("a local reply");
     assert_eq!(reply.status, 429);
@@ -228,8 +170,7 @@ fn a_local_reply_ends_the_stream_for_the_plugin() {
 fn a_paused_body_is_buffered_and_rewritten_whole() {
     let gw = gateway();
     let mut s = gw.stream();
-    s.request_headers(&[(":path", "/"), ("x-buffer-request", "1")], false)
-        .unwrap();
+    s.request_headers(&[(":path", "/"), ("x-buffer-request", "1")], false).unwrap();
     assert_eq!(s.request_body(b"ab", false).unwrap(), Action::Pause);
     assert_eq!(s.upstream_request_body(), b"");
     assert_eq!(s.request_body(b"cd", true).unwrap(), Action::Continue);
@@ -252,14 +193,8 @@ fn two_streams_in_flight_keep_their_own_state() {
     a.response_body(b"a1", false).unwrap();
     b.response_body(b"b1", true).unwrap();
     a.response_body(b"a2", true).unwrap();
-    assert_eq!(
-        header(&a.downstream_response_headers(), "x-elapsed-ms").as_deref(),
-        Some("120")
-    );
-    assert_eq!(
-        header(&b.downstream_response_headers(), "x-elapsed-ms").as_deref(),
-        Some("30")
-    );
+    assert_eq!(header(&a.downstream_response_headers(), "x-elapsed-ms").as_deref(), Some("120"));
+    assert_eq!(header(&b.downstream_response_headers(), "x-elapsed-ms").as_deref(), Some("30"));
     assert_eq!(a.downstream_body(), b"a1a2: sluice-test done\n\n");
     assert_eq!(b.downstream_body(), b"b1: sluice-test done\n\n");
     assert_eq!(gw.histogram("test.ttfb_ms"), Some(vec![120, 70]));
@@ -275,19 +210,13 @@ fn gateways_on_different_threads_share_nothing() {
                 let gw = Gateway::start(&plugin, PluginSpec::new(CONFIG)).unwrap();
                 for _ in 0..n {
                     let mut s = gw.stream();
-                    s.request_headers(&[(":path", "/"), ("x-cas-conflict", "1")], true)
-                        .unwrap();
+                    s.request_headers(&[(":path", "/"), ("x-cas-conflict", "1")], true).unwrap();
                     gw.advance(ms(10 * n)).unwrap();
                     s.response_headers(&[(":status", "200")], false).unwrap();
                     s.response_body(b"x", true).unwrap();
                     s.end().unwrap();
                 }
-                (
-                    n,
-                    gw.counter("test.requests"),
-                    gw.shared_data("sluice/test/count"),
-                    gw.histogram("test.ttfb_ms"),
-                )
+                (n, gw.counter("test.requests"), gw.shared_data("sluice/test/count"), gw.histogram("test.ttfb_ms"))
             })
         })
         .collect();
@@ -303,28 +232,18 @@ fn gateways_on_different_threads_share_nothing() {
 fn a_trap_kills_the_vm_and_says_why() {
     let gw = gateway();
     let mut s = gw.stream();
-    let error = s
-        .request_headers(&[(":path", "/"), ("x-panic", "1")], true)
-        .unwrap_err();
+    let error = s.request_headers(&[(":path", "/"), ("x-panic", "1")], true).unwrap_err();
     let text = format!("{error:#}");
     assert!(text.contains("proxy_on_request_headers"), "{text}");
-    assert!(
-        text.contains("asked to panic"),
-        "the panic message is in the report: {text}"
-    );
+    assert!(text.contains("asked to panic"), "the panic message is in the report: {text}");
     assert!(gw.crashed().is_some());
     let mut next = gw.stream();
-    assert!(
-        next.request_headers(&CHAT, true).is_err(),
-        "a crashed VM takes no more calls"
-    );
+    assert!(next.request_headers(&CHAT, true).is_err(), "a crashed VM takes no more calls");
 }
 
 #[test]
 fn a_rejected_configuration_fails_the_load_with_the_plugin_logs() {
-    let error = Gateway::start(&test_plugin(), PluginSpec::new(r#"{"fail": true}"#))
-        .err()
-        .expect("refused");
+    let error = Gateway::start(&test_plugin(), PluginSpec::new(r#"{"fail": true}"#)).err().expect("refused");
     let text = format!("{error:#}");
     assert!(text.contains("proxy_on_configure returned false"), "{text}");
     assert!(text.contains("configuration asks me to fail"), "{text}");
@@ -339,11 +258,7 @@ fn queue_items_wake_the_registering_context() {
     gw.enqueue("test.queue", "from another worker").unwrap();
     assert_eq!(gw.counter("test.queue_items"), Some(2));
     assert_eq!(gw.queue_items("test.queue"), Some(vec![]));
-    let logged: Vec<_> = gw
-        .logs()
-        .into_iter()
-        .filter(|l| l.message.starts_with("dequeued"))
-        .collect();
+    let logged: Vec<_> = gw.logs().into_iter().filter(|l| l.message.starts_with("dequeued")).collect();
     assert_eq!(logged[0].message, "dequeued /queued");
     assert_eq!(logged[0].context_id, 1, "delivered to the root context");
 }
@@ -352,47 +267,26 @@ fn queue_items_wake_the_registering_context() {
 fn grpc_replies_and_failures_reach_the_plugin() {
     let gw = gateway();
     let mut ok = gw.stream();
-    assert_eq!(
-        ok.request_headers(&[(":path", "/"), ("x-grpc", "1")], true)
-            .unwrap(),
-        Action::Pause
-    );
+    assert_eq!(ok.request_headers(&[(":path", "/"), ("x-grpc", "1")], true).unwrap(), Action::Pause);
     let mut denied = gw.stream();
-    denied
-        .request_headers(&[(":path", "/"), ("x-grpc", "1")], true)
-        .unwrap();
+    denied.request_headers(&[(":path", "/"), ("x-grpc", "1")], true).unwrap();
     let calls = gw.grpc_calls();
     assert_eq!(calls.len(), 2);
-    assert_eq!(
-        (calls[0].service.as_str(), calls[0].method.as_str()),
-        ("svc.Auth", "Check")
-    );
+    assert_eq!((calls[0].service.as_str(), calls[0].method.as_str()), ("svc.Auth", "Check"));
     assert_eq!(calls[0].messages, vec![b"req".to_vec()]);
     assert_eq!(calls[0].initial_metadata.get("x-md"), Some("1"));
 
     gw.grpc_reply(calls[0].token, "granted").unwrap();
-    assert_eq!(
-        header(&ok.upstream_request_headers(), "x-grpc-result").as_deref(),
-        Some("granted")
-    );
+    assert_eq!(header(&ok.upstream_request_headers(), "x-grpc-result").as_deref(), Some("granted"));
     gw.grpc_close(calls[1].token, 7, "no entry").unwrap();
     let reply = denied.local_reply().expect("503");
-    assert_eq!(
-        (reply.status, reply.body.as_slice()),
-        (503, &b"no entry"[..])
-    );
+    assert_eq!((reply.status, reply.body.as_slice()), (503, &b"no entry"[..]));
     assert!(gw.grpc_calls().is_empty());
 }
 
 #[test]
 fn the_plugin_sees_its_name_and_logs_are_kept_in_order() {
-    let gw = Gateway::start(
-        &test_plugin(),
-        PluginSpec::new(CONFIG)
-            .name("tester")
-            .vm_configuration("vm-1"),
-    )
-    .unwrap();
+    let gw = Gateway::start(&test_plugin(), PluginSpec::new(CONFIG).name("tester").vm_configuration("vm-1")).unwrap();
     let info = gw.logs_at_least(LogLevel::Info);
     assert_eq!(info, ["vm config: vm-1", "configured plugin tester"]);
 }

@@ -178,12 +178,16 @@ pub enum ReserveOutcome {
 /// What a settle decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SettleOutcome {
-    Settled { counters: Vec<CounterState> },
+    Settled {
+        counters: Vec<CounterState>,
+    },
     AlreadySettled,
     Expired,
     Unknown,
     /// The hold has this many counters, not as many as the charges given (nothing was changed).
-    Mismatch { held: usize },
+    Mismatch {
+        held: usize,
+    },
 }
 
 fn states(counters: &[CounterState]) -> Value {

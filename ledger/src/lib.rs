@@ -35,7 +35,8 @@ impl Default for Config {
     }
 }
 
-pub const USAGE: &str = "usage: sluice-ledger [--listen 127.0.0.1:18090] [--redis redis://127.0.0.1:6379/] [--prefix sluice] [--redis-timeout-ms 200] [--threads 1]
+pub const USAGE: &str =
+    "usage: sluice-ledger [--listen 127.0.0.1:18090] [--redis redis://127.0.0.1:6379/] [--prefix sluice] [--redis-timeout-ms 200] [--threads 1]
 
   --listen ADDR           address:port to serve HTTP/1.1 on
   --redis URL             redis://[user:password@]host:port/db (the primary)

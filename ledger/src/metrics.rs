@@ -127,7 +127,10 @@ impl Metrics {
         let _ = writeln!(out, "# HELP sluice_ledger_redis_up 1 when the last Redis call of this instance succeeded.");
         let _ = writeln!(out, "# TYPE sluice_ledger_redis_up gauge");
         let _ = writeln!(out, "sluice_ledger_redis_up {}", self.redis_up.load(Ordering::Relaxed));
-        let _ = writeln!(out, "# HELP sluice_ledger_script_seconds Time of one script call as this instance sees it (connection, round trip, script), successful or not.");
+        let _ = writeln!(
+            out,
+            "# HELP sluice_ledger_script_seconds Time of one script call as this instance sees it (connection, round trip, script), successful or not."
+        );
         let _ = writeln!(out, "# TYPE sluice_ledger_script_seconds histogram");
         for (script, h) in SCRIPTS.iter().zip(&self.scripts) {
             for (bound, bucket) in BUCKETS_US.iter().zip(&h.buckets) {

@@ -344,10 +344,7 @@ fn is_connection_error(e: &RedisError) -> bool {
 
 /// Redis answered but cannot take the call now; the same call may pass later.
 fn is_unavailable(e: &RedisError) -> bool {
-    matches!(
-        e.code(),
-        Some("LOADING" | "BUSY" | "OOM" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "MISCONF" | "NOREPLICAS" | "NOSCRIPT")
-    )
+    matches!(e.code(), Some("LOADING" | "BUSY" | "OOM" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "MISCONF" | "NOREPLICAS" | "NOSCRIPT"))
 }
 
 /// A Redis URL without its password, for messages.

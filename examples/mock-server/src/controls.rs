@@ -18,13 +18,7 @@ pub struct Defaults {
 
 impl Default for Defaults {
     fn default() -> Self {
-        Defaults {
-            model_name: None,
-            ttft: Duration::ZERO,
-            itl: Duration::ZERO,
-            tokens: 16,
-            served_by: "mock".into(),
-        }
+        Defaults { model_name: None, ttft: Duration::ZERO, itl: Duration::ZERO, tokens: 16, served_by: "mock".into() }
     }
 }
 
@@ -85,9 +79,7 @@ impl Controls {
                 },
             }
         };
-        let ms = |name: &str, default: Duration| -> Result<Duration, String> {
-            Ok(num(name, MAX_DELAY_MS)?.map(Duration::from_millis).unwrap_or(default))
-        };
+        let ms = |name: &str, default: Duration| -> Result<Duration, String> { Ok(num(name, MAX_DELAY_MS)?.map(Duration::from_millis).unwrap_or(default)) };
         let usage = match header("x-mock-usage").map(|v| v.trim().to_ascii_lowercase()) {
             None => UsageMode::Auto,
             Some(v) => match v.as_str() {
@@ -119,9 +111,7 @@ impl Controls {
             reasoning_tokens: num("x-mock-reasoning-tokens", u64::from(u32::MAX))?.unwrap_or(0),
             crlf,
             split,
-            served_by: header("x-mock-version")
-                .map(str::to_string)
-                .unwrap_or_else(|| defaults.served_by.clone()),
+            served_by: header("x-mock-version").map(str::to_string).unwrap_or_else(|| defaults.served_by.clone()),
         })
     }
 }
@@ -149,18 +139,13 @@ mod tests {
 
     fn with(headers: &[(&'static str, &'static str)]) -> Result<Controls, String> {
         let h = headers.to_vec();
-        Controls::from_headers(&Defaults::default(), move |n| {
-            h.iter().find(|(k, _)| *k == n).map(|(_, v)| *v)
-        })
+        Controls::from_headers(&Defaults::default(), move |n| h.iter().find(|(k, _)| *k == n).map(|(_, v)| *v))
     }
 
     #[test]
     fn defaults_apply_without_headers() {
         let c = with(&[]).unwrap();
-        assert_eq!(
-            (c.tokens, c.usage, c.fail, c.crlf, c.split),
-            (16, UsageMode::Auto, None, false, None)
-        );
+        assert_eq!((c.tokens, c.usage, c.fail, c.crlf, c.split), (16, UsageMode::Auto, None, false, None));
         assert_eq!(c.served_by, "mock");
     }
 
@@ -177,10 +162,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.ttft, Duration::from_millis(250));
-        assert_eq!(
-            (c.tokens, c.usage, c.fail),
-            (3, UsageMode::Never, Some(Failure::ResetAfter(2)))
-        );
+        assert_eq!((c.tokens, c.usage, c.fail), (3, UsageMode::Never, Some(Failure::ResetAfter(2))));
         assert_eq!((c.crlf, c.split, c.served_by.as_str()), (true, Some(7), "v2"));
     }
 

@@ -75,19 +75,13 @@ fn read_line<R: BufRead>(r: &mut R) -> Result<Option<String>, ReadError> {
     }
     if buf.last() != Some(&b'\n') {
         // Either the line was too long or the peer closed mid-line.
-        return Err(if n as u64 >= MAX_LINE {
-            bad(431, "header line too long")
-        } else {
-            bad(400, "truncated request")
-        });
+        return Err(if n as u64 >= MAX_LINE { bad(431, "header line too long") } else { bad(400, "truncated request") });
     }
     buf.pop();
     if buf.last() == Some(&b'\r') {
         buf.pop();
     }
-    String::from_utf8(buf)
-        .map(Some)
-        .map_err(|_| bad(400, "request head is not UTF-8"))
+    String::from_utf8(buf).map(Some).map_err(|_| bad(400, "request head is not UTF-8"))
 }
 
 /// Reads header lines up to the blank line that ends them.
@@ -101,9 +95,7 @@ fn read_headers<R: BufRead>(r: &mut R) -> Result<Vec<(String, String)>, ReadErro
         if headers.len() >= MAX_HEADERS {
             return Err(bad(431, "too many headers"));
         }
-        let (name, value) = line
-            .split_once(':')
-            .ok_or_else(|| bad(400, format!("malformed header line {line:?}")))?;
+        let (name, value) = line.split_once(':').ok_or_else(|| bad(400, format!("malformed header line {line:?}")))?;
         if name.is_empty() || name.contains(char::is_whitespace) {
             return Err(bad(400, format!("malformed header name {name:?}")));
         }
@@ -168,11 +160,7 @@ pub fn read_head<R: BufRead>(r: &mut R) -> Result<Head, ReadError> {
     let find = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
 
     let connection = find("connection").unwrap_or("").to_ascii_lowercase();
-    let keep_alive = if http10 {
-        connection.contains("keep-alive")
-    } else {
-        !connection.contains("close")
-    };
+    let keep_alive = if http10 { connection.contains("keep-alive") } else { !connection.contains("close") };
 
     let body = match find("transfer-encoding") {
         Some(te) if te.to_ascii_lowercase().trim_end().ends_with("chunked") => BodyFraming::Chunked,
@@ -193,13 +181,7 @@ pub fn read_head<R: BufRead>(r: &mut R) -> Result<Head, ReadError> {
     };
     // Drop any query string: routing is by path only.
     let path = target.split('?').next().unwrap_or(target).to_string();
-    Ok(Head {
-        method: method.to_string(),
-        path,
-        headers,
-        keep_alive,
-        body,
-    })
+    Ok(Head { method: method.to_string(), path, headers, keep_alive, body })
 }
 
 /// Reads the body `head` announces (answering `Expect: 100-continue` first) and returns the whole
@@ -214,19 +196,12 @@ pub fn read_body<R: BufRead, W: Write>(r: &mut R, w: &mut W, head: Head) -> Resu
         BodyFraming::Chunked => read_chunked_body(r)?,
         BodyFraming::Length(len) => {
             let mut body = vec![0; len];
-            r.read_exact(&mut body)
-                .map_err(|_| bad(400, "request body shorter than content-length"))?;
+            r.read_exact(&mut body).map_err(|_| bad(400, "request body shorter than content-length"))?;
             body
         }
         BodyFraming::None => Vec::new(),
     };
-    Ok(Request {
-        method: head.method,
-        path: head.path,
-        headers: head.headers,
-        body,
-        keep_alive: head.keep_alive,
-    })
+    Ok(Request { method: head.method, path: head.path, headers: head.headers, body, keep_alive: head.keep_alive })
 }
 
 /// Decodes a chunked request body (chunk extensions ignored, trailers read and dropped).
@@ -245,8 +220,7 @@ fn read_chunked_body<R: BufRead>(r: &mut R) -> Result<Vec<u8>, ReadError> {
         }
         let start = body.len();
         body.resize(start + size, 0);
-        r.read_exact(body.get_mut(start..).unwrap_or_default())
-            .map_err(|_| bad(400, "truncated chunk"))?;
+        r.read_exact(body.get_mut(start..).unwrap_or_default()).map_err(|_| bad(400, "truncated chunk"))?;
         let mut crlf = [0u8; 2];
         r.read_exact(&mut crlf).map_err(|_| bad(400, "truncated chunk"))?;
         if &crlf != b"\r\n" {
@@ -294,13 +268,7 @@ fn head(status: u16, headers: &[(&str, String)], keep_alive: bool) -> Vec<u8> {
 }
 
 /// Writes a complete response with `Content-Length`.
-pub fn write_full<W: Write>(
-    w: &mut W,
-    status: u16,
-    headers: &[(&str, String)],
-    body: &[u8],
-    keep_alive: bool,
-) -> io::Result<()> {
+pub fn write_full<W: Write>(w: &mut W, status: u16, headers: &[(&str, String)], body: &[u8], keep_alive: bool) -> io::Result<()> {
     let mut out = head(status, headers, keep_alive);
     out.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
     out.extend_from_slice(body);
@@ -357,9 +325,7 @@ mod tests {
 
     #[test]
     fn chunked_body_with_extension_and_trailer() {
-        let req =
-            parse(b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nt: v\r\n\r\n")
-                .unwrap();
+        let req = parse(b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nt: v\r\n\r\n").unwrap();
         assert_eq!(req.body, b"abcde");
     }
 
@@ -385,11 +351,7 @@ mod tests {
             b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabcXX",
             b"GET / HTTP/1.1\r\nhost: h",
         ] {
-            assert!(
-                matches!(parse(raw), Err(ReadError::Bad(400..=505, _))),
-                "{:?}",
-                String::from_utf8_lossy(raw)
-            );
+            assert!(matches!(parse(raw), Err(ReadError::Bad(400..=505, _))), "{:?}", String::from_utf8_lossy(raw));
         }
     }
 

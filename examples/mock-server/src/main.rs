@@ -29,16 +29,8 @@ fn parse_args(args: &[String]) -> Result<(String, Config), String> {
         if flag == "--help" || flag == "-h" {
             return Err(String::new());
         }
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or_else(|| format!("{flag} needs a value"))
-        };
-        let num = |v: String| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{flag}: not a non-negative integer: {v:?}"))
-        };
+        let mut value = || inline.clone().or_else(|| it.next().cloned()).ok_or_else(|| format!("{flag} needs a value"));
+        let num = |v: String| v.parse::<u64>().map_err(|_| format!("{flag}: not a non-negative integer: {v:?}"));
         match flag {
             "--listen" => listen = value()?,
             "--model-name" => config.defaults.model_name = Some(value()?),

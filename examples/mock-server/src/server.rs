@@ -30,11 +30,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            defaults: Defaults::default(),
-            max_connections: 1024,
-            idle_timeout: Duration::from_secs(300),
-        }
+        Config { defaults: Defaults::default(), max_connections: 1024, idle_timeout: Duration::from_secs(300) }
     }
 }
 
@@ -129,22 +125,14 @@ impl Server {
     /// Runs the accept loop on a background thread (for in-process tests) and returns the address.
     pub fn spawn(self) -> io::Result<SocketAddr> {
         let addr = self.local_addr()?;
-        thread::Builder::new()
-            .name("mock-accept".into())
-            .spawn(move || self.run())?;
+        thread::Builder::new().name("mock-accept".into()).spawn(move || self.run())?;
         Ok(addr)
     }
 }
 
 fn reject_busy(mut stream: TcpStream) {
     let body = api::error_body("", 503, "mock: too many connections").to_string();
-    let _ = http::write_full(
-        &mut stream,
-        503,
-        &[("content-type", "application/json".into())],
-        body.as_bytes(),
-        false,
-    );
+    let _ = http::write_full(&mut stream, 503, &[("content-type", "application/json".into())], body.as_bytes(), false);
 }
 
 fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
@@ -181,10 +169,7 @@ fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
             Err(ReadError::Closed | ReadError::Io(_)) => return,
             Err(ReadError::Bad(status, msg)) => {
                 let body = api::error_body("", status, &msg).to_string();
-                let headers = [
-                    ("content-type", "application/json".to_string()),
-                    served_by(&shared.config.defaults.served_by),
-                ];
+                let headers = [("content-type", "application/json".to_string()), served_by(&shared.config.defaults.served_by)];
                 let _ = http::write_full(&mut writer, status, &headers, body.as_bytes(), false);
                 return;
             }
@@ -206,30 +191,18 @@ fn served_by(name: &str) -> (&'static str, String) {
 }
 
 fn json_headers(served: &str, prompt_tokens: u64) -> Vec<(&'static str, String)> {
-    vec![
-        ("content-type", "application/json".into()),
-        served_by(served),
-        ("x-mock-prompt-tokens", prompt_tokens.to_string()),
-    ]
+    vec![("content-type", "application/json".into()), served_by(served), ("x-mock-prompt-tokens", prompt_tokens.to_string())]
 }
 
 /// Writes a JSON response. The connection stays open unless the request asked to close it,
 /// which the connection loop checks.
-fn write_json(
-    w: &mut TcpStream,
-    status: u16,
-    headers: &[(&str, String)],
-    body: &Value,
-    keep_alive: bool,
-) -> io::Result<After> {
+fn write_json(w: &mut TcpStream, status: u16, headers: &[(&str, String)], body: &Value, keep_alive: bool) -> io::Result<After> {
     http::write_full(w, status, headers, body.to_string().as_bytes(), keep_alive)?;
     Ok(After::KeepAlive)
 }
 
 fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After> {
-    let served = req
-        .header("x-mock-version")
-        .unwrap_or(&shared.config.defaults.served_by);
+    let served = req.header("x-mock-version").unwrap_or(&shared.config.defaults.served_by);
     let ka = req.keep_alive;
     match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/health") => {
@@ -279,20 +252,9 @@ fn handle(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<After
             let known = Api::from_path(path).is_some()
                 || matches!(
                     path,
-                    "/health"
-                        | "/v1/models"
-                        | "/mock/stats"
-                        | "/mock/requests"
-                        | "/mock/connections"
-                        | "/mock/heads"
-                        | "/mock/reset"
-                        | "/mock/ttft"
+                    "/health" | "/v1/models" | "/mock/stats" | "/mock/requests" | "/mock/connections" | "/mock/heads" | "/mock/reset" | "/mock/ttft"
                 );
-            let (status, msg) = if known {
-                (405, "method not allowed")
-            } else {
-                (404, "no such endpoint")
-            };
+            let (status, msg) = if known { (405, "method not allowed") } else { (404, "no such endpoint") };
             let body = api::error_body(path, status, &format!("mock: {msg}: {} {path}", req.method));
             write_json(w, status, &json_headers(served, 0), &body, ka)
         }
@@ -306,10 +268,7 @@ fn inference(req: &Request, w: &mut TcpStream, shared: &Shared) -> io::Result<Af
         return Ok(After::Close);
     };
     shared.stats.count_request(path);
-    let request_id = req
-        .header("x-request-id")
-        .map(str::to_string)
-        .unwrap_or_else(|| api::new_id("mockreq-"));
+    let request_id = req.header("x-request-id").map(str::to_string).unwrap_or_else(|| api::new_id("mockreq-"));
     let mut record = Record::new(request_id, path);
     let result = answer(api, req, w, shared, &mut record);
     if result.is_err() && record.failure.is_none() {
@@ -333,13 +292,7 @@ fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &
     let served = req.header("x-mock-version").unwrap_or(&defaults.served_by);
     let bad_request = |w: &mut TcpStream, record: &mut Record, msg: &str| {
         record.failure = Some(FailureKind::BadRequest);
-        write_json(
-            w,
-            400,
-            &json_headers(served, 0),
-            &api::error_body(path, 400, msg),
-            req.keep_alive,
-        )
+        write_json(w, 400, &json_headers(served, 0), &api::error_body(path, 400, msg), req.keep_alive)
     };
     let controls = match Controls::from_headers(defaults, |n| req.header(n)) {
         Ok(c) => c,
@@ -411,14 +364,7 @@ fn send_event(w: &mut TcpStream, event: &Event, c: &Controls) -> io::Result<()> 
 }
 
 /// Plays a streamed answer out in time.
-fn stream(
-    plan: &Plan,
-    c: &Controls,
-    keep_alive: bool,
-    w: &mut TcpStream,
-    shared: &Shared,
-    record: &mut Record,
-) -> io::Result<After> {
+fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared: &Shared, record: &mut Record) -> io::Result<After> {
     let headers = [
         ("content-type", "text/event-stream".to_string()),
         ("cache-control", "no-cache".to_string()),
@@ -438,9 +384,7 @@ fn stream(
         thread::sleep(gap);
         send(w, &keepalive_comment(c.crlf), c.split)?;
     }
-    let ttft_rest = c
-        .ttft
-        .saturating_sub(gap * u32::try_from(c.keepalives).unwrap_or(u32::MAX));
+    let ttft_rest = c.ttft.saturating_sub(gap * u32::try_from(c.keepalives).unwrap_or(u32::MAX));
 
     // A failure "after N tokens" with N past the end happens after the last token instead.
     let fail_at = match c.fail {

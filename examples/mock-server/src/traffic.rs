@@ -92,9 +92,7 @@ pub struct Traffic {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The entry with `id` in a deque whose entries carry increasing ids (`id_of`), in O(1).
@@ -119,14 +117,7 @@ impl Traffic {
         if logs.connections.len() >= CAPACITY {
             logs.connections.pop_front();
         }
-        logs.connections.push_back(Connection {
-            id,
-            peer: peer.to_string(),
-            opened_ms: now_ms(),
-            heads: 0,
-            closed: refused,
-            refused,
-        });
+        logs.connections.push_back(Connection { id, peer: peer.to_string(), opened_ms: now_ms(), heads: 0, closed: refused, refused });
         id
     }
 

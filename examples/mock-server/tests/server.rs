@@ -11,20 +11,13 @@ use std::time::Duration;
 const CHAT_PROMPT_TOKENS: u64 = 14;
 
 fn texts(events: &[Value], pointer: &str) -> String {
-    events
-        .iter()
-        .filter_map(|e| e.pointer(pointer).and_then(Value::as_str))
-        .collect()
+    events.iter().filter_map(|e| e.pointer(pointer).and_then(Value::as_str)).collect()
 }
 
 #[test]
 fn chat_stream_with_usage() {
     let mock = Mock::start(&["--tokens", "4"]);
-    let r = mock.conn().post(
-        "/v1/chat/completions",
-        &[("x-mock-cached-tokens", "3"), ("x-mock-reasoning-tokens", "2")],
-        &chat_body(true, true),
-    );
+    let r = mock.conn().post("/v1/chat/completions", &[("x-mock-cached-tokens", "3"), ("x-mock-reasoning-tokens", "2")], &chat_body(true, true));
     assert_eq!(r.status, 200);
     assert!(r.complete);
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
@@ -36,10 +29,7 @@ fn chat_stream_with_usage() {
     assert_eq!(r.chunks.len(), 8);
     assert_eq!(events.last().unwrap().1, "[DONE]");
     let chunks = r.event_json();
-    assert_eq!(
-        chunks[0]["choices"][0]["delta"],
-        json!({"role": "assistant", "content": ""})
-    );
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
     assert_eq!(texts(&chunks, "/choices/0/delta/content"), "tok0 tok1 tok2 tok3 ");
     assert_eq!(chunks[5]["choices"][0]["finish_reason"], "stop");
     assert_eq!(chunks[5]["choices"][0]["delta"], json!({}));
@@ -72,22 +62,14 @@ fn chat_stream_without_usage_and_max_tokens_length() {
     assert!(chunks.iter().all(|c| c["model"] == "fixed-model"));
     assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
     // x-mock-usage: always forces the usage chunk even without include_usage
-    let r = mock.conn().post(
-        "/v1/chat/completions",
-        &[("x-mock-usage", "always"), ("x-mock-tokens", "2")],
-        &chat_body(true, false),
-    );
+    let r = mock.conn().post("/v1/chat/completions", &[("x-mock-usage", "always"), ("x-mock-tokens", "2")], &chat_body(true, false));
     assert_eq!(r.event_json().last().unwrap()["usage"]["completion_tokens"], 2);
 }
 
 #[test]
 fn chat_whole() {
     let mock = Mock::start(&[]);
-    let r = mock.conn().post(
-        "/v1/chat/completions",
-        &[("x-mock-tokens", "3")],
-        &chat_body(false, false),
-    );
+    let r = mock.conn().post("/v1/chat/completions", &[("x-mock-tokens", "3")], &chat_body(false, false));
     assert_eq!(r.status, 200);
     assert_eq!(r.header("content-type"), Some("application/json"));
     let v = r.json();
@@ -111,11 +93,7 @@ fn legacy_completions_stream_and_whole() {
     assert_eq!(chunks[4]["usage"]["prompt_tokens"], 6);
     assert_eq!(r.events().last().unwrap().1, "[DONE]");
 
-    let r = mock.conn().post(
-        "/v1/completions",
-        &[],
-        &json!({"model": "m", "prompt": ["Hello", "Hello"]}),
-    );
+    let r = mock.conn().post("/v1/completions", &[], &json!({"model": "m", "prompt": ["Hello", "Hello"]}));
     let v = r.json();
     assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 ");
     assert_eq!(v["usage"]["prompt_tokens"], 12);
@@ -125,11 +103,7 @@ fn legacy_completions_stream_and_whole() {
 fn responses_stream_and_whole() {
     let mock = Mock::start(&["--tokens", "3"]);
     let body = json!({"model": "gpt-x", "input": "Hello", "instructions": "Be", "stream": true});
-    let r = mock.conn().post(
-        "/v1/responses",
-        &[("x-mock-cached-tokens", "4"), ("x-mock-reasoning-tokens", "5")],
-        &body,
-    );
+    let r = mock.conn().post("/v1/responses", &[("x-mock-cached-tokens", "4"), ("x-mock-reasoning-tokens", "5")], &body);
     let names: Vec<String> = r.events().into_iter().map(|(n, _)| n.unwrap()).collect();
     assert_eq!(
         names,
@@ -161,11 +135,7 @@ fn responses_stream_and_whole() {
                "output_tokens_details": {"reasoning_tokens": 5}, "total_tokens": 19})
     );
 
-    let r = mock.conn().post(
-        "/v1/responses",
-        &[],
-        &json!({"model": "gpt-x", "input": [{"role": "user", "content": "Hello"}]}),
-    );
+    let r = mock.conn().post("/v1/responses", &[], &json!({"model": "gpt-x", "input": [{"role": "user", "content": "Hello"}]}));
     let v = r.json();
     assert_eq!(v["object"], "response");
     assert_eq!(v["output"][0]["content"][0]["text"], "tok0 tok1 tok2 ");
@@ -188,9 +158,7 @@ fn anthropic_stream_and_whole() {
     let mock = Mock::start(&["--tokens", "3"]);
     let body = json!({"model": "claude-x", "max_tokens": 100, "system": "You are terse.", "stream": true,
                       "messages": [{"role": "user", "content": "Hello"}]});
-    let r = mock
-        .conn()
-        .post("/v1/messages", &[("x-mock-cached-tokens", "5")], &body);
+    let r = mock.conn().post("/v1/messages", &[("x-mock-cached-tokens", "5")], &body);
     let names: Vec<String> = r.events().into_iter().map(|(n, _)| n.unwrap()).collect();
     assert_eq!(
         names,
@@ -207,10 +175,7 @@ fn anthropic_stream_and_whole() {
         ]
     );
     let events = r.event_json();
-    assert_eq!(
-        events[0]["message"]["usage"],
-        json!({"input_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 5, "output_tokens": 1})
-    );
+    assert_eq!(events[0]["message"]["usage"], json!({"input_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 5, "output_tokens": 1}));
     assert_eq!(texts(&events, "/delta/text"), "tok0 tok1 tok2 ");
     assert_eq!(events[7]["delta"]["stop_reason"], "end_turn");
     assert_eq!(events[7]["usage"]["output_tokens"], 3);
@@ -264,14 +229,8 @@ fn chunked_request_body() {
 #[test]
 fn ttft_and_itl_are_honored() {
     let mock = Mock::start(&[]);
-    let headers = [
-        ("x-mock-ttft-ms", "200"),
-        ("x-mock-itl-ms", "50"),
-        ("x-mock-tokens", "4"),
-    ];
-    let r = mock
-        .conn()
-        .post("/v1/chat/completions", &headers, &chat_body(true, false));
+    let headers = [("x-mock-ttft-ms", "200"), ("x-mock-itl-ms", "50"), ("x-mock-tokens", "4")];
+    let r = mock.conn().post("/v1/chat/completions", &headers, &chat_body(true, false));
     // chunk 0 is the role-only chunk, sent before the delay; chunks 1..=4 carry tokens
     let (role_at, _) = r.chunks[0];
     let (first_at, first) = &r.chunks[1];
@@ -279,16 +238,11 @@ fn ttft_and_itl_are_honored() {
     assert!(role_at < *first_at);
     assert!(first_at.duration_since(r.sent_at) >= Duration::from_millis(200));
     for w in r.chunks[1..5].windows(2) {
-        assert!(
-            w[1].0.duration_since(w[0].0) >= Duration::from_millis(45),
-            "itl too short"
-        );
+        assert!(w[1].0.duration_since(w[0].0) >= Duration::from_millis(45), "itl too short");
     }
 
     // Whole answers take the full generation time too.
-    let r = mock
-        .conn()
-        .post("/v1/chat/completions", &headers, &chat_body(false, false));
+    let r = mock.conn().post("/v1/chat/completions", &headers, &chat_body(false, false));
     assert!(r.sent_at.elapsed() >= Duration::from_millis(350));
 }
 
@@ -303,11 +257,7 @@ fn cli_timing_defaults() {
 fn reset_after_closes_mid_stream() {
     let mock = Mock::start(&["--tokens", "5"]);
     let mut conn = mock.conn();
-    let r = conn.post(
-        "/v1/chat/completions",
-        &[("x-mock-fail", "reset-after:2")],
-        &chat_body(true, true),
-    );
+    let r = conn.post("/v1/chat/completions", &[("x-mock-fail", "reset-after:2")], &chat_body(true, true));
     assert_eq!(r.status, 200);
     assert!(!r.complete, "no terminating chunk");
     assert_eq!(texts(&r.event_json(), "/choices/0/delta/content"), "tok0 tok1 ");
@@ -318,50 +268,30 @@ fn reset_after_closes_mid_stream() {
 #[test]
 fn error_event_after_ends_stream() {
     let mock = Mock::start(&["--tokens", "5"]);
-    let r = mock.conn().post(
-        "/v1/chat/completions",
-        &[("x-mock-fail", "error-event-after:1")],
-        &chat_body(true, true),
-    );
+    let r = mock.conn().post("/v1/chat/completions", &[("x-mock-fail", "error-event-after:1")], &chat_body(true, true));
     assert!(r.complete);
     let events = r.event_json();
     assert_eq!(events.len(), 3); // role, 1 token, error
     assert_eq!(events[2]["error"]["type"], "server_error");
 
     let body = json!({"stream": true, "messages": [{"role": "user", "content": "x"}]});
-    let r = mock
-        .conn()
-        .post("/v1/messages", &[("x-mock-fail", "error-event-after:0")], &body);
+    let r = mock.conn().post("/v1/messages", &[("x-mock-fail", "error-event-after:0")], &body);
     let (name, data) = r.events().pop().unwrap();
     assert_eq!(name.as_deref(), Some("error"));
-    assert_eq!(
-        serde_json::from_str::<Value>(&data).unwrap()["error"]["type"],
-        "overloaded_error"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&data).unwrap()["error"]["type"], "overloaded_error");
 }
 
 #[test]
 fn status_failures_are_api_styled() {
     let mock = Mock::start(&[]);
     let mut conn = mock.conn();
-    let r = conn.post(
-        "/v1/chat/completions",
-        &[("x-mock-fail", "status:503")],
-        &chat_body(true, true),
-    );
+    let r = conn.post("/v1/chat/completions", &[("x-mock-fail", "status:503")], &chat_body(true, true));
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["type"], "server_error");
-    let r = conn.post(
-        "/v1/messages",
-        &[("x-mock-fail", "status:429")],
-        &json!({"messages": []}),
-    );
+    let r = conn.post("/v1/messages", &[("x-mock-fail", "status:429")], &json!({"messages": []}));
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), Some("1"));
-    assert_eq!(
-        r.json(),
-        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "mock: injected failure with status 429"}})
-    );
+    assert_eq!(r.json(), json!({"type": "error", "error": {"type": "rate_limit_error", "message": "mock: injected failure with status 429"}}));
 }
 
 #[test]
@@ -391,15 +321,8 @@ fn malformed_requests_get_400_json() {
 #[test]
 fn keepalive_comments_crlf_and_split() {
     let mock = Mock::start(&["--tokens", "2"]);
-    let headers = [
-        ("x-mock-keepalive", "3"),
-        ("x-mock-crlf", "1"),
-        ("x-mock-split", "7"),
-        ("x-mock-ttft-ms", "30"),
-    ];
-    let r = mock
-        .conn()
-        .post("/v1/chat/completions", &headers, &chat_body(true, false));
+    let headers = [("x-mock-keepalive", "3"), ("x-mock-crlf", "1"), ("x-mock-split", "7"), ("x-mock-ttft-ms", "30")];
+    let r = mock.conn().post("/v1/chat/completions", &headers, &chat_body(true, false));
     let text = r.text();
     assert_eq!(text.matches(": keep-alive\r\n\r\n").count(), 3);
     assert!(!text.replace("\r\n", "").contains('\n'), "only CRLF line ends");
@@ -414,17 +337,10 @@ fn keepalive_comments_crlf_and_split() {
 fn served_by_health_models_and_404() {
     let mock = Mock::start(&["--served-by", "blue", "--model-name", "m-fixed"]);
     let mut conn = mock.conn();
-    let r = conn.post(
-        "/v1/chat/completions",
-        &[("x-mock-version", "green")],
-        &chat_body(false, false),
-    );
+    let r = conn.post("/v1/chat/completions", &[("x-mock-version", "green")], &chat_body(false, false));
     assert_eq!(r.header("x-mock-served-by"), Some("green"));
     let r = conn.request("GET", "/health", &[], "");
-    assert_eq!(
-        (r.status, r.text().as_str(), r.header("x-mock-served-by")),
-        (200, "ok", Some("blue"))
-    );
+    assert_eq!((r.status, r.text().as_str(), r.header("x-mock-served-by")), (200, "ok", Some("blue")));
     let r = conn.request("GET", "/v1/models", &[], "");
     assert_eq!(r.json()["data"][0]["id"], "m-fixed");
     assert_eq!(conn.request("GET", "/nope", &[], "").status, 404);
@@ -600,9 +516,7 @@ fn every_connection_and_request_head_is_recorded_even_without_a_body() {
     // A connection that sends nothing at all.
     drop(mock.conn());
 
-    let heads = wait_json(&mock, "/mock/heads", |v| {
-        v.as_array().unwrap().iter().filter(|h| h["body"] == "incomplete").count() == 2
-    });
+    let heads = wait_json(&mock, "/mock/heads", |v| v.as_array().unwrap().iter().filter(|h| h["body"] == "incomplete").count() == 2);
     let heads = heads.as_array().unwrap();
     let by_id = |id: &str| heads.iter().find(|h| h["request_id"] == id).unwrap_or_else(|| panic!("no head {id}: {heads:?}")).clone();
     assert_eq!(by_id("whole")["body"], "complete");

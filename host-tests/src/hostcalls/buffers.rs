@@ -22,11 +22,7 @@ fn buffer(state: &HostState, buffer_type: BufferType) -> Option<&[u8]> {
     match buffer_type {
         BufferType::RequestBody => state.current_stream().map(|s| s.request.body.as_slice()),
         BufferType::ResponseBody => state.current_stream().map(|s| s.response.body.as_slice()),
-        BufferType::HttpCallResponseBody => state
-            .callback
-            .http_reply
-            .as_ref()
-            .map(|r| r.body.as_slice()),
+        BufferType::HttpCallResponseBody => state.callback.http_reply.as_ref().map(|r| r.body.as_slice()),
         BufferType::GrpcReceiveBuffer => state.callback.grpc_message.as_deref(),
         BufferType::VmConfiguration => Some(&state.plugin.vm_configuration),
         BufferType::PluginConfiguration => Some(&state.plugin.configuration),
@@ -43,14 +39,7 @@ fn buffer_mut(state: &mut HostState, buffer_type: BufferType) -> Option<&mut Vec
     }
 }
 
-fn proxy_get_buffer_bytes(
-    mut caller: Caller<'_, HostState>,
-    buffer_type: u32,
-    start: u32,
-    max_size: u32,
-    data_out: u32,
-    size_out: u32,
-) -> HostcallResult {
+fn proxy_get_buffer_bytes(mut caller: Caller<'_, HostState>, buffer_type: u32, start: u32, max_size: u32, data_out: u32, size_out: u32) -> HostcallResult {
     let Some(buffer_type) = BufferType::from_code(buffer_type) else {
         return reply(Status::BadArgument);
     };
@@ -64,14 +53,7 @@ fn proxy_get_buffer_bytes(
     reply(Status::Ok)
 }
 
-fn proxy_set_buffer_bytes(
-    mut caller: Caller<'_, HostState>,
-    buffer_type: u32,
-    start: u32,
-    size: u32,
-    data_ptr: u32,
-    data_len: u32,
-) -> HostcallResult {
+fn proxy_set_buffer_bytes(mut caller: Caller<'_, HostState>, buffer_type: u32, start: u32, size: u32, data_ptr: u32, data_len: u32) -> HostcallResult {
     let Some(buffer_type) = BufferType::from_code(buffer_type) else {
         return reply(Status::BadArgument);
     };

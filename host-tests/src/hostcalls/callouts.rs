@@ -34,10 +34,7 @@ pub struct HttpReply {
 impl HttpReply {
     /// A reply with `:status` set.
     pub fn status(code: u16) -> Self {
-        Self {
-            headers: Headers::from_pairs(&[(":status", code.to_string())]),
-            ..Self::default()
-        }
+        Self { headers: Headers::from_pairs(&[(":status", code.to_string())]), ..Self::default() }
     }
 
     pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
@@ -107,14 +104,8 @@ impl Callouts {
 
     /// The earliest callout deadline.
     pub fn next_deadline(&self) -> Option<(u64, Timeout)> {
-        let http = self
-            .http
-            .values()
-            .filter_map(|c| c.deadline_ns.map(|d| (d, Timeout::Http(c.token))));
-        let grpc = self
-            .grpc
-            .values()
-            .filter_map(|c| c.deadline_ns.map(|d| (d, Timeout::Grpc(c.token))));
+        let http = self.http.values().filter_map(|c| c.deadline_ns.map(|d| (d, Timeout::Http(c.token))));
+        let grpc = self.grpc.values().filter_map(|c| c.deadline_ns.map(|d| (d, Timeout::Grpc(c.token))));
         http.chain(grpc).min()
     }
 }
@@ -125,8 +116,5 @@ pub(crate) fn deadline(now_ns: u64, timeout_ms: u32) -> (Option<Duration>, Optio
         return (None, None);
     }
     let timeout = Duration::from_millis(u64::from(timeout_ms));
-    (
-        Some(timeout),
-        Some(now_ns + u64::from(timeout_ms) * 1_000_000),
-    )
+    (Some(timeout), Some(now_ns + u64::from(timeout_ms) * 1_000_000))
 }

@@ -58,18 +58,11 @@ impl HostMonotonicClock for VirtualClock {
 }
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_get_current_time_nanoseconds",
-        proxy_get_current_time_nanoseconds,
-    )?;
+    linker.func_wrap(MODULE, "proxy_get_current_time_nanoseconds", proxy_get_current_time_nanoseconds)?;
     Ok(())
 }
 
-fn proxy_get_current_time_nanoseconds(
-    mut caller: Caller<'_, HostState>,
-    time_out: u32,
-) -> HostcallResult {
+fn proxy_get_current_time_nanoseconds(mut caller: Caller<'_, HostState>, time_out: u32) -> HostcallResult {
     let now = caller.data().clock.now_ns();
     guest::write_u64(&mut caller, time_out, now)?;
     reply(Status::Ok)

@@ -8,24 +8,13 @@ use crate::abi::{reply, HostcallResult, Status};
 use crate::state::HostState;
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_set_effective_context",
-        proxy_set_effective_context,
-    )?;
+    linker.func_wrap(MODULE, "proxy_set_effective_context", proxy_set_effective_context)?;
     linker.func_wrap(MODULE, "proxy_done", proxy_done)?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_call_foreign_function",
-        proxy_call_foreign_function,
-    )?;
+    linker.func_wrap(MODULE, "proxy_call_foreign_function", proxy_call_foreign_function)?;
     Ok(())
 }
 
-fn proxy_set_effective_context(
-    mut caller: Caller<'_, HostState>,
-    context_id: u32,
-) -> HostcallResult {
+fn proxy_set_effective_context(mut caller: Caller<'_, HostState>, context_id: u32) -> HostcallResult {
     let state = caller.data_mut();
     if !state.context_exists(context_id) {
         return reply(Status::BadArgument);

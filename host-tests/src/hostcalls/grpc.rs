@@ -28,19 +28,11 @@ struct Target {
     metadata: (u32, u32),
 }
 
-fn open(
-    caller: &mut Caller<'_, HostState>,
-    kind: GrpcKind,
-    target: Target,
-    message: Option<Vec<u8>>,
-    timeout_ms: u32,
-    token_out: u32,
-) -> HostcallResult {
+fn open(caller: &mut Caller<'_, HostState>, kind: GrpcKind, target: Target, message: Option<Vec<u8>>, timeout_ms: u32, token_out: u32) -> HostcallResult {
     let upstream = guest::read_string(caller, target.upstream.0, target.upstream.1)?;
     let service = guest::read_string(caller, target.service.0, target.service.1)?;
     let method = guest::read_string(caller, target.method.0, target.method.1)?;
-    let Ok(metadata) = decode_map(&guest::read(caller, target.metadata.0, target.metadata.1)?)
-    else {
+    let Ok(metadata) = decode_map(&guest::read(caller, target.metadata.0, target.metadata.1)?) else {
         return reply(Status::ParseFailure);
     };
     let state = caller.data_mut();
@@ -87,14 +79,7 @@ fn proxy_grpc_call(
         method: (method_ptr, method_len),
         metadata: (metadata_ptr, metadata_len),
     };
-    open(
-        &mut caller,
-        GrpcKind::Call,
-        target,
-        Some(message),
-        timeout_ms,
-        token_out,
-    )
+    open(&mut caller, GrpcKind::Call, target, Some(message), timeout_ms, token_out)
 }
 
 #[allow(clippy::too_many_arguments)] // the ABI's shape
@@ -119,13 +104,7 @@ fn proxy_grpc_stream(
     open(&mut caller, GrpcKind::Stream, target, None, 0, token_out)
 }
 
-fn proxy_grpc_send(
-    mut caller: Caller<'_, HostState>,
-    token: u32,
-    ptr: u32,
-    len: u32,
-    end_stream: u32,
-) -> HostcallResult {
+fn proxy_grpc_send(mut caller: Caller<'_, HostState>, token: u32, ptr: u32, len: u32, end_stream: u32) -> HostcallResult {
     let message = guest::read(&mut caller, ptr, len)?;
     let Some(call) = caller.data_mut().callouts.grpc.get_mut(&token) else {
         return reply(Status::NotFound);
@@ -156,18 +135,8 @@ fn proxy_grpc_close(mut caller: Caller<'_, HostState>, token: u32) -> HostcallRe
     }
 }
 
-fn proxy_get_status(
-    mut caller: Caller<'_, HostState>,
-    code_out: u32,
-    message_out: u32,
-    size_out: u32,
-) -> HostcallResult {
-    let (code, message) = caller
-        .data()
-        .callback
-        .grpc_status
-        .clone()
-        .unwrap_or((0, String::new()));
+fn proxy_get_status(mut caller: Caller<'_, HostState>, code_out: u32, message_out: u32, size_out: u32) -> HostcallResult {
+    let (code, message) = caller.data().callback.grpc_status.clone().unwrap_or((0, String::new()));
     guest::write_u32(&mut caller, code_out, code)?;
     guest::return_bytes(&mut caller, message.as_bytes(), message_out, size_out)?;
     reply(Status::Ok)

@@ -39,25 +39,13 @@ fn proxy_http_call(
     };
     let headers = Headers::from_vec(headers);
     // Envoy refuses a call without these.
-    if [":method", ":path", ":authority"]
-        .iter()
-        .any(|h| !headers.contains(h))
-    {
+    if [":method", ":path", ":authority"].iter().any(|h| !headers.contains(h)) {
         return reply(Status::BadArgument);
     }
     let state = caller.data_mut();
     let token = state.callouts.next_token();
     let (timeout, deadline_ns) = deadline(state.clock.now_ns(), timeout_ms);
-    let call = HttpCall {
-        token,
-        context_id: state.effective_context,
-        upstream,
-        headers,
-        body,
-        trailers: Headers::from_vec(trailers),
-        timeout,
-        deadline_ns,
-    };
+    let call = HttpCall { token, context_id: state.effective_context, upstream, headers, body, trailers: Headers::from_vec(trailers), timeout, deadline_ns };
     state.callouts.http.insert(token, call);
     guest::write_u32(&mut caller, token_out, token)?;
     reply(Status::Ok)

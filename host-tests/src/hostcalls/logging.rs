@@ -21,15 +21,8 @@ fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) 
     let message = guest::read_string(&mut caller, ptr, len)?;
     let state = caller.data_mut();
     let context_id = state.effective_context;
-    eprintln!(
-        "[plugin {}] {level} ctx={context_id}: {message}",
-        state.plugin.name
-    );
-    state.logs.push(LogLine {
-        level,
-        context_id,
-        message,
-    });
+    eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
+    state.logs.push(LogLine { level, context_id, message });
     reply(Status::Ok)
 }
 

@@ -11,36 +11,12 @@ use crate::headers::Headers;
 use crate::state::HostState;
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_get_header_map_pairs",
-        proxy_get_header_map_pairs,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_set_header_map_pairs",
-        proxy_set_header_map_pairs,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_get_header_map_value",
-        proxy_get_header_map_value,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_add_header_map_value",
-        proxy_add_header_map_value,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_replace_header_map_value",
-        proxy_replace_header_map_value,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_remove_header_map_value",
-        proxy_remove_header_map_value,
-    )?;
+    linker.func_wrap(MODULE, "proxy_get_header_map_pairs", proxy_get_header_map_pairs)?;
+    linker.func_wrap(MODULE, "proxy_set_header_map_pairs", proxy_set_header_map_pairs)?;
+    linker.func_wrap(MODULE, "proxy_get_header_map_value", proxy_get_header_map_value)?;
+    linker.func_wrap(MODULE, "proxy_add_header_map_value", proxy_add_header_map_value)?;
+    linker.func_wrap(MODULE, "proxy_replace_header_map_value", proxy_replace_header_map_value)?;
+    linker.func_wrap(MODULE, "proxy_remove_header_map_value", proxy_remove_header_map_value)?;
     Ok(())
 }
 
@@ -52,12 +28,8 @@ fn map(state: &HostState, map_type: MapType) -> Option<&Headers> {
         MapType::ResponseHeaders => state.current_stream().map(|s| &s.response.headers),
         MapType::ResponseTrailers => state.current_stream().map(|s| &s.response.trailers),
         MapType::HttpCallResponseHeaders => state.callback.http_reply.as_ref().map(|r| &r.headers),
-        MapType::HttpCallResponseTrailers => {
-            state.callback.http_reply.as_ref().map(|r| &r.trailers)
-        }
-        MapType::GrpcInitialMetadata | MapType::GrpcTrailingMetadata => {
-            state.callback.grpc_metadata.as_ref()
-        }
+        MapType::HttpCallResponseTrailers => state.callback.http_reply.as_ref().map(|r| &r.trailers),
+        MapType::GrpcInitialMetadata | MapType::GrpcTrailingMetadata => state.callback.grpc_metadata.as_ref(),
     }
 }
 
@@ -73,12 +45,7 @@ fn map_mut(state: &mut HostState, map_type: MapType) -> Option<&mut Headers> {
     }
 }
 
-fn proxy_get_header_map_pairs(
-    mut caller: Caller<'_, HostState>,
-    map_type: u32,
-    data_out: u32,
-    size_out: u32,
-) -> HostcallResult {
+fn proxy_get_header_map_pairs(mut caller: Caller<'_, HostState>, map_type: u32, data_out: u32, size_out: u32) -> HostcallResult {
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
@@ -91,12 +58,7 @@ fn proxy_get_header_map_pairs(
     reply(Status::Ok)
 }
 
-fn proxy_set_header_map_pairs(
-    mut caller: Caller<'_, HostState>,
-    map_type: u32,
-    ptr: u32,
-    len: u32,
-) -> HostcallResult {
+fn proxy_set_header_map_pairs(mut caller: Caller<'_, HostState>, map_type: u32, ptr: u32, len: u32) -> HostcallResult {
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
@@ -111,22 +73,12 @@ fn proxy_set_header_map_pairs(
     reply(Status::Ok)
 }
 
-fn proxy_get_header_map_value(
-    mut caller: Caller<'_, HostState>,
-    map_type: u32,
-    key_ptr: u32,
-    key_len: u32,
-    value_out: u32,
-    size_out: u32,
-) -> HostcallResult {
+fn proxy_get_header_map_value(mut caller: Caller<'_, HostState>, map_type: u32, key_ptr: u32, key_len: u32, value_out: u32, size_out: u32) -> HostcallResult {
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
     let key = guest::read(&mut caller, key_ptr, key_len)?;
-    let Some(value) = map(caller.data(), map_type)
-        .and_then(|h| h.first(&key))
-        .map(<[u8]>::to_vec)
-    else {
+    let Some(value) = map(caller.data(), map_type).and_then(|h| h.first(&key)).map(<[u8]>::to_vec) else {
         return reply(Status::NotFound);
     };
     guest::return_bytes(&mut caller, &value, value_out, size_out)?;
@@ -134,13 +86,7 @@ fn proxy_get_header_map_value(
 }
 
 /// Shared body of the three single-value edits.
-fn edit(
-    caller: &mut Caller<'_, HostState>,
-    map_type: u32,
-    key: (u32, u32),
-    value: (u32, u32),
-    apply: fn(&mut Headers, &[u8], &[u8]),
-) -> HostcallResult {
+fn edit(caller: &mut Caller<'_, HostState>, map_type: u32, key: (u32, u32), value: (u32, u32), apply: fn(&mut Headers, &[u8], &[u8])) -> HostcallResult {
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
@@ -153,21 +99,8 @@ fn edit(
     reply(Status::Ok)
 }
 
-fn proxy_add_header_map_value(
-    mut caller: Caller<'_, HostState>,
-    map_type: u32,
-    key_ptr: u32,
-    key_len: u32,
-    value_ptr: u32,
-    value_len: u32,
-) -> HostcallResult {
-    edit(
-        &mut caller,
-        map_type,
-        (key_ptr, key_len),
-        (value_ptr, value_len),
-        Headers::add,
-    )
+fn proxy_add_header_map_value(mut caller: Caller<'_, HostState>, map_type: u32, key_ptr: u32, key_len: u32, value_ptr: u32, value_len: u32) -> HostcallResult {
+    edit(&mut caller, map_type, (key_ptr, key_len), (value_ptr, value_len), Headers::add)
 }
 
 fn proxy_replace_header_map_value(
@@ -178,26 +111,9 @@ fn proxy_replace_header_map_value(
     value_ptr: u32,
     value_len: u32,
 ) -> HostcallResult {
-    edit(
-        &mut caller,
-        map_type,
-        (key_ptr, key_len),
-        (value_ptr, value_len),
-        Headers::replace,
-    )
+    edit(&mut caller, map_type, (key_ptr, key_len), (value_ptr, value_len), Headers::replace)
 }
 
-fn proxy_remove_header_map_value(
-    mut caller: Caller<'_, HostState>,
-    map_type: u32,
-    key_ptr: u32,
-    key_len: u32,
-) -> HostcallResult {
-    edit(
-        &mut caller,
-        map_type,
-        (key_ptr, key_len),
-        (0, 0),
-        |headers, key, _| headers.remove(key),
-    )
+fn proxy_remove_header_map_value(mut caller: Caller<'_, HostState>, map_type: u32, key_ptr: u32, key_len: u32) -> HostcallResult {
+    edit(&mut caller, map_type, (key_ptr, key_len), (0, 0), |headers, key, _| headers.remove(key))
 }

@@ -32,20 +32,14 @@ pub(crate) struct Metrics {
 
 impl Metrics {
     pub fn define(&mut self, kind: MetricType, name: &str) -> u32 {
-        let existing = self
-            .metrics
-            .iter()
-            .position(|m| m.name == name && Self::kind_of(&m.value) == kind);
+        let existing = self.metrics.iter().position(|m| m.name == name && Self::kind_of(&m.value) == kind);
         let index = existing.unwrap_or_else(|| {
             let value = match kind {
                 MetricType::Counter => Value::Counter(0),
                 MetricType::Gauge => Value::Gauge(0),
                 MetricType::Histogram => Value::Histogram(Vec::new()),
             };
-            self.metrics.push(Metric {
-                name: name.to_owned(),
-                value,
-            });
+            self.metrics.push(Metric { name: name.to_owned(), value });
             self.metrics.len() - 1
         });
         u32::try_from(index + 1).unwrap_or(u32::MAX)
@@ -61,10 +55,7 @@ impl Metrics {
 
     fn get_mut(&mut self, id: u32) -> Result<&mut Value, Status> {
         let index = (id as usize).checked_sub(1).ok_or(Status::NotFound)?;
-        self.metrics
-            .get_mut(index)
-            .map(|m| &mut m.value)
-            .ok_or(Status::NotFound)
+        self.metrics.get_mut(index).map(|m| &mut m.value).ok_or(Status::NotFound)
     }
 
     pub fn increment(&mut self, id: u32, offset: i64) -> Result<(), Status> {
@@ -98,10 +89,7 @@ impl Metrics {
 
     /// The metric called `name` of kind `kind`.
     pub fn find(&self, kind: MetricType, name: &str) -> Option<&Value> {
-        self.metrics
-            .iter()
-            .find(|m| m.name == name && Self::kind_of(&m.value) == kind)
-            .map(|m| &m.value)
+        self.metrics.iter().find(|m| m.name == name && Self::kind_of(&m.value) == kind).map(|m| &m.value)
     }
 
     /// Every defined name, in definition order.
@@ -118,13 +106,7 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
     Ok(())
 }
 
-fn proxy_define_metric(
-    mut caller: Caller<'_, HostState>,
-    kind: u32,
-    name_ptr: u32,
-    name_len: u32,
-    id_out: u32,
-) -> HostcallResult {
+fn proxy_define_metric(mut caller: Caller<'_, HostState>, kind: u32, name_ptr: u32, name_len: u32, id_out: u32) -> HostcallResult {
     let Some(kind) = MetricType::from_code(kind) else {
         return reply(Status::BadArgument);
     };
@@ -134,11 +116,7 @@ fn proxy_define_metric(
     reply(Status::Ok)
 }
 
-fn proxy_increment_metric(
-    mut caller: Caller<'_, HostState>,
-    id: u32,
-    offset: i64,
-) -> HostcallResult {
+fn proxy_increment_metric(mut caller: Caller<'_, HostState>, id: u32, offset: i64) -> HostcallResult {
     match caller.data_mut().metrics.increment(id, offset) {
         Ok(()) => reply(Status::Ok),
         Err(status) => reply(status),
@@ -180,10 +158,7 @@ mod tests {
         assert_eq!(m.find(MetricType::Gauge, "g"), Some(&Value::Gauge(-5)));
         m.record(h, 7).unwrap();
         m.record(h, 7).unwrap();
-        assert_eq!(
-            m.find(MetricType::Histogram, "h"),
-            Some(&Value::Histogram(vec![7, 7]))
-        );
+        assert_eq!(m.find(MetricType::Histogram, "h"), Some(&Value::Histogram(vec![7, 7])));
         assert_eq!(m.read(c), Ok(5));
         assert_eq!(m.read(h), Err(Status::BadArgument));
         assert_eq!(m.increment(99, 1), Err(Status::NotFound));

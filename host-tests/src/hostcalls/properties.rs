@@ -51,11 +51,7 @@ fn key(raw: &[u8]) -> Vec<u8> {
 }
 
 /// Resolves `path` as the plugin would see it from `stream` (or from the root, with `None`).
-pub(crate) fn lookup(
-    state: &HostState,
-    stream: Option<&HttpStream>,
-    path: &[u8],
-) -> Option<Vec<u8>> {
+pub(crate) fn lookup(state: &HostState, stream: Option<&HttpStream>, path: &[u8]) -> Option<Vec<u8>> {
     let path = key(path);
     if let Some(value) = stream.and_then(|s| s.properties.get(&path)) {
         return Some(value.to_vec());
@@ -72,11 +68,7 @@ fn int(value: i64) -> Vec<u8> {
 
 fn builtin(state: &HostState, stream: Option<&HttpStream>, path: &[&[u8]]) -> Option<Vec<u8>> {
     let plugin = &state.plugin;
-    let request_header = |name: &[u8]| {
-        stream
-            .and_then(|s| s.request.headers.first(name))
-            .map(<[u8]>::to_vec)
-    };
+    let request_header = |name: &[u8]| stream.and_then(|s| s.request.headers.first(name)).map(<[u8]>::to_vec);
     match path {
         [b"plugin_name"] => Some(plugin.name.clone().into_bytes()),
         [b"plugin_root_id"] => Some(plugin.root_id.clone().into_bytes()),
@@ -86,36 +78,24 @@ fn builtin(state: &HostState, stream: Option<&HttpStream>, path: &[&[u8]]) -> Op
         [b"destination", b"address"] => Some(b"10.0.0.2:8080".to_vec()),
         [b"destination", b"port"] => Some(int(8080)),
         [b"request", b"path"] => request_header(b":path"),
-        [b"request", b"url_path"] => request_header(b":path")
-            .map(|p| p.split(|b| *b == b'?').next().unwrap_or_default().to_vec()),
+        [b"request", b"url_path"] => request_header(b":path").map(|p| p.split(|b| *b == b'?').next().unwrap_or_default().to_vec()),
         [b"request", b"host"] => request_header(b":authority"),
         [b"request", b"method"] => request_header(b":method"),
         [b"request", b"scheme"] => request_header(b":scheme"),
         [b"request", b"id"] => request_header(b"x-request-id"),
         [b"request", b"useragent"] => request_header(b"user-agent"),
         [b"request", b"protocol"] => stream.map(|_| b"HTTP/1.1".to_vec()),
-        [b"request", b"time"] => {
-            stream.map(|s| int(i64::try_from(s.started_ns).unwrap_or(i64::MAX)))
-        }
+        [b"request", b"time"] => stream.map(|s| int(i64::try_from(s.started_ns).unwrap_or(i64::MAX))),
         [b"request", b"headers", name] => request_header(name),
-        [b"response", b"headers", name] => stream
-            .and_then(|s| s.response.headers.first(name))
-            .map(<[u8]>::to_vec),
-        [b"response", b"code"] => stream
-            .and_then(|s| s.response.headers.first(b":status"))
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
-            .map(int),
+        [b"response", b"headers", name] => stream.and_then(|s| s.response.headers.first(name)).map(<[u8]>::to_vec),
+        [b"response", b"code"] => {
+            stream.and_then(|s| s.response.headers.first(b":status")).and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok()).map(int)
+        }
         _ => None,
     }
 }
 
-fn proxy_get_property(
-    mut caller: Caller<'_, HostState>,
-    path_ptr: u32,
-    path_len: u32,
-    value_out: u32,
-    size_out: u32,
-) -> HostcallResult {
+fn proxy_get_property(mut caller: Caller<'_, HostState>, path_ptr: u32, path_len: u32, value_out: u32, size_out: u32) -> HostcallResult {
     let path = guest::read(&mut caller, path_ptr, path_len)?;
     let state = caller.data();
     let Some(value) = lookup(state, state.current_stream(), &path) else {
@@ -125,13 +105,7 @@ fn proxy_get_property(
     reply(Status::Ok)
 }
 
-fn proxy_set_property(
-    mut caller: Caller<'_, HostState>,
-    path_ptr: u32,
-    path_len: u32,
-    value_ptr: u32,
-    value_len: u32,
-) -> HostcallResult {
+fn proxy_set_property(mut caller: Caller<'_, HostState>, path_ptr: u32, path_len: u32, value_ptr: u32, value_len: u32) -> HostcallResult {
     let path = key(&guest::read(&mut caller, path_ptr, path_len)?);
     let value = guest::read(&mut caller, value_ptr, value_len)?;
     let state = caller.data_mut();

@@ -34,22 +34,12 @@ impl Queues {
             return id;
         }
         let id = u32::try_from(self.queues.len()).unwrap_or(u32::MAX - 1) + 1;
-        self.queues.insert(
-            id,
-            Queue {
-                name: name.to_owned(),
-                owner,
-                items: VecDeque::new(),
-            },
-        );
+        self.queues.insert(id, Queue { name: name.to_owned(), owner, items: VecDeque::new() });
         id
     }
 
     pub fn resolve(&self, name: &str) -> Option<u32> {
-        self.queues
-            .iter()
-            .find(|(_, q)| q.name == name)
-            .map(|(id, _)| *id)
+        self.queues.iter().find(|(_, q)| q.name == name).map(|(id, _)| *id)
     }
 
     /// Appends `item`; returns the context to notify.
@@ -67,42 +57,19 @@ impl Queues {
     /// The items waiting in `name`.
     pub fn items(&self, name: &str) -> Option<Vec<Vec<u8>>> {
         let id = self.resolve(name)?;
-        self.queues
-            .get(&id)
-            .map(|q| q.items.iter().cloned().collect())
+        self.queues.get(&id).map(|q| q.items.iter().cloned().collect())
     }
 }
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_register_shared_queue",
-        proxy_register_shared_queue,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_resolve_shared_queue",
-        proxy_resolve_shared_queue,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_enqueue_shared_queue",
-        proxy_enqueue_shared_queue,
-    )?;
-    linker.func_wrap(
-        MODULE,
-        "proxy_dequeue_shared_queue",
-        proxy_dequeue_shared_queue,
-    )?;
+    linker.func_wrap(MODULE, "proxy_register_shared_queue", proxy_register_shared_queue)?;
+    linker.func_wrap(MODULE, "proxy_resolve_shared_queue", proxy_resolve_shared_queue)?;
+    linker.func_wrap(MODULE, "proxy_enqueue_shared_queue", proxy_enqueue_shared_queue)?;
+    linker.func_wrap(MODULE, "proxy_dequeue_shared_queue", proxy_dequeue_shared_queue)?;
     Ok(())
 }
 
-fn proxy_register_shared_queue(
-    mut caller: Caller<'_, HostState>,
-    name_ptr: u32,
-    name_len: u32,
-    id_out: u32,
-) -> HostcallResult {
+fn proxy_register_shared_queue(mut caller: Caller<'_, HostState>, name_ptr: u32, name_len: u32, id_out: u32) -> HostcallResult {
     let name = guest::read_string(&mut caller, name_ptr, name_len)?;
     let state = caller.data_mut();
     let owner = state.effective_context;
@@ -111,14 +78,7 @@ fn proxy_register_shared_queue(
     reply(Status::Ok)
 }
 
-fn proxy_resolve_shared_queue(
-    mut caller: Caller<'_, HostState>,
-    vm_id_ptr: u32,
-    vm_id_len: u32,
-    name_ptr: u32,
-    name_len: u32,
-    id_out: u32,
-) -> HostcallResult {
+fn proxy_resolve_shared_queue(mut caller: Caller<'_, HostState>, vm_id_ptr: u32, vm_id_len: u32, name_ptr: u32, name_len: u32, id_out: u32) -> HostcallResult {
     let vm_id = guest::read_string(&mut caller, vm_id_ptr, vm_id_len)?;
     let name = guest::read_string(&mut caller, name_ptr, name_len)?;
     let state = caller.data();
@@ -133,32 +93,19 @@ fn proxy_resolve_shared_queue(
     reply(Status::Ok)
 }
 
-fn proxy_enqueue_shared_queue(
-    mut caller: Caller<'_, HostState>,
-    id: u32,
-    ptr: u32,
-    len: u32,
-) -> HostcallResult {
+fn proxy_enqueue_shared_queue(mut caller: Caller<'_, HostState>, id: u32, ptr: u32, len: u32) -> HostcallResult {
     let item = guest::read(&mut caller, ptr, len)?;
     let state = caller.data_mut();
     match state.queues.enqueue(id, item) {
         Ok(owner) => {
-            state.deferred.push_back(Deferred::QueueReady {
-                context_id: owner,
-                queue_id: id,
-            });
+            state.deferred.push_back(Deferred::QueueReady { context_id: owner, queue_id: id });
             reply(Status::Ok)
         }
         Err(status) => reply(status),
     }
 }
 
-fn proxy_dequeue_shared_queue(
-    mut caller: Caller<'_, HostState>,
-    id: u32,
-    data_out: u32,
-    size_out: u32,
-) -> HostcallResult {
+fn proxy_dequeue_shared_queue(mut caller: Caller<'_, HostState>, id: u32, data_out: u32, size_out: u32) -> HostcallResult {
     match caller.data_mut().queues.dequeue(id) {
         Ok(item) => {
             guest::return_bytes(&mut caller, &item, data_out, size_out)?;

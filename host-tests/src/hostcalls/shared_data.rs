@@ -57,21 +57,9 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
     Ok(())
 }
 
-fn proxy_get_shared_data(
-    mut caller: Caller<'_, HostState>,
-    key_ptr: u32,
-    key_len: u32,
-    value_out: u32,
-    size_out: u32,
-    cas_out: u32,
-) -> HostcallResult {
+fn proxy_get_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_out: u32, size_out: u32, cas_out: u32) -> HostcallResult {
     let key = guest::read_string(&mut caller, key_ptr, key_len)?;
-    let Some((value, cas)) = caller
-        .data()
-        .shared_data
-        .get(&key)
-        .map(|(v, cas)| (v.to_vec(), cas))
-    else {
+    let Some((value, cas)) = caller.data().shared_data.get(&key).map(|(v, cas)| (v.to_vec(), cas)) else {
         return reply(Status::NotFound);
     };
     guest::return_bytes(&mut caller, &value, value_out, size_out)?;
@@ -79,20 +67,9 @@ fn proxy_get_shared_data(
     reply(Status::Ok)
 }
 
-fn proxy_set_shared_data(
-    mut caller: Caller<'_, HostState>,
-    key_ptr: u32,
-    key_len: u32,
-    value_ptr: u32,
-    value_len: u32,
-    cas: u32,
-) -> HostcallResult {
+fn proxy_set_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_ptr: u32, value_len: u32, cas: u32) -> HostcallResult {
     let key = guest::read_string(&mut caller, key_ptr, key_len)?;
-    let value = if value_ptr == 0 && value_len == 0 {
-        None
-    } else {
-        Some(guest::read(&mut caller, value_ptr, value_len)?)
-    };
+    let value = if value_ptr == 0 && value_len == 0 { None } else { Some(guest::read(&mut caller, value_ptr, value_len)?) };
     match caller.data_mut().shared_data.set(&key, value, cas) {
         Ok(()) => reply(Status::Ok),
         Err(status) => reply(status),
@@ -110,10 +87,7 @@ mod tests {
         let (_, cas1) = data.get("k").unwrap();
         assert_ne!(cas1, 0);
         data.set("k", Some(b"2".to_vec()), cas1).unwrap();
-        assert_eq!(
-            data.set("k", Some(b"3".to_vec()), cas1),
-            Err(Status::CasMismatch)
-        );
+        assert_eq!(data.set("k", Some(b"3".to_vec()), cas1), Err(Status::CasMismatch));
         assert_eq!(data.get("k").unwrap().0, b"2");
         data.set("k", None, 0).unwrap();
         assert!(data.get("k").is_none());

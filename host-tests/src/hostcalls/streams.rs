@@ -12,11 +12,7 @@ use crate::headers::Headers;
 use crate::state::{HostState, LocalReply, Phase};
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_send_local_response",
-        proxy_send_local_response,
-    )?;
+    linker.func_wrap(MODULE, "proxy_send_local_response", proxy_send_local_response)?;
     linker.func_wrap(MODULE, "proxy_continue_stream", proxy_continue_stream)?;
     linker.func_wrap(MODULE, "proxy_close_stream", proxy_close_stream)?;
     Ok(())
@@ -46,13 +42,7 @@ fn proxy_send_local_response(
         // Envoy ignores a second reply: the first one is already on its way.
         return reply(Status::Ok);
     }
-    stream.local_reply = Some(LocalReply {
-        status,
-        details,
-        body,
-        headers: Headers::from_vec(headers),
-        grpc_status,
-    });
+    stream.local_reply = Some(LocalReply { status, details, body, headers: Headers::from_vec(headers), grpc_status });
     stream.phase = Phase::Stopped;
     reply(Status::Ok)
 }

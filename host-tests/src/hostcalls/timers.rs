@@ -45,18 +45,11 @@ impl Timer {
 }
 
 pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
-    linker.func_wrap(
-        MODULE,
-        "proxy_set_tick_period_milliseconds",
-        proxy_set_tick_period_milliseconds,
-    )?;
+    linker.func_wrap(MODULE, "proxy_set_tick_period_milliseconds", proxy_set_tick_period_milliseconds)?;
     Ok(())
 }
 
-fn proxy_set_tick_period_milliseconds(
-    mut caller: Caller<'_, HostState>,
-    period_ms: u32,
-) -> HostcallResult {
+fn proxy_set_tick_period_milliseconds(mut caller: Caller<'_, HostState>, period_ms: u32) -> HostcallResult {
     let state = caller.data_mut();
     let now = state.clock.now_ns();
     state.timer.set_period(period_ms, now);

@@ -24,8 +24,7 @@ pub const API_KEY: &str = "sk-live-7f3a9c";
 pub const API_KEY_SHA256: &str = "8f4817c5641318858b88ae4863b4e02c02167601bf1963944b60fc0aec5d7b1a";
 /// `sk-ant-api03-xyz` and its SHA-256.
 pub const ANTHROPIC_KEY: &str = "sk-ant-api03-xyz";
-pub const ANTHROPIC_KEY_SHA256: &str =
-    "2b8fac756cc021a587248108797965f45b3f966993003a21b3800bad9c9f96a2";
+pub const ANTHROPIC_KEY_SHA256: &str = "2b8fac756cc021a587248108797965f45b3f966993003a21b3800bad9c9f96a2";
 /// base64url (no padding) of `{"sub":"alice","sluice_key":"search-dev"}`, as jwt_authn forwards it.
 pub const JWT_PAYLOAD_SEARCH_DEV: &str = "eyJzdWIiOiJhbGljZSIsInNsdWljZV9rZXkiOiJzZWFyY2gtZGV2In0";
 
@@ -33,12 +32,7 @@ pub const JWT_PAYLOAD_SEARCH_DEV: &str = "eyJzdWIiOiJhbGljZSIsInNsdWljZV9rZXkiOi
 /// `cargo build --release --target wasm32-wasip1 -p sluice-tenant-budget`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| {
-            Plugin::load(workspace_wasm("sluice_tenant_budget"))
-                .expect("sluice_tenant_budget.wasm compiles")
-        })
-        .clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_tenant_budget")).expect("sluice_tenant_budget.wasm compiles")).clone()
 }
 
 pub fn at(unix_s: u64) -> SystemTime {
@@ -47,11 +41,8 @@ pub fn at(unix_s: u64) -> SystemTime {
 
 /// A gateway running tenant-budget with `policy`, its clock at `unix_s`.
 pub fn gateway_at(policy: &Value, unix_s: u64) -> Gateway {
-    Gateway::start(
-        &plugin(),
-        PluginSpec::new(policy.to_string()).start_time(at(unix_s)),
-    )
-    .unwrap_or_else(|e| panic!("tenant-budget refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), PluginSpec::new(policy.to_string()).start_time(at(unix_s)))
+        .unwrap_or_else(|e| panic!("tenant-budget refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// A gateway running tenant-budget with `policy` at 2026-03-31T23:59:50Z.
@@ -114,8 +105,7 @@ pub fn key_headers<'a>(path: &'a str, key: &'a str) -> Vec<(&'a str, &'a str)> {
 
 /// The chat request of [`super::llm::chat::request`] with an output limit.
 pub fn chat_body(stream: bool, include_usage: bool, max_tokens: Option<u64>) -> String {
-    let mut v: Value =
-        serde_json::from_str(&super::llm::chat::request(stream, include_usage)).expect("JSON");
+    let mut v: Value = serde_json::from_str(&super::llm::chat::request(stream, include_usage)).expect("JSON");
     if let Some(n) = max_tokens {
         v["max_tokens"] = json!(n);
     }
@@ -130,9 +120,7 @@ pub fn store_key(level: &str, id: &str, n: usize) -> String {
 /// The ledger counter of budget `n` of `level` `id`, as stored.
 pub fn counter(gw: &Gateway, level: &str, id: &str, n: usize) -> Counter {
     let key = store_key(level, id, n);
-    let bytes = gw
-        .shared_data(&key)
-        .unwrap_or_else(|| panic!("no counter {key} in shared data"));
+    let bytes = gw.shared_data(&key).unwrap_or_else(|| panic!("no counter {key} in shared data"));
     Counter::decode(&bytes).unwrap_or_else(|| panic!("counter {key} does not decode"))
 }
 
@@ -153,9 +141,7 @@ pub fn counter_in_window(gw: &Gateway, level: &str, id: &str, n: usize, window_i
 
 /// The access-log stamp (`sluice_budget` filter state), parsed.
 pub fn stamp(stream: &Stream<'_>) -> Value {
-    let raw = stream
-        .filter_state("sluice_budget")
-        .expect("the plugin wrote its access-log stamp");
+    let raw = stream.filter_state("sluice_budget").expect("the plugin wrote its access-log stamp");
     serde_json::from_slice(&raw).expect("the stamp is JSON")
 }
 
@@ -167,9 +153,7 @@ pub fn reply_json(stream: &Stream<'_>) -> Value {
 
 /// A response header the client received.
 pub fn response_header(stream: &Stream<'_>, name: &str) -> Option<String> {
-    stream
-        .downstream_response_headers()
-        .and_then(|h| h.get(name).map(str::to_owned))
+    stream.downstream_response_headers().and_then(|h| h.get(name).map(str::to_owned))
 }
 
 /// Cost in micro-USD of `input` / `output` gpt-4o tokens (2.5 and 10 USD per million), rounded up.
@@ -184,10 +168,7 @@ pub fn remaining(level: &str, id: &str, window: &str, unit: &str) -> String {
 
 /// `sluice.budget.rejections_total.key.<k>.reason.<code>` (`:` → `_`).
 pub fn rejections(key: &str, code: &str) -> String {
-    format!(
-        "sluice.budget.rejections_total.key.{key}.reason.{}",
-        code.replace(':', "_")
-    )
+    format!("sluice.budget.rejections_total.key.{key}.reason.{}", code.replace(':', "_"))
 }
 
 /// `sluice.budget.charged_tokens_total` of key `key` in team `search`, org `acme`.

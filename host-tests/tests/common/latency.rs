@@ -52,12 +52,7 @@ pub const NS_PER_MS: u64 = 1_000_000;
 /// `cargo build --release --target wasm32-wasip1 -p sluice-latency-guard`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| {
-            Plugin::load(workspace_wasm("sluice_latency_guard"))
-                .expect("sluice_latency_guard.wasm compiles")
-        })
-        .clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_latency_guard")).expect("sluice_latency_guard.wasm compiles")).clone()
 }
 
 /// A policy with the three classes and versions `v1` (given, as its JSON object without `name`)
@@ -118,8 +113,7 @@ pub fn merge(target: &mut Value, patch: Value) {
 
 /// A gateway running the guard with `policy` (its clock at 2026-01-01T00:00:00Z).
 pub fn gateway(policy: &Value) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string()))
-        .unwrap_or_else(|e| panic!("latency-guard refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), PluginSpec::new(policy.to_string())).unwrap_or_else(|e| panic!("latency-guard refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// The error a policy is refused with (panics if it is accepted).
@@ -202,9 +196,7 @@ impl Req {
     }
     /// model-router prefers `preferred` and honours the avoid list.
     pub fn via_router(self, preferred: &str) -> Self {
-        self.route(Route::Router {
-            preferred: preferred.into(),
-        })
+        self.route(Route::Router { preferred: preferred.into() })
     }
     pub fn raw_tenant(mut self, tenant: Option<&[u8]>) -> Self {
         self.tenant = tenant.map(<[u8]>::to_vec);
@@ -234,10 +226,7 @@ impl Req {
 
     /// Request headers as the client sent them (values may be any bytes).
     pub fn headers(&self, body_len: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
-        let mut h: Vec<(Vec<u8>, Vec<u8>)> = llm::headers(&self.path, &[])
-            .into_iter()
-            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
-            .collect();
+        let mut h: Vec<(Vec<u8>, Vec<u8>)> = llm::headers(&self.path, &[]).into_iter().map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec())).collect();
         h.push((b"x-request-id".to_vec(), self.request_id.clone().into_bytes()));
         h.push((b"content-length".to_vec(), body_len.to_string().into_bytes()));
         if let Some(t) = &self.tenant {
@@ -253,17 +242,12 @@ impl Req {
         if let Some(m) = &self.metadata {
             stream.set_property(&MODEL_METADATA, m.as_bytes());
         }
-        stream
-            .request_headers(&self.headers(self.body.len()), false)
-            .expect("request headers");
+        stream.request_headers(&self.headers(self.body.len()), false).expect("request headers");
         // model-router's header phase, between the guard's headers and body.
         let decided = match &self.route {
             Route::Version(v) => Some(v.clone()),
             Route::Router { preferred } => {
-                let avoid = stream
-                    .filter_state(AVOID)
-                    .map(|a| String::from_utf8(a).expect("the avoid list is UTF-8"))
-                    .unwrap_or_default();
+                let avoid = stream.filter_state(AVOID).map(|a| String::from_utf8(a).expect("the avoid list is UTF-8")).unwrap_or_default();
                 let fallback = avoid.split(',').find_map(|entry| {
                     let (version, fallback) = entry.split_once('>')?;
                     (version == preferred && !fallback.is_empty()).then(|| fallback.to_string())
@@ -279,9 +263,7 @@ impl Req {
         if let Some(v) = &decided {
             stream.set_property(&[ROUTE], json!({"version": v, "reason": "weight"}).to_string());
         }
-        stream
-            .request_body(&self.body, true)
-            .expect("request body");
+        stream.request_body(&self.body, true).expect("request body");
         Exchange {
             gw,
             stream,
@@ -334,11 +316,7 @@ impl<'g> Exchange<'g> {
             if now >= target {
                 break;
             }
-            let step = if self.held.is_empty() && !self.held_end {
-                target - now
-            } else {
-                NS_PER_MS.min(target - now)
-            };
+            let step = if self.held.is_empty() && !self.held_end { target - now } else { NS_PER_MS.min(target - now) };
             self.gw.advance(Duration::from_nanos(step)).expect("advance the clock");
             self.pump();
         }
@@ -366,9 +344,7 @@ impl<'g> Exchange<'g> {
         if self.llm_metrics && content_type.to_ascii_lowercase().starts_with("text/event-stream") {
             self.stream.set_property(&[FIRST_TOKEN], "0");
         }
-        self.stream
-            .response_headers(&[(":status", status), ("content-type", content_type)], false)
-            .expect("response headers");
+        self.stream.response_headers(&[(":status", status), ("content-type", content_type)], false).expect("response headers");
     }
 
     /// `200 text/event-stream` at `+ms`.
@@ -449,23 +425,17 @@ impl<'g> Exchange<'g> {
 
     /// The `:status` the client received, if headers reached it.
     pub fn downstream_status(&self) -> Option<String> {
-        self.stream
-            .downstream_response_headers()
-            .and_then(|h| h.get(":status").map(str::to_string))
+        self.stream.downstream_response_headers().and_then(|h| h.get(":status").map(str::to_string))
     }
 
     /// The avoid list the guard wrote for model-router, if any.
     pub fn avoid(&self) -> Option<String> {
-        self.stream
-            .filter_state(AVOID)
-            .map(|a| String::from_utf8(a).expect("the avoid list is UTF-8"))
+        self.stream.filter_state(AVOID).map(|a| String::from_utf8(a).expect("the avoid list is UTF-8"))
     }
 
     /// The access-log stamp, parsed (written at the end of the stream).
     pub fn stamp(&self) -> Option<Value> {
-        self.stream
-            .filter_state(STAMP)
-            .map(|raw| serde_json::from_slice(&raw).expect("the stamp is JSON"))
+        self.stream.filter_state(STAMP).map(|raw| serde_json::from_slice(&raw).expect("the stamp is JSON"))
     }
 }
 
@@ -526,8 +496,5 @@ pub fn in_flight(version: &str) -> String {
 /// The transition log lines (warn) of the breaker of `version`.
 pub fn transition_logs(gw: &Gateway, version: &str) -> Vec<String> {
     let prefix = format!("sluice latency-guard: breaker of {version} ");
-    gw.logs_at_least(sluice_host::LogLevel::Warn)
-        .into_iter()
-        .filter(|l| l.starts_with(&prefix))
-        .collect()
+    gw.logs_at_least(sluice_host::LogLevel::Warn).into_iter().filter(|l| l.starts_with(&prefix)).collect()
 }

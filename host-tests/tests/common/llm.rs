@@ -36,18 +36,12 @@ pub fn config_with(extra: Value) -> String {
 /// `cargo build --release --target wasm32-wasip1 -p sluice-llm-metrics`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| {
-            Plugin::load(workspace_wasm("sluice_llm_metrics"))
-                .expect("sluice_llm_metrics.wasm compiles")
-        })
-        .clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_llm_metrics")).expect("sluice_llm_metrics.wasm compiles")).clone()
 }
 
 /// A fresh gateway running llm-metrics with `config`.
 pub fn gateway_with(config: &str) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(config))
-        .expect("llm-metrics accepts its configuration")
+    Gateway::start(&plugin(), PluginSpec::new(config)).expect("llm-metrics accepts its configuration")
 }
 
 /// A fresh gateway running llm-metrics with [`CONFIG`].
@@ -69,14 +63,7 @@ pub struct Labels {
 
 impl Labels {
     pub fn new(api: &str) -> Self {
-        Self {
-            model_version: "v2".into(),
-            tenant: "acme".into(),
-            api: api.into(),
-            ctx: "1k".into(),
-            turn: "first".into(),
-            stream: true,
-        }
+        Self { model_version: "v2".into(), tenant: "acme".into(), api: api.into(), ctx: "1k".into(), turn: "first".into(), stream: true }
     }
     pub fn model_version(mut self, v: &str) -> Self {
         self.model_version = v.into();
@@ -101,10 +88,7 @@ impl Labels {
 
     /// `.model_version.v2.tenant.acme.api.chat_completions.ctx.1k.turn.first.stream.true`
     pub fn suffix(&self) -> String {
-        format!(
-            ".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}",
-            self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream
-        )
+        format!(".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}", self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream)
     }
 
     /// The name of metric `metric` (e.g. `ttft_ms`) with these labels.
@@ -114,10 +98,7 @@ impl Labels {
 
     /// The `requests_total` counter with these labels and its status/finish/usage labels.
     pub fn requests_total(&self, status: &str, finish: &str, usage: &str) -> String {
-        format!(
-            "sluice.requests_total{}.status.{status}.finish.{finish}.usage.{usage}",
-            self.suffix()
-        )
+        format!("sluice.requests_total{}.status.{status}.finish.{finish}.usage.{usage}", self.suffix())
     }
 }
 
@@ -162,26 +143,16 @@ impl<'g> Call<'g> {
     pub fn start_raw(gw: &'g Gateway, headers: &[(&[u8], &[u8])], body: &[u8]) -> Self {
         let start_ns = gw.now_ns();
         let mut stream = gw.stream();
-        stream
-            .request_headers(headers, body.is_empty())
-            .expect("request headers");
+        stream.request_headers(headers, body.is_empty()).expect("request headers");
         if !body.is_empty() {
             stream.request_body(body, true).expect("request body");
         }
-        Self {
-            gw,
-            stream,
-            start_ns,
-            upstream_body: Vec::new(),
-        }
+        Self { gw, stream, start_ns, upstream_body: Vec::new() }
     }
 
     /// Sends `headers` and `body` at the current time, which becomes offset 0.
     pub fn start(gw: &'g Gateway, headers: &[(&str, &str)], body: &str) -> Self {
-        let raw: Vec<(&[u8], &[u8])> = headers
-            .iter()
-            .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
-            .collect();
+        let raw: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
         Self::start_raw(gw, &raw, body.as_bytes())
     }
 
@@ -189,13 +160,8 @@ impl<'g> Call<'g> {
     pub fn at(&self, ms: u64) {
         let target = self.start_ns + ms * 1_000_000;
         let now = self.gw.now_ns();
-        assert!(
-            target >= now,
-            "time only moves forward: +{ms} ms is in the past"
-        );
-        self.gw
-            .advance(Duration::from_nanos(target - now))
-            .expect("advance the clock");
+        assert!(target >= now, "time only moves forward: +{ms} ms is in the past");
+        self.gw.advance(Duration::from_nanos(target - now)).expect("advance the clock");
     }
 
     /// Response headers arrive at `+ms`.
@@ -203,12 +169,7 @@ impl<'g> Call<'g> {
         self.at(ms);
         self.stream
             .response_headers(
-                &[
-                    (":status", status),
-                    ("content-type", content_type),
-                    ("x-request-id", "req_9f8e7d6c5b4a"),
-                    ("openai-processing-ms", "57"),
-                ],
+                &[(":status", status), ("content-type", content_type), ("x-request-id", "req_9f8e7d6c5b4a"), ("openai-processing-ms", "57")],
                 false,
             )
             .expect("response headers");
@@ -228,16 +189,12 @@ impl<'g> Call<'g> {
             self.upstream_body.extend_from_slice(bytes.as_bytes());
             match delivery {
                 Delivery::PerEntry => {
-                    self.stream
-                        .response_body(bytes.as_bytes(), eos)
-                        .expect("response body");
+                    self.stream.response_body(bytes.as_bytes(), eos).expect("response body");
                 }
                 Delivery::ByteByByte => {
                     let n = bytes.len();
                     for (j, b) in bytes.as_bytes().iter().enumerate() {
-                        self.stream
-                            .response_body(&[*b], eos && j + 1 == n)
-                            .expect("response body byte");
+                        self.stream.response_body(&[*b], eos && j + 1 == n).expect("response body byte");
                     }
                 }
             }
@@ -248,9 +205,7 @@ impl<'g> Call<'g> {
     pub fn body_bytes(&mut self, ms: u64, bytes: &[u8], end: bool) {
         self.at(ms);
         self.upstream_body.extend_from_slice(bytes);
-        self.stream
-            .response_body(bytes, end)
-            .expect("response body");
+        self.stream.response_body(bytes, end).expect("response body");
     }
 
     /// The stream completes (done, log, delete).
@@ -260,10 +215,7 @@ impl<'g> Call<'g> {
 
     /// The access-log stamp, parsed.
     pub fn stamp(&self) -> Value {
-        let raw = self
-            .stream
-            .filter_state("sluice_llm")
-            .expect("the plugin wrote its access-log stamp");
+        let raw = self.stream.filter_state("sluice_llm").expect("the plugin wrote its access-log stamp");
         serde_json::from_slice(&raw).expect("the stamp is JSON")
     }
 
@@ -286,17 +238,7 @@ pub mod chat {
     /// per-chunk estimate (one token per chunk of up to 4 characters, 4 characters a token in longer
     /// ones) gives 8 × 1 + 16/4 = 12; piece lengths are ≤ 4 or a multiple of 4, so rounding up or
     /// down gives the same estimate.
-    pub const PIECES: [&str; 9] = [
-        "Hi",
-        "!",
-        " How",
-        " can",
-        " I",
-        " aid",
-        " you",
-        " with that today",
-        "?",
-    ];
+    pub const PIECES: [&str; 9] = ["Hi", "!", " How", " can", " I", " aid", " you", " with that today", "?"];
     pub const ESTIMATED_TOKENS: u64 = 12;
 
     /// System prompt (28 characters) and user message (6): the request-body estimate is
@@ -336,10 +278,7 @@ pub mod chat {
     }
 
     pub fn role() -> String {
-        event(chunk_value(
-            json!({"role": "assistant", "content": "", "refusal": null}),
-            None,
-        ))
+        event(chunk_value(json!({"role": "assistant", "content": "", "refusal": null}), None))
     }
     pub fn content(text: &str) -> String {
         event(chunk_value(json!({"content": text}), None))
@@ -446,16 +385,10 @@ pub mod completions {
         format!("data: {v}\n\n")
     }
     pub fn text(t: &str, finish: Option<&str>) -> String {
-        chunk(
-            json!([{"text": t, "index": 0, "logprobs": null, "finish_reason": finish}]),
-            Value::Null,
-        )
+        chunk(json!([{"text": t, "index": 0, "logprobs": null, "finish_reason": finish}]), Value::Null)
     }
     pub fn usage(prompt: u64, completion: u64) -> String {
-        chunk(
-            json!([]),
-            json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}),
-        )
+        chunk(json!([]), json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}))
     }
 
     pub fn response() -> String {
@@ -537,22 +470,8 @@ pub mod responses {
             seq - 1
         };
         let mut t = vec![
-            (
-                200,
-                event(
-                    "response.created",
-                    json!({"response": response_object("in_progress", Value::Null, json!([]))}),
-                    next(),
-                ),
-            ),
-            (
-                200,
-                event(
-                    "response.in_progress",
-                    json!({"response": response_object("in_progress", Value::Null, json!([]))}),
-                    next(),
-                ),
-            ),
+            (200, event("response.created", json!({"response": response_object("in_progress", Value::Null, json!([]))}), next())),
+            (200, event("response.in_progress", json!({"response": response_object("in_progress", Value::Null, json!([]))}), next())),
             (
                 200,
                 event(
@@ -575,21 +494,10 @@ pub mod responses {
         for (i, d) in DELTAS.iter().enumerate() {
             t.push((
                 250 + 20 * i as u64,
-                event(
-                    "response.output_text.delta",
-                    json!({"item_id": MSG_ID, "output_index": 0, "content_index": 0, "delta": d}),
-                    next(),
-                ),
+                event("response.output_text.delta", json!({"item_id": MSG_ID, "output_index": 0, "content_index": 0, "delta": d}), next()),
             ));
         }
-        t.push((
-            355,
-            event(
-                "response.output_text.done",
-                json!({"item_id": MSG_ID, "output_index": 0, "content_index": 0, "text": text}),
-                next(),
-            ),
-        ));
+        t.push((355, event("response.output_text.done", json!({"item_id": MSG_ID, "output_index": 0, "content_index": 0, "text": text}), next())));
         t.push((
             355,
             event(
@@ -599,14 +507,7 @@ pub mod responses {
                 next(),
             ),
         ));
-        t.push((
-            355,
-            event(
-                "response.output_item.done",
-                json!({"output_index": 0, "item": message(&text, "completed")}),
-                next(),
-            ),
-        ));
+        t.push((355, event("response.output_item.done", json!({"output_index": 0, "item": message(&text, "completed")}), next())));
         t.push((
             360,
             event(
@@ -621,12 +522,7 @@ pub mod responses {
 
     /// A complete (non-streamed) response.
     pub fn response() -> String {
-        response_object(
-            "completed",
-            usage(1500, 1024, 6, 0),
-            json!([message("Why did the chicken cross?", "completed")]),
-        )
-        .to_string()
+        response_object("completed", usage(1500, 1024, 6, 0), json!([message("Why did the chicken cross?", "completed")])).to_string()
     }
 }
 
@@ -671,28 +567,24 @@ pub mod messages {
                 "usage": {"input_tokens": 25, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 1000, "output_tokens": 1}}}),
                 ),
             ),
-            (
-                300,
-                event(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                ),
-            ),
+            (300, event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))),
             (300, event("ping", json!({"type": "ping"}))),
         ];
         for (i, d) in DELTAS.iter().enumerate() {
-            t.push((400 + 30 * i as u64, event("content_block_delta",
-                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}))));
+            t.push((
+                400 + 30 * i as u64,
+                event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}})),
+            ));
         }
+        t.push((525, event("content_block_stop", json!({"type": "content_block_stop", "index": 0}))));
         t.push((
-            525,
+            530,
             event(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": 0}),
+                "message_delta",
+                json!({"type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 15}}),
             ),
         ));
-        t.push((530, event("message_delta", json!({"type": "message_delta",
-            "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 15}}))));
         t.push((531, event("message_stop", json!({"type": "message_stop"}))));
         t
     }

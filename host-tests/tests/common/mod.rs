@@ -37,13 +37,7 @@ fn build_test_plugin() -> Result<PathBuf, String> {
     let target_dir = sluice_host::workspace_target_dir().join("test-plugin");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let output = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--target",
-            "wasm32-wasip1",
-            "--manifest-path",
-        ])
+        .args(["build", "--release", "--target", "wasm32-wasip1", "--manifest-path"])
         .arg(&manifest)
         .arg("--target-dir")
         .arg(&target_dir)
@@ -67,9 +61,7 @@ fn build_test_plugin() -> Result<PathBuf, String> {
 /// The compiled test plugin.
 pub fn test_plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| Plugin::load(test_plugin_wasm()).expect("the test plugin compiles"))
-        .clone()
+    PLUGIN.get_or_init(|| Plugin::load(test_plugin_wasm()).expect("the test plugin compiles")).clone()
 }
 
 /// A fresh gateway running the test plugin with [`CONFIG`].

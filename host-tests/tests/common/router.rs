@@ -14,12 +14,7 @@ use super::llm::{self, chat, Call};
 /// Where `json_to_metadata` puts the body's `model` (envoy/router-gateway.yaml).
 pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 /// The demo policy's trusted override property (jwt_authn metadata in the demo gateway).
-pub const FORCE_PROPERTY: [&str; 4] = [
-    "metadata",
-    "filter_metadata",
-    "sluice_trusted",
-    "force_version",
-];
+pub const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
 /// `policies/model-router.demo.json`, as shipped.
 pub const DEMO: &str = include_str!("../../../policies/model-router.demo.json");
 
@@ -44,12 +39,7 @@ pub const CLIENT_OVERRIDE_HEADER: &str = "x-sluice-force-version";
 /// `cargo build --release --target wasm32-wasip1 -p sluice-model-router`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN
-        .get_or_init(|| {
-            Plugin::load(workspace_wasm("sluice_model_router"))
-                .expect("sluice_model_router.wasm compiles")
-        })
-        .clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_model_router")).expect("sluice_model_router.wasm compiles")).clone()
 }
 
 /// The demo policy, parsed (tests change fields of it).
@@ -69,10 +59,7 @@ pub fn demo_shadow_all(max_concurrent: u32) -> Value {
 /// The demo policy without its shadow.
 pub fn demo_no_shadow() -> Value {
     let mut p = demo();
-    p["models"][0]
-        .as_object_mut()
-        .expect("model entry")
-        .remove("shadow");
+    p["models"][0].as_object_mut().expect("model entry").remove("shadow");
     p
 }
 
@@ -86,8 +73,7 @@ pub fn split(w1: u64, w2: u64) -> Value {
 
 /// A gateway running model-router with `policy` (its clock at 2026-01-01T00:00:00Z).
 pub fn gateway(policy: &Value) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string()))
-        .unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), PluginSpec::new(policy.to_string())).unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// A gateway running model-router with `policy`, its clock at `t`.
@@ -132,15 +118,7 @@ pub struct Req {
 impl Req {
     /// A chat request for [`MODEL`] from `tenant`, headers only.
     pub fn new(tenant: &str, request_id: &str) -> Self {
-        Self {
-            model: Some(MODEL.into()),
-            tenant: Some(tenant.into()),
-            request_id: request_id.into(),
-            force: None,
-            extra: Vec::new(),
-            body: None,
-            chunk: None,
-        }
+        Self { model: Some(MODEL.into()), tenant: Some(tenant.into()), request_id: request_id.into(), force: None, extra: Vec::new(), body: None, chunk: None }
     }
     pub fn model(mut self, m: Option<&str>) -> Self {
         self.model = m.map(str::to_string);
@@ -174,10 +152,7 @@ impl Req {
 
     /// The request headers as the client sent them.
     pub fn headers(&self) -> Vec<(String, String)> {
-        let mut h: Vec<(String, String)> = llm::headers(chat::PATH, &[])
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let mut h: Vec<(String, String)> = llm::headers(chat::PATH, &[]).into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         h.push(("x-request-id".into(), self.request_id.clone()));
         if let Some(t) = &self.tenant {
             h.push((TENANT_HEADER.into(), t.clone()));
@@ -199,8 +174,7 @@ impl Req {
         if let Some(f) = &self.force {
             s.set_property(&FORCE_PROPERTY, f.as_bytes());
         }
-        s.request_headers(&self.headers(), self.body.is_none())
-            .expect("request headers");
+        s.request_headers(&self.headers(), self.body.is_none()).expect("request headers");
         if let Some(body) = &self.body {
             let size = self.chunk.unwrap_or(body.len()).max(1);
             let pieces: Vec<&[u8]> = body.chunks(size).collect();
@@ -216,12 +190,7 @@ impl Req {
     pub fn call<'g>(&self, gw: &'g Gateway) -> Call<'g> {
         let start_ns = gw.now_ns();
         let stream = self.send(gw);
-        Call {
-            gw,
-            stream,
-            start_ns,
-            upstream_body: Vec::new(),
-        }
+        Call { gw, stream, start_ns, upstream_body: Vec::new() }
     }
 }
 
@@ -239,46 +208,28 @@ pub struct Routed {
 impl Routed {
     /// The one route sent upstream (panics unless exactly one).
     pub fn route(&self) -> &str {
-        assert_eq!(
-            self.routes.len(),
-            1,
-            "exactly one route header upstream: {self:?}"
-        );
+        assert_eq!(self.routes.len(), 1, "exactly one route header upstream: {self:?}");
         &self.routes[0]
     }
     pub fn version(&self) -> &str {
-        assert_eq!(
-            self.versions.len(),
-            1,
-            "exactly one version header upstream: {self:?}"
-        );
+        assert_eq!(self.versions.len(), 1, "exactly one version header upstream: {self:?}");
         &self.versions[0]
     }
     pub fn reason(&self) -> &str {
-        self.stamp
-            .as_ref()
-            .and_then(|s| s["reason"].as_str())
-            .unwrap_or_else(|| panic!("no decision stamp: {self:?}"))
+        self.stamp.as_ref().and_then(|s| s["reason"].as_str()).unwrap_or_else(|| panic!("no decision stamp: {self:?}"))
     }
 }
 
 fn all(headers: &Headers, name: &str) -> Vec<String> {
-    headers
-        .get_all(name)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .collect()
+    headers.get_all(name).map(|v| String::from_utf8_lossy(v).into_owned()).collect()
 }
 
 pub fn routed(s: &Stream) -> Routed {
-    let up = s
-        .upstream_request_headers()
-        .expect("the router let the request headers go");
+    let up = s.upstream_request_headers().expect("the router let the request headers go");
     Routed {
         routes: all(&up, ROUTE_HEADER),
         versions: all(&up, VERSION_HEADER),
-        stamp: s
-            .filter_state("sluice_route")
-            .map(|raw| serde_json::from_slice(&raw).expect("the route stamp is JSON")),
+        stamp: s.filter_state("sluice_route").map(|raw| serde_json::from_slice(&raw).expect("the route stamp is JSON")),
     }
 }
 
@@ -319,8 +270,5 @@ pub fn compare_side(metric: &str, primary: &str, shadow: &str, side: &str) -> St
 
 /// Every metric the plugin defined whose name starts with `prefix`.
 pub fn metrics_with_prefix(gw: &Gateway, prefix: &str) -> Vec<String> {
-    gw.metric_names()
-        .into_iter()
-        .filter(|n| n.starts_with(prefix))
-        .collect()
+    gw.metric_names().into_iter().filter(|n| n.starts_with(prefix)).collect()
 }

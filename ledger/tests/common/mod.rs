@@ -239,7 +239,8 @@ impl Http {
         if conn.read_line(&mut line)? == 0 {
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"));
         }
-        let status: u16 = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
+        let status: u16 =
+            line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
         let mut length = 0usize;
         let mut close = false;
         loop {

@@ -19,12 +19,7 @@ pub enum ApiKind {
 
 impl ApiKind {
     /// All kinds, for iteration in tests, fuzzers and config validation.
-    pub const ALL: [ApiKind; 4] = [
-        ApiKind::ChatCompletions,
-        ApiKind::Completions,
-        ApiKind::Responses,
-        ApiKind::AnthropicMessages,
-    ];
+    pub const ALL: [ApiKind; 4] = [ApiKind::ChatCompletions, ApiKind::Completions, ApiKind::Responses, ApiKind::AnthropicMessages];
 
     /// The kind served at `path`, if any.
     ///

@@ -37,14 +37,8 @@ pub fn sha256_hex(data: &[u8]) -> String {
 /// `None` when neither yields a key: absent or empty headers, another scheme (`Basic …`), a key with
 /// bytes outside visible ASCII (`0x21..=0x7e`: control characters, spaces inside the key, non-UTF-8)
 /// or longer than [`MAX_API_KEY_BYTES`]. An unusable `authorization` falls back to `x-api-key`.
-pub fn api_key_from_headers(
-    authorization: Option<&[u8]>,
-    x_api_key: Option<&[u8]>,
-) -> Option<Vec<u8>> {
-    authorization
-        .and_then(bearer_token)
-        .or_else(|| x_api_key.map(trim_ows).filter(|k| valid_key(k)))
-        .map(<[u8]>::to_vec)
+pub fn api_key_from_headers(authorization: Option<&[u8]>, x_api_key: Option<&[u8]>) -> Option<Vec<u8>> {
+    authorization.and_then(bearer_token).or_else(|| x_api_key.map(trim_ows).filter(|k| valid_key(k))).map(<[u8]>::to_vec)
 }
 
 /// `<key>` of `Bearer <key>`.
@@ -63,28 +57,20 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 }
 
 fn valid_key(key: &[u8]) -> bool {
-    !key.is_empty()
-        && key.len() <= MAX_API_KEY_BYTES
-        && key.iter().all(|b| (0x21..=0x7e).contains(b))
+    !key.is_empty() && key.len() <= MAX_API_KEY_BYTES && key.iter().all(|b| (0x21..=0x7e).contains(b))
 }
 
 /// `value` without leading and trailing spaces and tabs (HTTP optional whitespace).
 fn trim_ows(value: &[u8]) -> &[u8] {
     let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
     let start = value.iter().position(|b| !is_ows(b)).unwrap_or(value.len());
-    let end = value
-        .iter()
-        .rposition(|b| !is_ows(b))
-        .map_or(start, |p| p.saturating_add(1));
+    let end = value.iter().rposition(|b| !is_ows(b)).map_or(start, |p| p.saturating_add(1));
     value.get(start..end).unwrap_or_default()
 }
 
-const PADDING_INDIFFERENT: GeneralPurposeConfig =
-    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
-const URL_SAFE_ANY_PADDING: GeneralPurpose =
-    GeneralPurpose::new(&alphabet::URL_SAFE, PADDING_INDIFFERENT);
-const STANDARD_ANY_PADDING: GeneralPurpose =
-    GeneralPurpose::new(&alphabet::STANDARD, PADDING_INDIFFERENT);
+const PADDING_INDIFFERENT: GeneralPurposeConfig = GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
+const URL_SAFE_ANY_PADDING: GeneralPurpose = GeneralPurpose::new(&alphabet::URL_SAFE, PADDING_INDIFFERENT);
+const STANDARD_ANY_PADDING: GeneralPurpose = GeneralPurpose::new(&alphabet::STANDARD, PADDING_INDIFFERENT);
 
 /// A claim from the JSON payload Envoy's `jwt_authn` filter forwards in `forward_payload_header`:
 /// base64url without padding (padding and the standard `+/` alphabet are accepted too).
@@ -100,10 +86,7 @@ pub fn jwt_payload_claim(header_value: &[u8], claim: &str) -> Option<String> {
         return None;
     }
     let encoded = trim_ows(header_value);
-    let payload = URL_SAFE_ANY_PADDING
-        .decode(encoded)
-        .or_else(|_| STANDARD_ANY_PADDING.decode(encoded))
-        .ok()?;
+    let payload = URL_SAFE_ANY_PADDING.decode(encoded).or_else(|_| STANDARD_ANY_PADDING.decode(encoded)).ok()?;
     let v: Value = serde_json::from_slice(&payload).ok()?;
     if !v.is_object() {
         return None;

@@ -72,17 +72,12 @@ pub(crate) fn error_message(v: &Value) -> Option<&str> {
     match v.get("error") {
         Some(Value::String(s)) if !s.is_empty() => return Some(s),
         Some(e @ Value::Object(_)) => {
-            return nonempty_str_at(e, "message")
-                .or_else(|| nonempty_str_at(e, "type"))
-                .or_else(|| nonempty_str_at(e, "code"))
-                .or(Some("error"));
+            return nonempty_str_at(e, "message").or_else(|| nonempty_str_at(e, "type")).or_else(|| nonempty_str_at(e, "code")).or(Some("error"));
         }
         _ => {}
     }
     if str_at(v, "type") == Some("error") {
-        return nonempty_str_at(v, "message")
-            .or_else(|| nonempty_str_at(v, "code"))
-            .or(Some("error"));
+        return nonempty_str_at(v, "message").or_else(|| nonempty_str_at(v, "code")).or(Some("error"));
     }
     None
 }
@@ -124,23 +119,11 @@ mod tests {
 
     #[test]
     fn error_shapes() {
-        assert_eq!(
-            error_message(&json!({"error":{"message":"m","type":"t"}})),
-            Some("m")
-        );
+        assert_eq!(error_message(&json!({"error":{"message":"m","type":"t"}})), Some("m"));
         assert_eq!(error_message(&json!({"error":{"type":"t"}})), Some("t"));
         assert_eq!(error_message(&json!({"error":"boom"})), Some("boom"));
         assert_eq!(error_message(&json!({"error":null})), None);
-        assert_eq!(
-            error_message(
-                &json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})
-            ),
-            Some("Overloaded")
-        );
-        assert_eq!(
-            error_message(&json!({"type":"error","code":"rate_limit","message":""})),
-            Some("rate_limit")
-        );
+        assert_eq!(error_message(&json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})), Some("Overloaded"));
+        assert_eq!(error_message(&json!({"type":"error","code":"rate_limit","message":""})), Some("rate_limit"));
     }
 }
-

@@ -23,21 +23,13 @@
 //!   sampling, and the similarity score of shadow comparisons.
 //! - [`latency`]: latency guard: quantile sketch, rolling latency windows, SLO circuit breaker,
 //!   priority shedding and the latency-guard policy.
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 pub mod api;
+pub mod budget;
 pub mod contract;
 pub mod identity;
 pub mod latency;
-pub mod budget;
 pub mod price;
 pub mod reply;
 pub mod report;

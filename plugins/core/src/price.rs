@@ -122,18 +122,10 @@ pub struct PriceTable {
 
 fn check(index: usize, field: &'static str, v: f64) -> Result<u64, PriceError> {
     if !v.is_finite() || v < 0.0 {
-        return Err(PriceError::Invalid {
-            index,
-            field,
-            message: format!("must be a finite number >= 0, got {v}"),
-        });
+        return Err(PriceError::Invalid { index, field, message: format!("must be a finite number >= 0, got {v}") });
     }
     if v > MAX_USD_PER_MTOK {
-        return Err(PriceError::Invalid {
-            index,
-            field,
-            message: format!("must be <= {MAX_USD_PER_MTOK}, got {v}"),
-        });
+        return Err(PriceError::Invalid { index, field, message: format!("must be <= {MAX_USD_PER_MTOK}, got {v}") });
     }
     // In range [0, 1e12], so the cast is exact after rounding.
     Ok((v * 1_000_000.0).round() as u64)
@@ -145,11 +137,7 @@ impl PriceTable {
         let mut out = Vec::with_capacity(entries.len());
         for (i, e) in entries.into_iter().enumerate() {
             if e.model.is_empty() {
-                return Err(PriceError::Invalid {
-                    index: i,
-                    field: "model",
-                    message: "must be a non-empty glob".to_owned(),
-                });
+                return Err(PriceError::Invalid { index: i, field: "model", message: "must be a non-empty glob".to_owned() });
             }
             let p = &e.price;
             let input = check(i, "input_usd_per_mtok", p.input_usd_per_mtok)?;
@@ -161,16 +149,8 @@ impl PriceTable {
             let int = IntegerPrice {
                 input,
                 output,
-                cached_input: opt(
-                    "cached_input_usd_per_mtok",
-                    p.cached_input_usd_per_mtok,
-                    input,
-                )?,
-                cache_creation_input: opt(
-                    "cache_creation_input_usd_per_mtok",
-                    p.cache_creation_input_usd_per_mtok,
-                    input,
-                )?,
+                cached_input: opt("cached_input_usd_per_mtok", p.cached_input_usd_per_mtok, input)?,
+                cache_creation_input: opt("cache_creation_input_usd_per_mtok", p.cache_creation_input_usd_per_mtok, input)?,
                 reasoning: opt("reasoning_usd_per_mtok", p.reasoning_usd_per_mtok, output)?,
             };
             out.push((e, int));
@@ -180,8 +160,7 @@ impl PriceTable {
 
     /// Parse and validate a JSON array of entries (shape in the module docs).
     pub fn from_json(json: &str) -> Result<Self, PriceError> {
-        let entries: Vec<PriceEntry> =
-            serde_json::from_str(json).map_err(|e| PriceError::Json(e.to_string()))?;
+        let entries: Vec<PriceEntry> = serde_json::from_str(json).map_err(|e| PriceError::Json(e.to_string()))?;
         Self::new(entries)
     }
 
@@ -202,10 +181,7 @@ impl PriceTable {
 
     /// Entry and integer prices of the first entry whose glob matches `model`.
     pub fn lookup_entry(&self, model: &str) -> Option<(&PriceEntry, &IntegerPrice)> {
-        self.entries
-            .iter()
-            .find(|(e, _)| glob_match(&e.model, model))
-            .map(|(e, p)| (e, p))
+        self.entries.iter().find(|(e, _)| glob_match(&e.model, model)).map(|(e, p)| (e, p))
     }
 
     /// Cost of `usage` for `model` in micro-USD, rounded up; `None` when no entry matches.
@@ -215,35 +191,20 @@ impl PriceTable {
     /// output at the output price, reasoning at the reasoning price. Parts larger than their whole are
     /// clamped, so the billed token total always equals `input_tokens + output_tokens`.
     pub fn cost_micro_usd(&self, model: &str, usage: &Usage) -> Option<u64> {
-        self.lookup_entry(model)
-            .map(|(_, p)| cost_micro_usd(p, usage))
+        self.lookup_entry(model).map(|(_, p)| cost_micro_usd(p, usage))
     }
 }
 
 /// Cost of `usage` at integer prices `p`, micro-USD rounded up (see [`PriceTable::cost_micro_usd`]).
 pub fn cost_micro_usd(p: &IntegerPrice, usage: &Usage) -> u64 {
     let cached = usage.cached_input_tokens.min(usage.input_tokens);
-    let creation = usage
-        .cache_creation_input_tokens
-        .min(usage.input_tokens.saturating_sub(cached));
-    let uncached = usage
-        .input_tokens
-        .saturating_sub(cached)
-        .saturating_sub(creation);
+    let creation = usage.cache_creation_input_tokens.min(usage.input_tokens.saturating_sub(cached));
+    let uncached = usage.input_tokens.saturating_sub(cached).saturating_sub(creation);
     let reasoning = usage.reasoning_tokens.min(usage.output_tokens);
     let output = usage.output_tokens.saturating_sub(reasoning);
-    let parts = [
-        (uncached, p.input),
-        (cached, p.cached_input),
-        (creation, p.cache_creation_input),
-        (output, p.output),
-        (reasoning, p.reasoning),
-    ];
+    let parts = [(uncached, p.input), (cached, p.cached_input), (creation, p.cache_creation_input), (output, p.output), (reasoning, p.reasoning)];
     // u64 tokens × price ≤ 1e12 fits in u128 many times over; the sum of five cannot overflow.
-    let total: u128 = parts
-        .iter()
-        .map(|&(t, price)| u128::from(t) * u128::from(price))
-        .sum();
+    let total: u128 = parts.iter().map(|&(t, price)| u128::from(t) * u128::from(price)).sum();
     u64::try_from(total.div_ceil(TOKENS_PER_MTOK)).unwrap_or(u64::MAX)
 }
 
@@ -253,11 +214,7 @@ pub fn cost_micro_usd(p: &IntegerPrice, usage: &Usage) -> u64 {
 pub fn glob_match(pattern: &str, text: &str) -> bool {
     let p = pattern.as_bytes();
     let t = text.as_bytes();
-    let char_len = |i: usize| {
-        text.get(i..)
-            .and_then(|s| s.chars().next())
-            .map_or(1, char::len_utf8)
-    };
+    let char_len = |i: usize| text.get(i..).and_then(|s| s.chars().next()).map_or(1, char::len_utf8);
     let (mut pi, mut ti) = (0usize, 0usize);
     // Pattern index after the last `*`, and the text index that star currently stops at.
     let mut star: Option<(usize, usize)> = None;

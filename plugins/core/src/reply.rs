@@ -41,8 +41,7 @@ mod tests {
         assert_eq!(openai["error"]["message"], "no \"budget\"");
         assert_eq!(openai["error"]["type"], "budget_exceeded");
         assert_eq!(openai["error"]["code"], "key:k:minute:tokens");
-        let anthropic: serde_json::Value =
-            serde_json::from_str(&error_body(Some(ApiKind::AnthropicMessages), "m", "budget_exceeded", "c")).unwrap();
+        let anthropic: serde_json::Value = serde_json::from_str(&error_body(Some(ApiKind::AnthropicMessages), "m", "budget_exceeded", "c")).unwrap();
         assert_eq!(anthropic["type"], "error");
         assert_eq!(anthropic["error"]["type"], "rate_limit_error");
     }

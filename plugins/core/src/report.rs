@@ -45,11 +45,7 @@ pub const OTHER: &str = "other";
 
 impl LabelBound {
     pub fn new(named: impl IntoIterator<Item = String>, max_dynamic: usize) -> Self {
-        LabelBound {
-            named: named.into_iter().map(|n| sanitize_label(&n)).collect(),
-            max_dynamic,
-            dynamic: BTreeSet::new(),
-        }
+        LabelBound { named: named.into_iter().map(|n| sanitize_label(&n)).collect(), max_dynamic, dynamic: BTreeSet::new() }
     }
 
     /// The label to report for `raw`.
@@ -80,10 +76,7 @@ pub struct Labels {
 impl Labels {
     /// `.model_version.v2.tenant.acme.api.chat_completions.ctx.1k.turn.first.stream.true`
     pub fn suffix(&self) -> String {
-        format!(
-            ".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}",
-            self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream
-        )
+        format!(".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}", self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream)
     }
 }
 
@@ -252,29 +245,11 @@ impl RequestRecord {
         let labels = self.labels.suffix();
         let mut out = Vec::with_capacity(16);
         let mut push = |kind: MetricKind, metric: &str, extra: &str, value: u64| {
-            out.push(Sample {
-                kind,
-                name: format!("{METRIC_PREFIX}.{metric}{labels}{extra}"),
-                value,
-            });
+            out.push(Sample { kind, name: format!("{METRIC_PREFIX}.{metric}{labels}{extra}"), value });
         };
         let finish = finish_label(self.response.finish_reason.as_deref());
-        let usage = if self.response.usage_reported {
-            "reported"
-        } else {
-            "estimated"
-        };
-        push(
-            MetricKind::Counter,
-            "requests_total",
-            &format!(
-                ".status.{}.finish.{}.usage.{}",
-                status_class(self.status),
-                finish,
-                usage
-            ),
-            1,
-        );
+        let usage = if self.response.usage_reported { "reported" } else { "estimated" };
+        push(MetricKind::Counter, "requests_total", &format!(".status.{}.finish.{}.usage.{}", status_class(self.status), finish, usage), 1);
         if let Some(ttft) = self.ttft_ns() {
             push(MetricKind::Histogram, "ttft_ms", "", ttft / NS_PER_MS);
         }
@@ -284,12 +259,7 @@ impl RequestRecord {
         if let Some(tps) = self.decode_tokens_per_s() {
             push(MetricKind::Histogram, "decode_tokens_per_s", "", tps);
         }
-        push(
-            MetricKind::Histogram,
-            "request_duration_ms",
-            "",
-            self.duration_ns() / NS_PER_MS,
-        );
+        push(MetricKind::Histogram, "request_duration_ms", "", self.duration_ns() / NS_PER_MS);
 
         let (input, output) = (self.input_tokens(), self.output_tokens());
         push(MetricKind::Histogram, "input_tokens", "", input);
@@ -297,26 +267,14 @@ impl RequestRecord {
         push(MetricKind::Counter, "input_tokens_total", "", input);
         push(MetricKind::Counter, "output_tokens_total", "", output);
         let usage_figures = &self.response.usage;
-        push(
-            MetricKind::Counter,
-            "cached_input_tokens_total",
-            "",
-            usage_figures.cached_input_tokens,
-        );
-        push(
-            MetricKind::Counter,
-            "reasoning_tokens_total",
-            "",
-            usage_figures.reasoning_tokens,
-        );
+        push(MetricKind::Counter, "cached_input_tokens_total", "", usage_figures.cached_input_tokens);
+        push(MetricKind::Counter, "reasoning_tokens_total", "", usage_figures.reasoning_tokens);
         if let Some(cost) = self.cost_micro_usd {
             push(MetricKind::Counter, "cost_micro_usd_total", "", cost);
         }
         match self.outcome {
             Outcome::Completed => {}
-            Outcome::ClientDisconnect => {
-                push(MetricKind::Counter, "client_disconnects_total", "", 1)
-            }
+            Outcome::ClientDisconnect => push(MetricKind::Counter, "client_disconnects_total", "", 1),
             Outcome::UpstreamError => push(MetricKind::Counter, "upstream_errors_total", "", 1),
             Outcome::Refused => push(MetricKind::Counter, "gateway_replies_total", ".reason.refused", 1),
             Outcome::Deadline => push(MetricKind::Counter, "gateway_replies_total", ".reason.deadline", 1),
@@ -335,37 +293,12 @@ impl RequestRecord {
             "\"api\":\"{}\",\"model_version\":\"{}\",\"tenant\":\"{}\",\"ctx\":\"{}\",\"turn\":\"{}\",\"stream\":{},",
             l.api, l.model_version, l.tenant, l.ctx, l.turn, self.streaming
         );
-        let _ = write!(
-            s,
-            "\"model\":{},",
-            json_opt_str(self.request_model.as_deref())
-        );
-        let _ = write!(
-            s,
-            "\"response_model\":{},",
-            json_opt_str(self.response.response_model.as_deref())
-        );
-        let _ = write!(
-            s,
-            "\"status\":{},\"outcome\":\"{}\",",
-            self.status,
-            self.outcome.as_str()
-        );
-        let _ = write!(
-            s,
-            "\"ttft_us\":{},",
-            json_opt_u64(self.ttft_ns().map(|v| v / NS_PER_US))
-        );
-        let _ = write!(
-            s,
-            "\"tpot_us\":{},",
-            json_opt_u64(self.tpot_ns().map(|v| v / NS_PER_US))
-        );
-        let _ = write!(
-            s,
-            "\"decode_tokens_per_s\":{},",
-            json_opt_u64(self.decode_tokens_per_s())
-        );
+        let _ = write!(s, "\"model\":{},", json_opt_str(self.request_model.as_deref()));
+        let _ = write!(s, "\"response_model\":{},", json_opt_str(self.response.response_model.as_deref()));
+        let _ = write!(s, "\"status\":{},\"outcome\":\"{}\",", self.status, self.outcome.as_str());
+        let _ = write!(s, "\"ttft_us\":{},", json_opt_u64(self.ttft_ns().map(|v| v / NS_PER_US)));
+        let _ = write!(s, "\"tpot_us\":{},", json_opt_u64(self.tpot_ns().map(|v| v / NS_PER_US)));
+        let _ = write!(s, "\"decode_tokens_per_s\":{},", json_opt_u64(self.decode_tokens_per_s()));
         let _ = write!(s, "\"duration_us\":{},", self.duration_ns() / NS_PER_US);
         let u = &self.response.usage;
         let _ = write!(
@@ -377,31 +310,11 @@ impl RequestRecord {
             u.cache_creation_input_tokens,
             u.reasoning_tokens
         );
-        let _ = write!(
-            s,
-            "\"usage\":\"{}\",",
-            if self.response.usage_reported {
-                "reported"
-            } else {
-                "estimated"
-            }
-        );
+        let _ = write!(s, "\"usage\":\"{}\",", if self.response.usage_reported { "reported" } else { "estimated" });
         let _ = write!(s, "\"content_chunks\":{},", self.response.content_chunks);
-        let _ = write!(
-            s,
-            "\"cost_micro_usd\":{},",
-            json_opt_u64(self.cost_micro_usd)
-        );
-        let _ = write!(
-            s,
-            "\"finish_reason\":{},",
-            json_opt_str(self.response.finish_reason.as_deref())
-        );
-        let _ = write!(
-            s,
-            "\"upstream_error\":{}",
-            json_opt_str(self.response.upstream_error.as_deref())
-        );
+        let _ = write!(s, "\"cost_micro_usd\":{},", json_opt_u64(self.cost_micro_usd));
+        let _ = write!(s, "\"finish_reason\":{},", json_opt_str(self.response.finish_reason.as_deref()));
+        let _ = write!(s, "\"upstream_error\":{}", json_opt_str(self.response.upstream_error.as_deref()));
         s.push('}');
         s
     }

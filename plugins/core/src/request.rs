@@ -86,12 +86,8 @@ pub fn inspect_request(kind: ApiKind, body: &[u8]) -> Result<RequestInfo, Reques
 }
 
 /// Like [`inspect_request`], also returning the kind after [`refine_kind`].
-pub fn inspect_request_with_kind(
-    kind: ApiKind,
-    body: &[u8],
-) -> Result<(ApiKind, RequestInfo), RequestError> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
+pub fn inspect_request_with_kind(kind: ApiKind, body: &[u8]) -> Result<(ApiKind, RequestInfo), RequestError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
     if !v.is_object() {
         return Err(RequestError::NotObject);
     }
@@ -118,25 +114,17 @@ pub fn refine_kind(kind: ApiKind, body_json: &Value) -> ApiKind {
 fn inspect_value(kind: ApiKind, v: &Value) -> RequestInfo {
     let limit_keys: &[&str] = match kind {
         ApiKind::ChatCompletions => &["max_completion_tokens", "max_tokens", "max_output_tokens"],
-        ApiKind::Completions | ApiKind::AnthropicMessages => {
-            &["max_tokens", "max_completion_tokens", "max_output_tokens"]
-        }
+        ApiKind::Completions | ApiKind::AnthropicMessages => &["max_tokens", "max_completion_tokens", "max_output_tokens"],
         ApiKind::Responses => &["max_output_tokens", "max_completion_tokens", "max_tokens"],
     };
     let user = match kind {
-        ApiKind::AnthropicMessages => v
-            .get("metadata")
-            .and_then(|m| nonempty_str_at(m, "user_id")),
+        ApiKind::AnthropicMessages => v.get("metadata").and_then(|m| nonempty_str_at(m, "user_id")),
         _ => nonempty_str_at(v, "user"),
     };
     let mut info = RequestInfo {
         model: str_at(v, "model").map(str::to_owned),
         stream: v.get("stream").and_then(Value::as_bool) == Some(true),
-        include_usage: v
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
-            == Some(true),
+        include_usage: v.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool) == Some(true),
         max_output_tokens: limit_keys.iter().find_map(|k| u64_at(v, k)),
         user: user.map(str::to_owned),
         ..RequestInfo::default()
@@ -156,9 +144,8 @@ fn inspect_value(kind: ApiKind, v: &Value) -> RequestInfo {
         }
     }
     info.output_choices = output_choices(kind, v);
-    info.prompt_tokens_estimate = tokens_from_chars(text.chars)
-        .saturating_add(text.exact_tokens)
-        .saturating_add(u64::from(info.message_count).saturating_mul(MESSAGE_OVERHEAD_TOKENS));
+    info.prompt_tokens_estimate =
+        tokens_from_chars(text.chars).saturating_add(text.exact_tokens).saturating_add(u64::from(info.message_count).saturating_mul(MESSAGE_OVERHEAD_TOKENS));
     info
 }
 
@@ -326,10 +313,7 @@ fn responses(v: &Value, info: &mut RequestInfo, text: &mut TextCount) {
             info.message_count = count_u32(items.len());
             for item in items {
                 if matches!(str_at(item, "role"), Some("assistant"))
-                    || matches!(
-                        str_at(item, "type"),
-                        Some("function_call" | "function_call_output" | "reasoning")
-                    )
+                    || matches!(str_at(item, "type"), Some("function_call" | "function_call_output" | "reasoning"))
                 {
                     info.follow_up = true;
                 }

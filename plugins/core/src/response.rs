@@ -137,11 +137,7 @@ impl StreamObserver {
                 None => return out,
                 Some(start) => {
                     rest = rest.get(start..).unwrap_or_default();
-                    state.mode = if rest.first() == Some(&b'{') {
-                        Mode::Json(Some(Vec::new()))
-                    } else {
-                        Mode::Sse
-                    };
+                    state.mode = if rest.first() == Some(&b'{') { Mode::Json(Some(Vec::new())) } else { Mode::Sse };
                 }
             }
         }
@@ -152,12 +148,7 @@ impl StreamObserver {
                         *buf = None;
                         state.json_overflowed = state.json_overflowed.saturating_add(1);
                     } else {
-                        let extra = crate::sse::bounded_growth(
-                            b.capacity(),
-                            b.len(),
-                            rest.len(),
-                            state.cap,
-                        );
+                        let extra = crate::sse::bounded_growth(b.capacity(), b.len(), rest.len(), state.cap);
                         b.reserve_exact(extra);
                         b.extend_from_slice(rest);
                     }
@@ -190,10 +181,7 @@ impl StreamObserver {
     pub fn summary(&self) -> ResponseSummary {
         let st = &self.state;
         let mut s = st.summary.clone();
-        s.overflowed_events = self
-            .framer
-            .overflowed_events()
-            .saturating_add(st.json_overflowed);
+        s.overflowed_events = self.framer.overflowed_events().saturating_add(st.json_overflowed);
         if let Some(u) = st.openai_usage {
             s.usage = u;
             s.usage_reported = true;
@@ -272,11 +260,7 @@ fn content_chars(v: &Value) -> u64 {
             .iter()
             .map(|p| match p {
                 Value::String(s) => chars(s),
-                _ => ["text", "refusal"]
-                    .iter()
-                    .filter_map(|k| str_at(p, k))
-                    .map(chars)
-                    .sum(),
+                _ => ["text", "refusal"].iter().filter_map(|k| str_at(p, k)).map(chars).sum(),
             })
             .fold(0u64, u64::saturating_add),
         _ => 0,
@@ -287,11 +271,7 @@ fn content_chars(v: &Value) -> u64 {
 fn tool_call_chars(calls: &Value) -> u64 {
     let one = |call: &Value| -> u64 {
         let f = call.get("function").unwrap_or(call);
-        ["name", "arguments"]
-            .iter()
-            .filter_map(|k| str_at(f, k))
-            .map(chars)
-            .fold(0u64, u64::saturating_add)
+        ["name", "arguments"].iter().filter_map(|k| str_at(f, k)).map(chars).fold(0u64, u64::saturating_add)
     };
     match calls {
         Value::Array(a) => a.iter().map(one).fold(0u64, u64::saturating_add),
@@ -449,9 +429,7 @@ impl State {
         s.content_chunks = s.content_chunks.saturating_add(1);
         s.estimated_output_tokens = s.estimated_output_tokens.saturating_add(tokens);
         out.content_events = out.content_events.saturating_add(1);
-        out.estimated_tokens = out
-            .estimated_tokens
-            .saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+        out.estimated_tokens = out.estimated_tokens.saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
     }
 
     fn openai_usage(&mut self, v: &Value, out: &mut ChunkOutcome) {
@@ -466,12 +444,7 @@ impl State {
         self.set_model(v);
         let mut has_content = false;
         let mut n = 0u64;
-        for choice in v
-            .get("choices")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
+        for choice in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
             if let Some(delta) = choice.get("delta") {
                 for key in ["content", "reasoning_content", "reasoning", "refusal"] {
                     let c = delta.get(key).map_or(0, content_chars);
@@ -534,10 +507,7 @@ impl State {
     /// A Responses API `response` object: model, status, usage, error.
     fn response_object(&mut self, r: &Value, out: &mut ChunkOutcome) {
         self.set_model(r);
-        let reason = r
-            .get("incomplete_details")
-            .and_then(|d| nonempty_str_at(d, "reason"))
-            .or_else(|| nonempty_str_at(r, "status"));
+        let reason = r.get("incomplete_details").and_then(|d| nonempty_str_at(d, "reason")).or_else(|| nonempty_str_at(r, "status"));
         if let Some(reason) = reason {
             set_string(&mut self.summary.finish_reason, reason);
         }
@@ -558,9 +528,7 @@ impl State {
                 }
             }
             "content_block_start" => {
-                let text = v
-                    .get("content_block")
-                    .and_then(|b| nonempty_str_at(b, "text"));
+                let text = v.get("content_block").and_then(|b| nonempty_str_at(b, "text"));
                 if let Some(t) = text {
                     self.content(chars(t), out);
                 }
@@ -578,10 +546,7 @@ impl State {
                 }
             }
             "message_delta" => {
-                if let Some(r) = v
-                    .get("delta")
-                    .and_then(|d| nonempty_str_at(d, "stop_reason"))
-                {
+                if let Some(r) = v.get("delta").and_then(|d| nonempty_str_at(d, "stop_reason")) {
                     set_string(&mut self.summary.finish_reason, r);
                 }
                 if let Some(u) = v.get("usage").and_then(AnthropicUsage::from_json) {
@@ -614,12 +579,7 @@ impl State {
         match self.kind {
             ApiKind::ChatCompletions | ApiKind::Completions => {
                 self.set_model(v);
-                for choice in v
-                    .get("choices")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
+                for choice in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
                     if let Some(m) = choice.get("message") {
                         for key in ["content", "reasoning_content", "reasoning", "refusal"] {
                             add(m.get(key).map_or(0, content_chars));
@@ -641,12 +601,7 @@ impl State {
                 self.openai_usage(v, out);
             }
             ApiKind::Responses => {
-                for item in v
-                    .get("output")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
+                for item in v.get("output").and_then(Value::as_array).into_iter().flatten() {
                     for key in ["content", "summary"] {
                         add(item.get(key).map_or(0, content_chars));
                     }
@@ -658,12 +613,7 @@ impl State {
             }
             ApiKind::AnthropicMessages => {
                 self.set_model(v);
-                for block in v
-                    .get("content")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
+                for block in v.get("content").and_then(Value::as_array).into_iter().flatten() {
                     match str_at(block, "type") {
                         Some("text") => add(str_at(block, "text").map_or(0, chars)),
                         Some("thinking") => add(str_at(block, "thinking").map_or(0, chars)),
@@ -691,9 +641,7 @@ impl State {
             s.content_chunks = s.content_chunks.saturating_add(1);
             s.estimated_output_tokens = s.estimated_output_tokens.saturating_add(tokens);
             out.content_events = out.content_events.saturating_add(1);
-            out.estimated_tokens = out
-                .estimated_tokens
-                .saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+            out.estimated_tokens = out.estimated_tokens.saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
         }
         self.mark_done(out);
     }
@@ -802,101 +750,38 @@ mod tests {
                 r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"finish_reason":null}],"usage":null}"#,
                 true,
             ),
-            (
-                r#"{"model":"m","choices":[{"delta":{"content":"héllo wörld"},"finish_reason":null}]}"#,
-                true,
-            ),
-            (
-                r#"{"model":"","choices":[{"delta":{"content":null,"reasoning_content":"why"}}]}"#,
-                true,
-            ),
-            (
-                r#"{"choices":[{"delta":{"reasoning":"r","refusal":"no"}},{"delta":{"content":"x"},"finish_reason":"stop"}]}"#,
-                true,
-            ),
-            (
-                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"f","arguments":""}}]}}]}"#,
-                true,
-            ),
+            (r#"{"model":"m","choices":[{"delta":{"content":"héllo wörld"},"finish_reason":null}]}"#, true),
+            (r#"{"model":"","choices":[{"delta":{"content":null,"reasoning_content":"why"}}]}"#, true),
+            (r#"{"choices":[{"delta":{"reasoning":"r","refusal":"no"}},{"delta":{"content":"x"},"finish_reason":"stop"}]}"#, true),
+            (r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"f","arguments":""}}]}}]}"#, true),
             (r#"{"choices":[{"delta":{"tool_calls":[]}}]}"#, true),
-            (
-                r#"{"choices":[{"delta":{"function_call":{"name":"legacy"}}}]}"#,
-                true,
-            ),
-            (
-                r#"{"choices":[{"text":"abc","finish_reason":"length"}]}"#,
-                true,
-            ),
-            (
-                r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":1}}}"#,
-                true,
-            ),
-            (
-                r#"{"choices":null,"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
-                true,
-            ),
-            (
-                r#"{"error":null,"choices":[{"delta":{"content":"a"}}]}"#,
-                true,
-            ),
-            (
-                r#"{"choices":[{"delta":{"content":[{"type":"text","text":"parts"}]}}]}"#,
-                false,
-            ),
-            (
-                r#"{"model":5,"choices":[{"delta":{"content":"a"}}]}"#,
-                false,
-            ),
+            (r#"{"choices":[{"delta":{"function_call":{"name":"legacy"}}}]}"#, true),
+            (r#"{"choices":[{"text":"abc","finish_reason":"length"}]}"#, true),
+            (r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":1}}}"#, true),
+            (r#"{"choices":null,"usage":{"prompt_tokens":3,"completion_tokens":4}}"#, true),
+            (r#"{"error":null,"choices":[{"delta":{"content":"a"}}]}"#, true),
+            (r#"{"choices":[{"delta":{"content":[{"type":"text","text":"parts"}]}}]}"#, false),
+            (r#"{"model":5,"choices":[{"delta":{"content":"a"}}]}"#, false),
             (r#"{"type":"x","choices":[]}"#, false),
         ];
         for (data, fast) in openai {
-            assert_eq!(
-                same_both_ways(ApiKind::ChatCompletions, None, data),
-                fast,
-                "{data}"
-            );
+            assert_eq!(same_both_ways(ApiKind::ChatCompletions, None, data), fast, "{data}");
         }
         let anthropic = [
-            (
-                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi 😊"}}"#,
-                true,
-            ),
-            (
-                r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":""}}"#,
-                true,
-            ),
-            (
-                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"hmm"}}"#,
-                true,
-            ),
-            (
-                r#"{"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"abc"}}"#,
-                true,
-            ),
+            (r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi 😊"}}"#, true),
+            (r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":""}}"#, true),
+            (r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"hmm"}}"#, true),
+            (r#"{"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"abc"}}"#, true),
             (r#"{"type":"content_block_delta","index":0}"#, true),
             (r#"{"type": "ping"}"#, true),
             (r#"{"type":"content_block_stop","index":0}"#, true),
             (r#"{"type":"message_stop"}"#, true),
-            (
-                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#,
-                false,
-            ),
-            (
-                r#"{"type":"message_start","message":{"usage":{"input_tokens":1}}}"#,
-                false,
-            ),
+            (r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#, false),
+            (r#"{"type":"message_start","message":{"usage":{"input_tokens":1}}}"#, false),
         ];
         for (data, fast) in anthropic {
-            assert_eq!(
-                same_both_ways(ApiKind::AnthropicMessages, None, data),
-                fast,
-                "{data}"
-            );
+            assert_eq!(same_both_ways(ApiKind::AnthropicMessages, None, data), fast, "{data}");
         }
-        assert!(same_both_ways(
-            ApiKind::AnthropicMessages,
-            Some("content_block_delta"),
-            r#"{"delta":{"type":"text_delta","text":"no type field"}}"#
-        ));
+        assert!(same_both_ways(ApiKind::AnthropicMessages, Some("content_block_delta"), r#"{"delta":{"type":"text_delta","text":"no type field"}}"#));
     }
 }

@@ -59,12 +59,7 @@ pub enum RewriteError {
 ///
 /// Numbers the client sent are never reinterpreted: the body is validated syntactically, so `1e400`
 /// or a 30-digit integer elsewhere in it is kept as written and is not an error.
-pub fn rewrite_request(
-    kind: ApiKind,
-    body: &[u8],
-    inject_include_usage: bool,
-    max_output_tokens: Option<u64>,
-) -> Result<RequestRewrite, RewriteError> {
+pub fn rewrite_request(kind: ApiKind, body: &[u8], inject_include_usage: bool, max_output_tokens: Option<u64>) -> Result<RequestRewrite, RewriteError> {
     // serde_json does not check UTF-8 inside strings it skips; JSON text must be UTF-8.
     let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
     serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
@@ -72,17 +67,13 @@ pub fn rewrite_request(
     if body.get(open) != Some(&b'{') {
         return Err(RewriteError::NotObject);
     }
-    let obj = scan_object(body, open)
-        .ok_or_else(|| RewriteError::NotJson("unbalanced JSON object".to_owned()))?;
+    let obj = scan_object(body, open).ok_or_else(|| RewriteError::NotJson("unbalanced JSON object".to_owned()))?;
 
     let mut edits: Vec<Edit> = Vec::new();
     let mut appended: Vec<(&str, Vec<u8>)> = Vec::new();
 
     let mut injected = false;
-    if inject_include_usage
-        && matches!(kind, ApiKind::ChatCompletions | ApiKind::Completions)
-        && obj.last_value(body, "stream") == Some(b"true".as_slice())
-    {
+    if inject_include_usage && matches!(kind, ApiKind::ChatCompletions | ApiKind::Completions) && obj.last_value(body, "stream") == Some(b"true".as_slice()) {
         let wants = match obj.last(body, "stream_options") {
             None => true,
             Some(m) => match body.get(m.value_start) {
@@ -97,11 +88,7 @@ pub fn rewrite_request(
         if wants {
             injected = true;
             let mut found = false;
-            for m in obj
-                .members
-                .iter()
-                .filter(|m| m.key_is(body, "stream_options"))
-            {
+            for m in obj.members.iter().filter(|m| m.key_is(body, "stream_options")) {
                 found = true;
                 let replacement = match scan_object(body, m.value_start) {
                     Some(inner) => set_member(body, &inner, "include_usage", b"true"),
@@ -149,12 +136,7 @@ pub fn rewrite_request(
     }
 
     let out = apply_edits(body, 0, body.len(), edits);
-    Ok(RequestRewrite {
-        changed: out != body,
-        body: out,
-        injected_include_usage: injected,
-        max_output_tokens_set: max_output_tokens,
-    })
+    Ok(RequestRewrite { changed: out != body, body: out, injected_include_usage: injected, max_output_tokens_set: max_output_tokens })
 }
 
 /// The body with the top-level string member `key` set to `value` (every occurrence; appended when
@@ -176,12 +158,7 @@ pub fn set_top_level_string(body: &[u8], key: &str, value: &str) -> Result<Vec<u
 
 /// The object at `obj` (in `s`) with every `key` member set to `value`, or `key` appended.
 fn set_member(s: &[u8], obj: &Object, key: &str, value: &[u8]) -> Vec<u8> {
-    let mut edits: Vec<Edit> = obj
-        .members
-        .iter()
-        .filter(|m| m.key_is(s, key))
-        .map(|m| Edit::new(m.value_start, m.value_end, value.to_vec()))
-        .collect();
+    let mut edits: Vec<Edit> = obj.members.iter().filter(|m| m.key_is(s, key)).map(|m| Edit::new(m.value_start, m.value_end, value.to_vec())).collect();
     if edits.is_empty() {
         let mut text = Vec::new();
         if !obj.members.is_empty() {
@@ -382,12 +359,7 @@ impl UsageChunkStripper {
             out.extend_from_slice(tail);
             return;
         }
-        let extra = bounded_growth(
-            self.held.capacity(),
-            self.held.len(),
-            tail.len(),
-            self.max_event_bytes,
-        );
+        let extra = bounded_growth(self.held.capacity(), self.held.len(), tail.len(), self.max_event_bytes);
         self.held.reserve_exact(extra);
         self.held.extend_from_slice(tail);
     }
@@ -493,11 +465,7 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     let [(start, end)] = data_lines.as_slice() else {
         return Verdict::Keep;
     };
-    Verdict::Replace {
-        start: *start,
-        end: *end,
-        json: remove_members(data, "usage"),
-    }
+    Verdict::Replace { start: *start, end: *end, json: remove_members(data, "usage") }
 }
 
 /// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.
@@ -511,9 +479,7 @@ fn data_value(line: &[u8]) -> Option<usize> {
 }
 
 fn is_empty_array(v: &[u8]) -> bool {
-    v.first() == Some(&b'[')
-        && skip_ws(v, 1).saturating_add(1) == v.len()
-        && v.last() == Some(&b']')
+    v.first() == Some(&b'[') && skip_ws(v, 1).saturating_add(1) == v.len() && v.last() == Some(&b']')
 }
 
 /// `json` (an object) without any top-level `key` member, separators tidied: a member is removed
@@ -529,11 +495,7 @@ fn remove_members(json: &[u8], key: &str) -> Vec<u8> {
         let Some(i) = obj.members.iter().position(|m| m.key_is(&text, key)) else {
             return text;
         };
-        let range = match (
-            i.checked_sub(1).and_then(|p| obj.members.get(p)),
-            obj.members.get(i),
-            obj.members.get(i.saturating_add(1)),
-        ) {
+        let range = match (i.checked_sub(1).and_then(|p| obj.members.get(p)), obj.members.get(i), obj.members.get(i.saturating_add(1))) {
             (Some(prev), Some(m), _) => prev.value_end..m.value_end,
             (None, Some(m), Some(next)) => m.key_start..next.key_start,
             (None, Some(m), None) => m.key_start..m.value_end,
@@ -587,24 +549,17 @@ struct Object {
 impl Object {
     /// The last member named `key`.
     fn last(&self, s: &[u8], key: &str) -> Option<Member> {
-        self.members
-            .iter()
-            .rev()
-            .find(|m| m.key_is(s, key))
-            .copied()
+        self.members.iter().rev().find(|m| m.key_is(s, key)).copied()
     }
 
     /// The raw value text of the last member named `key`.
     fn last_value<'a>(&self, s: &'a [u8], key: &str) -> Option<&'a [u8]> {
-        self.last(s, key)
-            .and_then(|m| s.get(m.value_start..m.value_end))
+        self.last(s, key).and_then(|m| s.get(m.value_start..m.value_end))
     }
 
     /// Where a new member goes: right after the last value, or after `{` when empty.
     fn insert_pos(&self) -> usize {
-        self.members
-            .last()
-            .map_or(self.open.saturating_add(1), |m| m.value_end)
+        self.members.last().map_or(self.open.saturating_add(1), |m| m.value_end)
     }
 }
 
@@ -662,10 +617,7 @@ fn value_end(s: &[u8], i: usize) -> Option<usize> {
         _ => {
             // Number or literal: runs to the next delimiter.
             let rest = s.get(i..)?;
-            let len = rest
-                .iter()
-                .position(|&b| matches!(b, b',' | b'}' | b']') || is_ws(b))
-                .unwrap_or(rest.len());
+            let len = rest.iter().position(|&b| matches!(b, b',' | b'}' | b']') || is_ws(b)).unwrap_or(rest.len());
             (len > 0).then(|| i.saturating_add(len))
         }
     }
@@ -679,11 +631,7 @@ fn scan_object(s: &[u8], open: usize) -> Option<Object> {
     let mut members = Vec::new();
     let mut i = skip_ws(s, open.saturating_add(1));
     if s.get(i) == Some(&b'}') {
-        return Some(Object {
-            open,
-            close: i,
-            members,
-        });
+        return Some(Object { open, close: i, members });
     }
     loop {
         if s.get(i) != Some(&b'"') {
@@ -697,22 +645,11 @@ fn scan_object(s: &[u8], open: usize) -> Option<Object> {
         }
         let value_start = skip_ws(s, i.saturating_add(1));
         let value_end = value_end(s, value_start)?;
-        members.push(Member {
-            key_start,
-            key_end,
-            value_start,
-            value_end,
-        });
+        members.push(Member { key_start, key_end, value_start, value_end });
         i = skip_ws(s, value_end);
         match s.get(i)? {
             b',' => i = skip_ws(s, i.saturating_add(1)),
-            b'}' => {
-                return Some(Object {
-                    open,
-                    close: i,
-                    members,
-                })
-            }
+            b'}' => return Some(Object { open, close: i, members }),
             _ => return None,
         }
     }
@@ -757,11 +694,7 @@ mod tests {
     fn scanner_finds_members() {
         let s = br#" { "a" : 1 , "b\"c":[1,{"x":"}"}], "d":{"e":null} ,"f":"\\"} "#;
         let obj = scan_object(s, 1).unwrap();
-        let keys: Vec<_> = obj
-            .members
-            .iter()
-            .map(|m| std::str::from_utf8(&s[m.key_start..m.key_end]).unwrap())
-            .collect();
+        let keys: Vec<_> = obj.members.iter().map(|m| std::str::from_utf8(&s[m.key_start..m.key_end]).unwrap()).collect();
         assert_eq!(keys, [r#""a""#, r#""b\"c""#, r#""d""#, r#""f""#]);
         assert_eq!(obj.last_value(s, "a"), Some(&b"1"[..]));
         assert_eq!(obj.last_value(s, "b\"c"), Some(&br#"[1,{"x":"}"}]"#[..]));
@@ -771,15 +704,7 @@ mod tests {
 
     #[test]
     fn scanner_rejects_garbage_without_panicking() {
-        for s in [
-            &b"{"[..],
-            b"{\"a",
-            b"{\"a\":",
-            b"{\"a\":1",
-            b"{\"a\" 1}",
-            b"{1:2}",
-            b"{\"a\":[}",
-        ] {
+        for s in [&b"{"[..], b"{\"a", b"{\"a\":", b"{\"a\":1", b"{\"a\" 1}", b"{1:2}", b"{\"a\":[}"] {
             assert!(scan_object(s, 0).is_none(), "{s:?}");
         }
     }

@@ -133,10 +133,7 @@ impl SseFramer {
 
     /// Bytes currently carried for the unfinished event; never exceeds the cap given to [`Self::new`].
     pub fn buffered_bytes(&self) -> usize {
-        self.line
-            .len()
-            .saturating_add(self.data.len())
-            .saturating_add(self.event_type.as_ref().map_or(0, String::len))
+        self.line.len().saturating_add(self.data.len()).saturating_add(self.event_type.as_ref().map_or(0, String::len))
     }
 
     /// The cap given to [`Self::new`].
@@ -159,12 +156,7 @@ impl SseFramer {
             self.skipping_line = true;
             return;
         }
-        let extra = bounded_growth(
-            self.line.capacity(),
-            self.line.len(),
-            rest.len(),
-            self.max_event_bytes,
-        );
+        let extra = bounded_growth(self.line.capacity(), self.line.len(), rest.len(), self.max_event_bytes);
         self.line.reserve_exact(extra);
         self.line.extend_from_slice(rest);
     }
@@ -178,9 +170,7 @@ impl SseFramer {
         }
         // The whole raw line counts against the cap whether or not it was split across chunks, so
         // where the chunk boundaries fall never changes which events are kept.
-        if !self.discarding
-            && self.buffered_bytes().saturating_add(tail.len()) > self.max_event_bytes
-        {
+        if !self.discarding && self.buffered_bytes().saturating_add(tail.len()) > self.max_event_bytes {
             self.overflow();
             return;
         }
@@ -220,10 +210,7 @@ impl SseFramer {
         let (field, value) = match line.iter().position(|&b| b == b':') {
             Some(colon) => {
                 let value = line.get(colon.saturating_add(1)..).unwrap_or_default();
-                (
-                    line.get(..colon).unwrap_or_default(),
-                    value.strip_prefix(b" ").unwrap_or(value),
-                )
+                (line.get(..colon).unwrap_or_default(), value.strip_prefix(b" ").unwrap_or(value))
             }
             None => (line, &b""[..]),
         };
@@ -231,20 +218,12 @@ impl SseFramer {
             b"data" => {
                 let value = String::from_utf8_lossy(value);
                 let sep = usize::from(self.has_data);
-                let needed = self
-                    .buffered_bytes()
-                    .saturating_add(value.len())
-                    .saturating_add(sep);
+                let needed = self.buffered_bytes().saturating_add(value.len()).saturating_add(sep);
                 if needed > self.max_event_bytes {
                     self.overflow();
                     return;
                 }
-                let extra = bounded_growth(
-                    self.data.capacity(),
-                    self.data.len(),
-                    value.len().saturating_add(sep),
-                    self.max_event_bytes,
-                );
+                let extra = bounded_growth(self.data.capacity(), self.data.len(), value.len().saturating_add(sep), self.max_event_bytes);
                 self.data.reserve_exact(extra);
                 if self.has_data {
                     self.data.push('\n');
@@ -255,10 +234,7 @@ impl SseFramer {
             b"event" => {
                 let value = String::from_utf8_lossy(value);
                 let old = self.event_type.as_ref().map_or(0, String::len);
-                let needed = self
-                    .buffered_bytes()
-                    .saturating_sub(old)
-                    .saturating_add(value.len());
+                let needed = self.buffered_bytes().saturating_sub(old).saturating_add(value.len());
                 if needed > self.max_event_bytes {
                     self.overflow();
                     return;
@@ -275,10 +251,7 @@ impl SseFramer {
         let event = self.event_type.take();
         if self.has_data {
             self.has_data = false;
-            on_event(SseEvent {
-                event,
-                data: std::mem::take(&mut self.data),
-            });
+            on_event(SseEvent { event, data: std::mem::take(&mut self.data) });
         }
     }
 
@@ -327,11 +300,7 @@ pub(crate) fn find_line_end(haystack: &[u8]) -> Option<usize> {
         }
         offset = offset.saturating_add(8);
     }
-    words
-        .remainder()
-        .iter()
-        .position(|&b| b == b'\n' || b == b'\r')
-        .map(|p| offset.saturating_add(p))
+    words.remainder().iter().position(|&b| b == b'\n' || b == b'\r').map(|p| offset.saturating_add(p))
 }
 
 /// The last (up to) four bytes of a stream: enough to tell whether it ended on an event boundary,
@@ -370,7 +339,6 @@ impl StreamTail {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -22,10 +22,7 @@ pub struct StreamTiming {
 impl StreamTiming {
     /// Timing of a request that started at `start_ns`.
     pub fn new(start_ns: u64) -> Self {
-        Self {
-            start_ns,
-            ..Self::default()
-        }
+        Self { start_ns, ..Self::default() }
     }
 
     /// A chunk with `events` content events arrived at `now_ns`; chunks without content are ignored.
@@ -40,8 +37,7 @@ impl StreamTiming {
 
     /// Time to first token: first content − start.
     pub fn ttft_ns(&self) -> Option<u64> {
-        self.first_content_ns
-            .map(|f| f.saturating_sub(self.start_ns))
+        self.first_content_ns.map(|f| f.saturating_sub(self.start_ns))
     }
 
     /// Decode span: last content − first content, when there was content.

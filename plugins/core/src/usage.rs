@@ -104,11 +104,7 @@ impl AnthropicUsage {
         let cache_read = self.cache_read.unwrap_or(0);
         let cache_creation = self.cache_creation.unwrap_or(0);
         Usage {
-            input_tokens: self
-                .input
-                .unwrap_or(0)
-                .saturating_add(cache_read)
-                .saturating_add(cache_creation),
+            input_tokens: self.input.unwrap_or(0).saturating_add(cache_read).saturating_add(cache_creation),
             output_tokens: self.output.unwrap_or(0),
             cached_input_tokens: cache_read,
             cache_creation_input_tokens: cache_creation,

@@ -142,9 +142,8 @@ fn money_budget_without_a_price_is_refused() {
 #[test]
 fn policy_errors_name_the_field() {
     assert!(refused(r#"{"identity":{},"orgs":[]}"#).starts_with("identity: name at least one source"));
-    let base = |budget: &str| {
-        format!(r#"{{"identity":{{"header":"x"}},"orgs":[{{"id":"o","teams":[{{"id":"t","keys":[{{"id":"k","budgets":[{budget}]}}]}}]}}]}}"#)
-    };
+    let base =
+        |budget: &str| format!(r#"{{"identity":{{"header":"x"}},"orgs":[{{"id":"o","teams":[{{"id":"t","keys":[{{"id":"k","budgets":[{budget}]}}]}}]}}]}}"#);
     assert!(refused(&base(r#"{"window":"week","tokens":1}"#)).contains("unknown variant `week`"));
     assert!(refused(&base(r#"{"window":"minute"}"#)).starts_with("orgs[0].teams[0].keys[0].budgets[0]: set exactly one of"));
     assert!(refused(&base(r#"{"window":"minute","tokens":1,"usd":1}"#)).contains("exactly one"));
@@ -394,7 +393,8 @@ fn the_local_fallback_divides_limits_by_the_replicas() {
 
 #[test]
 fn ledger_and_identity_settings_are_validated() {
-    let base = |extra: &str| format!(r#"{{"identity": {{"header": "k"}}, {extra} "orgs": [{{"id": "o", "teams": [{{"id": "t", "keys": [{{"id": "k"}}]}}]}}]}}"#);
+    let base =
+        |extra: &str| format!(r#"{{"identity": {{"header": "k"}}, {extra} "orgs": [{{"id": "o", "teams": [{{"id": "t", "keys": [{{"id": "k"}}]}}]}}]}}"#);
     assert!(refused(&base(r#""ledger": {"mode": "redis"},"#)).contains("ledger.cluster"));
     assert!(refused(&base(r#""ledger": {"mode": "redis", "cluster": "c", "replicas": 0},"#)).contains("ledger.replicas"));
     assert!(refused(&base(r#""ledger": {"mode": "local", "timeout_ms": 0},"#)).contains("ledger.timeout_ms"));

@@ -1,30 +1,14 @@
 //! API-key hashing and extraction, JWT payload claims.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use proptest::prelude::*;
-use sluice_core::identity::{
-    api_key_from_headers, jwt_payload_claim, sha256_hex, MAX_JWT_PAYLOAD_HEADER_BYTES,
-};
+use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex, MAX_JWT_PAYLOAD_HEADER_BYTES};
 
 #[test]
 fn sha256_known_vectors() {
-    assert_eq!(
-        sha256_hex(b""),
-        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-    );
-    assert_eq!(
-        sha256_hex(b"abc"),
-        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-    );
-    assert_eq!(
-        sha256_hex(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
-        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"
-    );
+    assert_eq!(sha256_hex(b""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    assert_eq!(sha256_hex(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"), "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
 }
 
 fn key(auth: Option<&[u8]>, x: Option<&[u8]>) -> Option<String> {
@@ -41,29 +25,18 @@ fn bearer_parsing() {
     assert_eq!(key(Some(b"Bearer"), None), None);
     assert_eq!(key(Some(b"Bearer "), None), None);
     assert_eq!(key(Some(b"Bearer    "), None), None);
-    assert_eq!(
-        key(Some(b"Bearerk"), None),
-        None,
-        "scheme must be followed by space"
-    );
+    assert_eq!(key(Some(b"Bearerk"), None), None, "scheme must be followed by space");
     assert_eq!(key(Some(b"Bearer a b"), None), None, "inner space");
     assert_eq!(key(Some(b"Bearer k\x00"), None), None, "control byte");
     assert_eq!(key(Some(b"Bearer k\xff\xfe"), None), None, "non-UTF-8");
-    assert_eq!(
-        key(Some(b"B\xc3\xa9arer k"), None),
-        None,
-        "non-ASCII scheme"
-    );
+    assert_eq!(key(Some(b"B\xc3\xa9arer k"), None), None, "non-ASCII scheme");
     assert_eq!(key(Some(b""), None), None);
     assert_eq!(key(None, None), None);
 }
 
 #[test]
 fn x_api_key_and_precedence() {
-    assert_eq!(
-        key(None, Some(b"sk-ant-api03-xyz")).as_deref(),
-        Some("sk-ant-api03-xyz")
-    );
+    assert_eq!(key(None, Some(b"sk-ant-api03-xyz")).as_deref(), Some("sk-ant-api03-xyz"));
     assert_eq!(key(None, Some(b"  k  ")).as_deref(), Some("k"));
     assert_eq!(key(None, Some(b"")), None);
     assert_eq!(key(None, Some(b"   ")), None);
@@ -82,11 +55,7 @@ fn b64url(data: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::new();
     for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         let chars = chunk.len() + 1;
         for i in 0..chars {
@@ -116,26 +85,11 @@ fn jwt_claims() {
     assert_eq!(get("org.team").as_deref(), Some("ml"));
     assert_eq!(get("org.id").as_deref(), Some("42"));
     assert_eq!(get("org.deep.x").as_deref(), Some("y"));
-    assert_eq!(
-        get("https://example.com/tenant").as_deref(),
-        Some("namespaced")
-    );
+    assert_eq!(get("https://example.com/tenant").as_deref(), Some("namespaced"));
     assert_eq!(get("n").as_deref(), Some("1.5"));
     assert_eq!(get("neg").as_deref(), Some("-3"));
     assert_eq!(get("u").as_deref(), Some("hé\"llo"));
-    for absent in [
-        "flag",
-        "empty",
-        "groups",
-        "nul",
-        "org",
-        "missing",
-        "org.missing",
-        "tenant.x",
-        "",
-        ".",
-        "org.",
-    ] {
+    for absent in ["flag", "empty", "groups", "nul", "org", "missing", "org.missing", "tenant.x", "", ".", "org."] {
         assert_eq!(get(absent), None, "{absent}");
     }
 }
@@ -143,11 +97,7 @@ fn jwt_claims() {
 #[test]
 fn jwt_padding_alphabet_and_whitespace() {
     // Lengths that need 0, 1 and 2 padding characters.
-    for payload in [
-        r#"{"tenant":"acme"}"#,
-        r#"{"tenant":"acme2"}"#,
-        r#"{"tenant":"acme22"}"#,
-    ] {
+    for payload in [r#"{"tenant":"acme"}"#, r#"{"tenant":"acme2"}"#, r#"{"tenant":"acme22"}"#] {
         let h = b64url(payload.as_bytes());
         assert!(jwt_payload_claim(h.as_bytes(), "tenant").is_some(), "{h}");
         let p = padded(&h);
@@ -160,33 +110,16 @@ fn jwt_padding_alphabet_and_whitespace() {
     let url = b64url(payload.as_bytes());
     assert!(url.contains('-') || url.contains('_'), "{url}");
     let std = url.replace('-', "+").replace('_', "/");
-    assert_eq!(
-        jwt_payload_claim(url.as_bytes(), "tenant").as_deref(),
-        Some("??>>")
-    );
-    assert_eq!(
-        jwt_payload_claim(std.as_bytes(), "tenant").as_deref(),
-        Some("??>>")
-    );
+    assert_eq!(jwt_payload_claim(url.as_bytes(), "tenant").as_deref(), Some("??>>"));
+    assert_eq!(jwt_payload_claim(std.as_bytes(), "tenant").as_deref(), Some("??>>"));
 }
 
 #[test]
 fn jwt_garbage_and_oversize() {
     let not_object = b64url(b"[1,2]");
     let not_json = b64url(b"hello");
-    let whole_jwt = format!(
-        "{}.{}.sig",
-        b64url(br#"{"alg":"RS256"}"#),
-        b64url(PAYLOAD.as_bytes())
-    );
-    for h in [
-        "",
-        "!!!",
-        "a",
-        not_object.as_str(),
-        not_json.as_str(),
-        whole_jwt.as_str(),
-    ] {
+    let whole_jwt = format!("{}.{}.sig", b64url(br#"{"alg":"RS256"}"#), b64url(PAYLOAD.as_bytes()));
+    for h in ["", "!!!", "a", not_object.as_str(), not_json.as_str(), whole_jwt.as_str()] {
         assert_eq!(jwt_payload_claim(h.as_bytes(), "tenant"), None, "{h}");
     }
     assert_eq!(jwt_payload_claim(b"\xff\xfe", "tenant"), None);
@@ -203,10 +136,7 @@ fn jwt_garbage_and_oversize() {
         n += 1;
     };
     assert!(fits.len() <= MAX_JWT_PAYLOAD_HEADER_BYTES);
-    assert_eq!(
-        jwt_payload_claim(fits.as_bytes(), "tenant").as_deref(),
-        Some("acme")
-    );
+    assert_eq!(jwt_payload_claim(fits.as_bytes(), "tenant").as_deref(), Some("acme"));
     let over = b64url(filler(n + 1).as_bytes());
     assert!(over.len() > MAX_JWT_PAYLOAD_HEADER_BYTES);
     assert_eq!(jwt_payload_claim(over.as_bytes(), "tenant"), None);

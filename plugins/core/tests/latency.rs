@@ -110,7 +110,16 @@ fn adversarial_distributions_keep_the_bound() {
         ("constant", vec![123_456u64; 5000]),
         ("zeros", with_zeros),
         ("gamma edges", edges),
-        ("edges ± 1", (1..2000u64).flat_map(|i| { let e = gamma.powi(i as i32 / 2) as u64; [e.saturating_sub(1), e + 1] }).filter(|v| *v <= MAX_VALUE_US).collect()),
+        (
+            "edges ± 1",
+            (1..2000u64)
+                .flat_map(|i| {
+                    let e = gamma.powi(i as i32 / 2) as u64;
+                    [e.saturating_sub(1), e + 1]
+                })
+                .filter(|v| *v <= MAX_VALUE_US)
+                .collect(),
+        ),
         ("integers", (0..=5000).collect()),
         ("pareto", pareto),
         ("outlier", outlier),
@@ -437,10 +446,7 @@ fn errors_open_it_and_the_reason_has_the_numbers() {
         w.record(T0 + i * 10 * MS, Some(100_000), None, i % 25 == 0);
     }
     let t = b.evaluate(T0 + S, &w.snapshot(T0 + S)).unwrap();
-    assert_eq!(
-        t.reason,
-        "objective breached in the last 60 s (100 finished requests, 100 TTFTs): ttft p95 100.0 ms ≤ 500 ms, errors 4/100 = 40.0‰ > 20‰"
-    );
+    assert_eq!(t.reason, "objective breached in the last 60 s (100 finished requests, 100 TTFTs): ttft p95 100.0 ms ≤ 500 ms, errors 4/100 = 40.0‰ > 20‰");
     assert_eq!(b.admit(0), Admission::Blocked);
     assert_eq!(b.retry_after_s(T0 + S + 100 * MS), 30);
 }
@@ -604,10 +610,7 @@ fn the_example_policy_compiles_with_its_defaults() {
     assert_eq!((b.config.hysteresis_percent, b.config.probe_percent, b.config.probes, b.config.open_for_ns), (10, 10, 20, 30 * S));
     assert_eq!((b.window.slots(), b.window.slot_ns()), (6, 10 * S));
     assert_eq!(b.fallback.as_deref(), Some("v1"));
-    assert_eq!(
-        Priority::ALL.map(|p| b.action(p)),
-        [OpenAction::Fallback, OpenAction::Fallback, OpenAction::Reject]
-    );
+    assert_eq!(Priority::ALL.map(|p| b.action(p)), [OpenAction::Fallback, OpenAction::Fallback, OpenAction::Reject]);
     assert_eq!(v2.window_key(), "sluice/latency-guard/window/v2");
     assert!(p.version("v1").unwrap().breaker.is_none());
     assert!(p.version("v3").is_none());
@@ -625,12 +628,20 @@ fn policy_errors_name_the_field_and_the_problem() {
         ("\"open_for_ms\": 30000", "\"open_for_ms\": 30000, \"probe_percent\": 0", "versions[0].breaker.probe_percent: must be 1–100, got 0"),
         ("\"percentile\": 50", "\"percentile\": 100", "versions[0].breaker.objective.percentile: must be 1–99.9, got 100"),
         ("\"ttft_ms\": 200, \"error_per_mille\": 20", "\"ttft_ms\": 0", "versions[0].breaker.objective.ttft_ms: must be 1–3600000, got 0"),
-        ("\"percentile\": 50, \"ttft_ms\": 200, \"error_per_mille\": 20", "\"percentile\": 50", "versions[0].breaker.objective: set at least one of ttft_ms, tpot_ms, error_per_mille"),
+        (
+            "\"percentile\": 50, \"ttft_ms\": 200, \"error_per_mille\": 20",
+            "\"percentile\": 50",
+            "versions[0].breaker.objective: set at least one of ttft_ms, tpot_ms, error_per_mille",
+        ),
         ("\"error_per_mille\": 20", "\"error_per_mille\": 1000", "versions[0].breaker.objective.error_per_mille: must be 0–999, got 1000"),
         ("\"fallback\": \"v1\"", "\"fallback\": \"v2\"", "versions[0].breaker.fallback: must name another version"),
         ("\"fallback\": \"v1\"", "\"fallback\": \"v 1\"", "versions[0].breaker.fallback: must be 1–64 letters, digits, '-', '_' or '.', got \"v 1\""),
         (", \"fallback\": \"v1\"", "", ""),
-        (", \"fallback\": \"v1\"", ", \"while_open\": {\"critical\": \"fallback\"}", "versions[0].breaker.while_open.critical: `fallback` needs versions[0].breaker.fallback"),
+        (
+            ", \"fallback\": \"v1\"",
+            ", \"while_open\": {\"critical\": \"fallback\"}",
+            "versions[0].breaker.while_open.critical: `fallback` needs versions[0].breaker.fallback",
+        ),
         ("\"ttft_deadline_ms\": 2000", "\"ttft_deadline_ms\": 200000", "versions[0].ttft_deadline_ms: must not exceed total_deadline_ms (200000 > 120000)"),
         ("\"ttft_deadline_ms\": 3000", "\"ttft_deadline_ms\": 3600001", "versions[1].ttft_deadline_ms: must be 1–3600000, got 3600001"),
         ("\"max_output_tokens\": 4096", "\"max_output_tokens\": 0", "versions[0].max_output_tokens: must be 1–10000000, got 0"),
@@ -640,7 +651,11 @@ fn policy_errors_name_the_field_and_the_problem() {
         ("\"default_class\": \"standard\"", "\"default_class\": \"silver\"", "default_class: \"silver\" is not a class of the policy"),
         ("{\"name\": \"batch\"", "{\"name\": \"gold\"", "classes[1].name: \"gold\" is already defined at classes[0]"),
         ("[\"*-batch\"]", "[\"\"]", "classes[1].tenants[0]: must be a glob of 1–256 bytes"),
-        ("{\"header\": \"X-Sluice-Tenant\"}", "{\"header\": \"X Tenant\"}", "tenant.header: must be an HTTP header name (1–128 token characters), got \"X Tenant\""),
+        (
+            "{\"header\": \"X-Sluice-Tenant\"}",
+            "{\"header\": \"X Tenant\"}",
+            "tenant.header: must be an HTTP header name (1–128 token characters), got \"X Tenant\"",
+        ),
         ("{\"header\": \"X-Sluice-Tenant\"}", "{\"header\": \"x\", \"property\": [\"a\"]}", "tenant: set exactly one of header, property"),
         ("\"tenant\": {\"header\": \"X-Sluice-Tenant\"},", "", "classes[0].tenants: set `tenant` to say where the tenant comes from"),
     ];
@@ -658,10 +673,7 @@ fn policy_errors_name_the_field_and_the_problem() {
     }
     assert!(refused(&POLICY.replace("\"min_samples\"", "\"min_sample\"")).contains("unknown field `min_sample`"));
     let bad_priority = refused(&POLICY.replace("\"sheddable\"", "\"best_effort\""));
-    assert!(
-        bad_priority.starts_with("latency-guard policy is not valid JSON: classes[1].priority: unknown variant `best_effort`"),
-        "{bad_priority}"
-    );
+    assert!(bad_priority.starts_with("latency-guard policy is not valid JSON: classes[1].priority: unknown variant `best_effort`"), "{bad_priority}");
     let bad_field = refused(&POLICY.replace("\"min_samples\"", "\"min_sample\""));
     assert!(bad_field.contains("versions[0].breaker.min_sample: unknown field `min_sample`"), "{bad_field}");
     assert_eq!(refused(r#"{"versions": []}"#), "versions: list at least one model version");

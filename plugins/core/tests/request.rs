@@ -1,17 +1,9 @@
 //! API detection from paths and request-body inspection for every API kind.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use serde_json::json;
 use sluice_core::api::ApiKind;
-use sluice_core::request::{
-    inspect_request, inspect_request_with_kind, refine_kind, ContextBucket, RequestError,
-    RequestInfo,
-};
+use sluice_core::request::{inspect_request, inspect_request_with_kind, refine_kind, ContextBucket, RequestError, RequestInfo};
 
 fn inspect(kind: ApiKind, v: serde_json::Value) -> RequestInfo {
     inspect_request(kind, v.to_string().as_bytes()).unwrap()
@@ -24,14 +16,8 @@ fn kind_from_path() {
         ("/v1/chat/completions", Some(ChatCompletions)),
         ("/openai/v1/chat/completions", Some(ChatCompletions)),
         ("/v1/chat/completions/", Some(ChatCompletions)),
-        (
-            "/v1/chat/completions?api-version=2024-10-21",
-            Some(ChatCompletions),
-        ),
-        (
-            "/openai/deployments/gpt4/chat/completions?api-version=1",
-            Some(ChatCompletions),
-        ),
+        ("/v1/chat/completions?api-version=2024-10-21", Some(ChatCompletions)),
+        ("/openai/deployments/gpt4/chat/completions?api-version=1", Some(ChatCompletions)),
         ("/v1/completions", Some(Completions)),
         ("/v1/completions#frag", Some(Completions)),
         ("/v1/responses", Some(Responses)),
@@ -56,10 +42,7 @@ fn kind_from_path() {
 #[test]
 fn kind_labels() {
     let labels: Vec<&str> = ApiKind::ALL.iter().map(|k| k.as_str()).collect();
-    assert_eq!(
-        labels,
-        ["chat_completions", "completions", "responses", "messages"]
-    );
+    assert_eq!(labels, ["chat_completions", "completions", "responses", "messages"]);
     assert_eq!(ApiKind::Responses.to_string(), "responses");
 }
 
@@ -146,10 +129,7 @@ fn chat_request_first_turn_with_tools() {
     assert!(!info.stream, "non-bool stream is not true");
     assert!(!info.include_usage);
     assert_eq!(info.max_output_tokens, Some(7));
-    assert_eq!(
-        info.prompt_tokens_estimate,
-        (17 + tools_chars).div_ceil(4) + 4
-    );
+    assert_eq!(info.prompt_tokens_estimate, (17 + tools_chars).div_ceil(4) + 4);
     assert_eq!(info.user, None);
 }
 
@@ -218,10 +198,7 @@ fn responses_request_items() {
                          {"role": "user", "content": "again"}]}),
     );
     assert!(assistant.follow_up);
-    let chained = inspect(
-        ApiKind::Responses,
-        json!({"input": "next", "previous_response_id": "resp_1"}),
-    );
+    let chained = inspect(ApiKind::Responses, json!({"input": "next", "previous_response_id": "resp_1"}));
     assert!(chained.follow_up);
 }
 
@@ -253,55 +230,29 @@ fn anthropic_request() {
     assert!(info.follow_up);
     assert!(info.stream);
     assert!(!info.include_usage);
-    assert_eq!(
-        info.user.as_deref(),
-        Some("13803d75-b4b5-4c3e-b2a2-6f21399b021b")
-    );
+    assert_eq!(info.user.as_deref(), Some("13803d75-b4b5-4c3e-b2a2-6f21399b021b"));
     assert_eq!(info.prompt_tokens_estimate, 34u64.div_ceil(4) + 12);
 
-    let plain = inspect(
-        ApiKind::AnthropicMessages,
-        json!({"system": "abcdefgh", "messages": [{"role": "user", "content": "abcd"}]}),
-    );
+    let plain = inspect(ApiKind::AnthropicMessages, json!({"system": "abcdefgh", "messages": [{"role": "user", "content": "abcd"}]}));
     assert_eq!(plain.prompt_tokens_estimate, 3 + 4);
     assert!(!plain.follow_up);
 }
 
 #[test]
 fn request_errors() {
-    assert!(matches!(
-        inspect_request(ApiKind::ChatCompletions, b"{\"model\":"),
-        Err(RequestError::NotJson(_))
-    ));
-    assert!(matches!(
-        inspect_request(ApiKind::ChatCompletions, b"\xff\xfe"),
-        Err(RequestError::NotJson(_))
-    ));
-    assert_eq!(
-        inspect_request(ApiKind::Responses, b"[1,2]"),
-        Err(RequestError::NotObject)
-    );
-    assert_eq!(
-        inspect_request(ApiKind::Responses, b"\"str\""),
-        Err(RequestError::NotObject)
-    );
+    assert!(matches!(inspect_request(ApiKind::ChatCompletions, b"{\"model\":"), Err(RequestError::NotJson(_))));
+    assert!(matches!(inspect_request(ApiKind::ChatCompletions, b"\xff\xfe"), Err(RequestError::NotJson(_))));
+    assert_eq!(inspect_request(ApiKind::Responses, b"[1,2]"), Err(RequestError::NotObject));
+    assert_eq!(inspect_request(ApiKind::Responses, b"\"str\""), Err(RequestError::NotObject));
     let deep = "[".repeat(10_000);
-    assert!(matches!(
-        inspect_request(ApiKind::ChatCompletions, deep.as_bytes()),
-        Err(RequestError::NotJson(_))
-    ));
-    let msg = inspect_request(ApiKind::ChatCompletions, b"")
-        .unwrap_err()
-        .to_string();
+    assert!(matches!(inspect_request(ApiKind::ChatCompletions, deep.as_bytes()), Err(RequestError::NotJson(_))));
+    let msg = inspect_request(ApiKind::ChatCompletions, b"").unwrap_err().to_string();
     assert!(msg.starts_with("request body is not valid JSON: "), "{msg}");
 }
 
 #[test]
 fn wrong_types_are_treated_as_absent() {
-    let info = inspect(
-        ApiKind::ChatCompletions,
-        json!({"model": 5, "messages": "nope", "max_tokens": -1, "user": 3}),
-    );
+    let info = inspect(ApiKind::ChatCompletions, json!({"model": 5, "messages": "nope", "max_tokens": -1, "user": 3}));
     assert_eq!(info, RequestInfo::default());
 }
 
@@ -309,41 +260,16 @@ fn wrong_types_are_treated_as_absent() {
 fn refine_kind_rules() {
     let chat_body = json!({"messages": []});
     let prompt_body = json!({"prompt": "x"});
-    assert_eq!(
-        refine_kind(ApiKind::Completions, &chat_body),
-        ApiKind::ChatCompletions
-    );
-    assert_eq!(
-        refine_kind(ApiKind::ChatCompletions, &prompt_body),
-        ApiKind::Completions
-    );
-    assert_eq!(
-        refine_kind(ApiKind::Completions, &prompt_body),
-        ApiKind::Completions
-    );
-    assert_eq!(
-        refine_kind(ApiKind::ChatCompletions, &chat_body),
-        ApiKind::ChatCompletions
-    );
-    assert_eq!(
-        refine_kind(ApiKind::AnthropicMessages, &prompt_body),
-        ApiKind::AnthropicMessages
-    );
-    assert_eq!(
-        refine_kind(ApiKind::Responses, &chat_body),
-        ApiKind::Responses
-    );
+    assert_eq!(refine_kind(ApiKind::Completions, &chat_body), ApiKind::ChatCompletions);
+    assert_eq!(refine_kind(ApiKind::ChatCompletions, &prompt_body), ApiKind::Completions);
+    assert_eq!(refine_kind(ApiKind::Completions, &prompt_body), ApiKind::Completions);
+    assert_eq!(refine_kind(ApiKind::ChatCompletions, &chat_body), ApiKind::ChatCompletions);
+    assert_eq!(refine_kind(ApiKind::AnthropicMessages, &prompt_body), ApiKind::AnthropicMessages);
+    assert_eq!(refine_kind(ApiKind::Responses, &chat_body), ApiKind::Responses);
     let both = json!({"messages": [], "prompt": "x"});
-    assert_eq!(
-        refine_kind(ApiKind::Completions, &both),
-        ApiKind::Completions
-    );
+    assert_eq!(refine_kind(ApiKind::Completions, &both), ApiKind::Completions);
 
-    let (kind, info) = inspect_request_with_kind(
-        ApiKind::Completions,
-        br#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":3}"#,
-    )
-    .unwrap();
+    let (kind, info) = inspect_request_with_kind(ApiKind::Completions, br#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":3}"#).unwrap();
     assert_eq!(kind, ApiKind::ChatCompletions);
     assert_eq!(info.message_count, 1);
     assert_eq!(info.max_output_tokens, Some(3));
@@ -368,10 +294,7 @@ fn context_buckets() {
     for (t, b) in cases {
         assert_eq!(ContextBucket::from_tokens(t), b, "{t}");
     }
-    let labels: Vec<&str> = [UpTo1k, UpTo2k, UpTo4k, UpTo8k, UpTo16k, Over16k]
-        .iter()
-        .map(|b| b.as_str())
-        .collect();
+    let labels: Vec<&str> = [UpTo1k, UpTo2k, UpTo4k, UpTo8k, UpTo16k, Over16k].iter().map(|b| b.as_str()).collect();
     assert_eq!(labels, ["1k", "2k", "4k", "8k", "16k", "over_16k"]);
 }
 

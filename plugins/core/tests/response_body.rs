@@ -1,10 +1,5 @@
 //! Non-streaming (complete JSON) response bodies for every API kind.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod common;
 
@@ -43,15 +38,7 @@ fn chat_completion() {
   "system_fingerprint": "fp_fc9f1d7035"
 }"#;
     let s = inspect_response_body(ApiKind::ChatCompletions, body);
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 1117,
-            output_tokens: 46,
-            cached_input_tokens: 1024,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 1117, output_tokens: 46, cached_input_tokens: 1024, ..Usage::default() });
     assert!(s.usage_reported && s.done);
     assert_eq!(s.finish_reason.as_deref(), Some("stop"));
     assert_eq!(s.response_model.as_deref(), Some("gpt-4o-2024-08-06"));
@@ -73,14 +60,7 @@ fn chat_completion_tool_calls_without_usage() {
 fn legacy_completion() {
     let body = br#"{"id":"cmpl-uqkvlQyYK7bGYrRHQ0eXlWi7","object":"text_completion","created":1589478378,"model":"gpt-3.5-turbo-instruct","system_fingerprint":"fp_44709d6fcb","choices":[{"text":"\n\nThis is indeed a test","index":0,"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#;
     let s = inspect_response_body(ApiKind::Completions, body);
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 5,
-            output_tokens: 7,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 5, output_tokens: 7, ..Usage::default() });
     assert_eq!(s.finish_reason.as_deref(), Some("length"));
     assert_eq!(s.estimated_output_tokens, 6);
 }
@@ -109,15 +89,7 @@ fn responses_object() {
   "usage": {"input_tokens": 328, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 52, "output_tokens_details": {"reasoning_tokens": 20}, "total_tokens": 380}
 }"#;
     let s = inspect_response_body(ApiKind::Responses, body);
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 328,
-            output_tokens: 52,
-            reasoning_tokens: 20,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 328, output_tokens: 52, reasoning_tokens: 20, ..Usage::default() });
     assert_eq!(s.finish_reason.as_deref(), Some("completed"));
     assert_eq!(s.estimated_output_tokens, (4u64 + 37 + 1 + 2).div_ceil(4));
     assert!(s.done);
@@ -129,13 +101,7 @@ fn anthropic_message() {
     let s = inspect_response_body(ApiKind::AnthropicMessages, body);
     assert_eq!(
         s.usage,
-        Usage {
-            input_tokens: 2095 + 2051 + 4,
-            output_tokens: 503,
-            cached_input_tokens: 4,
-            cache_creation_input_tokens: 2051,
-            reasoning_tokens: 0
-        }
+        Usage { input_tokens: 2095 + 2051 + 4, output_tokens: 503, cached_input_tokens: 4, cache_creation_input_tokens: 2051, reasoning_tokens: 0 }
     );
     assert!(s.usage_reported && s.done);
     assert_eq!(s.finish_reason.as_deref(), Some("end_turn"));
@@ -146,17 +112,11 @@ fn anthropic_message() {
 fn error_bodies() {
     let anthropic = br#"{"type":"error","error":{"type":"rate_limit_error","message":"Number of request tokens has exceeded your per-minute rate limit"},"request_id":"req_011CSHoEeqs5C35K2UUqR7Fy"}"#;
     let s = inspect_response_body(ApiKind::AnthropicMessages, anthropic);
-    assert_eq!(
-        s.upstream_error.as_deref(),
-        Some("Number of request tokens has exceeded your per-minute rate limit")
-    );
+    assert_eq!(s.upstream_error.as_deref(), Some("Number of request tokens has exceeded your per-minute rate limit"));
     assert!(!s.done);
     let openai = br#"{"error":{"message":"Incorrect API key provided","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}"#;
     let s = inspect_response_body(ApiKind::ChatCompletions, openai);
-    assert_eq!(
-        s.upstream_error.as_deref(),
-        Some("Incorrect API key provided")
-    );
+    assert_eq!(s.upstream_error.as_deref(), Some("Incorrect API key provided"));
 }
 
 #[test]

@@ -1,10 +1,5 @@
 //! Request body rewrites and the include_usage stripper.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod common;
 
@@ -31,10 +26,7 @@ fn injects_include_usage_for_streaming_chat_and_completions() {
         let r = rw(kind, r#"{"model":"m","stream":true}"#, true, None);
         assert!(r.injected_include_usage);
         assert!(r.changed);
-        assert_eq!(
-            body_str(&r),
-            r#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#
-        );
+        assert_eq!(body_str(&r), r#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#);
     }
 }
 
@@ -45,22 +37,10 @@ fn keeps_other_stream_options_and_flips_false() {
             r#"{"stream":true,"stream_options":{"continuous_usage_stats":false}}"#,
             r#"{"stream":true,"stream_options":{"continuous_usage_stats":false,"include_usage":true}}"#,
         ),
-        (
-            r#"{"stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
-            r#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#,
-        ),
-        (
-            r#"{"stream":true,"stream_options":{ }}"#,
-            r#"{"stream":true,"stream_options":{"include_usage":true }}"#,
-        ),
-        (
-            r#"{"stream_options":null,"stream":true}"#,
-            r#"{"stream_options":{"include_usage":true},"stream":true}"#,
-        ),
-        (
-            r#"{"stream":true,"stream_options":{"include_usage":null}}"#,
-            r#"{"stream":true,"stream_options":{"include_usage":true}}"#,
-        ),
+        (r#"{"stream":true,"stream_options":{"include_usage":false,"x":1}}"#, r#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#),
+        (r#"{"stream":true,"stream_options":{ }}"#, r#"{"stream":true,"stream_options":{"include_usage":true }}"#),
+        (r#"{"stream_options":null,"stream":true}"#, r#"{"stream_options":{"include_usage":true},"stream":true}"#),
+        (r#"{"stream":true,"stream_options":{"include_usage":null}}"#, r#"{"stream":true,"stream_options":{"include_usage":true}}"#),
     ];
     for (input, want) in cases {
         let r = rw(ApiKind::ChatCompletions, input, true, None);
@@ -72,25 +52,16 @@ fn keeps_other_stream_options_and_flips_false() {
 #[test]
 fn no_injection_when_not_needed_or_not_applicable() {
     let unchanged = [
-        (
-            ApiKind::ChatCompletions,
-            r#"{"stream":true,"stream_options":{"include_usage":true}}"#,
-        ),
+        (ApiKind::ChatCompletions, r#"{"stream":true,"stream_options":{"include_usage":true}}"#),
         (ApiKind::ChatCompletions, r#"{"stream":false}"#),
         (ApiKind::ChatCompletions, r#"{"model":"m"}"#),
         (ApiKind::ChatCompletions, r#"{"stream":"true"}"#),
-        (
-            ApiKind::ChatCompletions,
-            r#"{"stream":true,"stream_options":"weird"}"#,
-        ),
+        (ApiKind::ChatCompletions, r#"{"stream":true,"stream_options":"weird"}"#),
         (ApiKind::Completions, r#"{"stream":1}"#),
         (ApiKind::Responses, r#"{"stream":true}"#),
         (ApiKind::AnthropicMessages, r#"{"stream":true}"#),
         // Last duplicate wins for the decision.
-        (
-            ApiKind::ChatCompletions,
-            r#"{"stream":true,"stream":false}"#,
-        ),
+        (ApiKind::ChatCompletions, r#"{"stream":true,"stream":false}"#),
     ];
     for (kind, body) in unchanged {
         let r = rw(kind, body, true, None);
@@ -105,73 +76,25 @@ fn no_injection_when_not_needed_or_not_applicable() {
 
 #[test]
 fn injection_edits_every_duplicate_stream_options() {
-    let r = rw(
-        ApiKind::ChatCompletions,
-        r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":{}}"#,
-        true,
-        None,
-    );
+    let r = rw(ApiKind::ChatCompletions, r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":{}}"#, true, None);
     assert!(r.injected_include_usage);
-    assert_eq!(
-        body_str(&r),
-        r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":{"include_usage":true}}"#
-    );
+    assert_eq!(body_str(&r), r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":{"include_usage":true}}"#);
 }
 
 #[test]
 fn output_limit_field_per_kind() {
     let cases = [
-        (
-            ApiKind::ChatCompletions,
-            r#"{"model":"m"}"#,
-            r#"{"model":"m","max_tokens":100}"#,
-        ),
-        (
-            ApiKind::ChatCompletions,
-            r#"{"max_tokens":5000,"model":"m"}"#,
-            r#"{"max_tokens":100,"model":"m"}"#,
-        ),
-        (
-            ApiKind::ChatCompletions,
-            r#"{"max_completion_tokens":5000}"#,
-            r#"{"max_completion_tokens":100}"#,
-        ),
-        (
-            ApiKind::ChatCompletions,
-            r#"{"max_completion_tokens":5000,"max_tokens":9}"#,
-            r#"{"max_completion_tokens":100,"max_tokens":100}"#,
-        ),
-        (
-            ApiKind::Completions,
-            r#"{"prompt":"p"}"#,
-            r#"{"prompt":"p","max_tokens":100}"#,
-        ),
-        (
-            ApiKind::Completions,
-            r#"{"max_completion_tokens":5,"max_tokens":null}"#,
-            r#"{"max_completion_tokens":5,"max_tokens":100}"#,
-        ),
-        (
-            ApiKind::Responses,
-            r#"{"input":"x"}"#,
-            r#"{"input":"x","max_output_tokens":100}"#,
-        ),
-        (
-            ApiKind::Responses,
-            r#"{"max_output_tokens": 4096 ,"input":"x"}"#,
-            r#"{"max_output_tokens": 100 ,"input":"x"}"#,
-        ),
-        (
-            ApiKind::AnthropicMessages,
-            r#"{"max_tokens":1024,"messages":[]}"#,
-            r#"{"max_tokens":100,"messages":[]}"#,
-        ),
+        (ApiKind::ChatCompletions, r#"{"model":"m"}"#, r#"{"model":"m","max_tokens":100}"#),
+        (ApiKind::ChatCompletions, r#"{"max_tokens":5000,"model":"m"}"#, r#"{"max_tokens":100,"model":"m"}"#),
+        (ApiKind::ChatCompletions, r#"{"max_completion_tokens":5000}"#, r#"{"max_completion_tokens":100}"#),
+        (ApiKind::ChatCompletions, r#"{"max_completion_tokens":5000,"max_tokens":9}"#, r#"{"max_completion_tokens":100,"max_tokens":100}"#),
+        (ApiKind::Completions, r#"{"prompt":"p"}"#, r#"{"prompt":"p","max_tokens":100}"#),
+        (ApiKind::Completions, r#"{"max_completion_tokens":5,"max_tokens":null}"#, r#"{"max_completion_tokens":5,"max_tokens":100}"#),
+        (ApiKind::Responses, r#"{"input":"x"}"#, r#"{"input":"x","max_output_tokens":100}"#),
+        (ApiKind::Responses, r#"{"max_output_tokens": 4096 ,"input":"x"}"#, r#"{"max_output_tokens": 100 ,"input":"x"}"#),
+        (ApiKind::AnthropicMessages, r#"{"max_tokens":1024,"messages":[]}"#, r#"{"max_tokens":100,"messages":[]}"#),
         (ApiKind::AnthropicMessages, r#"{}"#, r#"{"max_tokens":100}"#),
-        (
-            ApiKind::AnthropicMessages,
-            r#" { } "#,
-            r#" {"max_tokens":100 } "#,
-        ),
+        (ApiKind::AnthropicMessages, r#" { } "#, r#" {"max_tokens":100 } "#),
     ];
     for (kind, input, want) in cases {
         let r = rw(kind, input, false, Some(100));
@@ -179,52 +102,24 @@ fn output_limit_field_per_kind() {
         assert_eq!(r.max_output_tokens_set, Some(100));
         assert!(!r.injected_include_usage);
     }
-    let r = rw(
-        ApiKind::AnthropicMessages,
-        r#"{"max_tokens":100}"#,
-        false,
-        Some(100),
-    );
+    let r = rw(ApiKind::AnthropicMessages, r#"{"max_tokens":100}"#, false, Some(100));
     assert!(!r.changed);
-    let r = rw(
-        ApiKind::AnthropicMessages,
-        r#"{"max_tokens":100}"#,
-        false,
-        None,
-    );
+    let r = rw(ApiKind::AnthropicMessages, r#"{"max_tokens":100}"#, false, None);
     assert_eq!(r.max_output_tokens_set, None);
 }
 
 #[test]
 fn duplicate_and_escaped_limit_keys_are_all_capped() {
-    let r = rw(
-        ApiKind::ChatCompletions,
-        r#"{"max_tokens":10,"max_tokens":100000}"#,
-        false,
-        Some(50),
-    );
+    let r = rw(ApiKind::ChatCompletions, r#"{"max_tokens":10,"max_tokens":100000}"#, false, Some(50));
     assert_eq!(body_str(&r), r#"{"max_tokens":50,"max_tokens":50}"#);
     // An escaped spelling of the key is the same key to the upstream.
-    let r = rw(
-        ApiKind::ChatCompletions,
-        r#"{"max\u005ftokens":100000}"#,
-        false,
-        Some(50),
-    );
+    let r = rw(ApiKind::ChatCompletions, r#"{"max\u005ftokens":100000}"#, false, Some(50));
     assert_eq!(body_str(&r), r#"{"max\u005ftokens":50}"#);
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["max_tokens"], 50);
     // Nested keys with the same name are not touched.
-    let r = rw(
-        ApiKind::ChatCompletions,
-        r#"{"metadata":{"max_tokens":7}}"#,
-        false,
-        Some(50),
-    );
-    assert_eq!(
-        body_str(&r),
-        r#"{"metadata":{"max_tokens":7},"max_tokens":50}"#
-    );
+    let r = rw(ApiKind::ChatCompletions, r#"{"metadata":{"max_tokens":7}}"#, false, Some(50));
+    assert_eq!(body_str(&r), r#"{"metadata":{"max_tokens":7},"max_tokens":50}"#);
 }
 
 #[test]
@@ -252,49 +147,22 @@ fn everything_else_round_trips_byte_for_byte() {
 
 #[test]
 fn errors() {
-    for body in [
-        "",
-        "{",
-        "{\"a\":1",
-        "{\"a\":1}}",
-        "nope",
-        "{\"a\":tru}",
-        "{'a':1}",
-    ] {
-        assert!(
-            matches!(
-                rewrite_request(ApiKind::ChatCompletions, body.as_bytes(), true, Some(1)),
-                Err(RewriteError::NotJson(_))
-            ),
-            "{body}"
-        );
+    for body in ["", "{", "{\"a\":1", "{\"a\":1}}", "nope", "{\"a\":tru}", "{'a':1}"] {
+        assert!(matches!(rewrite_request(ApiKind::ChatCompletions, body.as_bytes(), true, Some(1)), Err(RewriteError::NotJson(_))), "{body}");
     }
     for body in ["[]", "\"s\"", "1", "null", "[{\"stream\":true}]"] {
-        assert_eq!(
-            rewrite_request(ApiKind::ChatCompletions, body.as_bytes(), true, Some(1)),
-            Err(RewriteError::NotObject),
-            "{body}"
-        );
+        assert_eq!(rewrite_request(ApiKind::ChatCompletions, body.as_bytes(), true, Some(1)), Err(RewriteError::NotObject), "{body}");
     }
-    assert!(matches!(
-        rewrite_request(ApiKind::ChatCompletions, b"{\"a\":\"\xff\"}", true, Some(1)),
-        Err(RewriteError::NotJson(_))
-    ));
+    assert!(matches!(rewrite_request(ApiKind::ChatCompletions, b"{\"a\":\"\xff\"}", true, Some(1)), Err(RewriteError::NotJson(_))));
 }
 
 #[test]
 fn deep_nesting_does_not_overflow_the_stack() {
     let depth = 200_000;
-    let body = format!(
-        r#"{{"a":{}{},"stream":true}}"#,
-        "[".repeat(depth),
-        "]".repeat(depth)
-    );
+    let body = format!(r#"{{"a":{}{},"stream":true}}"#, "[".repeat(depth), "]".repeat(depth));
     let r = rewrite_request(ApiKind::ChatCompletions, body.as_bytes(), true, Some(1)).unwrap();
     assert!(r.injected_include_usage);
-    assert!(r
-        .body
-        .ends_with(br#","stream_options":{"include_usage":true},"max_tokens":1}"#));
+    assert!(r.body.ends_with(br#","stream_options":{"include_usage":true},"max_tokens":1}"#));
 }
 
 fn member_value() -> impl Strategy<Value = String> {
@@ -314,15 +182,7 @@ fn member_value() -> impl Strategy<Value = String> {
 }
 
 fn member_key() -> impl Strategy<Value = &'static str> {
-    prop_oneof![
-        Just("model"),
-        Just("stream"),
-        Just("stream_options"),
-        Just("max_tokens"),
-        Just("max_completion_tokens"),
-        Just("max_output_tokens"),
-        Just("x"),
-    ]
+    prop_oneof![Just("model"), Just("stream"), Just("stream_options"), Just("max_tokens"), Just("max_completion_tokens"), Just("max_output_tokens"), Just("x"),]
 }
 
 fn ws() -> impl Strategy<Value = &'static str> {
@@ -439,23 +299,13 @@ fn realistic_openai_stream_is_restored() {
 #[test]
 fn usage_chunk_variants() {
     let usage = r#""usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}"#;
-    for choices in [
-        r#","choices":[]"#,
-        r#","choices":null"#,
-        "",
-        r#","choices":[ ]"#,
-    ] {
+    for choices in [r#","choices":[]"#, r#","choices":null"#, "", r#","choices":[ ]"#] {
         let input = format!("data: {{\"id\":\"x\"{choices},{usage}}}\n\ndata: [DONE]\n\n");
         assert_eq!(strip(&input), "data: [DONE]\n\n", "{choices}");
     }
     // Usage riding on a content chunk: the member goes, the chunk stays.
-    let input = format!(
-        "data: {{\"id\":\"x\",\"choices\":[{{\"delta\":{{\"content\":\"hi\"}}}}],{usage}}}\n\n"
-    );
-    assert_eq!(
-        strip(&input),
-        "data: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"
-    );
+    let input = format!("data: {{\"id\":\"x\",\"choices\":[{{\"delta\":{{\"content\":\"hi\"}}}}],{usage}}}\n\n");
+    assert_eq!(strip(&input), "data: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n");
 }
 
 #[test]
@@ -466,21 +316,12 @@ fn usage_null_in_every_placement_and_spacing() {
         (r#"{"a":1,"usage":null,"b":2}"#, r#"{"a":1,"b":2}"#),
         (r#"{"a": 1, "usage": null}"#, r#"{"a": 1}"#),
         (r#"{"usage": null, "a": 1}"#, r#"{"a": 1}"#),
-        (
-            r#"{"a": 1, "usage" : null , "b": 2}"#,
-            r#"{"a": 1 , "b": 2}"#,
-        ),
+        (r#"{"a": 1, "usage" : null , "b": 2}"#, r#"{"a": 1 , "b": 2}"#),
         (r#"{ "usage":null }"#, r#"{  }"#),
         (r#"{"usage":null,"usage":null,"a":1}"#, r#"{"a":1}"#),
         (r#"{"a":1,"usage":null,"usage":null}"#, r#"{"a":1}"#),
-        (
-            r#"{"a":{"usage":null},"usage":null}"#,
-            r#"{"a":{"usage":null}}"#,
-        ),
-        (
-            r#"{"a":"\"usage\":null","usage":null}"#,
-            r#"{"a":"\"usage\":null"}"#,
-        ),
+        (r#"{"a":{"usage":null},"usage":null}"#, r#"{"a":{"usage":null}}"#),
+        (r#"{"a":"\"usage\":null","usage":null}"#, r#"{"a":"\"usage\":null"}"#),
         (r#"{"a":1,"us\u0061ge":null}"#, r#"{"a":1}"#),
     ];
     for (json, want) in cases {
@@ -528,18 +369,12 @@ fn multi_line_data() {
 fn line_endings_are_preserved() {
     for term in ["\n", "\r\n", "\r"] {
         let t2 = format!("{term}{term}");
-        let input = format!(
-            "data: {{\"a\":1,\"usage\":null}}{t2}: c{t2}data: {{\"choices\":[],\"usage\":{{}}}}{t2}data: [DONE]{t2}"
-        );
+        let input = format!("data: {{\"a\":1,\"usage\":null}}{t2}: c{t2}data: {{\"choices\":[],\"usage\":{{}}}}{t2}data: [DONE]{t2}");
         let want = format!("data: {{\"a\":1}}{t2}: c{t2}data: [DONE]{t2}");
         for split in 0..=input.len() {
             let (a, b) = input.as_bytes().split_at(split);
             let (out, s) = strip_in(&[a, b], CAP);
-            assert_eq!(
-                String::from_utf8(out).unwrap(),
-                want,
-                "{term:?} split {split}"
-            );
+            assert_eq!(String::from_utf8(out).unwrap(), want, "{term:?} split {split}");
             assert_eq!(s.removed_usage_events(), 1);
         }
     }
@@ -547,11 +382,7 @@ fn line_endings_are_preserved() {
 
 #[test]
 fn crlf_split_after_a_removed_event() {
-    let chunks: [&[u8]; 3] = [
-        b"data: {\"choices\":[],\"usage\":{}}\r\n\r",
-        b"\ndata: [DONE]\r\n\r",
-        b"\n",
-    ];
+    let chunks: [&[u8]; 3] = [b"data: {\"choices\":[],\"usage\":{}}\r\n\r", b"\ndata: [DONE]\r\n\r", b"\n"];
     let (out, _) = strip_in(&chunks, CAP);
     assert_eq!(out, b"data: [DONE]\r\n\r\n");
     // CR-only stream where the next event starts right after the CR.
@@ -570,10 +401,7 @@ fn bom_at_stream_start() {
 #[test]
 fn complete_events_go_out_immediately_partial_ones_are_held() {
     let mut s = UsageChunkStripper::new(CAP);
-    assert_eq!(
-        s.push(b"data: {\"a\":1,\"usage\":null}\n\ndata: {\"a\""),
-        b"data: {\"a\":1}\n\n"
-    );
+    assert_eq!(s.push(b"data: {\"a\":1,\"usage\":null}\n\ndata: {\"a\""), b"data: {\"a\":1}\n\n");
     assert_eq!(s.held_bytes(), 10);
     assert_eq!(s.push(b":2,\"usage\":null}\n"), b"");
     assert_eq!(s.push(b"\n"), b"data: {\"a\":2}\n\n");
@@ -586,10 +414,7 @@ fn complete_events_go_out_immediately_partial_ones_are_held() {
 #[test]
 fn oversized_events_pass_through_unmodified() {
     let cap = 64;
-    let big = format!(
-        "data: {{\"choices\":[],\"usage\":{{\"pad\":\"{}\"}}}}\n\n",
-        "x".repeat(100)
-    );
+    let big = format!("data: {{\"choices\":[],\"usage\":{{\"pad\":\"{}\"}}}}\n\n", "x".repeat(100));
     let small = "data: {\"a\":1,\"usage\":null}\n\n";
     let input = format!("{small}{big}{small}");
     let want = format!("data: {{\"a\":1}}\n\n{big}data: {{\"a\":1}}\n\n");
@@ -637,38 +462,18 @@ fn stream_spec() -> impl Strategy<Value = StreamSpec> {
         proptest::collection::vec((piece, 0usize..8), 0..8),
         any::<bool>(),
         prop_oneof![Just("\n"), Just("\r\n"), Just("\r")],
-        prop_oneof![
-            Just(Some("[]")),
-            Just(Some("null")),
-            Just(Some("")),
-            Just(None)
-        ],
+        prop_oneof![Just(Some("[]")), Just(Some("null")), Just(Some("")), Just(None)],
         any::<bool>(),
     )
-        .prop_map(
-            |(pieces, python_style, term, usage_choices, done)| StreamSpec {
-                pieces,
-                python_style,
-                term,
-                usage_choices,
-                done,
-            },
-        )
+        .prop_map(|(pieces, python_style, term, usage_choices, done)| StreamSpec { pieces, python_style, term, usage_choices, done })
 }
 
 /// Render the stream as a server would: with include_usage (`"usage":null` at position `pos` of
 /// each chunk, final usage chunk) or without.
 fn render(spec: &StreamSpec, with_usage: bool) -> String {
-    let (sep, colon) = if spec.python_style {
-        (", ", ": ")
-    } else {
-        (",", ":")
-    };
+    let (sep, colon) = if spec.python_style { (", ", ": ") } else { (",", ":") };
     let obj = |members: Vec<(String, String)>| {
-        let inner: Vec<String> = members
-            .into_iter()
-            .map(|(k, v)| format!("\"{k}\"{colon}{v}"))
-            .collect();
+        let inner: Vec<String> = members.into_iter().map(|(k, v)| format!("\"{k}\"{colon}{v}")).collect();
         format!("{{{}}}", inner.join(sep))
     };
     let t2 = format!("{}{}", spec.term, spec.term);
@@ -706,10 +511,7 @@ fn render(spec: &StreamSpec, with_usage: bool) -> String {
             if !choices.is_empty() {
                 members.push(("choices".to_owned(), choices.to_owned()));
             }
-            members.push((
-                "usage".to_owned(),
-                format!("{{\"prompt_tokens\"{colon}19{sep}\"completion_tokens\"{colon}10{sep}\"total_tokens\"{colon}29}}"),
-            ));
+            members.push(("usage".to_owned(), format!("{{\"prompt_tokens\"{colon}19{sep}\"completion_tokens\"{colon}10{sep}\"total_tokens\"{colon}29}}")));
             s.push_str(&format!("data: {}{t2}", obj(members)));
         }
     }

@@ -41,10 +41,7 @@ fn policy(json: &str) -> RoutingPolicy {
 
 /// A one-model policy with versions `(name, weight)` (route = name, upstream = `up-<name>`).
 fn split(versions: &[(&str, u64)]) -> RoutingPolicy {
-    let vs: Vec<String> = versions
-        .iter()
-        .map(|(n, w)| format!(r#"{{"name":"{n}","weight":{w},"upstream_model":"up-{n}","route":"{n}"}}"#))
-        .collect();
+    let vs: Vec<String> = versions.iter().map(|(n, w)| format!(r#"{{"name":"{n}","weight":{w},"upstream_model":"up-{n}","route":"{n}"}}"#)).collect();
     policy(&format!(r#"{{"sticky_key":[{{"header":"x-user"}}],"models":[{{"model":"m","versions":[{}]}}]}}"#, vs.join(",")))
 }
 
@@ -145,9 +142,7 @@ fn assignment_is_pinned() {
     // A change of the hash (or of how it is fed) would reshuffle every user of every deployment;
     // this pins the assignment of the first 32 keys at 50/50.
     let p = split(&[("v1", 50), ("v2", 50)]);
-    let got: String = (0..32)
-        .map(|i| if p.decide(0, Some(&key(i)), b"", None, 0, &[]).unwrap().version == "v1" { '1' } else { '2' })
-        .collect();
+    let got: String = (0..32).map(|i| if p.decide(0, Some(&key(i)), b"", None, 0, &[]).unwrap().version == "v1" { '1' } else { '2' }).collect();
     assert_eq!(got, PINNED);
 }
 const PINNED: &str = "11212212212112222222111221112121";
@@ -343,9 +338,7 @@ fn unkeyed_requests_split_on_the_request_id() {
 #[test]
 fn sticky_key_comes_from_the_first_source_present() {
     let p = policy(EXAMPLE);
-    let headers = |pairs: &'static [(&'static str, &'static str)]| {
-        move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_bytes().to_vec())
-    };
+    let headers = |pairs: &'static [(&'static str, &'static str)]| move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_bytes().to_vec());
     let mut no_props = |_: &[String]| None;
     let mut h = headers(&[("x-sluice-tenant", "acme"), ("authorization", "Bearer sk-1"), ("x-session-id", "s")]);
     let k = p.sticky_key(&mut h, &mut no_props).unwrap();
@@ -427,33 +420,78 @@ fn policy_errors_name_the_field_and_the_problem() {
         (example_with(r#""weight": 99,"#, r#""weight": 1000001,"#), "models[0].versions[0].weight: must be a whole number 0–1000000, got 1000001"),
         (example_with(r#""name": "v2""#, r#""name": "v 2""#), r#"models[0].versions[1].name: must be 1–64 of A–Z a–z 0–9 '_' '.' '-', got "v 2""#),
         (example_with(r#""name": "v2""#, r#""name": "v1""#), r#"models[0].versions[1].name: version "v1" is listed twice"#),
-        (example_with(r#""route": "llama-v2""#, r#""route": "llama/v2""#), r#"models[0].versions[1].route: must be 1–64 of A–Z a–z 0–9 '_' '.' '-', got "llama/v2""#),
-        (example_with("2026-12-08T00:00:00Z", "2026-11-30T00:00:00Z"), "models[0].versions[1].ramp[1].at: 2026-11-30T00:00:00Z is not after the previous step (2026-12-01T00:00:00Z); steps must be in increasing time"),
-        (example_with("2026-12-08T00:00:00Z", "2026-12-01T00:00:00Z"), "models[0].versions[1].ramp[1].at: 2026-12-01T00:00:00Z is not after the previous step (2026-12-01T00:00:00Z); steps must be in increasing time"),
-        (example_with("2026-12-08T00:00:00Z", "2026-02-30T00:00:00Z"), r#"models[0].versions[1].ramp[1].at: must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and 2500, got "2026-02-30T00:00:00Z""#),
-        (example_with("2026-12-08T00:00:00Z", "2026-12-08T00:00:00+01:00"), r#"models[0].versions[1].ramp[1].at: must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and 2500, got "2026-12-08T00:00:00+01:00""#),
+        (
+            example_with(r#""route": "llama-v2""#, r#""route": "llama/v2""#),
+            r#"models[0].versions[1].route: must be 1–64 of A–Z a–z 0–9 '_' '.' '-', got "llama/v2""#,
+        ),
+        (
+            example_with("2026-12-08T00:00:00Z", "2026-11-30T00:00:00Z"),
+            "models[0].versions[1].ramp[1].at: 2026-11-30T00:00:00Z is not after the previous step (2026-12-01T00:00:00Z); steps must be in increasing time",
+        ),
+        (
+            example_with("2026-12-08T00:00:00Z", "2026-12-01T00:00:00Z"),
+            "models[0].versions[1].ramp[1].at: 2026-12-01T00:00:00Z is not after the previous step (2026-12-01T00:00:00Z); steps must be in increasing time",
+        ),
+        (
+            example_with("2026-12-08T00:00:00Z", "2026-02-30T00:00:00Z"),
+            r#"models[0].versions[1].ramp[1].at: must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and 2500, got "2026-02-30T00:00:00Z""#,
+        ),
+        (
+            example_with("2026-12-08T00:00:00Z", "2026-12-08T00:00:00+01:00"),
+            r#"models[0].versions[1].ramp[1].at: must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and 2500, got "2026-12-08T00:00:00+01:00""#,
+        ),
         (example_with(r#""fallback": ["v1", "v2"]"#, r#""fallback": ["v1", "v3"]"#), r#"models[0].fallback[1]: "v3" is not a version of this model"#),
         (example_with(r#""fallback": ["v1", "v2"]"#, r#""fallback": ["v1", "v1"]"#), r#"models[0].fallback[1]: "v1" is listed twice"#),
-        (example_with(r#""fallback": ["v1", "v2"]"#, r#""fallback": []"#), "models[0].fallback: must list at least one version (omit it for every version in order)"),
+        (
+            example_with(r#""fallback": ["v1", "v2"]"#, r#""fallback": []"#),
+            "models[0].fallback: must list at least one version (omit it for every version in order)",
+        ),
         (example_with(r#""fraction": 0.05"#, r#""fraction": 1.5"#), "models[0].shadow.fraction: must be 0–1, got 1.5"),
         (example_with(r#""fraction": 0.05"#, r#""fraction": -0.1"#), "models[0].shadow.fraction: must be 0–1, got -0.1"),
         (example_with(r#""max_concurrent": 8"#, r#""max_concurrent": 0"#), "models[0].shadow.max_concurrent: must be 1–100000, got 0"),
-        (example_with(r#", "tenant_header": "x-sluice-tenant""#, ""), "models[0].shadow.tenant_header: required with exclude_tenants: the header (set by auth in front) that names the tenant"),
+        (
+            example_with(r#", "tenant_header": "x-sluice-tenant""#, ""),
+            "models[0].shadow.tenant_header: required with exclude_tenants: the header (set by auth in front) that names the tenant",
+        ),
         (example_with(r#"["bank-*"]"#, r#"["bank-*", ""]"#), "models[0].shadow.exclude_tenants[1]: must be a glob of 1–256 bytes"),
         (example_with(r#""cluster": "qwen_v1""#, r#""cluster": "qwen v1""#), "models[0].shadow.version.cluster: must not contain whitespace"),
-        (example_with(r#""upstream_model": "llama-3-70b","#, r#""upstream_model": "","#), r#"models[0].versions[0].upstream_model: must be 1–256 bytes without control characters, got """#),
+        (
+            example_with(r#""upstream_model": "llama-3-70b","#, r#""upstream_model": "","#),
+            r#"models[0].versions[0].upstream_model: must be 1–256 bytes without control characters, got """#,
+        ),
         (example_with(r#"{"api_key": true}"#, r#"{"api_key": true, "header": "x"}"#), "sticky_key[1]: set exactly one of header, api_key, property, body_user"),
         (example_with(r#"{"api_key": true}"#, r#"{}"#), "sticky_key[1]: set exactly one of header, api_key, property, body_user"),
         (example_with(r#"{"api_key": true}"#, r#"{"api_key": false}"#), "sticky_key[1].api_key: only `true` is meaningful; remove the entry instead"),
         (example_with(r#"{"api_key": true}"#, r#"{"header": "x-sluice-tenant"}"#), "sticky_key[1]: the same source is listed twice"),
-        (example_with(r#"{"api_key": true}"#, r#"{"header": "x session"}"#), r#"sticky_key[1].header: must be an HTTP header name (1–128 token characters), got "x session""#),
+        (
+            example_with(r#"{"api_key": true}"#, r#"{"header": "x session"}"#),
+            r#"sticky_key[1].header: must be an HTTP header name (1–128 token characters), got "x session""#,
+        ),
         (example_with(r#"{"api_key": true}"#, r#"{"property": ["metadata", ""]}"#), "sticky_key[1].property[1]: must not be empty"),
-        (example_with(r#""sticky_key": [ {"header": "x-sluice-tenant"}, {"api_key": true}, {"header": "X-Session-Id"}, {"body_user": true} ]"#, r#""sticky_key": []"#), r#"sticky_key: list at least one source (omit the field for [{"api_key": true}]); with none every request would be unkeyed"#),
+        (
+            example_with(
+                r#""sticky_key": [ {"header": "x-sluice-tenant"}, {"api_key": true}, {"header": "X-Session-Id"}, {"body_user": true} ]"#,
+                r#""sticky_key": []"#,
+            ),
+            r#"sticky_key: list at least one source (omit the field for [{"api_key": true}]); with none every request would be unkeyed"#,
+        ),
         (example_with(r#""version_header": "x-model-version""#, r#""version_header": "X-Sluice-Route""#), "version_header: must differ from route_header"),
-        (example_with(r#""client_header": "x-sluice-force-version""#, r#""client_header": "x-session-id""#), r#"override.client_header: "x-session-id" is also a header the policy reads or writes; it would be stripped"#),
-        (example_with(r#""model": "gpt-*""#, r#""model": "llama-3-70b*""#), r#"models[1].model: "llama-3-70b*" is already matched by models[0] (the first match wins)"#),
-        (example_with(r#""weight": 99,"#, r#""weight": 0,"#).replacen(r#""weight": 5}"#, r#""weight": 0}"#, 1), "models[0].versions: every version has weight 0 from 2026-12-01T00:00:00Z; at least one must have weight > 0 at all times"),
-        (example_with(r#""weight": 99,"#, r#""weight": 0,"#).replacen(r#""weight": 1, "#, r#""weight": 0, "#, 1), "models[0].versions: every version has weight 0 before any ramp step; at least one must have weight > 0 at all times"),
+        (
+            example_with(r#""client_header": "x-sluice-force-version""#, r#""client_header": "x-session-id""#),
+            r#"override.client_header: "x-session-id" is also a header the policy reads or writes; it would be stripped"#,
+        ),
+        (
+            example_with(r#""model": "gpt-*""#, r#""model": "llama-3-70b*""#),
+            r#"models[1].model: "llama-3-70b*" is already matched by models[0] (the first match wins)"#,
+        ),
+        (
+            example_with(r#""weight": 99,"#, r#""weight": 0,"#).replacen(r#""weight": 5}"#, r#""weight": 0}"#, 1),
+            "models[0].versions: every version has weight 0 from 2026-12-01T00:00:00Z; at least one must have weight > 0 at all times",
+        ),
+        (
+            example_with(r#""weight": 99,"#, r#""weight": 0,"#).replacen(r#""weight": 1, "#, r#""weight": 0, "#, 1),
+            "models[0].versions: every version has weight 0 before any ramp step; at least one must have weight > 0 at all times",
+        ),
         (r#"{"models": []}"#.to_string(), "models: list at least one model"),
         (r#"{"models": [{"model": "m", "versions": []}]}"#.to_string(), "models[0].versions: list 1–64 versions, got 0"),
     ];
@@ -571,7 +609,8 @@ const COMPLETIONS_SSE: &str = "data: {\"id\":\"cmpl\",\"object\":\"text_completi
 data: {\"id\":\"cmpl\",\"object\":\"text_completion\",\"choices\":[{\"text\":\" upon a time\",\"index\":0,\"finish_reason\":\"length\"}]}\n\n\
 data: [DONE]\n\n";
 
-const COMPLETIONS_JSON: &str = r#"{"id":"cmpl","object":"text_completion","choices":[{"text":"Once upon a time","index":0,"logprobs":null,"finish_reason":"length"}]}"#;
+const COMPLETIONS_JSON: &str =
+    r#"{"id":"cmpl","object":"text_completion","choices":[{"text":"Once upon a time","index":0,"logprobs":null,"finish_reason":"length"}]}"#;
 
 const RESPONSES_SSE: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp\",\"status\":\"in_progress\"}}\n\n\
 event: response.reasoning_summary_text.delta\ndata: {\"type\":\"response.reasoning_summary_text.delta\",\"delta\":\"thinking\"}\n\n\

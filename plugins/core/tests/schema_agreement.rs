@@ -56,11 +56,7 @@ fn range_disagreements(plugin: &str, load: &dyn Fn(&[u8]) -> Result<(), String>,
     for path in examples(plugin) {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         let example = read_json(&path);
-        out.extend(
-            schema_check::boundary_disagreements(&shipped, &validator, &example, load, cross_field)
-                .into_iter()
-                .map(|d| format!("{name}: {d}")),
-        );
+        out.extend(schema_check::boundary_disagreements(&shipped, &validator, &example, load, cross_field).into_iter().map(|d| format!("{name}: {d}")));
     }
     out.sort();
     out.dedup();
@@ -107,10 +103,7 @@ fn model_router_examples_validate_and_load() {
 
 #[test]
 fn latency_guard_schema_matches_the_code() {
-    assert_none(
-        "policies/latency-guard.schema.json vs LatencyPolicyConfig",
-        &schema_disagreements::<LatencyPolicyConfig>("latency-guard.schema.json"),
-    );
+    assert_none("policies/latency-guard.schema.json vs LatencyPolicyConfig", &schema_disagreements::<LatencyPolicyConfig>("latency-guard.schema.json"));
 }
 
 #[test]
@@ -120,9 +113,11 @@ fn latency_guard_docs_match_the_code() {
 
 #[test]
 fn latency_guard_examples_validate_and_load() {
-    assert_none("policies/latency-guard.*.json", &examples_disagreements("latency-guard", &|b| LatencyPolicy::from_json(b).map(drop).map_err(|e| e.to_string())));
+    assert_none(
+        "policies/latency-guard.*.json",
+        &examples_disagreements("latency-guard", &|b| LatencyPolicy::from_json(b).map(drop).map_err(|e| e.to_string())),
+    );
 }
-
 
 #[test]
 fn tenant_budget_schema_ranges_match_the_code() {
@@ -144,8 +139,7 @@ fn latency_guard_schema_ranges_match_the_code() {
     let load = |b: &[u8]| LatencyPolicy::from_json(b).map(drop).map_err(|e| e.to_string());
     // ttft_deadline_ms ≤ total_deadline_ms, and window_s × 1000 divisible by slots: stated in the
     // schema's description.
-    let cross_field =
-        ["versions[].ttft_deadline_ms", "versions[].total_deadline_ms", "versions[].breaker.window_s", "versions[].breaker.slots"];
+    let cross_field = ["versions[].ttft_deadline_ms", "versions[].total_deadline_ms", "versions[].breaker.window_s", "versions[].breaker.slots"];
     assert_none("policies/latency-guard.schema.json ranges", &range_disagreements("latency-guard", &load, &cross_field));
 }
 

@@ -1,18 +1,10 @@
 //! SSE framer behaviour: WHATWG parsing rules, chunk boundaries, bounded memory.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use sluice_core::sse::{SseEvent, SseFramer, DEFAULT_MAX_EVENT_BYTES};
 
 fn ev(event: Option<&str>, data: &str) -> SseEvent {
-    SseEvent {
-        event: event.map(str::to_owned),
-        data: data.to_owned(),
-    }
+    SseEvent { event: event.map(str::to_owned), data: data.to_owned() }
 }
 
 fn frame_chunks(chunks: &[&[u8]], cap: usize) -> (Vec<SseEvent>, SseFramer) {
@@ -37,36 +29,23 @@ fn frame_bytewise(input: &[u8]) -> Vec<SseEvent> {
 
 #[test]
 fn two_events_one_chunk() {
-    assert_eq!(
-        frame("data: {\"a\":1}\n\ndata: {\"b\":2}\n\n"),
-        vec![ev(None, "{\"a\":1}"), ev(None, "{\"b\":2}")]
-    );
+    assert_eq!(frame("data: {\"a\":1}\n\ndata: {\"b\":2}\n\n"), vec![ev(None, "{\"a\":1}"), ev(None, "{\"b\":2}")]);
 }
 
 #[test]
 fn event_field_and_multiline_data() {
     let got = frame("event: message_start\ndata: line1\ndata: line2\n\ndata: x\n\n");
-    assert_eq!(
-        got,
-        vec![ev(Some("message_start"), "line1\nline2"), ev(None, "x")],
-        "event type must reset after dispatch"
-    );
+    assert_eq!(got, vec![ev(Some("message_start"), "line1\nline2"), ev(None, "x")], "event type must reset after dispatch");
 }
 
 #[test]
 fn only_one_leading_space_is_stripped() {
-    assert_eq!(
-        frame("data:x\n\ndata: x\n\ndata:  x\n\n"),
-        vec![ev(None, "x"), ev(None, "x"), ev(None, " x")]
-    );
+    assert_eq!(frame("data:x\n\ndata: x\n\ndata:  x\n\n"), vec![ev(None, "x"), ev(None, "x"), ev(None, " x")]);
 }
 
 #[test]
 fn comments_are_counted_not_dispatched() {
-    let (events, f) = frame_chunks(
-        &[b": keep-alive\n\n: OPENROUTER PROCESSING\n\ndata: 1\n\n:\n\n"],
-        1024,
-    );
+    let (events, f) = frame_chunks(&[b": keep-alive\n\n: OPENROUTER PROCESSING\n\ndata: 1\n\n:\n\n"], 1024);
     assert_eq!(events, vec![ev(None, "1")]);
     assert_eq!(f.comments_seen(), 3);
 }
@@ -84,24 +63,15 @@ fn data_field_without_colon_is_empty_data() {
 
 #[test]
 fn unknown_fields_and_id_retry_are_ignored() {
-    assert_eq!(
-        frame("id: 1\nretry: 3000\nfoo: bar\ndata: ok\n\n"),
-        vec![ev(None, "ok")]
-    );
+    assert_eq!(frame("id: 1\nretry: 3000\nfoo: bar\ndata: ok\n\n"), vec![ev(None, "ok")]);
 }
 
 #[test]
 fn crlf_and_cr_line_endings() {
     let expected = vec![ev(Some("e"), "a\nb"), ev(None, "c")];
-    assert_eq!(
-        frame("event: e\r\ndata: a\r\ndata: b\r\n\r\ndata: c\r\n\r\n"),
-        expected
-    );
+    assert_eq!(frame("event: e\r\ndata: a\r\ndata: b\r\n\r\ndata: c\r\n\r\n"), expected);
     assert_eq!(frame("event: e\rdata: a\rdata: b\r\rdata: c\r\r"), expected);
-    assert_eq!(
-        frame("event: e\ndata: a\r\ndata: b\r\n\ndata: c\r\r\n"),
-        expected
-    );
+    assert_eq!(frame("event: e\ndata: a\r\ndata: b\r\n\ndata: c\r\r\n"), expected);
 }
 
 #[test]
@@ -133,10 +103,7 @@ fn byte_by_byte_equals_whole() {
 
 #[test]
 fn finish_dispatches_unterminated_event() {
-    assert_eq!(
-        frame("data: a\n\ndata: tail"),
-        vec![ev(None, "a"), ev(None, "tail")]
-    );
+    assert_eq!(frame("data: a\n\ndata: tail"), vec![ev(None, "a"), ev(None, "tail")]);
     assert_eq!(frame("data: tail\n"), vec![ev(None, "tail")]);
     assert_eq!(frame("event: x\n"), vec![], "no data, nothing to dispatch");
 }

@@ -1,11 +1,6 @@
 //! Property tests: chunk boundaries never change the events, and no input panics or grows memory
 //! past the cap.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use proptest::prelude::*;
 use sluice_core::api::ApiKind;
@@ -40,14 +35,7 @@ fn terminator() -> impl Strategy<Value = &'static str> {
 
 /// A serialised stream of events, each line with a random terminator.
 fn stream() -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(
-        (
-            proptest::collection::vec((line(), terminator()), 0..5),
-            terminator(),
-        ),
-        0..8,
-    )
-    .prop_map(|events| {
+    proptest::collection::vec((proptest::collection::vec((line(), terminator()), 0..5), terminator()), 0..8).prop_map(|events| {
         let mut out = String::new();
         for (lines, blank) in events {
             for (l, t) in lines {

@@ -1,10 +1,5 @@
 //! Anthropic Messages streams: cumulative usage, cache tokens, content block deltas, ping and errors.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod common;
 
@@ -20,22 +15,13 @@ fn full_stream() {
     let (_, s) = observe_whole(A, body.as_bytes());
     assert_eq!(
         s.usage,
-        Usage {
-            input_tokens: 25 + 2000 + 100,
-            output_tokens: 15,
-            cached_input_tokens: 2000,
-            cache_creation_input_tokens: 100,
-            reasoning_tokens: 0,
-        }
+        Usage { input_tokens: 25 + 2000 + 100, output_tokens: 15, cached_input_tokens: 2000, cache_creation_input_tokens: 100, reasoning_tokens: 0 }
     );
     assert!(s.usage_reported && s.done);
     assert_eq!(s.content_chunks, 4);
     assert_eq!(s.estimated_output_tokens, 1 + 1 + 2 + 1);
     assert_eq!(s.finish_reason.as_deref(), Some("end_turn"));
-    assert_eq!(
-        s.response_model.as_deref(),
-        Some("claude-sonnet-4-5-20250929")
-    );
+    assert_eq!(s.response_model.as_deref(), Some("claude-sonnet-4-5-20250929"));
     assert_eq!(s.malformed_events, 0);
 }
 
@@ -55,10 +41,7 @@ fn byte_by_byte_and_crlf() {
     let body = anthropic_stream(&["Hello", " world"]);
     let whole = observe_whole(A, body.as_bytes()).1;
     assert_eq!(observe_bytewise(A, body.as_bytes()).1, whole);
-    assert_eq!(
-        observe_bytewise(A, body.replace('\n', "\r\n").as_bytes()).1,
-        whole
-    );
+    assert_eq!(observe_bytewise(A, body.replace('\n', "\r\n").as_bytes()).1, whole);
 }
 
 #[test]
@@ -83,15 +66,7 @@ fn message_delta_with_full_cumulative_usage_overrides_start() {
         "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":12,\"cache_read_input_tokens\":5,\"cache_creation_input_tokens\":0,\"output_tokens\":7}}\n\n",
     );
     let (_, s) = observe_whole(A, body.as_bytes());
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 17,
-            output_tokens: 7,
-            cached_input_tokens: 5,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 17, output_tokens: 7, cached_input_tokens: 5, ..Usage::default() });
 }
 
 #[test]
@@ -109,10 +84,7 @@ fn tool_use_and_thinking_deltas() {
     let content: Vec<u32> = outs.iter().map(|o| o.content_events).collect();
     assert_eq!(content, [0, 1, 0, 0, 0, 1, 0]);
     assert_eq!(s.estimated_output_tokens, 4 + 5);
-    assert!(
-        !s.usage_reported,
-        "no message_delta: output is the estimate"
-    );
+    assert!(!s.usage_reported, "no message_delta: output is the estimate");
     assert_eq!(s.usage.output_tokens, 9);
 }
 
@@ -145,8 +117,5 @@ fn unterminated_last_event_is_dispatched_at_finish() {
     let body = anthropic_stream(&["Hi"]);
     let trimmed = body.trim_end();
     let (_, s) = observe_whole(A, trimmed.as_bytes());
-    assert!(
-        s.done,
-        "message_stop without its blank line still counts at end of stream"
-    );
+    assert!(s.done, "message_stop without its blank line still counts at end of stream");
 }

@@ -1,11 +1,6 @@
 //! OpenAI chat-completions and legacy completions streams: content detection (TTFT), usage chunk
 //! variants, estimates when usage is missing, errors and malformed data.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod common;
 
@@ -17,13 +12,7 @@ use sluice_core::usage::Usage;
 const CHAT: ApiKind = ApiKind::ChatCompletions;
 
 fn reported() -> Usage {
-    Usage {
-        input_tokens: 19,
-        output_tokens: 10,
-        cached_input_tokens: 0,
-        cache_creation_input_tokens: 0,
-        reasoning_tokens: 0,
-    }
+    Usage { input_tokens: 19, output_tokens: 10, cached_input_tokens: 0, cache_creation_input_tokens: 0, reasoning_tokens: 0 }
 }
 
 #[test]
@@ -52,10 +41,7 @@ fn usage_chunk_with_null_or_nonempty_choices() {
         let body = chat_stream(&HELLO_TOKENS, Some(choices));
         let (outs, s) = observe_whole(CHAT, body.as_bytes());
         assert_eq!(s.usage, reported(), "{choices}");
-        assert_eq!(
-            s.content_chunks, 10,
-            "usage chunk is not content: {choices}"
-        );
+        assert_eq!(s.content_chunks, 10, "usage chunk is not content: {choices}");
         assert!(outs[0].usage_seen && outs[0].done);
     }
 }
@@ -64,30 +50,9 @@ fn usage_chunk_with_null_or_nonempty_choices() {
 fn role_only_first_chunk_is_not_content() {
     let role = chat_chunk(r#"{"role":"assistant","content":"","refusal":null}"#, None);
     let first = chat_chunk(r#"{"content":"Hi"}"#, None);
-    let (outs, s) = observe_chunks(
-        CHAT,
-        &[
-            ": keep-alive\n\n",
-            &role,
-            ": ping\n\n",
-            &first,
-            "data: [DONE]\n\n",
-        ],
-    );
-    assert_eq!(
-        first_content(&outs),
-        Some(3),
-        "TTFT is the chunk with \"Hi\""
-    );
-    assert_eq!(
-        outs[3],
-        ChunkOutcome {
-            content_events: 1,
-            estimated_tokens: 1,
-            usage_seen: false,
-            done: false
-        }
-    );
+    let (outs, s) = observe_chunks(CHAT, &[": keep-alive\n\n", &role, ": ping\n\n", &first, "data: [DONE]\n\n"]);
+    assert_eq!(first_content(&outs), Some(3), "TTFT is the chunk with \"Hi\"");
+    assert_eq!(outs[3], ChunkOutcome { content_events: 1, estimated_tokens: 1, usage_seen: false, done: false });
     assert!(outs[4].done);
     assert_eq!(s.content_chunks, 1);
 }
@@ -132,13 +97,7 @@ fn missing_usage_falls_back_to_estimate() {
     let (_, s) = observe_whole(CHAT, body.as_bytes());
     assert!(!s.usage_reported);
     assert_eq!(s.estimated_output_tokens, 1 + 5);
-    assert_eq!(
-        s.usage,
-        Usage {
-            output_tokens: 6,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { output_tokens: 6, ..Usage::default() });
     assert!(s.done);
 }
 
@@ -155,10 +114,7 @@ fn stream_cut_short_has_no_usage_and_is_not_done() {
 
 #[test]
 fn byte_by_byte_equals_whole() {
-    for body in [
-        chat_stream(&HELLO_TOKENS, Some("[]")),
-        chat_stream(&HELLO_TOKENS, None),
-    ] {
+    for body in [chat_stream(&HELLO_TOKENS, Some("[]")), chat_stream(&HELLO_TOKENS, None)] {
         let (outs_w, whole) = observe_whole(CHAT, body.as_bytes());
         let (outs_b, bytes) = observe_bytewise(CHAT, body.as_bytes());
         assert_eq!(whole, bytes);
@@ -186,35 +142,15 @@ fn cr_only_stream() {
 #[test]
 fn cached_and_reasoning_usage() {
     let usage = r#""usage":{"prompt_tokens":2006,"completion_tokens":300,"total_tokens":2306,"prompt_tokens_details":{"cached_tokens":1920},"completion_tokens_details":{"reasoning_tokens":256}}"#;
-    let body = chat_chunk(r#"{"content":"x"}"#, None)
-        + &chat_usage_chunk("[]", usage)
-        + "data: [DONE]\n\n";
+    let body = chat_chunk(r#"{"content":"x"}"#, None) + &chat_usage_chunk("[]", usage) + "data: [DONE]\n\n";
     let (_, s) = observe_whole(CHAT, body.as_bytes());
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 2006,
-            output_tokens: 300,
-            cached_input_tokens: 1920,
-            cache_creation_input_tokens: 0,
-            reasoning_tokens: 256
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 2006, output_tokens: 300, cached_input_tokens: 1920, cache_creation_input_tokens: 0, reasoning_tokens: 256 });
 }
 
 #[test]
 fn malformed_json_is_counted_not_fatal() {
     let good = chat_chunk(r#"{"content":"ok"}"#, None);
-    let (_, s) = observe_chunks(
-        CHAT,
-        &[
-            "data: {\"id\":\"x\",\"choices\":[{\n\n",
-            "data: not json\n\n",
-            "data: 42\n\n",
-            &good,
-            "data: [DONE]\n\n",
-        ],
-    );
+    let (_, s) = observe_chunks(CHAT, &["data: {\"id\":\"x\",\"choices\":[{\n\n", "data: not json\n\n", "data: 42\n\n", &good, "data: [DONE]\n\n"]);
     assert_eq!(s.malformed_events, 3);
     assert_eq!(s.content_chunks, 1);
     assert!(s.done);
@@ -223,14 +159,8 @@ fn malformed_json_is_counted_not_fatal() {
 #[test]
 fn mid_stream_error_object() {
     let err = r#"data: {"error":{"message":"The server had an error while processing your request. Sorry about that!","type":"server_error","param":null,"code":null}}"#;
-    let (_, s) = observe_chunks(
-        CHAT,
-        &[&chat_chunk(r#"{"content":"Hel"}"#, None), err, "\n\n"],
-    );
-    assert_eq!(
-        s.upstream_error.as_deref(),
-        Some("The server had an error while processing your request. Sorry about that!")
-    );
+    let (_, s) = observe_chunks(CHAT, &[&chat_chunk(r#"{"content":"Hel"}"#, None), err, "\n\n"]);
+    assert_eq!(s.upstream_error.as_deref(), Some("The server had an error while processing your request. Sorry about that!"));
     assert!(!s.done);
     assert_eq!(s.content_chunks, 1);
 }
@@ -238,10 +168,7 @@ fn mid_stream_error_object() {
 #[test]
 fn error_message_is_truncated() {
     let long = "é".repeat(300);
-    let body = format!(
-        "data: {}\n\n",
-        serde_json::json!({"error": {"message": long}})
-    );
+    let body = format!("data: {}\n\n", serde_json::json!({"error": {"message": long}}));
     let (_, s) = observe_whole(CHAT, body.as_bytes());
     let e = s.upstream_error.unwrap();
     assert!(e.len() <= 256 && e.len() >= 254, "{}", e.len());
@@ -257,13 +184,7 @@ fn json_error_body_on_a_streaming_request() {
     "code": "rate_limit_exceeded"
   }
 }"#;
-    let (_, s) = observe_chunks(
-        CHAT,
-        &[
-            std::str::from_utf8(&body[..40]).unwrap(),
-            std::str::from_utf8(&body[40..]).unwrap(),
-        ],
-    );
+    let (_, s) = observe_chunks(CHAT, &[std::str::from_utf8(&body[..40]).unwrap(), std::str::from_utf8(&body[40..]).unwrap()]);
     assert!(s.upstream_error.unwrap().starts_with("Rate limit reached"));
     assert!(!s.done);
     assert_eq!(s.malformed_events, 0);
@@ -288,40 +209,21 @@ fn legacy_completions_stream() {
     assert_eq!(s.content_chunks, 3);
     assert_eq!(s.estimated_output_tokens, 1 + 1 + 1);
     assert_eq!(s.finish_reason.as_deref(), Some("length"));
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 5,
-            output_tokens: 7,
-            ..Usage::default()
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 5, output_tokens: 7, ..Usage::default() });
     assert!(s.usage_reported && s.done);
     assert_eq!(s.response_model.as_deref(), Some("gpt-3.5-turbo-instruct"));
 }
 
 #[test]
 fn multiple_events_in_one_chunk_report_together() {
-    let body =
-        chat_chunk(r#"{"content":"a"}"#, None) + &chat_chunk(r#"{"content":"bcdefgh"}"#, None);
+    let body = chat_chunk(r#"{"content":"a"}"#, None) + &chat_chunk(r#"{"content":"bcdefgh"}"#, None);
     let mut o = StreamObserver::new(CHAT);
-    assert_eq!(
-        o.push(body.as_bytes()),
-        ChunkOutcome {
-            content_events: 2,
-            estimated_tokens: 2,
-            usage_seen: false,
-            done: false
-        }
-    );
+    assert_eq!(o.push(body.as_bytes()), ChunkOutcome { content_events: 2, estimated_tokens: 2, usage_seen: false, done: false });
 }
 
 #[test]
 fn oversized_event_is_counted() {
-    let huge = chat_chunk(
-        &serde_json::json!({"content": "x".repeat(4000)}).to_string(),
-        None,
-    );
+    let huge = chat_chunk(&serde_json::json!({"content": "x".repeat(4000)}).to_string(), None);
     let small = chat_chunk(r#"{"content":"y"}"#, None);
     let mut o = StreamObserver::with_max_event_bytes(CHAT, 1024);
     o.push(huge.as_bytes());

@@ -1,10 +1,5 @@
 //! OpenAI Responses API streams: typed events, usage from response.completed / incomplete / failed.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod common;
 
@@ -23,16 +18,7 @@ fn full_stream() {
     assert!(outs[0].usage_seen && outs[0].done);
     assert_eq!(s.content_chunks, 3);
     assert_eq!(s.estimated_output_tokens, 1 + 1 + 1);
-    assert_eq!(
-        s.usage,
-        Usage {
-            input_tokens: 37,
-            output_tokens: 11,
-            cached_input_tokens: 12,
-            cache_creation_input_tokens: 0,
-            reasoning_tokens: 4
-        }
-    );
+    assert_eq!(s.usage, Usage { input_tokens: 37, output_tokens: 11, cached_input_tokens: 12, cache_creation_input_tokens: 0, reasoning_tokens: 4 });
     assert!(s.usage_reported && s.done);
     assert_eq!(s.finish_reason.as_deref(), Some("completed"));
     assert_eq!(s.response_model.as_deref(), Some("gpt-4.1-2025-04-14"));
@@ -50,20 +36,14 @@ fn setup_events_are_not_content() {
         }
     }
     let (i, event) = first.unwrap();
-    assert_eq!(
-        i, 4,
-        "created, in_progress, output_item.added, content_part.added come first"
-    );
+    assert_eq!(i, 4, "created, in_progress, output_item.added, content_part.added come first");
     assert!(event.starts_with("event: response.output_text.delta\n"));
 }
 
 #[test]
 fn byte_by_byte_equals_whole() {
     let body = responses_stream(&["Hello", " 😊", "!"]);
-    assert_eq!(
-        observe_whole(R, body.as_bytes()).1,
-        observe_bytewise(R, body.as_bytes()).1
-    );
+    assert_eq!(observe_whole(R, body.as_bytes()).1, observe_bytewise(R, body.as_bytes()).1);
 }
 
 #[test]
@@ -89,10 +69,7 @@ fn reasoning_function_call_and_refusal_deltas() {
 
 #[test]
 fn event_type_from_event_line_when_data_lacks_it() {
-    let (_, s) = observe_chunks(
-        R,
-        &["event: response.output_text.delta\ndata: {\"delta\":\"abc\"}\n\n"],
-    );
+    let (_, s) = observe_chunks(R, &["event: response.output_text.delta\ndata: {\"delta\":\"abc\"}\n\n"]);
     assert_eq!(s.content_chunks, 1);
 }
 
@@ -124,10 +101,7 @@ fn failed_response() {
         "\"incomplete_details\":null,\"model\":\"gpt-4.1\",\"usage\":null}}\n\n",
     );
     let (_, s) = observe_whole(R, body.as_bytes());
-    assert_eq!(
-        s.upstream_error.as_deref(),
-        Some("The model failed to generate a response.")
-    );
+    assert_eq!(s.upstream_error.as_deref(), Some("The model failed to generate a response."));
     assert_eq!(s.finish_reason.as_deref(), Some("failed"));
     assert!(s.done);
     assert!(!s.usage_reported);
@@ -135,7 +109,8 @@ fn failed_response() {
 
 #[test]
 fn error_event() {
-    let body = "event: error\ndata: {\"type\":\"error\",\"code\":\"ERR_SOMETHING\",\"message\":\"Something went wrong\",\"param\":null,\"sequence_number\":1}\n\n";
+    let body =
+        "event: error\ndata: {\"type\":\"error\",\"code\":\"ERR_SOMETHING\",\"message\":\"Something went wrong\",\"param\":null,\"sequence_number\":1}\n\n";
     let (_, s) = observe_whole(R, body.as_bytes());
     assert_eq!(s.upstream_error.as_deref(), Some("Something went wrong"));
     assert!(!s.done);

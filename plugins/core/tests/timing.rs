@@ -1,10 +1,5 @@
 //! Timing arithmetic on host timestamps.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use sluice_core::timing::StreamTiming;
 

@@ -25,15 +25,12 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
 use sluice_core::budget::SharedStore;
-use sluice_core::latency::{
-    self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, TenantSource, Transition,
-    VersionPolicy,
-};
+use sluice_core::latency::{self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, TenantSource, Transition, VersionPolicy};
 use sluice_core::reply::error_body;
-use sluice_core::request::inspect_request_with_kind;
-use sluice_core::rewrite::rewrite_request;
 use sluice_core::report::sanitize_label;
+use sluice_core::request::inspect_request_with_kind;
 use sluice_core::response::StreamObserver;
+use sluice_core::rewrite::rewrite_request;
 use sluice_core::timing::StreamTiming;
 use sluice_proxy_host as host;
 use std::cell::RefCell;
@@ -43,11 +40,12 @@ use std::time::Duration;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
+    sluice_proxy_host::install_panic_hook("latency-guard");
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-pub use sluice_core::contract::{AVOID_PROPERTY, FIRST_TOKEN_PROPERTY, RELEASE_PROPERTY};
 use sluice_core::contract::{GatewayEnd, GatewayReply, ROUTE_PROPERTY};
+pub use sluice_core::contract::{AVOID_PROPERTY, FIRST_TOKEN_PROPERTY, RELEASE_PROPERTY};
 /// Shared-data counter that gives each guard VM (one per worker) its own release queue.
 const VM_SEQUENCE_KEY: &str = "sluice/latency-guard/vm-sequence";
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
@@ -378,11 +376,7 @@ impl HttpContext for Guard {
                             host::replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body);
                             let version = g.admitted.as_ref().map(|a| sanitize_label(&a.version)).unwrap_or_default();
                             if let Some(shared) = &self.shared {
-                                shared.borrow_mut().metrics.add(
-                                    MetricType::Counter,
-                                    &format!("sluice.latency.output_capped_total.version.{version}"),
-                                    1,
-                                );
+                                shared.borrow_mut().metrics.add(MetricType::Counter, &format!("sluice.latency.output_capped_total.version.{version}"), 1);
                             }
                         }
                         Err(e) => log::debug!("sluice latency-guard: output ceiling not written: {e}"),
@@ -475,9 +469,7 @@ impl HttpContext for Guard {
                 }
             }
         }
-        let past_total = sh.watched.get(&self.context_id).is_some_and(|w| {
-            w.fired.is_none() && w.total_deadline_ns.is_some_and(|d| now >= d) && !end_of_stream
-        });
+        let past_total = sh.watched.get(&self.context_id).is_some_and(|w| w.fired.is_none() && w.total_deadline_ns.is_some_and(|d| now >= d) && !end_of_stream);
         if past_total && g.streaming {
             let event = deadline_event(g.kind, "total", sh.watched.get(&self.context_id).map(|w| w.total_ms()).unwrap_or(0));
             host::replace_body(BufferType::HttpResponseBody, body_size, event.as_bytes());
@@ -809,13 +801,7 @@ fn update_counter<R>(key: &str, mut next: impl FnMut(u64) -> Result<u64, R>) -> 
 }
 
 fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFlightLimit) -> InFlight {
-    let entered = update_counter(&vp.in_flight_key(), |n| {
-        if latency::should_shed(priority, n, limit) {
-            Err(n)
-        } else {
-            Ok(n.saturating_add(1))
-        }
-    });
+    let entered = update_counter(&vp.in_flight_key(), |n| if latency::should_shed(priority, n, limit) { Err(n) } else { Ok(n.saturating_add(1)) });
     match entered {
         CounterUpdate::Written(n) => InFlight::Entered(n),
         CounterUpdate::Declined(n) => InFlight::Shed(n),
@@ -897,12 +883,20 @@ impl Shared {
                 &[("content-type", "application/json"), ("x-sluice-deadline", which), ("x-sluice-refused-by", "latency-guard")],
                 body.as_bytes(),
             );
-            if ttft_due { Fired::TtftReply } else { Fired::TotalReply }
+            if ttft_due {
+                Fired::TtftReply
+            } else {
+                Fired::TotalReply
+            }
         } else {
             // Headers went out and no data is flowing to carry an error event: all that is left.
             host::mark_gateway_reply(GatewayReply { status: w.status, end: GatewayEnd::Deadline });
             host::reset_stream();
-            if ttft_due { Fired::TtftReset } else { Fired::TotalReset }
+            if ttft_due {
+                Fired::TtftReset
+            } else {
+                Fired::TotalReset
+            }
         };
         if let Some(w) = self.watched.get_mut(&id) {
             w.fired = Some(fired);
@@ -962,19 +956,11 @@ impl Shared {
 
     fn count_deadline(&mut self, id: u32, fired: Fired) {
         let version = self.watched.get(&id).map(|w| sanitize_label(&w.version)).unwrap_or_default();
-        self.metrics.add(
-            MetricType::Counter,
-            &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind(), fired.action()),
-            1,
-        );
+        self.metrics.add(MetricType::Counter, &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind(), fired.action()), 1);
     }
 
     fn count_shed(&mut self, version_label: &str, priority: Priority, reason: &str) {
-        self.metrics.add(
-            MetricType::Counter,
-            &format!("sluice.latency.shed_total.version.{version_label}.priority.{}.reason.{reason}", priority.as_str()),
-            1,
-        );
+        self.metrics.add(MetricType::Counter, &format!("sluice.latency.shed_total.version.{version_label}.priority.{}.reason.{reason}", priority.as_str()), 1);
     }
 
     fn leave_in_flight(&mut self, version: &str) {
@@ -1013,15 +999,7 @@ impl Shared {
         }
     }
 
-    fn judge(
-        &mut self,
-        name: &str,
-        breaker_key: &str,
-        window_key: &str,
-        b: &latency::BreakerPolicy,
-        now: u64,
-        stats: &latency::WindowStats,
-    ) {
+    fn judge(&mut self, name: &str, breaker_key: &str, window_key: &str, b: &latency::BreakerPolicy, now: u64, stats: &latency::WindowStats) {
         let mut store = host::SharedData;
         match breaker::update(&mut store, breaker_key, &b.config, now, stats) {
             Ok((breaker, transition)) => {
@@ -1038,11 +1016,7 @@ impl Shared {
     fn on_transition(&mut self, name: &str, window_key: &str, b: &latency::BreakerPolicy, t: &Transition) {
         let label = sanitize_label(name);
         log::warn!("sluice latency-guard: breaker of {name} {} → {}: {}", t.from.as_str(), t.to.as_str(), t.reason);
-        self.metrics.add(
-            MetricType::Counter,
-            &format!("sluice.latency.breaker_transitions_total.version.{label}.to.{}", t.to.as_str()),
-            1,
-        );
+        self.metrics.add(MetricType::Counter, &format!("sluice.latency.breaker_transitions_total.version.{label}.to.{}", t.to.as_str()), 1);
         if t.reset_window {
             if let Err(e) = window::reset(&mut host::SharedData, window_key, &b.window) {
                 log::warn!("sluice latency-guard: window of {name} not reset: {e}");
@@ -1052,19 +1026,12 @@ impl Shared {
 
     /// Open breakers go half-open on time alone, and traffic may not reach them to notice.
     fn sweep_open_breakers(&mut self, now: u64) {
-        let versions: Vec<(String, String, String, latency::BreakerPolicy)> = self
-            .policy
-            .versions
-            .iter()
-            .filter_map(|v| v.breaker.clone().map(|b| (v.name.clone(), v.breaker_key(), v.window_key(), b)))
-            .collect();
+        let versions: Vec<(String, String, String, latency::BreakerPolicy)> =
+            self.policy.versions.iter().filter_map(|v| v.breaker.clone().map(|b| (v.name.clone(), v.breaker_key(), v.window_key(), b))).collect();
         let mut store = host::SharedData;
         for (name, breaker_key, window_key, b) in versions {
             let Ok(current) = breaker::read(&mut store, &breaker_key, &b.config) else { continue };
-            self.metrics.set_gauge(
-                &format!("sluice.latency.breaker_state.version.{}", sanitize_label(&name)),
-                u64::from(current.state().state.code()),
-            );
+            self.metrics.set_gauge(&format!("sluice.latency.breaker_state.version.{}", sanitize_label(&name)), u64::from(current.state().state.code()));
             if current.state().state != State::Open {
                 continue;
             }

@@ -120,8 +120,7 @@ impl Settings {
     /// Parses and validates; an empty configuration means all defaults.
     pub fn parse(bytes: &[u8]) -> Result<Settings, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
-        let config: Config =
-            sluice_core::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
+        let config: Config = sluice_core::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
         Settings::validate(config)
     }
 
@@ -136,10 +135,7 @@ impl Settings {
         }
         let header = c.model_version_header.to_ascii_lowercase();
         if header.is_empty() || !header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-            return Err(invalid(
-                "model_version_header",
-                format!("must be a header name of letters, digits, '-' or '_', got {:?}", c.model_version_header),
-            ));
+            return Err(invalid("model_version_header", format!("must be a header name of letters, digits, '-' or '_', got {:?}", c.model_version_header)));
         }
         if c.max_dynamic_model_versions > 1000 {
             return Err(invalid(
@@ -149,9 +145,7 @@ impl Settings {
         }
         match &c.tenant {
             TenantSource::Header(h) if h.is_empty() => return Err(invalid("tenant.header", "must not be empty")),
-            TenantSource::Property(p) if p.is_empty() => {
-                return Err(invalid("tenant.property", "must be a non-empty attribute path"))
-            }
+            TenantSource::Property(p) if p.is_empty() => return Err(invalid("tenant.property", "must be a non-empty attribute path")),
             _ => {}
         }
         for (field, v) in [("max_request_body_bytes", c.max_request_body_bytes), ("max_response_body_bytes", c.max_response_body_bytes)] {
@@ -159,13 +153,8 @@ impl Settings {
                 return Err(invalid(field, format!("at most {MAX_BODY_CAP} bytes, got {v}")));
             }
         }
-        if c.filter_state_key.is_empty()
-            || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
-        {
-            return Err(invalid(
-                "filter_state_key",
-                format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key),
-            ));
+        if c.filter_state_key.is_empty() || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
+            return Err(invalid("filter_state_key", format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key)));
         }
         let prices = PriceTable::new(c.prices).map_err(|e| ConfigError::Prices(e.to_string()))?;
         Ok(Settings {

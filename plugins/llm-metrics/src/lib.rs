@@ -9,7 +9,6 @@
 pub mod config;
 
 use config::{Settings, TenantSource};
-use sluice_proxy_host as host;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
@@ -18,11 +17,13 @@ use sluice_core::request::{inspect_request, ContextBucket, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
 use sluice_core::sse::StreamTail;
 use sluice_core::timing::StreamTiming;
+use sluice_proxy_host as host;
 use std::cell::RefCell;
 use std::rc::Rc;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
+    sluice_proxy_host::install_panic_hook("llm-metrics");
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
@@ -49,17 +50,11 @@ impl RootContext for Root {
         let Some(bytes) = host::plugin_configuration() else { return false };
         match Settings::parse(&bytes) {
             Ok(settings) => {
-                let model_versions =
-                    LabelBound::new(settings.model_versions.iter().cloned(), settings.max_dynamic_model_versions);
+                let model_versions = LabelBound::new(settings.model_versions.iter().cloned(), settings.max_dynamic_model_versions);
                 // Tenants are named explicitly: a tenant name is not a free-form label.
                 let tenants = LabelBound::new(settings.tenants.iter().cloned(), 0);
                 log::info!("sluice llm-metrics: configured ({} price entries)", settings.prices.len());
-                self.shared = Some(Rc::new(RefCell::new(Shared {
-                    settings,
-                    metrics: host::Metrics::default(),
-                    model_versions,
-                    tenants,
-                })));
+                self.shared = Some(Rc::new(RefCell::new(Shared { settings, metrics: host::Metrics::default(), model_versions, tenants })));
                 true
             }
             Err(e) => {
@@ -136,8 +131,7 @@ impl HttpContext for Stream {
             Some(enc) if !enc.eq_ignore_ascii_case("identity") => Some(Skip::Encoded),
             _ => None,
         };
-        let model_version_header =
-            host::header(MapType::HttpRequestHeaders, &sh.settings.model_version_header).filter(|v| !v.is_empty());
+        let model_version_header = host::header(MapType::HttpRequestHeaders, &sh.settings.model_version_header).filter(|v| !v.is_empty());
         let mut m = Box::new(Measured {
             kind,
             start_ns: host::now_ns(),
@@ -357,25 +351,16 @@ impl Measured {
         // A 4xx with an error body is the client's mistake, answered properly: not an upstream error.
         let outcome = match (gateway, outcome) {
             (Some(g), _) => g.end.into(),
-            (None, Outcome::Completed)
-                if self.status >= 500 || (self.status < 400 && response.upstream_error.is_some()) =>
-            {
-                Outcome::UpstreamError
-            }
+            (None, Outcome::Completed) if self.status >= 500 || (self.status < 400 && response.upstream_error.is_some()) => Outcome::UpstreamError,
             (None, other) => other,
         };
-        let prompt_tokens =
-            if response.usage_reported { response.usage.input_tokens } else { request.prompt_tokens_estimate };
+        let prompt_tokens = if response.usage_reported { response.usage.input_tokens } else { request.prompt_tokens_estimate };
         let have_request = self.request.is_some();
         let labels = Labels {
             model_version: self.in_flight_label.clone().unwrap_or_else(|| OTHER.to_string()),
             tenant: self.tenant_label.clone(),
             api: self.kind.as_str().to_string(),
-            ctx: if have_request || response.usage_reported {
-                ContextBucket::from_tokens(prompt_tokens).as_str().to_string()
-            } else {
-                "unknown".into()
-            },
+            ctx: if have_request || response.usage_reported { ContextBucket::from_tokens(prompt_tokens).as_str().to_string() } else { "unknown".into() },
             turn: match (have_request, request.follow_up) {
                 (false, _) => "unknown".into(),
                 (true, false) => "first".into(),
@@ -415,12 +400,8 @@ impl Measured {
         for sample in record.samples() {
             match sample.kind {
                 MetricKind::Histogram => sh.metrics.record(&sample.name, sample.value),
-                MetricKind::Counter => {
-                    sh.metrics.add(MetricType::Counter, &sample.name, i64::try_from(sample.value).unwrap_or(i64::MAX))
-                }
-                MetricKind::Gauge => {
-                    sh.metrics.add(MetricType::Gauge, &sample.name, i64::try_from(sample.value).unwrap_or(i64::MAX))
-                }
+                MetricKind::Counter => sh.metrics.add(MetricType::Counter, &sample.name, i64::try_from(sample.value).unwrap_or(i64::MAX)),
+                MetricKind::Gauge => sh.metrics.add(MetricType::Gauge, &sample.name, i64::try_from(sample.value).unwrap_or(i64::MAX)),
             }
         }
         host::set_property(&sh.settings.filter_state_key, record.stamp_json().as_bytes());

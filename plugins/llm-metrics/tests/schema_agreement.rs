@@ -17,19 +17,13 @@ fn code_documents() -> Documents {
 #[test]
 fn llm_metrics_schema_matches_the_code() {
     let docs = code_documents();
-    assert_none(
-        "policies/llm-metrics.schema.json vs Config",
-        &compare(&docs.shape("(code)"), &docs.shape("llm-metrics.schema.json")),
-    );
+    assert_none("policies/llm-metrics.schema.json vs Config", &compare(&docs.shape("(code)"), &docs.shape("llm-metrics.schema.json")));
 }
 
 #[test]
 fn llm_metrics_docs_match_the_code() {
     let docs = code_documents();
-    assert_none(
-        "docs/configuration.md vs Config",
-        &compare_docs(&docs.shape("(code)"), &[DocSection { file: "configuration.md", from: None }]),
-    );
+    assert_none("docs/configuration.md vs Config", &compare_docs(&docs.shape("(code)"), &[DocSection { file: "configuration.md", from: None }]));
 }
 
 #[test]

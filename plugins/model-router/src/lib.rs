@@ -26,6 +26,7 @@ use std::time::Duration;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
+    sluice_proxy_host::install_panic_hook("model-router");
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
@@ -415,9 +416,11 @@ impl HttpContext for Stream {
             .and_then(|s| s.tenant_header.clone())
             .and_then(|h| host::header(MapType::HttpRequestHeaders, &h));
         let shadow = match sh.policy.shadow_sampled(index, request_id.as_bytes(), tenant.as_deref()) {
-            ShadowVerdict::Sampled => sh.policy.model(index).and_then(|m| m.shadow.as_ref()).map(|s| {
-                (s.version.name.clone(), s.version.upstream_model.clone(), s.version.cluster.clone(), s.version.authority.clone())
-            }),
+            ShadowVerdict::Sampled => sh
+                .policy
+                .model(index)
+                .and_then(|m| m.shadow.as_ref())
+                .map(|s| (s.version.name.clone(), s.version.upstream_model.clone(), s.version.cluster.clone(), s.version.authority.clone())),
             ShadowVerdict::ExcludedTenant => {
                 let shadow_name = sh.policy.model(index).and_then(|m| m.shadow.as_ref()).map(|s| sanitize_label(&s.version.name)).unwrap_or_default();
                 sh.count(&format!("sluice.router.shadow_total.primary.{}.shadow.{shadow_name}.result.excluded", sanitize_label(&decision.version)));
@@ -509,8 +512,7 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
         let Some(r) = self.state.as_mut() else { return Action::Continue };
         r.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let streaming = host::header(MapType::HttpResponseHeaders, "content-type")
-            .is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
+        let streaming = host::header(MapType::HttpResponseHeaders, "content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
         if streaming {
             r.observer = Some(StreamObserver::new(r.kind));
         }
@@ -580,7 +582,8 @@ impl Stream {
         let queued = sh.jobs.len();
         sh.jobs.retain(|job| job.request_id != r.request_id);
         if sh.jobs.len() < queued {
-            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), r.shadow.as_ref().map(|s| sanitize_label(&s.0)).unwrap_or_default());
+            let labels =
+                format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), r.shadow.as_ref().map(|s| sanitize_label(&s.0)).unwrap_or_default());
             sh.count(&format!("sluice.router.shadow_total{labels}.result.refused"));
             r.shadow = None;
             write_stamp(r);

@@ -200,6 +200,17 @@ pub fn interrupted_outcome() -> sluice_core::report::Outcome {
     }
 }
 
+/// Replaces the SDK's panic hook (a bare message) with one that names the plugin and says what a
+/// panic costs: the release profile aborts, and Envoy loses this VM for every request on the worker.
+/// The plugins deny the usual ways to panic; this is for the ones no lint sees.
+pub fn install_panic_hook(plugin: &'static str) {
+    std::panic::set_hook(Box::new(move |info| {
+        let message = format!("sluice {plugin}: panic, the VM is lost for every request on this worker: {info}");
+        // Nothing is left to do if even logging fails.
+        let _ = hostcalls::log(proxy_wasm::types::LogLevel::Critical, &message);
+    }));
+}
+
 /// Sends a reply from the proxy; the stream goes no further upstream.
 pub fn local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) {
     if let Err(e) = hostcalls::send_http_response(status, headers.to_vec(), Some(body)) {

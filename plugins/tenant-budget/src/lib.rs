@@ -9,14 +9,14 @@
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
-use sluice_core::budget::ledger::Counter;
 use sluice_core::budget::identities::identity_hash;
+use sluice_core::budget::ledger::Counter;
 use sluice_core::budget::policy::{CounterSpec, LedgerFailure, LedgerMode, Limit, Mode};
 use sluice_core::budget::remote::PendingReserve;
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
+use sluice_core::contract::GatewayEnd;
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
 use sluice_core::reply::error_body;
-use sluice_core::contract::GatewayEnd;
 use sluice_core::report::{sanitize_label, LabelBound, Outcome};
 use sluice_core::request::{inspect_request_with_kind, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
@@ -32,6 +32,7 @@ use std::time::Duration;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
+    sluice_proxy_host::install_panic_hook("tenant-budget");
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
@@ -129,12 +130,7 @@ impl Shared {
 /// Starts a call to the Redis ledger service through its Envoy cluster.
 fn ledger_call(policy: &Policy, path: &str, body: &[u8]) -> Result<u32, String> {
     let cluster = policy.ledger.cluster.as_deref().unwrap_or_default();
-    let headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", policy.ledger.authority.as_str()),
-        ("content-type", "application/json"),
-    ];
+    let headers = vec![(":method", "POST"), (":path", path), (":authority", policy.ledger.authority.as_str()), ("content-type", "application/json")];
     let timeout = Duration::from_millis(u64::from(policy.ledger.timeout_ms));
     proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(|status| format!("{status:?}"))
 }
@@ -162,7 +158,15 @@ impl Context for Root {
         let done = status == 200 && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("settled").is_some());
         // A 400 is final: the ledger judged the settlement itself malformed, a retry cannot fix it.
         let rejected = status == 400;
-        let result = if done { "ok" } else if status == 0 { "timeout" } else if rejected { "rejected" } else { "error" };
+        let result = if done {
+            "ok"
+        } else if status == 0 {
+            "timeout"
+        } else if rejected {
+            "rejected"
+        } else {
+            "error"
+        };
         sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.settle.result.{result}"), 1);
         sh.metrics.record("sluice.budget.ledger_latency_ms.call.settle", now.saturating_sub(started) / 1_000_000);
         if done {
@@ -398,8 +402,7 @@ impl HttpContext for Stream {
         let Some(b) = self.state.as_mut() else { return Action::Continue };
         b.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         let Some(admission) = &b.admission else { return Action::Continue };
-        let streaming = host::header(MapType::HttpResponseHeaders, "content-type")
-            .is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
+        let streaming = host::header(MapType::HttpResponseHeaders, "content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
         if streaming {
             b.observer = Some(StreamObserver::new(b.kind));
             if b.injected_usage {
@@ -624,13 +627,8 @@ impl Stream {
             Mode::Strict => (body.len() as u64).saturating_add(if info.has_tools { TOOL_PROMPT_ALLOWANCE } else { 0 }),
             Mode::Estimate => info.prompt_tokens_estimate.saturating_mul(100 + u64::from(policy.estimate_margin_percent)).div_ceil(100),
         };
-        let demand = Demand {
-            input_tokens: input,
-            output_tokens: output,
-            choices: info.output_choices,
-            model: info.model.clone(),
-            identity: b.identity.clone(),
-        };
+        let demand =
+            Demand { input_tokens: input, output_tokens: output, choices: info.output_choices, model: info.model.clone(), identity: b.identity.clone() };
         let now = host::now_ns();
         b.inject_usage = policy.include_usage && info.stream && !info.include_usage;
         b.request = Some(info);
@@ -783,7 +781,13 @@ impl Stream {
                             if !host::try_replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body) {
                                 // The limit the reservation assumed cannot be written: not admitted.
                                 shared.borrow_mut().release(&admission, now);
-                                self.reject(503, "overloaded", "unrewritable_body", "the request body could not be updated to enforce the budget; retry", Some(1));
+                                self.reject(
+                                    503,
+                                    "overloaded",
+                                    "unrewritable_body",
+                                    "the request body could not be updated to enforce the budget; retry",
+                                    Some(1),
+                                );
                                 return Action::Pause;
                             }
                         }

@@ -42,28 +42,18 @@ fn message(plan: &Plan, content: Value, stop_reason: Value, output_tokens: u64) 
 
 pub fn preamble(plan: &Plan) -> Vec<Event> {
     vec![
-        Event::named(
-            "message_start",
-            json!({"type": "message_start", "message": message(plan, json!([]), Value::Null, 1)}),
-        ),
-        Event::named(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        ),
+        Event::named("message_start", json!({"type": "message_start", "message": message(plan, json!([]), Value::Null, 1)})),
+        Event::named("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})),
         Event::named("ping", json!({"type": "ping"})),
     ]
 }
 
 pub fn token(i: u64) -> Event {
-    Event::named(
-        "content_block_delta",
-        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": token_text(i)}}),
-    )
+    Event::named("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": token_text(i)}}))
 }
 
 pub fn epilogue(plan: &Plan) -> Vec<Event> {
-    let mut delta =
-        json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(plan), "stop_sequence": null}});
+    let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(plan), "stop_sequence": null}});
     if plan.usage {
         super::set(&mut delta, "usage", json!({"output_tokens": plan.completion_tokens()}));
     }
@@ -75,10 +65,5 @@ pub fn epilogue(plan: &Plan) -> Vec<Event> {
 }
 
 pub fn full(plan: &Plan) -> Value {
-    message(
-        plan,
-        json!([{"type": "text", "text": plan.text()}]),
-        json!(stop_reason(plan)),
-        plan.completion_tokens(),
-    )
+    message(plan, json!([{"type": "text", "text": plan.text()}]), json!(stop_reason(plan)), plan.completion_tokens())
 }

@@ -64,16 +64,10 @@ pub struct Event {
 
 impl Event {
     fn data(v: Value) -> Event {
-        Event {
-            name: None,
-            data: v.to_string(),
-        }
+        Event { name: None, data: v.to_string() }
     }
     fn named(name: &'static str, v: Value) -> Event {
-        Event {
-            name: Some(name),
-            data: v.to_string(),
-        }
+        Event { name: Some(name), data: v.to_string() }
     }
     /// Wire form, ending in the blank line that dispatches the event.
     pub fn render(&self, crlf: bool) -> Vec<u8> {
@@ -148,9 +142,7 @@ impl Plan {
             match body.get(*field) {
                 None | Some(Value::Null) => {}
                 Some(v) => {
-                    let n = v
-                        .as_u64()
-                        .ok_or_else(|| format!("{field} must be a non-negative integer"))?;
+                    let n = v.as_u64().ok_or_else(|| format!("{field} must be a non-negative integer"))?;
                     max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
                 }
             }
@@ -184,10 +176,7 @@ impl Plan {
             usage,
             id: new_id(id_prefix),
             item_id: new_id(item_prefix),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         })
     }
 
@@ -269,10 +258,7 @@ impl Plan {
                 json!({"type": "error", "code": "server_error", "message": message, "param": null,
                        "sequence_number": responses::next(seq)}),
             ),
-            Api::Messages => Event::named(
-                "error",
-                json!({"type": "error", "error": {"type": "overloaded_error", "message": message}}),
-            ),
+            Api::Messages => Event::named("error", json!({"type": "error", "error": {"type": "overloaded_error", "message": message}})),
         }
     }
 
@@ -319,10 +305,7 @@ pub(crate) fn new_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let seed = *SEED.get_or_init(|| {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         nanos ^ (u64::from(std::process::id()) << 32)
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -332,10 +315,7 @@ pub(crate) fn new_id(prefix: &str) -> String {
 /// Prompt tokens per the rule in the module docs.
 pub fn prompt_tokens(api: Api, body: &Value) -> u64 {
     let units: Vec<&Value> = match api {
-        Api::Chat => array(body.get("messages"))
-            .iter()
-            .map(|m| m.get("content").unwrap_or(&Value::Null))
-            .collect(),
+        Api::Chat => array(body.get("messages")).iter().map(|m| m.get("content").unwrap_or(&Value::Null)).collect(),
         Api::Completions => match body.get("prompt") {
             Some(Value::Array(items)) => items.iter().collect(),
             Some(p) => vec![p],
@@ -344,11 +324,7 @@ pub fn prompt_tokens(api: Api, body: &Value) -> u64 {
         Api::Responses => {
             let mut units: Vec<&Value> = body.get("instructions").filter(|v| v.is_string()).into_iter().collect();
             match body.get("input") {
-                Some(Value::Array(items)) => units.extend(
-                    items
-                        .iter()
-                        .map(|it| it.get("content").or_else(|| it.get("output")).unwrap_or(&Value::Null)),
-                ),
+                Some(Value::Array(items)) => units.extend(items.iter().map(|it| it.get("content").or_else(|| it.get("output")).unwrap_or(&Value::Null))),
                 Some(input) => units.push(input),
                 None => {}
             }
@@ -356,11 +332,7 @@ pub fn prompt_tokens(api: Api, body: &Value) -> u64 {
         }
         Api::Messages => {
             let mut units: Vec<&Value> = body.get("system").into_iter().collect();
-            units.extend(
-                array(body.get("messages"))
-                    .iter()
-                    .map(|m| m.get("content").unwrap_or(&Value::Null)),
-            );
+            units.extend(array(body.get("messages")).iter().map(|m| m.get("content").unwrap_or(&Value::Null)));
             units
         }
     };
@@ -405,10 +377,7 @@ mod tests {
         assert_eq!(prompt_tokens(Api::Chat, &parts), 6);
         assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": "Hello"})), 6);
         assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": ["Hello", ""]})), 10);
-        assert_eq!(
-            prompt_tokens(Api::Responses, &json!({"instructions": "Be", "input": "Hello"})),
-            5 + 6
-        );
+        assert_eq!(prompt_tokens(Api::Responses, &json!({"instructions": "Be", "input": "Hello"})), 5 + 6);
         let messages = json!({"system": "You are terse.", "messages": [{"role": "user", "content": "Hello"}]});
         assert_eq!(prompt_tokens(Api::Messages, &messages), 14);
         // Multi-byte characters count once each.
@@ -429,18 +398,12 @@ mod tests {
     fn model_is_echoed_unless_overridden() {
         let body = json!({"model": "m1"});
         assert_eq!(Plan::new(Api::Chat, &body, &controls(), None).unwrap().model, "m1");
-        assert_eq!(
-            Plan::new(Api::Chat, &body, &controls(), Some("fixed")).unwrap().model,
-            "fixed"
-        );
+        assert_eq!(Plan::new(Api::Chat, &body, &controls(), Some("fixed")).unwrap().model, "fixed");
     }
 
     #[test]
     fn crlf_rendering() {
-        let e = Event {
-            name: Some("ping"),
-            data: "{}".into(),
-        };
+        let e = Event { name: Some("ping"), data: "{}".into() };
         assert_eq!(e.render(false), b"event: ping\ndata: {}\n\n");
         assert_eq!(e.render(true), b"event: ping\r\ndata: {}\r\n\r\n");
     }

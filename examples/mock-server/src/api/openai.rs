@@ -22,11 +22,7 @@ fn chunk(plan: &Plan, choices: Value) -> Event {
 }
 
 fn chunk_value(plan: &Plan, choices: Value) -> Value {
-    let object = if plan.api == Api::Chat {
-        "chat.completion.chunk"
-    } else {
-        "text_completion"
-    };
+    let object = if plan.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
     let mut v = json!({
         "id": plan.id,
         "object": object,
@@ -43,24 +39,15 @@ fn chunk_value(plan: &Plan, choices: Value) -> Value {
 
 /// The first chat chunk: role only, no content. Sent at once, so it must not count as a token.
 pub fn chat_role_chunk(plan: &Plan) -> Event {
-    chunk(
-        plan,
-        json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-    )
+    chunk(plan, json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))
 }
 
 pub fn chat_token_chunk(plan: &Plan, i: u64) -> Event {
-    chunk(
-        plan,
-        json!([{"index": 0, "delta": {"content": token_text(i)}, "logprobs": null, "finish_reason": null}]),
-    )
+    chunk(plan, json!([{"index": 0, "delta": {"content": token_text(i)}, "logprobs": null, "finish_reason": null}]))
 }
 
 pub fn completion_token_chunk(plan: &Plan, i: u64) -> Event {
-    chunk(
-        plan,
-        json!([{"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": null}]),
-    )
+    chunk(plan, json!([{"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": null}]))
 }
 
 pub fn epilogue(plan: &Plan) -> Vec<Event> {
@@ -74,10 +61,7 @@ pub fn epilogue(plan: &Plan) -> Vec<Event> {
         super::set(&mut usage, "usage", plan.openai_usage());
         events.push(Event::data(usage));
     }
-    events.push(Event {
-        name: None,
-        data: "[DONE]".into(),
-    });
+    events.push(Event { name: None, data: "[DONE]".into() });
     events
 }
 
@@ -110,9 +94,5 @@ pub fn chat_full(plan: &Plan) -> Value {
 }
 
 pub fn completion_full(plan: &Plan) -> Value {
-    full(
-        plan,
-        "text_completion",
-        json!({"index": 0, "text": plan.text(), "logprobs": null, "finish_reason": finish_reason(plan)}),
-    )
+    full(plan, "text_completion", json!({"index": 0, "text": plan.text(), "logprobs": null, "finish_reason": finish_reason(plan)}))
 }

@@ -35,11 +35,7 @@ fn message_item(plan: &Plan, status: &str, content: Value) -> Value {
 
 /// The `response` object in a given state.
 fn response(plan: &Plan, status: &str, output: Value, usage: Value) -> Value {
-    let incomplete = if status == "incomplete" {
-        json!({"reason": "max_output_tokens"})
-    } else {
-        Value::Null
-    };
+    let incomplete = if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null };
     json!({
         "id": plan.id,
         "object": "response",
@@ -77,14 +73,8 @@ fn final_status(plan: &Plan) -> &'static str {
 pub fn preamble(plan: &Plan, seq: &mut u64) -> Vec<Event> {
     let pending = response(plan, "in_progress", json!([]), Value::Null);
     vec![
-        Event::named(
-            "response.created",
-            json!({"type": "response.created", "sequence_number": next(seq), "response": pending}),
-        ),
-        Event::named(
-            "response.in_progress",
-            json!({"type": "response.in_progress", "sequence_number": next(seq), "response": pending}),
-        ),
+        Event::named("response.created", json!({"type": "response.created", "sequence_number": next(seq), "response": pending})),
+        Event::named("response.in_progress", json!({"type": "response.in_progress", "sequence_number": next(seq), "response": pending})),
         Event::named(
             "response.output_item.added",
             json!({"type": "response.output_item.added", "sequence_number": next(seq), "output_index": 0,
@@ -109,11 +99,7 @@ pub fn token(plan: &Plan, i: u64, seq: &mut u64) -> Event {
 pub fn epilogue(plan: &Plan, seq: &mut u64) -> Vec<Event> {
     let text = plan.text();
     let item = message_item(plan, final_status(plan), json!([text_part(&text)]));
-    let done_type = if plan.truncated {
-        "response.incomplete"
-    } else {
-        "response.completed"
-    };
+    let done_type = if plan.truncated { "response.incomplete" } else { "response.completed" };
     vec![
         Event::named(
             "response.output_text.done",
@@ -125,10 +111,7 @@ pub fn epilogue(plan: &Plan, seq: &mut u64) -> Vec<Event> {
             json!({"type": "response.content_part.done", "sequence_number": next(seq), "item_id": plan.item_id,
                    "output_index": 0, "content_index": 0, "part": text_part(&text)}),
         ),
-        Event::named(
-            "response.output_item.done",
-            json!({"type": "response.output_item.done", "sequence_number": next(seq), "output_index": 0, "item": item}),
-        ),
+        Event::named("response.output_item.done", json!({"type": "response.output_item.done", "sequence_number": next(seq), "output_index": 0, "item": item})),
         Event::named(
             done_type,
             json!({"type": done_type, "sequence_number": next(seq),

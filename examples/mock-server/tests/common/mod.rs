@@ -1,12 +1,6 @@
 //! Test support: runs the built mock binary on port 0 and talks raw HTTP/1.1 to it, keeping the
 //! decoded HTTP chunks and their arrival times so tests can check framing and timing.
-#![allow(
-    dead_code,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -28,15 +22,8 @@ impl Mock {
             .spawn()
             .expect("spawn mock");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .expect("listening line")
-            .parse()
-            .unwrap();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.trim().strip_prefix("listening on ").expect("listening line").parse().unwrap();
         Mock { child, addr }
     }
 
@@ -65,10 +52,7 @@ pub struct Resp {
 
 impl Resp {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
     pub fn text(&self) -> String {
         String::from_utf8(self.body.clone()).unwrap()
@@ -96,11 +80,7 @@ impl Resp {
             .collect()
     }
     pub fn event_json(&self) -> Vec<serde_json::Value> {
-        self.events()
-            .iter()
-            .filter(|(_, d)| d != "[DONE]")
-            .map(|(_, d)| serde_json::from_str(d).unwrap())
-            .collect()
+        self.events().iter().filter(|(_, d)| d != "[DONE]").map(|(_, d)| serde_json::from_str(d).unwrap()).collect()
     }
 }
 
@@ -114,10 +94,7 @@ impl Conn {
     pub fn connect(addr: SocketAddr) -> Conn {
         let writer = TcpStream::connect(addr).unwrap();
         writer.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        Conn {
-            reader: BufReader::new(writer.try_clone().unwrap()),
-            writer,
-        }
+        Conn { reader: BufReader::new(writer.try_clone().unwrap()), writer }
     }
 
     pub fn send_raw(&mut self, raw: &[u8]) -> Instant {
@@ -127,10 +104,7 @@ impl Conn {
     }
 
     pub fn request(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
-        let mut raw = format!(
-            "{method} {path} HTTP/1.1\r\nhost: mock\r\ncontent-length: {}\r\n",
-            body.len()
-        );
+        let mut raw = format!("{method} {path} HTTP/1.1\r\nhost: mock\r\ncontent-length: {}\r\n", body.len());
         for (n, v) in headers {
             raw.push_str(&format!("{n}: {v}\r\n"));
         }
@@ -164,14 +138,7 @@ impl Conn {
             let (n, v) = l.split_once(':').unwrap();
             headers.push((n.to_ascii_lowercase(), v.trim().to_string()));
         }
-        let mut resp = Resp {
-            status,
-            headers,
-            body: vec![],
-            chunks: vec![],
-            complete: false,
-            sent_at,
-        };
+        let mut resp = Resp { status, headers, body: vec![], chunks: vec![], complete: false, sent_at };
         if resp.header("transfer-encoding") == Some("chunked") {
             loop {
                 let Some(size) = self.line() else { return resp };

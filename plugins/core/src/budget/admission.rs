@@ -71,7 +71,10 @@ pub struct Refusal {
 pub enum AdmitError {
     Exceeded(Refusal),
     /// A money budget applies but no price matches the model: refusing is the only safe answer.
-    Unpriced { counter: usize, model: Option<String> },
+    Unpriced {
+        counter: usize,
+        model: Option<String>,
+    },
     /// The store could not be updated (contention beyond the retry bound, or unavailable).
     Store(String),
 }
@@ -301,12 +304,7 @@ impl Policy {
         let model = admission.model.as_deref();
         let micro_usd = self.cost_of_usage(model, actual).unwrap_or(0);
         let minute = minute_of(now_ns);
-        let mut settlement = Settlement {
-            input_tokens: actual.input_tokens,
-            output_tokens: actual.output_tokens,
-            micro_usd,
-            ..Settlement::default()
-        };
+        let mut settlement = Settlement { input_tokens: actual.input_tokens, output_tokens: actual.output_tokens, micro_usd, ..Settlement::default() };
         for (index, lease) in &admission.leases {
             let Some(spec) = self.counters.get(*index) else { continue };
             let amount = spec.limit.amount(actual.input_tokens, actual.output_tokens, micro_usd);

@@ -175,12 +175,9 @@ mod tests {
     fn a_full_bucket_evicts_the_oldest_window_first() {
         let mut mem = MemoryStore::default();
         let mut store = IdentityBuckets::new(&mut mem, 64); // one entry per bucket
-        // Two identities that land in the same bucket.
-        let same: Vec<String> = (0..1000)
-            .map(|i| identity_hash(&format!("user-{i}")))
-            .filter(|h| u64::from_str_radix(h, 16).unwrap() % BUCKETS == 0)
-            .take(2)
-            .collect();
+                                                            // Two identities that land in the same bucket.
+        let same: Vec<String> =
+            (0..1000).map(|i| identity_hash(&format!("user-{i}"))).filter(|h| u64::from_str_radix(h, 16).unwrap() % BUCKETS == 0).take(2).collect();
         let (old, new) = (format!("t#{}", same[0]), format!("t#{}", same[1]));
         ledger::reserve(&mut store, &old, 1, 0, 10, 50, 100).unwrap();
         ledger::reserve(&mut store, &new, 2, 0, 10, 30, 100).unwrap();

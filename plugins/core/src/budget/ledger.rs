@@ -140,7 +140,11 @@ pub struct Lease {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReserveError {
     /// `used + reserved + amount > limit`; the counter's figures at the time.
-    Exceeded { used: u64, reserved: u64, limit: u64 },
+    Exceeded {
+        used: u64,
+        reserved: u64,
+        limit: u64,
+    },
     /// Too many concurrent updates to the same counter.
     Contended,
     Store(StoreError),
@@ -187,14 +191,7 @@ pub fn reserve(
 
 /// Replaces a lease by the actual amount: the lease is released and `actual` added to `used`, if
 /// the lease's window is still current. Returns the counter after the update.
-pub fn settle(
-    store: &mut dyn SharedStore,
-    lease: &Lease,
-    actual: u64,
-    now_window_id: u64,
-    now_minute: u32,
-    ttl_minutes: u32,
-) -> Result<Counter, ReserveError> {
+pub fn settle(store: &mut dyn SharedStore, lease: &Lease, actual: u64, now_window_id: u64, now_minute: u32, ttl_minutes: u32) -> Result<Counter, ReserveError> {
     for _ in 0..MAX_CAS_ATTEMPTS {
         let (mut counter, cas) = load(store, &lease.key).map_err(ReserveError::Store)?;
         counter.roll(now_window_id, now_minute, ttl_minutes);
@@ -258,10 +255,7 @@ mod tests {
         let mut store = MemoryStore::default();
         let (a, _) = reserve(&mut store, "k", 1, 0, 10, 60, 100).unwrap();
         let (b, _) = reserve(&mut store, "k", 1, 0, 10, 40, 100).unwrap();
-        assert_eq!(
-            reserve(&mut store, "k", 1, 0, 10, 1, 100),
-            Err(ReserveError::Exceeded { used: 0, reserved: 100, limit: 100 })
-        );
+        assert_eq!(reserve(&mut store, "k", 1, 0, 10, 1, 100), Err(ReserveError::Exceeded { used: 0, reserved: 100, limit: 100 }));
         let after = settle(&mut store, &a, 25, 1, 0, 10).unwrap();
         assert_eq!((after.used, after.reserved()), (25, 40));
         let after = settle(&mut store, &b, 40, 1, 1, 10).unwrap();

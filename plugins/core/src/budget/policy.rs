@@ -435,9 +435,7 @@ impl Limit {
     /// The amount one request of `input`/`output` tokens costing `cost_micro_usd` takes from this budget.
     pub fn amount(&self, input: u64, output: u64, cost_micro_usd: u64) -> u64 {
         match self {
-            Limit::Tokens { input_weight, output_weight, .. } => {
-                input.saturating_mul(*input_weight).saturating_add(output.saturating_mul(*output_weight))
-            }
+            Limit::Tokens { input_weight, output_weight, .. } => input.saturating_mul(*input_weight).saturating_add(output.saturating_mul(*output_weight)),
             Limit::Requests(_) => 1,
             Limit::MicroUsd(_) => cost_micro_usd,
         }
@@ -579,15 +577,16 @@ impl Policy {
         }
         let unknown_default = match &c.unknown {
             UnknownConfig::Reject => None,
-            UnknownConfig::Default { key } => Some(*key_by_id.get(key).ok_or_else(|| {
-                invalid("unknown.key", format!("{key:?} is not a key of the policy"))
-            })?),
+            UnknownConfig::Default { key } => Some(*key_by_id.get(key).ok_or_else(|| invalid("unknown.key", format!("{key:?} is not a key of the policy")))?),
         };
         if c.filter_state_key.is_empty() || !c.filter_state_key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
             return Err(invalid("filter_state_key", format!("must be letters, digits, '_' or '.', got {:?}", c.filter_state_key)));
         }
         if counters.iter().any(|c| c.per_identity) && c.identity.per_identity.is_none() {
-            return Err(invalid("identity.per_identity", "identity_budgets are configured: name where a request's identity comes from (api_key, header or jwt)"));
+            return Err(invalid(
+                "identity.per_identity",
+                "identity_budgets are configured: name where a request's identity comes from (api_key, header or jwt)",
+            ));
         }
         if let Some(p) = &c.identity.per_identity {
             if !p.api_key && p.header.as_deref().is_none_or(str::is_empty) && p.jwt.is_none() {
@@ -611,7 +610,10 @@ impl Policy {
         }
         if c.ledger.mode == LedgerMode::Redis {
             if let Some(big) = counters.iter().find(|spec| spec.limit.value() >= super::remote::MAX_EXACT) {
-                return Err(invalid("ledger.mode", format!("the Redis ledger counts exactly up to 2^53; budget {} has a limit of {}", big.code, big.limit.value())));
+                return Err(invalid(
+                    "ledger.mode",
+                    format!("the Redis ledger counts exactly up to 2^53; budget {} has a limit of {}", big.code, big.limit.value()),
+                ));
             }
         }
         if !(1..=60_000).contains(&c.ledger.timeout_ms) {
@@ -621,10 +623,7 @@ impl Policy {
             return Err(invalid("ledger.replicas", format!("must be 1–10000, got {}", c.ledger.replicas)));
         }
         if c.max_dynamic_model_versions > MAX_DYNAMIC_MODEL_VERSIONS {
-            return Err(invalid(
-                "max_dynamic_model_versions",
-                format!("at most {MAX_DYNAMIC_MODEL_VERSIONS}, got {}", c.max_dynamic_model_versions),
-            ));
+            return Err(invalid("max_dynamic_model_versions", format!("at most {MAX_DYNAMIC_MODEL_VERSIONS}, got {}", c.max_dynamic_model_versions)));
         }
         Ok(Policy {
             mode: c.mode,
@@ -701,9 +700,7 @@ fn compile_budgets(
                         Count::Output => (0, 1),
                     },
                     (w_in, w_out, None) => (w_in.unwrap_or(0), w_out.unwrap_or(0)),
-                    (_, _, Some(_)) => {
-                        return Err(invalid(&bf, "give either count or input_weight/output_weight, not both"))
-                    }
+                    (_, _, Some(_)) => return Err(invalid(&bf, "give either count or input_weight/output_weight, not both")),
                 };
                 if w_in == 0 && w_out == 0 {
                     return Err(invalid(&bf, "weights must not both be 0"));
@@ -728,13 +725,7 @@ fn compile_budgets(
             Some(p) if (1..=100).contains(&p) => Some(limit.value().saturating_mul(u64::from(p)) / 100),
             Some(p) => return Err(invalid(format!("{bf}.soft_limit_percent"), format!("must be 1–100, got {p}"))),
         };
-        let code = format!(
-            "{}:{owner}:{}:{}{}",
-            level.as_str(),
-            window.as_str(),
-            limit.measure(),
-            if per_identity { ":per_identity" } else { "" }
-        );
+        let code = format!("{}:{owner}:{}:{}{}", level.as_str(), window.as_str(), limit.measure(), if per_identity { ":per_identity" } else { "" });
         if let Some(first) = codes.insert(code.clone(), bf.clone()) {
             // One of the two never binds (the lower limit always refuses first), or they differ only
             // in weights or reset day; either way metrics and refusals could not tell them apart.

@@ -76,14 +76,7 @@ impl Policy {
             "hold_ttl_s": u64::from(self.reservation_ttl_minutes) * 60,
             "counters": counters,
         });
-        Ok(PendingReserve {
-            body: body.to_string().into_bytes(),
-            id: id.to_string(),
-            key,
-            demand: demand.clone(),
-            plan,
-            now_ns,
-        })
+        Ok(PendingReserve { body: body.to_string().into_bytes(), id: id.to_string(), key, demand: demand.clone(), plan, now_ns })
     }
 
     /// The admission the ledger's answer grants: `Exceeded` when a budget refused, `Store` when
@@ -112,16 +105,10 @@ impl Policy {
             return Err(AdmitError::Store(format!("sluice-ledger answered {} counters for {}", reply.counters.len(), holds.len())));
         }
         let minute = u32::try_from(pending.now_ns / NS_PER_S / 60).unwrap_or(u32::MAX);
-        let leases = holds
-            .iter()
-            .map(|h| (h.index, Lease { key: h.remote_key.clone(), window_id: h.window_id, minute, amount: h.amount }))
-            .collect();
+        let leases = holds.iter().map(|h| (h.index, Lease { key: h.remote_key.clone(), window_id: h.window_id, minute, amount: h.amount })).collect();
         // Gauges and rate headers read `used` and the total reserved: one lease stands for it.
-        let after = holds
-            .iter()
-            .zip(&reply.counters)
-            .map(|(h, c)| Counter { window_id: h.window_id, used: c.used, leases: vec![(minute, c.reserved)] })
-            .collect();
+        let after =
+            holds.iter().zip(&reply.counters).map(|(h, c)| Counter { window_id: h.window_id, used: c.used, leases: vec![(minute, c.reserved)] }).collect();
         Ok(Admission {
             key: pending.key,
             model: pending.demand.model.clone(),

@@ -17,7 +17,9 @@ pub enum Window {
     Hour,
     Day,
     /// A calendar month starting on `reset_day` (1–28, so every month has it) at 00:00 UTC.
-    Month { reset_day: u8 },
+    Month {
+        reset_day: u8,
+    },
 }
 
 impl Window {

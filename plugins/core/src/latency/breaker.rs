@@ -201,12 +201,7 @@ impl Breaker {
             Some(match sketch.quantile(q) {
                 Some(value) if have >= needed => {
                     let close = c.close_limit(limit);
-                    Check {
-                        judged: true,
-                        breached: value > limit,
-                        healthy: value <= close,
-                        measured: Measured::Latency { name, value, limit, close },
-                    }
+                    Check { judged: true, breached: value > limit, healthy: value <= close, measured: Measured::Latency { name, value, limit, close } }
                 }
                 _ => Check { judged: false, breached: false, healthy: false, measured: Measured::Short { name, have, needed } },
             })
@@ -296,11 +291,7 @@ impl Breaker {
                 if !checks.iter().flatten().any(|c| c.breached) {
                     return None;
                 }
-                let reason = format!(
-                    "objective breached in the last {window_s} s ({}): {}",
-                    counts(stats),
-                    self.describe(&checks, false)
-                );
+                let reason = format!("objective breached in the last {window_s} s ({}): {}", counts(stats), self.describe(&checks, false));
                 Some(self.go(State::Open, now_ns, reason))
             }
             State::Open => {
@@ -489,10 +480,7 @@ mod tests {
         assert_eq!(b.evaluate(1, &stats(49, 900_000, 0)), None);
         let t = b.evaluate(2, &stats(50, 612_300, 1)).unwrap();
         assert_eq!((t.from, t.to), (State::Closed, State::Open));
-        assert_eq!(
-            t.reason,
-            "objective breached in the last 60 s (50 finished requests, 50 TTFTs): ttft p95 612.3 ms > 500 ms, errors 1/50 = 20.0‰ ≤ 20‰"
-        );
+        assert_eq!(t.reason, "objective breached in the last 60 s (50 finished requests, 50 TTFTs): ttft p95 612.3 ms > 500 ms, errors 1/50 = 20.0‰ ≤ 20‰");
         assert_eq!(b.retry_after_s(2 + 10_000 * MS), 20);
     }
 

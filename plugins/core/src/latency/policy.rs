@@ -338,12 +338,9 @@ impl LatencyPolicy {
         }
         let default_class = match &c.default_class {
             None => None,
-            Some(name) => Some(
-                classes
-                    .iter()
-                    .position(|k| k.name == *name)
-                    .ok_or_else(|| invalid("default_class", format!("{name:?} is not a class of the policy")))?,
-            ),
+            Some(name) => {
+                Some(classes.iter().position(|k| k.name == *name).ok_or_else(|| invalid("default_class", format!("{name:?} is not a class of the policy")))?)
+            }
         };
 
         if c.versions.is_empty() {
@@ -404,16 +401,10 @@ fn compile_version(vf: &str, v: &VersionConfig) -> Result<VersionPolicy, PolicyE
     let total_deadline_ns = ms("total_deadline_ms", v.total_deadline_ms)?;
     if let (Some(ttft), Some(total)) = (ttft_deadline_ns, total_deadline_ns) {
         if ttft > total {
-            return Err(invalid(
-                format!("{vf}.ttft_deadline_ms"),
-                format!("must not exceed total_deadline_ms ({} > {})", ttft / 1_000_000, total / 1_000_000),
-            ));
+            return Err(invalid(format!("{vf}.ttft_deadline_ms"), format!("must not exceed total_deadline_ms ({} > {})", ttft / 1_000_000, total / 1_000_000)));
         }
     }
-    let max_output_tokens = v
-        .max_output_tokens
-        .map(|t| in_range(&format!("{vf}.max_output_tokens"), t, 1, 10_000_000))
-        .transpose()?;
+    let max_output_tokens = v.max_output_tokens.map(|t| in_range(&format!("{vf}.max_output_tokens"), t, 1, 10_000_000)).transpose()?;
     let in_flight = match &v.in_flight {
         None => None,
         Some(f) => Some(InFlightLimit {
@@ -442,13 +433,10 @@ fn compile_breaker(bf: &str, version: &str, b: &BreakerJson) -> Result<BreakerPo
     let slots = in_range(&format!("{bf}.slots"), b.slots, 1, 60)?;
     let window_ms = window_s * 1000;
     if window_ms % u64::from(slots) != 0 {
-        return Err(invalid(
-            format!("{bf}.slots"),
-            format!("must divide the window into whole milliseconds ({window_ms} ms / {slots})"),
-        ));
+        return Err(invalid(format!("{bf}.slots"), format!("must divide the window into whole milliseconds ({window_ms} ms / {slots})")));
     }
-    let window = WindowConfig::new(slots, window_ms / u64::from(slots) * 1_000_000, SketchParams::DEFAULT)
-        .map_err(|e| invalid(format!("{bf}.slots"), e.to_string()))?;
+    let window =
+        WindowConfig::new(slots, window_ms / u64::from(slots) * 1_000_000, SketchParams::DEFAULT).map_err(|e| invalid(format!("{bf}.slots"), e.to_string()))?;
     let min_samples = in_range(&format!("{bf}.min_samples"), b.min_samples, 1, 1_000_000)?;
     let open_for_ms = in_range(&format!("{bf}.open_for_ms"), b.open_for_ms, 100, 86_400_000)?;
     let hysteresis_percent = in_range(&format!("{bf}.hysteresis_percent"), b.hysteresis_percent, 0, 90)?;

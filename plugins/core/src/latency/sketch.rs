@@ -313,11 +313,7 @@ impl QuantileSketch {
         self.zeros = self.zeros.saturating_add(other.zeros);
         self.collapsed |= other.collapsed;
         if !other.counts.is_empty() {
-            let (lo, hi) = if self.counts.is_empty() {
-                (other.offset, other.top())
-            } else {
-                (self.offset.min(other.offset), self.top().max(other.top()))
-            };
+            let (lo, hi) = if self.counts.is_empty() { (other.offset, other.top()) } else { (self.offset.min(other.offset), self.top().max(other.top())) };
             if lo < self.offset || hi > self.top() || self.counts.is_empty() {
                 self.reshape(lo, hi);
             }

@@ -195,20 +195,13 @@ impl RollingWindow {
         let epoch = self.epoch(now_ns);
         let n = u64::from(self.config.slots);
         let empty = self.empty_sketch();
-        let mut stats = WindowStats {
-            samples: 0,
-            errors: 0,
-            error_rate_per_mille: 0,
-            ttft: empty.empty_like(),
-            tpot: empty,
-            window_ns: self.config.window_ns(),
-        };
+        let mut stats =
+            WindowStats { samples: 0, errors: 0, error_rate_per_mille: 0, ttft: empty.empty_like(), tpot: empty, window_ns: self.config.window_ns() };
         // The slot just after `now` counts too: another worker may have read the clock a moment later.
         let inside = |s: &&Slot| s.used() && s.epoch.saturating_add(n) > epoch && s.epoch <= epoch.saturating_add(1);
         // One allocation per merged sketch: reserve the union of the slots' ranges first.
-        let union = |pick: fn(&Slot) -> &QuantileSketch| {
-            self.slots.iter().filter(inside).filter_map(|s| pick(s).range()).reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)))
-        };
+        let union =
+            |pick: fn(&Slot) -> &QuantileSketch| self.slots.iter().filter(inside).filter_map(|s| pick(s).range()).reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)));
         if let Some((lo, hi)) = union(|s| &s.ttft) {
             stats.ttft.reserve_range(lo, hi);
         }
@@ -223,8 +216,7 @@ impl RollingWindow {
             let _ = stats.tpot.merge(&slot.tpot);
         }
         if stats.samples > 0 {
-            stats.error_rate_per_mille =
-                u64::try_from(u128::from(stats.errors) * 1000 / u128::from(stats.samples)).unwrap_or(u64::MAX);
+            stats.error_rate_per_mille = u64::try_from(u128::from(stats.errors) * 1000 / u128::from(stats.samples)).unwrap_or(u64::MAX);
         }
         stats
     }
@@ -345,13 +337,7 @@ pub fn update(
 }
 
 /// [`RollingWindow::record_ttft`] into the shared window, with compare-and-swap as [`update`].
-pub fn update_ttft(
-    store: &mut dyn SharedStore,
-    key: &str,
-    config: &WindowConfig,
-    now_ns: u64,
-    ttft_us: u64,
-) -> Result<RollingWindow, UpdateError> {
+pub fn update_ttft(store: &mut dyn SharedStore, key: &str, config: &WindowConfig, now_ns: u64, ttft_us: u64) -> Result<RollingWindow, UpdateError> {
     for _ in 0..MAX_CAS_ATTEMPTS {
         if ensure(store, key, config)? {
             continue;

@@ -26,10 +26,7 @@ pub mod hash;
 pub mod policy;
 pub mod similarity;
 
-pub use policy::{
-    ModelRoute, RampStep, RoutingPolicy, RoutingPolicyError, Shadow, ShadowVersion, StickySource, Version,
-    BODY_USER_PROPERTY, MAX_WEIGHT,
-};
+pub use policy::{ModelRoute, RampStep, RoutingPolicy, RoutingPolicyError, Shadow, ShadowVersion, StickySource, Version, BODY_USER_PROPERTY, MAX_WEIGHT};
 
 use crate::price::glob_match;
 use hash::Fnv1a;
@@ -164,19 +161,14 @@ impl RoutingPolicy {
     /// host property's value. For [`StickySource::ApiKey`] `header` is asked for `authorization` and
     /// `x-api-key` and the key found ([`crate::identity::api_key_from_headers`]) is replaced by its
     /// SHA-256 hex.
-    pub fn sticky_key(
-        &self,
-        header: &mut dyn FnMut(&str) -> Option<Vec<u8>>,
-        property: &mut dyn FnMut(&[String]) -> Option<Vec<u8>>,
-    ) -> Option<StickyKey> {
+    pub fn sticky_key(&self, header: &mut dyn FnMut(&str) -> Option<Vec<u8>>, property: &mut dyn FnMut(&[String]) -> Option<Vec<u8>>) -> Option<StickyKey> {
         self.sticky.iter().enumerate().find_map(|(source, s)| {
             let bytes = match s {
                 StickySource::Header(name) => header(name),
                 StickySource::ApiKey => {
                     let auth = header("authorization");
                     let xkey = header("x-api-key");
-                    crate::identity::api_key_from_headers(auth.as_deref(), xkey.as_deref())
-                        .map(|k| crate::identity::sha256_hex(&k).into_bytes())
+                    crate::identity::api_key_from_headers(auth.as_deref(), xkey.as_deref()).map(|k| crate::identity::sha256_hex(&k).into_bytes())
                 }
                 StickySource::Property(path) => property(path),
             }?;
@@ -187,9 +179,7 @@ impl RoutingPolicy {
     /// Effective weights of a model's versions at `now_ns` (after ramps), in version order. Empty
     /// for an unknown model index.
     pub fn weights_at(&self, model: usize, now_ns: u64) -> Vec<(String, u64)> {
-        self.models.get(model).map_or_else(Vec::new, |m| {
-            m.versions.iter().map(|v| (v.name.clone(), v.weight_at(now_ns).0)).collect()
-        })
+        self.models.get(model).map_or_else(Vec::new, |m| m.versions.iter().map(|v| (v.name.clone(), v.weight_at(now_ns).0)).collect())
     }
 
     /// Index of the version the weighted split gives `key` at `now_ns`, and whether its weight
@@ -225,15 +215,7 @@ impl RoutingPolicy {
     ///   chosen one is used instead ([`Reason::Fallback`]); with the default fallback order, versions
     ///   of weight 0 at `now_ns` are skipped. `None` when no healthy version remains (or for an
     ///   unknown model index).
-    pub fn decide(
-        &self,
-        model: usize,
-        key: Option<&[u8]>,
-        request_id: &[u8],
-        forced: Option<&str>,
-        now_ns: u64,
-        unhealthy: &[&str],
-    ) -> Option<Decision> {
+    pub fn decide(&self, model: usize, key: Option<&[u8]>, request_id: &[u8], forced: Option<&str>, now_ns: u64, unhealthy: &[&str]) -> Option<Decision> {
         let m = self.models.get(model)?;
         let forced_index = forced.and_then(|name| m.versions.iter().position(|v| v.name == name));
         let override_ignored = forced.is_some() && forced_index.is_none();
@@ -252,11 +234,11 @@ impl RoutingPolicy {
         let is_unhealthy = |i: usize| m.versions.get(i).is_some_and(|v| unhealthy.contains(&v.name.as_str()));
         let mut fallback_from = None;
         if is_unhealthy(index) {
-            let next = m.fallback.iter().copied().find(|&i| {
-                i != index
-                    && !is_unhealthy(i)
-                    && (m.fallback_explicit || m.versions.get(i).is_some_and(|v| v.weight_at(now_ns).0 > 0))
-            })?;
+            let next = m
+                .fallback
+                .iter()
+                .copied()
+                .find(|&i| i != index && !is_unhealthy(i) && (m.fallback_explicit || m.versions.get(i).is_some_and(|v| v.weight_at(now_ns).0 > 0)))?;
             fallback_from = m.versions.get(index).map(|v| v.name.clone());
             index = next;
             reason = Reason::Fallback;
@@ -286,9 +268,7 @@ impl RoutingPolicy {
         if !shadow.exclude_tenants.is_empty() {
             match tenant {
                 None => return ShadowVerdict::ExcludedTenant,
-                Some(t) if shadow.exclude_tenants.iter().any(|g| glob_match(g, t)) => {
-                    return ShadowVerdict::ExcludedTenant
-                }
+                Some(t) if shadow.exclude_tenants.iter().any(|g| glob_match(g, t)) => return ShadowVerdict::ExcludedTenant,
                 Some(_) => {}
             }
         }

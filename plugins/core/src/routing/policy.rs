@@ -278,9 +278,7 @@ fn invalid(field: impl Into<String>, problem: impl Into<String>) -> RoutingPolic
 
 /// Version names and routes become header values, metric-name parts and store keys.
 fn check_name(field: &str, name: &str) -> Result<(), RoutingPolicyError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    let ok = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
     if ok {
         Ok(())
     } else {
@@ -338,12 +336,7 @@ pub fn parse_utc_timestamp(s: &str) -> Option<u64> {
     if !shape_ok {
         return None;
     }
-    let num = |from: usize, to: usize| -> u64 {
-        b.get(from..to)
-            .unwrap_or_default()
-            .iter()
-            .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0'))
-    };
+    let num = |from: usize, to: usize| -> u64 { b.get(from..to).unwrap_or_default().iter().fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0')) };
     let (year, month, day) = (num(0, 4), num(5, 7), num(8, 10));
     let (hour, minute, second) = (num(11, 13), num(14, 16), num(17, 19));
     if !(1970..=MAX_YEAR).contains(&year) || !(1..=12).contains(&month) || hour > 23 || minute > 59 || second > 59 {
@@ -362,25 +355,19 @@ pub fn parse_utc_timestamp(s: &str) -> Option<u64> {
 impl RoutingPolicy {
     /// Parse and validate a policy.
     pub fn from_json(bytes: &[u8]) -> Result<Self, RoutingPolicyError> {
-        let config: RoutingConfig =
-            crate::json::parse_config(bytes).map_err(RoutingPolicyError::Json)?;
+        let config: RoutingConfig = crate::json::parse_config(bytes).map_err(RoutingPolicyError::Json)?;
         Self::compile(config)
     }
 
     pub fn compile(c: RoutingConfig) -> Result<Self, RoutingPolicyError> {
         if c.sticky_key.is_empty() {
-            return Err(invalid(
-                "sticky_key",
-                "list at least one source (omit the field for [{\"api_key\": true}]); with none every request would be unkeyed",
-            ));
+            return Err(invalid("sticky_key", "list at least one source (omit the field for [{\"api_key\": true}]); with none every request would be unkeyed"));
         }
         let mut sticky = Vec::with_capacity(c.sticky_key.len());
         for (i, s) in c.sticky_key.iter().enumerate() {
             let f = format!("sticky_key[{i}]");
-            let set = usize::from(s.header.is_some())
-                + usize::from(s.api_key.is_some())
-                + usize::from(s.property.is_some())
-                + usize::from(s.body_user.is_some());
+            let set =
+                usize::from(s.header.is_some()) + usize::from(s.api_key.is_some()) + usize::from(s.property.is_some()) + usize::from(s.body_user.is_some());
             if set != 1 {
                 return Err(invalid(f, "set exactly one of header, api_key, property, body_user"));
             }
@@ -412,14 +399,9 @@ impl RoutingPolicy {
                 let property = o.property.as_deref().map(|p| property_path("override.property", p)).transpose()?;
                 let client = o.client_header.as_deref().map(|h| header_name("override.client_header", h)).transpose()?;
                 if let Some(h) = &client {
-                    let clash = *h == route_header
-                        || *h == version_header
-                        || sticky.iter().any(|s| matches!(s, StickySource::Header(x) if x == h));
+                    let clash = *h == route_header || *h == version_header || sticky.iter().any(|s| matches!(s, StickySource::Header(x) if x == h));
                     if clash {
-                        return Err(invalid(
-                            "override.client_header",
-                            format!("{h:?} is also a header the policy reads or writes; it would be stripped"),
-                        ));
+                        return Err(invalid("override.client_header", format!("{h:?} is also a header the policy reads or writes; it would be stripped")));
                     }
                 }
                 (property, client)
@@ -439,10 +421,7 @@ impl RoutingPolicy {
                 return Err(invalid(format!("{mf}.model"), "must be a glob of 1–256 bytes"));
             }
             if let Some(first) = models.iter().position(|o| o.pattern == m.model) {
-                return Err(invalid(
-                    format!("{mf}.model"),
-                    format!("{:?} is already matched by models[{first}] (the first match wins)", m.model),
-                ));
+                return Err(invalid(format!("{mf}.model"), format!("{:?} is already matched by models[{first}] (the first match wins)", m.model)));
             }
             models.push(compile_model(&mf, m)?);
         }
@@ -470,12 +449,8 @@ fn compile_model(mf: &str, m: &ModelConfig) -> Result<ModelRoute, RoutingPolicyE
         let mut ramp: Vec<RampStep> = Vec::with_capacity(v.ramp.len());
         for (si, s) in v.ramp.iter().enumerate() {
             let sf = format!("{vf}.ramp[{si}]");
-            let at_ns = parse_utc_timestamp(&s.at).ok_or_else(|| {
-                invalid(
-                    format!("{sf}.at"),
-                    format!("must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and {MAX_YEAR}, got {:?}", s.at),
-                )
-            })?;
+            let at_ns = parse_utc_timestamp(&s.at)
+                .ok_or_else(|| invalid(format!("{sf}.at"), format!("must be a UTC time YYYY-MM-DDTHH:MM:SSZ between 1970 and {MAX_YEAR}, got {:?}", s.at)))?;
             if let Some(prev) = ramp.last() {
                 if at_ns <= prev.at_ns {
                     return Err(invalid(
@@ -486,13 +461,7 @@ fn compile_model(mf: &str, m: &ModelConfig) -> Result<ModelRoute, RoutingPolicyE
             }
             ramp.push(RampStep { at: s.at.clone(), at_ns, weight: weight(&format!("{sf}.weight"), &s.weight)? });
         }
-        versions.push(Version {
-            name: v.name.clone(),
-            weight: w,
-            upstream_model: v.upstream_model.clone(),
-            route: v.route.clone(),
-            ramp,
-        });
+        versions.push(Version { name: v.name.clone(), weight: w, upstream_model: v.upstream_model.clone(), route: v.route.clone(), ramp });
     }
     // Weights are piecewise constant between ramp steps: checking at t = 0 and at every step covers
     // all time.
@@ -503,10 +472,7 @@ fn compile_model(mf: &str, m: &ModelConfig) -> Result<ModelRoute, RoutingPolicyE
     for (t, label) in instants {
         if versions.iter().all(|v| v.weight_at(t).0 == 0) {
             let when = label.map_or_else(|| "before any ramp step".to_string(), |at| format!("from {at}"));
-            return Err(invalid(
-                format!("{mf}.versions"),
-                format!("every version has weight 0 {when}; at least one must have weight > 0 at all times"),
-            ));
+            return Err(invalid(format!("{mf}.versions"), format!("every version has weight 0 {when}; at least one must have weight > 0 at all times")));
         }
     }
 
@@ -516,10 +482,7 @@ fn compile_model(mf: &str, m: &ModelConfig) -> Result<ModelRoute, RoutingPolicyE
             let mut order: Vec<usize> = Vec::with_capacity(names.len());
             for (fi, name) in names.iter().enumerate() {
                 let ff = format!("{mf}.fallback[{fi}]");
-                let i = versions
-                    .iter()
-                    .position(|v| v.name == *name)
-                    .ok_or_else(|| invalid(&ff, format!("{name:?} is not a version of this model")))?;
+                let i = versions.iter().position(|v| v.name == *name).ok_or_else(|| invalid(&ff, format!("{name:?} is not a version of this model")))?;
                 if order.contains(&i) {
                     return Err(invalid(ff, format!("{name:?} is listed twice")));
                 }
@@ -561,19 +524,10 @@ fn compile_shadow(sf: &str, s: &ShadowConfig) -> Result<Shadow, RoutingPolicyErr
     }
     let tenant_header = s.tenant_header.as_deref().map(|h| header_name(&format!("{sf}.tenant_header"), h)).transpose()?;
     if !s.exclude_tenants.is_empty() && tenant_header.is_none() {
-        return Err(invalid(
-            format!("{sf}.tenant_header"),
-            "required with exclude_tenants: the header (set by auth in front) that names the tenant",
-        ));
+        return Err(invalid(format!("{sf}.tenant_header"), "required with exclude_tenants: the header (set by auth in front) that names the tenant"));
     }
     Ok(Shadow {
-        version: ShadowVersion {
-            name: v.name.clone(),
-            upstream_model: v.upstream_model.clone(),
-            route,
-            cluster: v.cluster.clone(),
-            authority,
-        },
+        version: ShadowVersion { name: v.name.clone(), upstream_model: v.upstream_model.clone(), route, cluster: v.cluster.clone(), authority },
         fraction: s.fraction,
         max_concurrent: s.max_concurrent,
         exclude_tenants: s.exclude_tenants.clone(),

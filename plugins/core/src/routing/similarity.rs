@@ -346,10 +346,7 @@ impl ResponseText {
 
 /// The choice with `index` 0 (or without an index) of `choices`.
 fn first_choice(v: &Value) -> Option<&Value> {
-    v.get("choices")?
-        .as_array()?
-        .iter()
-        .find(|c| c.get("index").is_none_or(|i| i.as_u64() == Some(0)))
+    v.get("choices")?.as_array()?.iter().find(|c| c.get("index").is_none_or(|i| i.as_u64() == Some(0)))
 }
 
 fn u64_or_0(v: &Value, key: &str) -> u64 {

@@ -45,9 +45,7 @@ pub fn chat_stream(tokens: &[&str], usage_choices: Option<&str>) -> String {
     s
 }
 
-pub const HELLO_TOKENS: [&str; 10] = [
-    "Hello", "!", " How", " can", " I", " assist", " you", " today", "?", " 😊",
-];
+pub const HELLO_TOKENS: [&str; 10] = ["Hello", "!", " How", " can", " I", " assist", " you", " today", "?", " 😊"];
 
 /// A full Anthropic Messages stream with text, as sent by the API (event + data lines, ping).
 pub fn anthropic_stream(texts: &[&str]) -> String {
@@ -95,22 +93,12 @@ pub fn responses_stream(deltas: &[&str]) -> String {
     };
     let mut seq = 0;
     let mut ev = |s: &mut String, ty: &str, body: String| {
-        s.push_str(&format!(
-            "event: {ty}\ndata: {{\"type\":\"{ty}\",\"sequence_number\":{seq},{body}}}\n\n"
-        ));
+        s.push_str(&format!("event: {ty}\ndata: {{\"type\":\"{ty}\",\"sequence_number\":{seq},{body}}}\n\n"));
         seq += 1;
     };
     let mut s = String::new();
-    ev(
-        &mut s,
-        "response.created",
-        format!("\"response\":{}", resp("in_progress", "null")),
-    );
-    ev(
-        &mut s,
-        "response.in_progress",
-        format!("\"response\":{}", resp("in_progress", "null")),
-    );
+    ev(&mut s, "response.created", format!("\"response\":{}", resp("in_progress", "null")));
+    ev(&mut s, "response.in_progress", format!("\"response\":{}", resp("in_progress", "null")));
     ev(
         &mut s,
         "response.output_item.added",

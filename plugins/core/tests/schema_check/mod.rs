@@ -124,10 +124,7 @@ impl Documents {
     fn resolve<'a>(&'a self, doc: &str, reference: &str) -> (String, &'a Value) {
         let (file, pointer) = reference.split_once('#').unwrap_or((reference, ""));
         let file = if file.is_empty() { doc.to_string() } else { file.rsplit('/').next().unwrap_or(file).to_string() };
-        let target = self
-            .get(&file)
-            .pointer(pointer)
-            .unwrap_or_else(|| panic!("{doc}: $ref {reference:?} resolves to nothing"));
+        let target = self.get(&file).pointer(pointer).unwrap_or_else(|| panic!("{doc}: $ref {reference:?} resolves to nothing"));
         (file, target)
     }
 
@@ -310,9 +307,7 @@ fn same_value(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
         (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q)),
-        (Value::Object(x), Value::Object(y)) => {
-            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
-        }
+        (Value::Object(x), Value::Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w))),
         _ => a == b,
     }
 }
@@ -326,10 +321,7 @@ pub fn compare(code: &Shape, shipped: &Shape) -> Vec<String> {
             continue;
         };
         if c.required != s.required {
-            out.push(format!(
-                "`{path}`: required in the {} only",
-                if c.required { "code" } else { "shipped schema" }
-            ));
+            out.push(format!("`{path}`: required in the {} only", if c.required { "code" } else { "shipped schema" }));
         }
         if !s.types.is_empty() && !c.types.is_empty() && !types_fit(&s.types, &c.types) {
             out.push(format!("`{path}`: shipped schema allows types {:?}, the code reads {:?}", s.types, c.types));
@@ -340,9 +332,7 @@ pub fn compare(code: &Shape, shipped: &Shape) -> Vec<String> {
             // schemars can only show defaults of types that implement `Serialize`; a default of
             // another type (`mode`, `prices`) is there but unseen: only a required member has none.
             (None | Some(Value::Null), Some(_)) if !c.required => {}
-            (None | Some(Value::Null), Some(sd)) => {
-                out.push(format!("`{path}`: shipped schema states default {sd}, the code requires the member"))
-            }
+            (None | Some(Value::Null), Some(sd)) => out.push(format!("`{path}`: shipped schema states default {sd}, the code requires the member")),
             (Some(cd), None) => out.push(format!("`{path}`: the code defaults to {cd}, the shipped schema states no default")),
             (Some(cd), Some(sd)) => out.push(format!("`{path}`: default {cd} in the code, {sd} in the shipped schema")),
         }
@@ -470,10 +460,7 @@ pub fn code_words(text: &str) -> BTreeSet<String> {
     code_spans(text)
         .iter()
         .flat_map(|span| {
-            span.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-                .filter(|w| !w.is_empty())
-                .map(str::to_string)
-                .collect::<Vec<_>>()
+            span.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-')).filter(|w| !w.is_empty()).map(str::to_string).collect::<Vec<_>>()
         })
         .collect()
 }
@@ -615,12 +602,10 @@ pub fn compare_docs(code: &Shape, sections: &[DocSection]) -> Vec<String> {
         let segs = segments(path);
         let name = leaf(path);
         match segs.len().checked_sub(2).and_then(|i| segs.get(i)) {
-            None if !words.contains(name) => {
-                out.push(format!("`{path}`: accepted by the code, `{name}` not documented in {labels:?}"))
+            None if !words.contains(name) => out.push(format!("`{path}`: accepted by the code, `{name}` not documented in {labels:?}")),
+            Some(parent) if !together(parent, name) => {
+                out.push(format!("`{path}`: accepted by the code, `{name}` not documented beside `{parent}` in {labels:?}"))
             }
-            Some(parent) if !together(parent, name) => out.push(format!(
-                "`{path}`: accepted by the code, `{name}` not documented beside `{parent}` in {labels:?}"
-            )),
             _ => {}
         }
     }
@@ -642,8 +627,7 @@ pub fn compare_docs(code: &Shape, sections: &[DocSection]) -> Vec<String> {
             }
         }
     }
-    let heads: BTreeSet<String> =
-        fields.iter().flat_map(|w| expand_doc_path(w)).filter_map(|p| p.first().cloned()).collect();
+    let heads: BTreeSet<String> = fields.iter().flat_map(|w| expand_doc_path(w)).filter_map(|p| p.first().cloned()).collect();
     for path in code.props.keys().filter(|p| !p.contains('.') && !p.contains('[')) {
         if !heads.contains(path) {
             out.push(format!("`{path}`: top-level field without a row in the docs' field table ({labels:?})"));
@@ -681,20 +665,14 @@ fn collect_keys(v: &Value, out: &mut BTreeSet<String>) {
 pub fn validator(schema_file: &str) -> jsonschema::Validator {
     struct Sibling;
     impl jsonschema::Retrieve for Sibling {
-        fn retrieve(
-            &self,
-            uri: &jsonschema::Uri<String>,
-        ) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
+        fn retrieve(&self, uri: &jsonschema::Uri<String>) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
             let s = uri.as_str();
             let name = s.strip_prefix("https://sluice.dev/schemas/").ok_or_else(|| format!("unexpected reference {s}"))?;
             Ok(read_json(&policies_dir().join(name)))
         }
     }
     let schema = read_json(&policies_dir().join(schema_file));
-    jsonschema::options()
-        .with_retriever(Sibling)
-        .build(&schema)
-        .unwrap_or_else(|e| panic!("{schema_file} is not a valid JSON Schema: {e}"))
+    jsonschema::options().with_retriever(Sibling).build(&schema).unwrap_or_else(|e| panic!("{schema_file} is not a valid JSON Schema: {e}"))
 }
 
 /// Schema violations of `instance`, one line each.
