@@ -36,23 +36,23 @@ WASM_DIR = ROOT / "target/wasm32-wasip1/release"
 
 CONFIGS = [
     ("no filter", ROOT / "envoy/bench/none.yaml"),
-    ("sluice llm-metrics", ROOT / "envoy/gateway.yaml"),
+    ("sluice llm-metrics", ROOT / "envoy/templates/gateway.yaml"),
     ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),
     # tenant-budget (5 counters: org month $, team minute tokens, key minute tokens + day requests)
     # in front of llm-metrics, limits far above the load so every request is admitted.
-    ("budget + llm-metrics", ROOT / "envoy/budget-gateway.yaml"),
+    ("budget + llm-metrics", ROOT / "envoy/templates/budget-gateway.yaml"),
     # json_to_metadata + model-router (2 versions, 50/50) + llm-metrics; then the same with 10 % of
     # requests shadowed to a third cluster (the same mock).
-    ("router + llm-metrics", ROOT / "envoy/router-gateway.yaml"),
-    ("router, shadow 10 %", ROOT / "envoy/router-gateway.yaml"),
+    ("router + llm-metrics", ROOT / "envoy/templates/router-gateway.yaml"),
+    ("router, shadow 10 %", ROOT / "envoy/templates/router-gateway.yaml"),
     # latency-guard (demo policy: breaker, deadlines and in-flight limit on v1, none of them
     # tripping) in front of the router + llm-metrics chain above, no shadow.
-    ("guard + router + metrics", ROOT / "envoy/latency-gateway.yaml"),
+    ("guard + router + metrics", ROOT / "envoy/templates/latency-gateway.yaml"),
     # The fleet gateway (tenant-budget, buffer filter, llm-metrics) with the same budget policy:
     # counters in this process's shared data, then in Redis through one sluice-ledger instance
     # (one tokio thread) — the cost of a fleet-wide budget, side by side.
-    ("fleet gw, local ledger", ROOT / "envoy/fleet-gateway.yaml"),
-    ("fleet gw, Redis ledger", ROOT / "envoy/fleet-gateway.yaml"),
+    ("fleet gw, local ledger", ROOT / "envoy/templates/fleet-gateway.yaml"),
+    ("fleet gw, Redis ledger", ROOT / "envoy/templates/fleet-gateway.yaml"),
 ]
 LEDGER = ROOT / "target/release/sluice-ledger"
 

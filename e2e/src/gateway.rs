@@ -1,6 +1,6 @@
 //! The shipped gateways started the way `cargo xtask up` starts them, with plugin configurations of
-//! the test's choosing, in front of mock model servers: `envoy/gateway.yaml` (llm-metrics),
-//! `envoy/budget-gateway.yaml` (tenant-budget, then llm-metrics) and `envoy/full-gateway.yaml`
+//! the test's choosing, in front of mock model servers: `envoy/templates/gateway.yaml` (llm-metrics),
+//! `envoy/templates/budget-gateway.yaml` (tenant-budget, then llm-metrics) and `envoy/templates/full-gateway.yaml`
 //! (latency-guard, model-router, tenant-budget, llm-metrics).
 
 use crate::tools::workspace_root;
@@ -23,11 +23,11 @@ pub fn demo_plugin_config() -> Result<String> {
     std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
 }
 
-/// Starts `envoy/gateway.yaml` with `plugin_config` in front of `mock`.
+/// Starts `envoy/templates/gateway.yaml` with `plugin_config` in front of `mock`.
 pub fn start_gateway(mock: &MockServer, plugin_config: &str) -> Result<Envoy> {
     let upstream = mock.port().to_string();
     let config = yaml_string_body(plugin_config);
-    Envoy::start(&shipped("envoy/gateway.yaml"), &[("UPSTREAM_PORT", upstream.as_str()), ("PLUGIN_CONFIG", config.as_str())])
+    Envoy::start(&shipped("envoy/templates/gateway.yaml"), &[("UPSTREAM_PORT", upstream.as_str()), ("PLUGIN_CONFIG", config.as_str())])
 }
 
 /// The tenant-budget policy the end-to-end tests use, `policies/tenant-budget.e2e.json`.
@@ -36,7 +36,7 @@ pub fn budget_e2e_policy() -> Result<String> {
     std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
 }
 
-/// Starts `envoy/budget-gateway.yaml` in front of `mock`, with `budget_config` (tenant-budget's
+/// Starts `envoy/templates/budget-gateway.yaml` in front of `mock`, with `budget_config` (tenant-budget's
 /// policy JSON) and `metrics_config` (llm-metrics' configuration).
 pub fn start_budget_gateway(mock: &MockServer, budget_config: &str, metrics_config: &str) -> Result<Envoy> {
     start_budget_gateway_with(mock, budget_config, metrics_config, &[])
@@ -50,7 +50,7 @@ pub fn start_budget_gateway_with(mock: &MockServer, budget_config: &str, metrics
     let metrics = yaml_string_body(metrics_config);
     let mut vars = vec![("UPSTREAM_PORT", upstream.as_str()), ("BUDGET_CONFIG", budget.as_str()), ("PLUGIN_CONFIG", metrics.as_str())];
     vars.extend_from_slice(substitutions);
-    Envoy::start(&shipped("envoy/budget-gateway.yaml"), &vars)
+    Envoy::start(&shipped("envoy/templates/budget-gateway.yaml"), &vars)
 }
 
 /// The full gateway running: its three upstreams and Envoy (dropped in reverse order: Envoy first).
@@ -64,7 +64,7 @@ pub struct FullGateway {
     pub shadow: MockServer,
 }
 
-/// The example policy `envoy/full-gateway.yaml` is rendered with for `placeholder`
+/// The example policy `envoy/templates/full-gateway.yaml` is rendered with for `placeholder`
 /// (`LATENCY_CONFIG`, `ROUTER_CONFIG`, `BUDGET_CONFIG`, `PLUGIN_CONFIG`).
 pub fn full_gateway_policy(placeholder: &str) -> Result<String> {
     let file = GATEWAYS
@@ -77,7 +77,7 @@ pub fn full_gateway_policy(placeholder: &str) -> Result<String> {
     std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
 }
 
-/// Starts `envoy/full-gateway.yaml` in front of three mocks started with `mock_args` (plus their
+/// Starts `envoy/templates/full-gateway.yaml` in front of three mocks started with `mock_args` (plus their
 /// `--served-by`), with the example policies of `cargo xtask render` except those `policies`
 /// replace (placeholder, JSON).
 pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Result<FullGateway> {
@@ -98,6 +98,6 @@ pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Resu
     }
     let mut vars: Vec<(&str, &str)> = vec![("UPSTREAM_PORT", ports[0].as_str()), ("UPSTREAM_PORT_V2", ports[1].as_str()), ("SHADOW_PORT", ports[2].as_str())];
     vars.extend(configs.iter().map(|(p, c)| (*p, c.as_str())));
-    let envoy = Envoy::start(&shipped("envoy/full-gateway.yaml"), &vars)?;
+    let envoy = Envoy::start(&shipped("envoy/templates/full-gateway.yaml"), &vars)?;
     Ok(FullGateway { envoy, v1, v2, shadow })
 }

@@ -1,5 +1,5 @@
 //! Budgets across Envoy replicas (issue 10), in real processes: Debian's `redis-server`, the
-//! `sluice-ledger` service, several Envoys running `envoy/fleet-gateway.yaml` (tenant-budget in Redis
+//! `sluice-ledger` service, several Envoys running `envoy/templates/fleet-gateway.yaml` (tenant-budget in Redis
 //! mode, the buffer filter, llm-metrics) and the recording mock upstream, over loopback sockets.
 //!
 //! (a) three Envoys × two workers, ≥ 3,000 requests over 96 kept-alive connections spread over the
@@ -95,7 +95,7 @@ fn metrics_config() -> String {
 }
 
 fn fleet_template() -> String {
-    std::fs::read_to_string(shipped("envoy/fleet-gateway.yaml")).unwrap()
+    std::fs::read_to_string(shipped("envoy/templates/fleet-gateway.yaml")).unwrap()
 }
 
 /// The fleet gateway without its buffer filter: the control of test (e).

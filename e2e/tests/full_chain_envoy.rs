@@ -1,4 +1,4 @@
-//! The full chain in real Envoy (`envoy/full-gateway.yaml`): json_to_metadata → latency-guard →
+//! The full chain in real Envoy (`envoy/templates/full-gateway.yaml`): json_to_metadata → latency-guard →
 //! model-router → tenant-budget → llm-metrics → router, three mock clusters (v1, v2, the shadow),
 //! with the example policies `cargo xtask render` inlines (latency-guard.demo, model-router.demo,
 //! tenant-budget.full, llm-metrics.demo). Each request is followed into all four access-log stamps,

@@ -1,4 +1,4 @@
-//! latency-guard in real Envoy (`envoy/latency-gateway.yaml`): json_to_metadata → latency-guard →
+//! latency-guard in real Envoy (`envoy/templates/latency-gateway.yaml`): json_to_metadata → latency-guard →
 //! model-router → llm-metrics → router, two mock clusters (v1, its fallback v2).
 //!
 //! - a stalled upstream (headers and role chunk sent, no token) is answered 504 at the TTFT
@@ -34,7 +34,7 @@ fn start() -> Gateway {
     let router = yaml_string_body(&read("policies/model-router.latency-e2e.json"));
     let metrics = yaml_string_body(&metrics.to_string());
     let envoy = Envoy::start(
-        &shipped("envoy/latency-gateway.yaml"),
+        &shipped("envoy/templates/latency-gateway.yaml"),
         &[
             ("UPSTREAM_PORT", p1.as_str()),
             ("UPSTREAM_PORT_V2", p2.as_str()),

@@ -1,4 +1,4 @@
-//! llm-metrics in real Envoy: the built `.wasm` in Envoy 1.40 (V8), the shipped `envoy/gateway.yaml`,
+//! llm-metrics in real Envoy: the built `.wasm` in Envoy 1.40 (V8), the shipped `envoy/templates/gateway.yaml`,
 //! the mock model server streaming real SSE over real sockets. Every figure is read back from
 //! Envoy's own `/stats/prometheus` and JSON access log.
 //!

@@ -1,4 +1,4 @@
-//! model-router in real Envoy (`envoy/router-gateway.yaml`): two mock upstream clusters answering as
+//! model-router in real Envoy (`envoy/templates/router-gateway.yaml`): two mock upstream clusters answering as
 //! different versions plus a shadow cluster; the split, stickiness, routing to the right cluster,
 //! the body's `model` rewritten, clients unable to pick their version, and a shadow run whose
 //! comparison metrics appear in `/stats/prometheus` while the client receives exactly the primary's
@@ -49,7 +49,7 @@ fn start(up: &Upstreams, policy: &str) -> Envoy {
     let (p1, p2, p3) = (up.v1.port().to_string(), up.v2.port().to_string(), up.shadow.port().to_string());
     let (router, metrics) = (yaml_string_body(policy), yaml_string_body(&metrics.to_string()));
     Envoy::start(
-        &shipped("envoy/router-gateway.yaml"),
+        &shipped("envoy/templates/router-gateway.yaml"),
         &[
             ("UPSTREAM_PORT", p1.as_str()),
             ("UPSTREAM_PORT_V2", p2.as_str()),

@@ -412,7 +412,7 @@ fn redis_server_bin() -> Result<PathBuf> {
 }
 
 /// `up --fleet`: Redis, the ledger service, the mock model server and two Envoys running
-/// `envoy/fleet-gateway.yaml` (tenant-budget in Redis mode, `policies/tenant-budget.fleet.json`) on
+/// `envoy/templates/fleet-gateway.yaml` (tenant-budget in Redis mode, `policies/tenant-budget.fleet.json`) on
 /// two listener ports, in the foreground; everything under `.run/fleet`, Redis's data wiped at each
 /// start.
 fn up_fleet(root: &Path) -> Result<()> {

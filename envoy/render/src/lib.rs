@@ -1,6 +1,6 @@
 //! Renders sluice's Envoy templates into files Envoy runs as they are.
 //!
-//! Every `envoy/*gateway.yaml` is a template with `{{NAME}}` placeholders: ports, the `.wasm`
+//! Every `envoy/templates/*gateway.yaml` is a template with `{{NAME}}` placeholders: ports, the `.wasm`
 //! directory, the access-log path and each plugin's policy JSON. [`Gateway::render`] fills them with
 //! the values `cargo xtask up` uses and the example policies from `policies/`; `cargo xtask render`
 //! writes the result to `envoy/rendered/<gateway>.yaml`, and the end-to-end tests render the same way
@@ -72,7 +72,7 @@ pub const MOCKS: [Mock; 3] = [
 /// A shipped gateway template and the example policies it is rendered with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Gateway {
-    /// File stem: the template is `envoy/<name>.yaml`, the rendered file `envoy/rendered/<name>.yaml`.
+    /// File stem: the template is `envoy/templates/<name>.yaml`, the rendered file `envoy/rendered/<name>.yaml`.
     pub name: &'static str,
     /// Policy placeholders and the file in `policies/` each is filled with.
     pub policies: &'static [(&'static str, &'static str)],
@@ -134,7 +134,7 @@ pub const GATEWAYS: &[Gateway] = &[
 ];
 
 /// The gateway named `name`: its file stem (`full-gateway`), the stem without `-gateway` (`full`),
-/// or the template's path (`envoy/full-gateway.yaml`).
+/// or the template's path (`envoy/templates/full-gateway.yaml`).
 pub fn gateway(name: &str) -> Option<&'static Gateway> {
     let stem = name.rsplit('/').next().unwrap_or(name).trim_end_matches(".yaml");
     GATEWAYS.iter().find(|g| g.name == stem || g.name.strip_suffix("-gateway") == Some(stem))
@@ -158,9 +158,9 @@ fn read(root: &Path, relative: &str) -> Result<String, Error> {
 }
 
 impl Gateway {
-    /// `envoy/<name>.yaml`, relative to the repository root.
+    /// `envoy/templates/<name>.yaml`, relative to the repository root.
     pub fn template_path(&self) -> String {
-        format!("envoy/{}.yaml", self.name)
+        format!("envoy/templates/{}.yaml", self.name)
     }
 
     /// `envoy/rendered/<name>.yaml`, relative to the repository root.
@@ -388,7 +388,7 @@ mod tests {
     #[test]
     fn gateways_are_found_by_name_stem_or_path() {
         assert_eq!(gateway("full").map(|g| g.name), Some("full-gateway"));
-        assert_eq!(gateway("envoy/full-gateway.yaml").map(|g| g.name), Some("full-gateway"));
+        assert_eq!(gateway("envoy/templates/full-gateway.yaml").map(|g| g.name), Some("full-gateway"));
         assert_eq!(gateway("gateway").map(|g| g.name), Some("gateway"));
         assert_eq!(gateway("fleet").map(|g| g.name), Some("fleet-gateway"));
         assert_eq!(gateway("nope"), None);
