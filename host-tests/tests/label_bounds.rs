@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use common::budget::{ANTHROPIC_KEY_SHA256, API_KEY, API_KEY_SHA256};
 use common::latency::{self as lat, Exchange, Route};
 use serde_json::{json, Value};
+use sluice_core::report::KNOWN_FINISH_REASONS;
 use sluice_host::{Gateway, HttpReply, PluginSpec, Stream};
 
 /// Requests each test sends.
@@ -575,27 +576,6 @@ fn error_answer(t: &str) -> Vec<u8> {
     json!({"error": {"message": format!("{t} is overloaded, try again"), "type": format!("{t}_error"), "code": format!("{t}-code")}}).to_string().into_bytes()
 }
 
-/// Finish reasons the APIs document (the `finish` label's vocabulary, besides `none` and `other`).
-const KNOWN_FINISH: [&str; 17] = [
-    "stop",
-    "length",
-    "tool_calls",
-    "content_filter",
-    "function_call",
-    "end_turn",
-    "max_tokens",
-    "stop_sequence",
-    "tool_use",
-    "pause_turn",
-    "refusal",
-    "model_context_window_exceeded",
-    "completed",
-    "incomplete",
-    "failed",
-    "cancelled",
-    "max_output_tokens",
-];
-
 /// Request `i`. Every bounded choice is a function of `s = i % PERIOD` through divisors of
 /// `PERIOD` (3, 4, 5 and their products), so it cycles; every string the client or the upstream
 /// controls starts with `tok(i)`.
@@ -956,7 +936,7 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
     .collect();
     let mut requests = base.clone();
     requests.push(("status", fixed(["1xx", "2xx", "3xx", "4xx", "5xx", "none"])));
-    requests.push(("finish", fixed(KNOWN_FINISH.iter().copied().chain(["none", "other"]))));
+    requests.push(("finish", fixed(KNOWN_FINISH_REASONS.iter().copied().chain(["none", "other"]))));
     requests.push(("usage", fixed(["reported", "estimated"])));
     families.push(family("sluice.requests_total", requests));
     let mut replies = base.clone();

@@ -120,7 +120,7 @@ impl From<crate::contract::GatewayEnd> for Outcome {
 /// Finish reasons the public APIs document (OpenAI chat and completions, the Responses API's
 /// incomplete reasons and statuses, Anthropic's stop reasons). Anything else an upstream sends is
 /// labelled `other`: the label must stay bounded whatever the upstream says.
-const KNOWN_FINISH_REASONS: &[&str] = &[
+pub const KNOWN_FINISH_REASONS: &[&str] = &[
     "stop",
     "length",
     "tool_calls",

@@ -30,7 +30,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-/// Where `json_to_metadata` puts the body's `model` (see envoy/router-gateway.yaml).
+/// Where `json_to_metadata` puts the body's `model` (see envoy/templates/router-gateway.yaml).
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 /// Bytes of a streamed primary response kept to compare texts (figures come from the stream itself).
 const TEXT_CAPTURE_BYTES: usize = 64 * 1024;
@@ -165,7 +165,7 @@ impl Context for Root {
         let mut sh = shared.borrow_mut();
         let Some(call) = sh.in_flight.remove(&token) else { return };
         let now = host::now_ns();
-        let status = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
+        let status = host::call_status();
         let body = host::body(BufferType::HttpCallResponseBody, body_size.min(MAX_WHOLE_BODY_BYTES));
         let labels = format!(".primary.{}.shadow.{}", sanitize_label(&call.primary_version), sanitize_label(&call.shadow_version));
         if status == 0 {

@@ -211,6 +211,12 @@ pub fn install_panic_hook(plugin: &'static str) {
     }));
 }
 
+/// The `:status` of the callout answer being delivered; 0 when there is none (the call failed or
+/// timed out: Envoy then delivers no headers).
+pub fn call_status() -> u16 {
+    header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
 /// Sends a reply from the proxy; the stream goes no further upstream.
 pub fn local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) {
     if let Err(e) = hostcalls::send_http_response(status, headers.to_vec(), Some(body)) {

@@ -11,7 +11,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 use sluice_core::api::ApiKind;
 use sluice_core::budget::identities::identity_hash;
 use sluice_core::budget::ledger::Counter;
-use sluice_core::budget::policy::{CounterSpec, LedgerFailure, LedgerMode, Limit, Mode};
+use sluice_core::budget::policy::{CounterSpec, JwtConfig, LedgerFailure, LedgerMode, Limit, Mode};
 use sluice_core::budget::remote::PendingReserve;
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::contract::GatewayEnd;
@@ -151,7 +151,7 @@ impl Context for Root {
         let mut sh = shared.borrow_mut();
         let Some((job, started)) = sh.settle_calls.remove(&token) else { return };
         let now = host::now_ns();
-        let status: u16 = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let status = host::call_status();
         let body = host::body(BufferType::HttpCallResponseBody, body_size.min(64 * 1024));
         // 200 with any answer is final: settled now, or already (a retry), or expired (charged at
         // its reservation by the ledger).
@@ -305,7 +305,7 @@ impl Context for Stream {
         if self.state.as_ref().and_then(|b| b.reserve.as_ref()).map(|(t, _, _)| *t) != Some(token) {
             return;
         }
-        let status: u16 = host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let status = host::call_status();
         let body = host::body(BufferType::HttpCallResponseBody, body_size.min(64 * 1024));
         self.on_reserve_reply(status, &body);
     }
@@ -484,24 +484,10 @@ impl HttpContext for Stream {
 /// auth-filter header, JWT claim; falls back to the policy's default key for unknown callers.
 fn identify(policy: &Policy) -> Option<usize> {
     let id = &policy.identity;
-    let mut found = None;
-    if id.api_key {
-        let bytes = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
-        if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
-            found = policy.key_by_api_key_hash(&sha256_hex(&key));
-        }
-    }
-    if found.is_none() {
-        if let Some(header) = &id.header {
-            found = host::header(MapType::HttpRequestHeaders, header).and_then(|v| policy.key_by_id(v.trim()));
-        }
-    }
-    if found.is_none() {
-        if let Some(jwt) = &id.jwt {
-            let payload = proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, &jwt.header).ok().flatten();
-            found = payload.and_then(|p| jwt_payload_claim(&p, &jwt.claim)).and_then(|k| policy.key_by_id(&k));
-        }
-    }
+    let found = first_credential(id.api_key, id.header.as_deref(), id.jwt.as_ref(), |credential| match credential {
+        Credential::ApiKeyHash(hash) => policy.key_by_api_key_hash(&hash),
+        Credential::Header(value) | Credential::JwtClaim(value) => policy.key_by_id(&value),
+    });
     found.or(policy.unknown_default)
 }
 
@@ -509,23 +495,44 @@ fn identify(policy: &Policy) -> Option<usize> {
 /// when the policy has none or the request carries none (it then counts as `anonymous`).
 fn per_identity(policy: &Policy) -> Option<String> {
     let source = policy.identity.per_identity.as_ref()?;
+    first_credential(source.api_key, source.header.as_deref(), source.jwt.as_ref(), |credential| {
+        Some(identity_hash(&match credential {
+            Credential::ApiKeyHash(hash) => format!("api_key:{hash}"),
+            Credential::Header(value) if value.is_empty() => return None,
+            Credential::Header(value) => format!("header:{value}"),
+            Credential::JwtClaim(claim) => format!("jwt:{claim}"),
+        }))
+    })
+}
+
+/// What a request presents, from one of the authenticated sources a policy names.
+enum Credential {
+    /// SHA-256 (lowercase hex) of `Authorization: Bearer …` / `x-api-key`.
+    ApiKeyHash(String),
+    /// The trimmed value of the header an auth filter in front writes.
+    Header(String),
+    /// A claim of the payload jwt_authn verified and forwards.
+    JwtClaim(String),
+}
+
+/// Tries the sources in the documented order (API key, header, JWT claim) and returns the first
+/// credential `accept` maps to something; a source that is absent, or not accepted, passes to the next.
+fn first_credential<T>(api_key: bool, header: Option<&str>, jwt: Option<&JwtConfig>, mut accept: impl FnMut(Credential) -> Option<T>) -> Option<T> {
     let bytes = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
-    if source.api_key {
+    if api_key {
         if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
-            return Some(identity_hash(&format!("api_key:{}", sha256_hex(&key))));
+            if let Some(found) = accept(Credential::ApiKeyHash(sha256_hex(&key))) {
+                return Some(found);
+            }
         }
     }
-    if let Some(header) = &source.header {
-        if let Some(v) = host::header(MapType::HttpRequestHeaders, header).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
-            return Some(identity_hash(&format!("header:{v}")));
+    if let Some(value) = header.and_then(|h| host::header(MapType::HttpRequestHeaders, h)) {
+        if let Some(found) = accept(Credential::Header(value.trim().to_string())) {
+            return Some(found);
         }
     }
-    if let Some(jwt) = &source.jwt {
-        if let Some(claim) = bytes(&jwt.header).and_then(|p| jwt_payload_claim(&p, &jwt.claim)) {
-            return Some(identity_hash(&format!("jwt:{claim}")));
-        }
-    }
-    None
+    let claim = jwt.and_then(|j| bytes(&j.header).and_then(|payload| jwt_payload_claim(&payload, &j.claim)))?;
+    accept(Credential::JwtClaim(claim))
 }
 
 /// `x-ratelimit-*` headers for the tightest window of each unit (least room left).
