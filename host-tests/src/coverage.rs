@@ -20,7 +20,7 @@ fn check(wasm: &[u8]) -> anyhow::Result<Vec<String>> {
     let plugin = Plugin::from_bytes(wasm)?;
     let module = plugin.module();
     let linker = linker(module.engine())?;
-    let mut store = Store::new(module.engine(), host_state(PluginSpec::new("")));
+    let mut store = Store::new(module.engine(), host_state(PluginSpec::new(""), None));
     let mut missing = Vec::new();
     for import in module.imports().filter(|i| i.module() == MODULE) {
         let name = import.name();

@@ -17,7 +17,11 @@ use crate::hostcalls;
 use crate::hostcalls::callouts::{GrpcCall, HttpCall, HttpReply, Timeout};
 use crate::hostcalls::clock::{VirtualClock, DEFAULT_EPOCH_NS};
 use crate::hostcalls::metrics::Value;
-use crate::state::{Deferred, HostState, LogLine, PluginInfo, ROOT_CONTEXT};
+use crate::state::{lock, Deferred, HostState, LogLine, PluginInfo, Shared, ROOT_CONTEXT};
+use crate::hostcalls::properties::Properties;
+use crate::hostcalls::queues::Queues;
+use crate::hostcalls::shared_data::SharedData;
+use std::collections::VecDeque;
 use crate::stream::Stream;
 
 /// Instructions one callback may run before the host declares the plugin hung.
@@ -82,6 +86,7 @@ pub struct PluginSpec {
     configuration: Vec<u8>,
     vm_configuration: Vec<u8>,
     log_level: LogLevel,
+    keep_logs_from: LogLevel,
     start_ns: u64,
     properties: Vec<(Vec<u8>, Vec<u8>)>,
 }
@@ -96,6 +101,7 @@ impl PluginSpec {
             configuration: configuration.into(),
             vm_configuration: Vec::new(),
             log_level: LogLevel::Trace,
+            keep_logs_from: LogLevel::Trace,
             start_ns: DEFAULT_EPOCH_NS,
             properties: Vec::new(),
         }
@@ -128,6 +134,21 @@ impl PluginSpec {
     /// What `proxy_get_log_level` answers (default `Trace`; every line is kept anyway).
     pub fn log_level(mut self, level: LogLevel) -> Self {
         self.log_level = level;
+        self
+    }
+
+    pub(crate) fn start_ns(&self) -> u64 {
+        self.start_ns
+    }
+
+    pub(crate) fn plugin_name(&self) -> &str {
+        &self.name
+    }
+
+    /// Keeps (and prints) only log lines at `level` or above; the rest are dropped as they come
+    /// (default: keep everything). Long runs use it so that the log does not grow with traffic.
+    pub fn keep_logs_from(mut self, level: LogLevel) -> Self {
+        self.keep_logs_from = level;
         self
     }
 
@@ -179,13 +200,20 @@ impl Runtime {
         }
     }
 
+    /// Runs the deferred work that concerns this VM; a chain delivers the rest to its owners.
     fn run_deferred(&mut self) -> Result<()> {
+        let vm = self.store.data().vm;
         for _ in 0..MAX_DEFERRED {
-            let Some(work) = self.store.data_mut().deferred.pop_front() else {
+            let work = {
+                let mut deferred = lock(&self.store.data().deferred);
+                let mine = deferred.iter().position(|Deferred::QueueReady { vm: owner, .. }| *owner == vm);
+                mine.and_then(|at| deferred.remove(at))
+            };
+            let Some(work) = work else {
                 return Ok(());
             };
             match work {
-                Deferred::QueueReady { context_id, queue_id } => {
+                Deferred::QueueReady { context_id, queue_id, .. } => {
                     self.call_one::<(u32, u32), ()>(context_id, "proxy_on_queue_ready", (context_id, queue_id))?;
                 }
             }
@@ -244,7 +272,12 @@ impl Gateway {
     /// Instantiates `plugin` and runs its start-up: `_initialize`, the root context,
     /// `proxy_on_vm_start`, `proxy_on_configure`.
     pub fn start(plugin: &Plugin, spec: PluginSpec) -> Result<Self> {
-        let state = host_state(spec);
+        let state = host_state(spec, None);
+        Self::start_with(plugin, state)
+    }
+
+    /// Starts a VM whose state was prepared by the caller (a chain shares parts of it).
+    pub(crate) fn start_with(plugin: &Plugin, state: HostState) -> Result<Self> {
         let mut linker = linker(&plugin.engine)?;
         linker.define_unknown_imports_as_traps(&plugin.module)?;
         let mut store = Store::new(&plugin.engine, state);
@@ -307,25 +340,30 @@ impl Gateway {
     /// exact time, in time order.
     pub fn advance(&self, by: Duration) -> Result<()> {
         let target = self.now_ns().saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX));
-        loop {
-            let runtime = self.runtime();
-            let state = runtime.state();
-            let tick = state.timer.due_ns().map(|at| (at, None));
-            let timeout = state.callouts.next_deadline().map(|(at, t)| (at, Some(t)));
-            let next = [tick, timeout].into_iter().flatten().filter(|(at, _)| *at <= target).min();
-            let Some((at, event)) = next else {
-                break;
-            };
-            runtime.state().clock.set_ns(at);
-            drop(runtime);
-            match event {
-                None => self.fire_tick(at)?,
-                Some(Timeout::Http(token)) => self.fail_http_call(token)?,
-                Some(Timeout::Grpc(token)) => self.grpc_close(token, 4, "deadline exceeded")?,
-            }
+        while let Some((at, event)) = self.next_event().filter(|(at, _)| *at <= target) {
+            self.fire_event(at, event)?;
         }
         self.state(|s| s.clock.set_ns(target));
         Ok(())
+    }
+
+    /// The next tick or callout timeout this VM is waiting for: its time and which.
+    pub(crate) fn next_event(&self) -> Option<(u64, Option<Timeout>)> {
+        self.state(|state| {
+            let tick = state.timer.due_ns().map(|at| (at, None));
+            let timeout = state.callouts.next_deadline().map(|(at, t)| (at, Some(t)));
+            [tick, timeout].into_iter().flatten().min()
+        })
+    }
+
+    /// Moves the clock to `at` and delivers `event` (a tick when `None`).
+    pub(crate) fn fire_event(&self, at: u64, event: Option<Timeout>) -> Result<()> {
+        self.state(|s| s.clock.set_ns(at));
+        match event {
+            None => self.fire_tick(at),
+            Some(Timeout::Http(token)) => self.fail_http_call(token),
+            Some(Timeout::Grpc(token)) => self.grpc_close(token, 4, "deadline exceeded"),
+        }
     }
 
     fn fire_tick(&self, at: u64) -> Result<()> {
@@ -403,18 +441,18 @@ impl Gateway {
 
     /// The shared-data value under `key`.
     pub fn shared_data(&self, key: &str) -> Option<Vec<u8>> {
-        self.state(|s| s.shared_data.get(key).map(|(v, _)| v.to_vec()))
+        self.state(|s| lock(&s.shared_data).get(key).map(|(v, _)| v.to_vec()))
     }
 
     /// Every shared-data key, in order.
     pub fn shared_data_keys(&self) -> Vec<String> {
-        self.state(|s| s.shared_data.keys())
+        self.state(|s| lock(&s.shared_data).keys())
     }
 
     /// Writes shared data as another worker would (the CAS changes).
     pub fn set_shared_data(&self, key: &str, value: impl Into<Vec<u8>>) {
         // A write with CAS 0 always succeeds.
-        let _ = self.runtime().state_mut().shared_data.set(key, Some(value.into()), 0);
+        let _ = lock(&self.runtime().state().shared_data).set(key, Some(value.into()), 0);
     }
 
     /// A property every context sees (filter state or an attribute the test controls).
@@ -430,15 +468,27 @@ impl Gateway {
     /// Enqueues `item` on the queue `name` as another worker would, and notifies its owner.
     pub fn enqueue(&self, name: &str, item: impl Into<Vec<u8>>) -> Result<()> {
         let mut runtime = self.runtime();
-        let state = runtime.state_mut();
-        let id = state.queues.resolve(name).with_context(|| format!("no shared queue named {name:?}"))?;
-        let owner = state.queues.enqueue(id, item.into()).map_err(|s| anyhow::anyhow!("enqueue: {s:?}"))?;
+        let (id, owner) = {
+            let mut queues = lock(&runtime.state().queues);
+            let id = queues.find(name).with_context(|| format!("no shared queue named {name:?}"))?;
+            let (_vm, owner) = queues.enqueue(id, item.into()).map_err(|s| anyhow::anyhow!("enqueue: {s:?}"))?;
+            (id, owner)
+        };
         runtime.call::<(u32, u32), ()>(owner, "proxy_on_queue_ready", (owner, id))
+    }
+
+    /// Tells `context_id` that queue `queue_id` has items (a chain delivers other VMs' enqueues).
+    pub(crate) fn queue_ready(&self, context_id: u32, queue_id: u32) -> Result<()> {
+        let mut runtime = self.runtime();
+        if !runtime.state().context_exists(context_id) {
+            return Ok(());
+        }
+        runtime.call::<(u32, u32), ()>(context_id, "proxy_on_queue_ready", (context_id, queue_id))
     }
 
     /// The items waiting in queue `name`, oldest first.
     pub fn queue_items(&self, name: &str) -> Option<Vec<Vec<u8>>> {
-        self.state(|s| s.queues.items(name))
+        self.state(|s| lock(&s.queues).items(name))
     }
 
     // ---- callouts ----
@@ -545,8 +595,8 @@ impl Gateway {
 /// The host state a gateway starts with: WASI with captured output, the virtual clock behind
 /// its clocks and deterministic randomness (so hash maps in the plugin iterate the same way on
 /// every run).
-pub(crate) fn host_state(spec: PluginSpec) -> HostState {
-    let clock = VirtualClock::starting_at(spec.start_ns);
+pub(crate) fn host_state(spec: PluginSpec, process: Option<&Process>) -> HostState {
+    let clock = process.map_or_else(|| VirtualClock::starting_at(spec.start_ns), |p| p.clock.clone());
     let stderr = MemoryOutputPipe::new(1 << 20);
     let stdout = MemoryOutputPipe::new(1 << 20);
     let seed: Vec<u8> = (0..=255).collect();
@@ -568,6 +618,13 @@ pub(crate) fn host_state(spec: PluginSpec) -> HostState {
         log_level: spec.log_level,
     };
     let mut state = HostState::new(wasi, stderr, clock, info);
+    state.keep_logs_from = spec.keep_logs_from;
+    if let Some(process) = process {
+        state.vm = process.next_vm;
+        state.shared_data = process.shared_data.clone();
+        state.queues = process.queues.clone();
+        state.deferred = process.deferred.clone();
+    }
     for (path, value) in spec.properties {
         state.properties.set(path, value);
     }
@@ -584,5 +641,49 @@ fn error_logs(state: &HostState) -> String {
         String::new()
     } else {
         format!("; plugin logs:{}", lines.concat())
+    }
+}
+
+/// What the VMs of one Envoy process share: the clock, shared data, shared queues and the work
+/// queue notifications leave for whichever VM owns the queue.
+pub(crate) struct Process {
+    pub clock: VirtualClock,
+    pub shared_data: Shared<SharedData>,
+    pub queues: Shared<Queues>,
+    pub deferred: Shared<VecDeque<Deferred>>,
+    /// The index the next VM started in this process gets.
+    pub next_vm: u32,
+}
+
+impl Process {
+    pub fn new(start_ns: u64) -> Self {
+        Self { clock: VirtualClock::starting_at(start_ns), shared_data: Shared::default(), queues: Shared::default(), deferred: Shared::default(), next_vm: 0 }
+    }
+}
+
+/// A fresh, empty property store for one stream (shared by a chain's filters).
+pub(crate) fn stream_properties() -> Shared<Properties> {
+    Shared::default()
+}
+
+impl Gateway {
+    /// A new stream whose filter state is `properties` (shared with the chain's other filters).
+    pub(crate) fn stream_sharing(&self, properties: Shared<Properties>) -> u32 {
+        let mut runtime = self.runtime();
+        let id = runtime.state_mut().new_stream();
+        if let Some(stream) = runtime.state_mut().streams.get_mut(&id) {
+            stream.properties = properties;
+        }
+        id
+    }
+
+    /// Drops a finished stream's host-side record, so a long run does not keep every stream.
+    pub(crate) fn forget_stream(&self, id: u32) {
+        self.runtime().state_mut().streams.remove(&id);
+    }
+
+    /// The streams whose flow changed outside their own callbacks since the last call.
+    pub(crate) fn take_touched(&self) -> Vec<u32> {
+        std::mem::take(&mut self.runtime().state_mut().touched)
     }
 }

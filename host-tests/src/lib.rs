@@ -25,6 +25,7 @@
 //! clock; [`Stream`] drives one HTTP stream.
 
 pub mod abi;
+mod chain;
 mod coverage;
 mod gateway;
 mod guest;
@@ -36,6 +37,7 @@ mod stream;
 use std::path::PathBuf;
 
 pub use abi::{Action, LogLevel, MetricType, Status};
+pub use chain::{Chain, ChainEvent, StreamId};
 pub use coverage::unimplemented_imports;
 pub use gateway::{Gateway, Plugin, PluginSpec};
 pub use headers::Headers;

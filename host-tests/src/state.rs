@@ -2,6 +2,7 @@
 //! gateway, no globals, so any number of gateways run side by side on different threads.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
@@ -15,6 +16,14 @@ use crate::hostcalls::properties::Properties;
 use crate::hostcalls::queues::Queues;
 use crate::hostcalls::shared_data::SharedData;
 use crate::hostcalls::timers::Timer;
+
+/// State several VMs of one process share (a [`crate::Chain`]); a lone gateway has its own.
+pub(crate) type Shared<T> = Arc<Mutex<T>>;
+
+/// Locks `m`; a panic elsewhere while it was held leaves the data as it was, which is still usable.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// The context id of the plugin's root context. Stream contexts count up from the next one.
 pub(crate) const ROOT_CONTEXT: u32 = 1;
@@ -69,6 +78,8 @@ pub(crate) struct Direction {
     pub sent_headers: Option<Headers>,
     pub sent_body: Vec<u8>,
     pub sent_trailers: Option<Headers>,
+    /// A chain took `sent_headers` on to the next filter.
+    pub headers_forwarded: bool,
 }
 
 impl Direction {
@@ -104,7 +115,9 @@ pub(crate) struct HttpStream {
     pub phase: Phase,
     pub request: Direction,
     pub response: Direction,
-    pub properties: Properties,
+    /// Filter state and attributes of this stream; in a chain every filter's context of the
+    /// stream holds the same one, as Envoy's filter state is per stream, not per filter.
+    pub properties: Shared<Properties>,
     pub local_reply: Option<LocalReply>,
     pub closed_by_plugin: bool,
     /// Virtual time of the first event (the `request.time` property).
@@ -118,7 +131,7 @@ impl HttpStream {
             phase: Phase::Open,
             request: Direction::default(),
             response: Direction::default(),
-            properties: Properties::default(),
+            properties: Shared::default(),
             local_reply: None,
             closed_by_plugin: false,
             started_ns: 0,
@@ -130,7 +143,8 @@ impl HttpStream {
 /// the worker's event loop; calling back into the plugin from inside a hostcall would re-enter it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Deferred {
-    QueueReady { context_id: u32, queue_id: u32 },
+    /// `vm` is the index of the VM that owns the queue in its process (0 for a lone gateway).
+    QueueReady { vm: u32, context_id: u32, queue_id: u32 },
 }
 
 /// Data that exists only while one callback runs: the reply of the callout being delivered, the
@@ -159,12 +173,20 @@ pub(crate) struct HostState {
     /// Properties set on the root context, or given by the test for every stream.
     pub properties: Properties,
     pub metrics: Metrics,
-    pub shared_data: SharedData,
-    pub queues: Queues,
+    /// This VM's index in its process (0 for a lone gateway; a chain's filter order otherwise).
+    pub vm: u32,
+    pub shared_data: Shared<SharedData>,
+    pub queues: Shared<Queues>,
     pub callouts: Callouts,
     pub timer: Timer,
     pub callback: CallbackData,
-    pub deferred: VecDeque<Deferred>,
+    /// Work for after the callback, for whichever VM of the process it concerns.
+    pub deferred: Shared<VecDeque<Deferred>>,
+    /// Streams whose flow changed outside their own callbacks (resumed, replied, closed): a chain
+    /// moves what they let go on to the next filter.
+    pub touched: Vec<u32>,
+    /// Log lines below this level are dropped instead of kept (the simulator keeps warnings only).
+    pub keep_logs_from: LogLevel,
     /// How many times the plugin called `proxy_done`.
     pub done_calls: u32,
 }
@@ -182,12 +204,15 @@ impl HostState {
             streams: BTreeMap::new(),
             properties: Properties::default(),
             metrics: Metrics::default(),
-            shared_data: SharedData::default(),
-            queues: Queues::default(),
+            vm: 0,
+            shared_data: Shared::default(),
+            queues: Shared::default(),
             callouts: Callouts::default(),
             timer: Timer::default(),
             callback: CallbackData::default(),
-            deferred: VecDeque::new(),
+            deferred: Shared::default(),
+            touched: Vec::new(),
+            keep_logs_from: LogLevel::Trace,
             done_calls: 0,
         }
     }

@@ -14,7 +14,7 @@ use crate::abi::{property_path, Action};
 use crate::gateway::{Gateway, Runtime};
 use crate::headers::Headers;
 use crate::hostcalls::properties;
-use crate::state::{Direction, HttpStream, LocalReply, Phase, ROOT_CONTEXT};
+use crate::state::{lock, Direction, HttpStream, LocalReply, Phase, ROOT_CONTEXT};
 
 /// Which way data flows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +61,16 @@ impl<'g> Stream<'g> {
     /// Request headers arrive from the client. Values may be any bytes.
     pub fn request_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, headers: &[(K, V)], end_of_stream: bool) -> Result<Action> {
         self.headers(Side::Request, Headers::from_pairs(headers), end_of_stream)
+    }
+
+    /// Request headers given as [`Headers`] (a chain hands them on without copying pairs).
+    pub(crate) fn request_headers_owned(&mut self, headers: Headers, end_of_stream: bool) -> Result<Action> {
+        self.headers(Side::Request, headers, end_of_stream)
+    }
+
+    /// Response headers given as [`Headers`].
+    pub(crate) fn response_headers_owned(&mut self, headers: Headers, end_of_stream: bool) -> Result<Action> {
+        self.headers(Side::Response, headers, end_of_stream)
     }
 
     /// A chunk of request body arrives from the client.
@@ -194,14 +204,14 @@ impl<'g> Stream<'g> {
     /// Filter state the plugin set with `set_property([name], …)`: what Envoy's access log prints
     /// as `%FILTER_STATE(wasm.name:PLAIN)%`.
     pub fn filter_state(&self, name: &str) -> Option<Vec<u8>> {
-        self.read(|s| s.properties.get(name.as_bytes()).map(<[u8]>::to_vec)).flatten()
+        self.read(|s| lock(&s.properties).get(name.as_bytes()).map(<[u8]>::to_vec)).flatten()
     }
 
     /// Sets a property for this stream only (an attribute or filter state from an earlier filter).
     pub fn set_property(&self, path: &[&str], value: impl Into<Vec<u8>>) {
         let mut runtime = self.gateway.runtime();
         if let Some(stream) = runtime.state_mut().streams.get_mut(&self.id) {
-            stream.properties.set(property_path(path), value.into());
+            lock(&stream.properties).set(property_path(path), value.into());
         }
     }
 

@@ -21,6 +21,9 @@ fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) 
     let message = guest::read_string(&mut caller, ptr, len)?;
     let state = caller.data_mut();
     let context_id = state.effective_context;
+    if level < state.keep_logs_from {
+        return reply(Status::Ok);
+    }
     eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
     state.logs.push(LogLine { level, context_id, message });
     reply(Status::Ok)

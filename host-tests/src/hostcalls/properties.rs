@@ -23,7 +23,7 @@ use wasmtime::{Caller, Linker, Result};
 use super::MODULE;
 use crate::abi::{reply, split_property_path, HostcallResult, Status};
 use crate::guest;
-use crate::state::{HostState, HttpStream};
+use crate::state::{lock, HostState, HttpStream};
 
 /// Values stored under property paths (in wire form: segments joined by NUL).
 #[derive(Clone, Debug, Default)]
@@ -36,6 +36,11 @@ impl Properties {
 
     pub fn set(&mut self, path: Vec<u8>, value: Vec<u8>) {
         self.0.insert(path, value);
+    }
+
+    /// Values under one-segment paths (filter state, `%FILTER_STATE(wasm.<name>)%`), by name.
+    pub fn filter_state(&self) -> Vec<(String, Vec<u8>)> {
+        self.0.iter().filter(|(k, _)| !k.contains(&0)).map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), v.clone())).collect()
     }
 }
 
@@ -53,8 +58,8 @@ fn key(raw: &[u8]) -> Vec<u8> {
 /// Resolves `path` as the plugin would see it from `stream` (or from the root, with `None`).
 pub(crate) fn lookup(state: &HostState, stream: Option<&HttpStream>, path: &[u8]) -> Option<Vec<u8>> {
     let path = key(path);
-    if let Some(value) = stream.and_then(|s| s.properties.get(&path)) {
-        return Some(value.to_vec());
+    if let Some(value) = stream.and_then(|s| lock(&s.properties).get(&path).map(<[u8]>::to_vec)) {
+        return Some(value);
     }
     if let Some(value) = state.properties.get(&path) {
         return Some(value.to_vec());
@@ -110,7 +115,7 @@ fn proxy_set_property(mut caller: Caller<'_, HostState>, path_ptr: u32, path_len
     let value = guest::read(&mut caller, value_ptr, value_len)?;
     let state = caller.data_mut();
     match state.current_stream_mut() {
-        Some(stream) => stream.properties.set(path, value),
+        Some(stream) => lock(&stream.properties).set(path, value),
         None => state.properties.set(path, value),
     }
     reply(Status::Ok)

@@ -11,7 +11,7 @@ use wasmtime::{Caller, Linker, Result};
 use super::MODULE;
 use crate::abi::{reply, HostcallResult, Status};
 use crate::guest;
-use crate::state::HostState;
+use crate::state::{lock, HostState};
 
 /// The store.
 #[derive(Clone, Debug, Default)]
@@ -59,7 +59,7 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
 
 fn proxy_get_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_out: u32, size_out: u32, cas_out: u32) -> HostcallResult {
     let key = guest::read_string(&mut caller, key_ptr, key_len)?;
-    let Some((value, cas)) = caller.data().shared_data.get(&key).map(|(v, cas)| (v.to_vec(), cas)) else {
+    let Some((value, cas)) = lock(&caller.data().shared_data).get(&key).map(|(v, cas)| (v.to_vec(), cas)) else {
         return reply(Status::NotFound);
     };
     guest::return_bytes(&mut caller, &value, value_out, size_out)?;
@@ -70,7 +70,8 @@ fn proxy_get_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_le
 fn proxy_set_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_ptr: u32, value_len: u32, cas: u32) -> HostcallResult {
     let key = guest::read_string(&mut caller, key_ptr, key_len)?;
     let value = if value_ptr == 0 && value_len == 0 { None } else { Some(guest::read(&mut caller, value_ptr, value_len)?) };
-    match caller.data_mut().shared_data.set(&key, value, cas) {
+    let result = lock(&caller.data().shared_data).set(&key, value, cas);
+    match result {
         Ok(()) => reply(Status::Ok),
         Err(status) => reply(status),
     }

@@ -35,7 +35,10 @@ fn proxy_send_local_response(
     let Ok(headers) = decode_map(&guest::read(&mut caller, headers_ptr, headers_len)?) else {
         return reply(Status::BadArgument);
     };
-    let Some(stream) = caller.data_mut().current_stream_mut() else {
+    let state = caller.data_mut();
+    let id = state.effective_context;
+    state.touched.push(id);
+    let Some(stream) = state.current_stream_mut() else {
         return reply(Status::NotFound);
     };
     if stream.phase != Phase::Open {
@@ -51,7 +54,10 @@ fn proxy_continue_stream(mut caller: Caller<'_, HostState>, stream_type: u32) ->
     let Some(stream_type) = StreamType::from_code(stream_type) else {
         return reply(Status::BadArgument);
     };
-    let Some(stream) = caller.data_mut().current_stream_mut() else {
+    let state = caller.data_mut();
+    let id = state.effective_context;
+    state.touched.push(id);
+    let Some(stream) = state.current_stream_mut() else {
         return reply(Status::NotFound);
     };
     if stream.phase != Phase::Open {
@@ -76,7 +82,10 @@ fn proxy_close_stream(mut caller: Caller<'_, HostState>, stream_type: u32) -> Ho
     if matches!(stream_type, StreamType::Downstream | StreamType::Upstream) {
         return reply(Status::BadArgument);
     }
-    let Some(stream) = caller.data_mut().current_stream_mut() else {
+    let state = caller.data_mut();
+    let id = state.effective_context;
+    state.touched.push(id);
+    let Some(stream) = state.current_stream_mut() else {
         return reply(Status::NotFound);
     };
     if stream.phase == Phase::Open {
