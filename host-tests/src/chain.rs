@@ -102,14 +102,8 @@ impl Chain {
             let gateway = Gateway::start_with(plugin, state).with_context(|| format!("filter {i} ({})", spec.plugin_name()))?;
             gateways.push(gateway);
         }
-        let chain = Self {
-            gateways,
-            process,
-            flows: RefCell::default(),
-            by_context: RefCell::default(),
-            next_stream: Cell::new(1),
-            events: RefCell::default(),
-        };
+        let chain =
+            Self { gateways, process, flows: RefCell::default(), by_context: RefCell::default(), next_stream: Cell::new(1), events: RefCell::default() };
         chain.settle()?;
         Ok(chain)
     }
@@ -133,7 +127,13 @@ impl Chain {
     /// at its exact time, across all filters in time order (ties in filter order).
     pub fn advance_to(&self, target_ns: u64) -> Result<()> {
         loop {
-            let next = self.gateways.iter().enumerate().filter_map(|(i, g)| g.next_event().map(|(at, e)| (at, i, e))).filter(|(at, _, _)| *at <= target_ns).min_by_key(|(at, i, _)| (*at, *i));
+            let next = self
+                .gateways
+                .iter()
+                .enumerate()
+                .filter_map(|(i, g)| g.next_event().map(|(at, e)| (at, i, e)))
+                .filter(|(at, _, _)| *at <= target_ns)
+                .min_by_key(|(at, i, _)| (*at, *i));
             let Some((at, i, event)) = next else { break };
             if let Some(gateway) = self.gateways.get(i) {
                 gateway.fire_event(at.max(self.now_ns()), event)?;
@@ -354,7 +354,11 @@ impl Chain {
     }
 
     fn hop(&self, stream: StreamId, filter: usize, request: bool) -> (bool, bool) {
-        self.flows.borrow().get(&stream).and_then(|f| if request { f.request.get(filter) } else { f.response.get(filter) }.map(|h| (h.ended_in, h.ended_out))).unwrap_or_default()
+        self.flows
+            .borrow()
+            .get(&stream)
+            .and_then(|f| if request { f.request.get(filter) } else { f.response.get(filter) }.map(|h| (h.ended_in, h.ended_out)))
+            .unwrap_or_default()
     }
 
     /// Whether the filter paused its header phase and has not resumed.

@@ -17,12 +17,12 @@ use crate::hostcalls;
 use crate::hostcalls::callouts::{GrpcCall, HttpCall, HttpReply, Timeout};
 use crate::hostcalls::clock::{VirtualClock, DEFAULT_EPOCH_NS};
 use crate::hostcalls::metrics::Value;
-use crate::state::{lock, Deferred, HostState, LogLine, PluginInfo, Shared, ROOT_CONTEXT};
 use crate::hostcalls::properties::Properties;
 use crate::hostcalls::queues::Queues;
 use crate::hostcalls::shared_data::SharedData;
-use std::collections::VecDeque;
+use crate::state::{lock, Deferred, HostState, LogLine, PluginInfo, Shared, ROOT_CONTEXT};
 use crate::stream::Stream;
+use std::collections::VecDeque;
 
 /// Instructions one callback may run before the host declares the plugin hung.
 const FUEL_PER_CALLBACK: u64 = 5_000_000_000;
@@ -66,6 +66,20 @@ impl Plugin {
 pub(crate) fn engine() -> Result<Engine> {
     let mut config = Config::new();
     config.consume_fuel(true);
+    // `perf` can name the plugins' functions (a /tmp/perf-<pid>.map file) when asked.
+    if std::env::var_os("SLUICE_HOST_PERFMAP").is_some() {
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
+    // Compiling the four plugins takes seconds; wasmtime's on-disk cache (keyed by the module's
+    // bytes, the compiler and its settings) makes every later start of an unchanged plugin cheap.
+    let mut cache = wasmtime::CacheConfig::new();
+    cache.with_directory(crate::workspace_target_dir().join("wasmtime-cache"));
+    match wasmtime::Cache::new(cache) {
+        Ok(cache) => {
+            config.cache(Some(cache));
+        }
+        Err(error) => eprintln!("sluice-host: compiling without wasmtime's cache: {error:#}"),
+    }
     Ok(Engine::new(&config)?)
 }
 
@@ -87,6 +101,7 @@ pub struct PluginSpec {
     vm_configuration: Vec<u8>,
     log_level: LogLevel,
     keep_logs_from: LogLevel,
+    echo_logs: bool,
     start_ns: u64,
     properties: Vec<(Vec<u8>, Vec<u8>)>,
 }
@@ -102,6 +117,7 @@ impl PluginSpec {
             vm_configuration: Vec::new(),
             log_level: LogLevel::Trace,
             keep_logs_from: LogLevel::Trace,
+            echo_logs: true,
             start_ns: DEFAULT_EPOCH_NS,
             properties: Vec::new(),
         }
@@ -149,6 +165,12 @@ impl PluginSpec {
     /// (default: keep everything). Long runs use it so that the log does not grow with traffic.
     pub fn keep_logs_from(mut self, level: LogLevel) -> Self {
         self.keep_logs_from = level;
+        self
+    }
+
+    /// Whether kept log lines are also printed to stderr (default: yes).
+    pub fn echo_logs(mut self, echo: bool) -> Self {
+        self.echo_logs = echo;
         self
     }
 
@@ -619,6 +641,7 @@ pub(crate) fn host_state(spec: PluginSpec, process: Option<&Process>) -> HostSta
     };
     let mut state = HostState::new(wasi, stderr, clock, info);
     state.keep_logs_from = spec.keep_logs_from;
+    state.echo_logs = spec.echo_logs;
     if let Some(process) = process {
         state.vm = process.next_vm;
         state.shared_data = process.shared_data.clone();

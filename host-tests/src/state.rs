@@ -187,6 +187,8 @@ pub(crate) struct HostState {
     pub touched: Vec<u32>,
     /// Log lines below this level are dropped instead of kept (the simulator keeps warnings only).
     pub keep_logs_from: LogLevel,
+    /// Kept lines are also printed to stderr (tests show them on failure; the simulator does not).
+    pub echo_logs: bool,
     /// How many times the plugin called `proxy_done`.
     pub done_calls: u32,
 }
@@ -213,6 +215,7 @@ impl HostState {
             deferred: Shared::default(),
             touched: Vec::new(),
             keep_logs_from: LogLevel::Trace,
+            echo_logs: true,
             done_calls: 0,
         }
     }

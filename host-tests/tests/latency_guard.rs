@@ -103,10 +103,13 @@ fn ttft_deadline_answers_504_at_the_deadline_not_before_while_headers_are_held()
     assert_eq!(gw.tick_period(), Some(ms(100)));
     gw.advance(ms(7)).unwrap();
     let mut x = request(&gw, STANDARD, "v1");
-    // A watched stream: the 1 ms tick that fires deadlines.
-    assert_eq!(gw.tick_period(), Some(ms(1)));
+    // A watched stream: the tick waits for the earliest thing due (its TTFT deadline, 1 s away),
+    // at most 100 ms at a time.
+    assert_eq!(gw.tick_period(), Some(ms(100)));
     x.sse_headers(100);
     assert!(x.stream.response_paused(), "headers held until the first token");
+    // A held stream is looked at every 10 ms, in case nothing wakes the guard at its first token.
+    assert_eq!(gw.tick_period(), Some(ms(10)));
     x.role(100);
     x.at(999);
     assert_eq!(x.local_reply(), None);
@@ -220,7 +223,8 @@ fn held_headers_are_released_at_the_first_token_through_the_release_queue() {
 
 #[test]
 fn held_headers_are_released_by_the_tick_when_nothing_wakes_the_guard() {
-    release_at_first_token(Req::new(STANDARD, "v1").without_release_queue(), 301);
+    // Held since +50 and looked at every 10 ms: the tick at +310 finds the mark made at +300.
+    release_at_first_token(Req::new(STANDARD, "v1").without_release_queue(), 310);
 }
 
 #[test]
@@ -782,7 +786,8 @@ fn slow_probes_reopen_the_breaker() {
         let expected = if n < 4 { 2 } else { 1 };
         assert_eq!(gw.gauge(&breaker_state("v1")), Some(expected), "after {n} slow probes");
     });
-    let reopened = gw.now_ns();
+    // Reopened when the last probe's sample was judged: the time the shared state says.
+    let reopened = breaker_since(&gw);
     assert_eq!(gw.counter(&transitions("v1", "open")), Some(2));
     assert_eq!(gw.counter(&transitions("v1", "closed")), None);
     assert_eq!(

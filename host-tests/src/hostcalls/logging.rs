@@ -24,7 +24,9 @@ fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) 
     if level < state.keep_logs_from {
         return reply(Status::Ok);
     }
-    eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
+    if state.echo_logs {
+        eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
+    }
     state.logs.push(LogLine { level, context_id, message });
     reply(Status::Ok)
 }

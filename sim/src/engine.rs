@@ -1,0 +1,661 @@
+//! The engine: a trace's requests through the production plugins' `.wasm` files, in filter order,
+//! on one virtual clock, against the modelled upstream.
+//!
+//! Everything happens in time order: arrivals from the trace (scaled), the upstream's answers
+//! (headers, chunks, end), shadow answers, and the plugins' own ticks and callout timeouts (fired
+//! by the chain at their exact time). Requests overlap as they would in a gateway, so budgets see
+//! reservations in flight, shedding sees in-flight counts and breakers see TTFTs as they happen.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use serde_json::{json, Value};
+use sluice_host::{Chain, ChainEvent, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
+
+use crate::scenario::{MaxTokens, PluginKind, Scenario};
+use crate::trace::{ApiKind, TraceRequest};
+use crate::upstream::{self, Service, VersionLoad};
+use crate::verdict::{Decision, Sample, Stamps, Transition, Verdict};
+
+const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
+
+/// The plugins compiled once; every run starts fresh VMs from them.
+pub struct Plugins {
+    compiled: BTreeMap<PluginKind, Plugin>,
+}
+
+impl Plugins {
+    /// Compiles the `.wasm` files of `kinds` found in `dir` (`<wasm_name>.wasm`).
+    pub fn load(dir: &Path, kinds: &[PluginKind]) -> Result<Self> {
+        let mut compiled = BTreeMap::new();
+        for kind in kinds {
+            let path = dir.join(format!("{}.wasm", kind.wasm_name()));
+            compiled.insert(*kind, Plugin::load(&path)?);
+        }
+        Ok(Self { compiled })
+    }
+}
+
+/// Options of one run that are not part of the scenario.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Wall-clock time of the trace's first request, ns since the epoch: budgets' calendar windows
+    /// (minute, day, month) are counted from it.
+    pub start_ns: u64,
+}
+
+/// What a run produced besides the verdicts it streamed out.
+#[derive(Debug, Default, Clone)]
+pub struct RunResult {
+    pub requests: u64,
+    pub samples: Vec<Sample>,
+    pub transitions: Vec<Transition>,
+    /// Virtual time from the first arrival to the last answer, ms.
+    pub span_ms: f64,
+    /// Plugin log lines at warning or above (they are worth a look).
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    /// The upstream sends response headers (and the preamble) for a request.
+    Headers(StreamId),
+    /// The upstream sends piece `n` of its answer.
+    Piece(StreamId, usize),
+    /// Breaker states, in-flight counts and budget gauges are sampled.
+    Sample,
+    /// A shadow answer arrives for filter `filter`'s callout `token`.
+    CalloutReply(usize, u32),
+}
+
+struct InFlight {
+    request: TraceRequest,
+    arrival_ns: u64,
+    tenant: Option<String>,
+    user: Option<String>,
+    output_tokens: u64,
+    stream: bool,
+    path: String,
+    /// Set when the request reached the upstream.
+    upstream: Option<Upstreamed>,
+    local_reply: Option<(usize, u16)>,
+    client_status: u16,
+    first_content_ns: Option<u64>,
+}
+
+struct Upstreamed {
+    name: String,
+    body: Value,
+    answer: Option<upstream::Answer>,
+    started_ns: u64,
+    reached_ns: u64,
+    service: Option<Service>,
+    /// The answer has ended (or the stream ended first): its batch slot is free.
+    released: bool,
+}
+
+/// One simulation: a chain of fresh VMs and the upstream's state.
+pub struct Engine<'a> {
+    scenario: &'a Scenario,
+    chain: Chain,
+    kinds: Vec<PluginKind>,
+    start_ns: u64,
+    events: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    seq: u64,
+    flights: HashMap<StreamId, InFlight>,
+    loads: BTreeMap<String, VersionLoad>,
+    queued: HashMap<u64, StreamId>,
+    next_queue_ticket: u64,
+    callouts: HashSet<(usize, u32)>,
+    callout_replies: HashMap<(usize, u32), HttpReply>,
+    filler: String,
+    result: RunResult,
+    breakers: BTreeMap<String, String>,
+    last_event_ns: u64,
+}
+
+impl<'a> Engine<'a> {
+    /// Starts the scenario's plugins (fresh state) at `options.start_ns`.
+    pub fn new(scenario: &'a Scenario, plugins: &Plugins, options: &RunOptions) -> Result<Self> {
+        let mut specs = Vec::new();
+        let mut kinds = Vec::new();
+        for (kind, policy) in &scenario.plugins {
+            let plugin = plugins.compiled.get(kind).with_context(|| format!("{} was not loaded", kind.name()))?;
+            let name = kind.wasm_name();
+            let spec = PluginSpec::new(policy.as_str())
+                .name(name)
+                .root_id(name)
+                .vm_id("sluice")
+                .log_level(LogLevel::Info)
+                .keep_logs_from(LogLevel::Warn)
+                .echo_logs(false)
+                .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
+            specs.push((plugin, spec));
+            kinds.push(*kind);
+        }
+        let chain = Chain::start(&specs).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let mut engine = Engine {
+            scenario,
+            chain,
+            kinds,
+            start_ns: options.start_ns,
+            events: BinaryHeap::new(),
+            seq: 0,
+            flights: HashMap::new(),
+            loads: BTreeMap::new(),
+            queued: HashMap::new(),
+            next_queue_ticket: 0,
+            callouts: HashSet::new(),
+            callout_replies: HashMap::new(),
+            filler: String::new(),
+            result: RunResult::default(),
+            breakers: BTreeMap::new(),
+            last_event_ns: options.start_ns,
+        };
+        engine.schedule(options.start_ns, Event::Sample);
+        Ok(engine)
+    }
+
+    /// Runs every request of `trace` and hands each verdict to `emit` as its request ends.
+    /// `progress` is called now and then with the number of requests started.
+    pub fn run(
+        mut self,
+        trace: impl Iterator<Item = TraceRequest>,
+        mut emit: impl FnMut(Verdict) -> Result<()>,
+        mut progress: impl FnMut(u64),
+    ) -> Result<RunResult> {
+        let mut trace = trace.peekable();
+        loop {
+            let next_arrival = trace.peek().map(|r| self.start_ns + self.scaled(r.arrival_ns));
+            let next_event = self.events.peek().map(|Reverse((t, _, _))| *t);
+            let busy = !self.flights.is_empty();
+            let t = match (next_arrival, next_event) {
+                (Some(a), Some(e)) => a.min(e),
+                (Some(a), None) => a,
+                // Samples keep coming forever; stop once nothing else is left.
+                (None, Some(e)) if busy || self.events.iter().any(|Reverse((_, _, ev))| *ev != Event::Sample) => e,
+                _ => break,
+            };
+            self.advance(t)?;
+            if next_event == Some(t) && next_arrival.is_none_or(|a| t <= a) {
+                if let Some(Reverse((at, _, event))) = self.events.pop() {
+                    self.handle(at, event)?;
+                }
+            } else if let Some(request) = trace.next() {
+                self.arrive(request)?;
+                self.result.requests += 1;
+                if self.result.requests.is_multiple_of(1000) {
+                    progress(self.result.requests);
+                }
+            }
+            self.drain(&mut emit)?;
+        }
+        progress(self.result.requests);
+        self.result.span_ms = (self.last_event_ns.saturating_sub(self.start_ns)) as f64 / 1e6;
+        for gateway in self.chain.gateways() {
+            self.result.warnings.extend(gateway.logs_at_least(LogLevel::Warn));
+        }
+        Ok(self.result)
+    }
+
+    fn scaled(&self, arrival_ns: u64) -> u64 {
+        (arrival_ns as f64 * self.scenario.time_scale).round() as u64
+    }
+
+    fn schedule(&mut self, at: u64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((at, self.seq, event)));
+    }
+
+    /// Moves the chain's clock to `t`, firing the plugins' ticks and timeouts on the way, and
+    /// picks up callouts they started.
+    fn advance(&mut self, t: u64) -> Result<()> {
+        self.chain.advance_to(t)?;
+        self.last_event_ns = self.last_event_ns.max(t);
+        Ok(())
+    }
+
+    fn arrive(&mut self, request: TraceRequest) -> Result<()> {
+        let now = self.chain.now_ns();
+        let traffic = &self.scenario.traffic;
+        let draw = mix(self.scenario.seed, request.line);
+        let tenant = request.tenant.clone().or_else(|| request.key.clone()).or_else(|| pick_tenant(traffic, draw));
+        let user = request.user.clone().or_else(|| tenant.as_ref().map(|t| format!("{t}-u{}", (draw >> 20) % traffic.users_per_tenant)));
+        let stream = request.stream.unwrap_or(traffic.stream);
+        let output_tokens = request.output_tokens.unwrap_or(traffic.output_tokens);
+        let max_tokens = request.max_output_tokens.or(match traffic.max_tokens {
+            MaxTokens::None => None,
+            MaxTokens::Fixed(n) => Some(n),
+            MaxTokens::Output => Some(output_tokens),
+        });
+        let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
+        let prompt_tokens = request.prompt_tokens.unwrap_or(0);
+        let text = upstream::prompt_text(&mut self.filler, prompt_tokens).to_string();
+        let (path, body) = request_body(request.api, &model, &text, stream, max_tokens, user.as_deref());
+        let body = body.to_string().into_bytes();
+        let request_id = format!("sim-{}", request.line);
+        let mut properties: Vec<(&[&str], &[u8])> = vec![(&MODEL_METADATA, model.as_bytes())];
+        if let Some(user) = &user {
+            properties.push((&USER_METADATA, user.as_bytes()));
+        }
+        let id = self.chain.stream(&properties);
+        let mut headers = vec![
+            (":method".to_string(), "POST".to_string()),
+            (":path".to_string(), path.to_string()),
+            (":authority".to_string(), "gateway".to_string()),
+            (":scheme".to_string(), "http".to_string()),
+            ("content-type".to_string(), "application/json".to_string()),
+            ("x-request-id".to_string(), request_id),
+            ("content-length".to_string(), body.len().to_string()),
+        ];
+        if let Some(tenant) = &tenant {
+            headers.push((traffic.tenant_header.clone(), tenant.clone()));
+        }
+        if request.api == ApiKind::AnthropicMessages {
+            headers.push(("anthropic-version".to_string(), "2023-06-01".to_string()));
+        }
+        self.flights.insert(
+            id,
+            InFlight {
+                request,
+                arrival_ns: now,
+                tenant,
+                user,
+                output_tokens,
+                stream,
+                path: path.to_string(),
+                upstream: None,
+                local_reply: None,
+                client_status: 0,
+                first_content_ns: None,
+            },
+        );
+        self.chain.request_headers(id, Headers::from_pairs(&headers), false)?;
+        self.chain.request_body(id, body, true)?;
+        Ok(())
+    }
+
+    /// Handles what reached the upstream and the client, new callouts, and ended streams.
+    fn drain(&mut self, emit: &mut impl FnMut(Verdict) -> Result<()>) -> Result<()> {
+        loop {
+            let events = self.chain.take_events();
+            if events.is_empty() {
+                break;
+            }
+            for event in events {
+                match event {
+                    ChainEvent::UpstreamRequest { stream, headers, body } => self.reach_upstream(stream, &headers, &body),
+                    ChainEvent::LocalReply { stream, filter, reply } => {
+                        if let Some(f) = self.flights.get_mut(&stream) {
+                            f.local_reply = Some((filter, u16::try_from(reply.status).unwrap_or(0)));
+                        }
+                    }
+                    ChainEvent::ClientHeaders { stream, status } => {
+                        if let Some(f) = self.flights.get_mut(&stream) {
+                            f.client_status = u16::try_from(status).unwrap_or(0);
+                        }
+                    }
+                    ChainEvent::ClientBody { .. } | ChainEvent::Reset { .. } => {}
+                    ChainEvent::Ended { stream, properties } => {
+                        if let Some(flight) = self.flights.remove(&stream) {
+                            self.release_slot(&flight);
+                            let verdict = self.verdict(flight, &properties);
+                            emit(verdict)?;
+                        }
+                    }
+                }
+            }
+        }
+        self.pick_up_callouts();
+        Ok(())
+    }
+
+    fn reach_upstream(&mut self, stream: StreamId, headers: &Headers, body: &[u8]) {
+        let now = self.chain.now_ns();
+        let route_header = headers.get("x-sluice-route").map(str::to_string);
+        let Some(flight) = self.flights.get_mut(&stream) else { return };
+        let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        // The upstream a request reaches: the route model-router wrote, else its model.
+        let name = route_header.or_else(|| body.get("model").and_then(Value::as_str).map(str::to_string)).unwrap_or_else(|| "default".into());
+        flight.upstream = Some(Upstreamed { name: name.clone(), body, answer: None, started_ns: now, reached_ns: now, service: None, released: true });
+        let load = self.loads.entry(name.clone()).or_default();
+        let max_batch = self.scenario.upstream(&name).max_batch;
+        if load.running < max_batch {
+            self.start_service(stream);
+        } else {
+            self.next_queue_ticket += 1;
+            load.queue.push_back(self.next_queue_ticket);
+            self.queued.insert(self.next_queue_ticket, stream);
+        }
+    }
+
+    /// The request starts being served: its service times are fixed by the batch it joins.
+    fn start_service(&mut self, stream: StreamId) {
+        let now = self.chain.now_ns();
+        let offset_s = now.saturating_sub(self.start_ns) as f64 / 1e9;
+        let Some(flight) = self.flights.get_mut(&stream) else { return };
+        let Some(up) = flight.upstream.as_mut() else { return };
+        let model = self.scenario.upstream(&up.name);
+        let incidents: Vec<_> = self.scenario.incidents.iter().filter(|i| i.upstream == up.name && offset_s >= i.from_s && offset_s < i.to_s).collect();
+        let load = self.loads.entry(up.name.clone()).or_default();
+        let draw = unit(mix(self.scenario.seed ^ 0x5eed_e770, flight.request.line));
+        let fail = incidents.iter().find_map(|i| i.status).or_else(|| {
+            let rate = incidents.iter().find_map(|i| i.error_rate).unwrap_or(model.error_rate);
+            (draw < rate).then_some(model.error_status)
+        });
+        let prompt_tokens = flight.request.prompt_tokens.unwrap_or(0);
+        let (ttft_ms, tpot_ms) = upstream::service_times(model, prompt_tokens, load.running, &incidents);
+        let queue_wait = now.saturating_sub(up.reached_ns);
+        let ttft_ns = if fail.is_some() { ms_to_ns(model.ttft_base_ms) } else { queue_wait + ms_to_ns(ttft_ms) };
+        let service = Service { ttft_ns, itl_ns: ms_to_ns(tpot_ms), tokens: flight.output_tokens, fail, running: load.running + 1 };
+        let answer = upstream::answer(&flight.path, &up.body, &service, self.scenario.stream_chunk_ms.saturating_mul(1_000_000));
+        if fail.is_none() {
+            load.running += 1;
+            up.released = false;
+        }
+        up.started_ns = now;
+        // Headers went out when the request reached the upstream; pieces are timed from then.
+        let base = up.reached_ns;
+        let pieces: Vec<u64> = answer.pieces.iter().map(|(t, _)| base + *t).collect();
+        up.service = Some(service);
+        up.answer = Some(answer);
+        self.schedule(now, Event::Headers(stream));
+        for (n, at) in pieces.into_iter().enumerate() {
+            self.schedule(at.max(now), Event::Piece(stream, n));
+        }
+    }
+
+    fn release_slot(&mut self, flight: &InFlight) {
+        let Some(up) = &flight.upstream else { return };
+        if up.released {
+            return;
+        }
+        self.free(&up.name.clone());
+    }
+
+    fn free(&mut self, name: &str) {
+        let next = {
+            let Some(load) = self.loads.get_mut(name) else { return };
+            load.running = load.running.saturating_sub(1);
+            load.queue.pop_front()
+        };
+        if let Some(ticket) = next {
+            if let Some(stream) = self.queued.remove(&ticket) {
+                if self.flights.contains_key(&stream) {
+                    self.start_service(stream);
+                } else {
+                    self.free_nothing(name);
+                }
+            }
+        }
+    }
+
+    /// A queued request that went away: the slot passes to the next one.
+    fn free_nothing(&mut self, name: &str) {
+        if let Some(load) = self.loads.get_mut(name) {
+            load.running += 1;
+        }
+        self.free(name);
+    }
+
+    fn handle(&mut self, at: u64, event: Event) -> Result<()> {
+        match event {
+            Event::Sample => {
+                self.sample(at);
+                self.schedule(at + self.scenario.sample_every_ms * 1_000_000, Event::Sample);
+            }
+            Event::Headers(stream) => {
+                let Some(answer) = self.flights.get(&stream).and_then(|f| f.upstream.as_ref()).and_then(|u| u.answer.as_ref()) else { return Ok(()) };
+                let mut headers = vec![(":status".to_string(), answer.status.to_string())];
+                headers.extend(answer.headers.iter().cloned());
+                if self.chain.is_open(stream) {
+                    self.chain.response_headers(stream, Headers::from_pairs(&headers), false)?;
+                }
+            }
+            Event::Piece(stream, n) => {
+                let Some(flight) = self.flights.get_mut(&stream) else { return Ok(()) };
+                let Some(up) = flight.upstream.as_mut() else { return Ok(()) };
+                let Some(answer) = up.answer.as_mut() else { return Ok(()) };
+                let last = n + 1 == answer.pieces.len();
+                let Some((_, bytes)) = answer.pieces.get_mut(n) else { return Ok(()) };
+                let bytes = std::mem::take(bytes);
+                if flight.first_content_ns.is_none() && n > 0 {
+                    flight.first_content_ns = Some(at);
+                }
+                if last && !up.released {
+                    up.released = true;
+                    let name = up.name.clone();
+                    self.free(&name);
+                }
+                if self.chain.is_open(stream) {
+                    self.chain.response_body(stream, bytes, last)?;
+                }
+            }
+            Event::CalloutReply(filter, token) => {
+                if let Some(reply) = self.callout_replies.remove(&(filter, token)) {
+                    if self.chain.http_calls().iter().any(|(f, c)| *f == filter && c.token == token) {
+                        self.chain.respond_http_call(filter, token, reply)?;
+                    }
+                }
+                self.callouts.remove(&(filter, token));
+            }
+        }
+        Ok(())
+    }
+
+    /// Answers the shadow requests the plugins sent (model-router's callouts) from the shadow
+    /// upstream's model, as a whole answer after its TTFT and decode time.
+    fn pick_up_callouts(&mut self) {
+        let calls = self.chain.http_calls();
+        for (filter, call) in calls {
+            if !self.callouts.insert((filter, call.token)) {
+                continue;
+            }
+            let now = self.chain.now_ns();
+            let path = call.headers.get(":path").unwrap_or("/v1/chat/completions").to_string();
+            let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+            let model = self.scenario.upstream(&call.upstream);
+            let prompt = upstream::api_of(&path).map_or(0, |api| sluice_mock_server::api::prompt_tokens(api, &body));
+            let running = self.loads.get(&call.upstream).map_or(0, |l| l.running);
+            let (ttft_ms, tpot_ms) = upstream::service_times(model, prompt, running, &[]);
+            let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
+            let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
+            let answer = upstream::answer(&path, &body, &service, u64::MAX);
+            let end = answer.pieces.last().map_or(0, |(t, _)| *t);
+            let body: Vec<u8> = answer.pieces.into_iter().flat_map(|(_, b)| b).collect();
+            let mut headers = Headers::from_pairs(&[(":status", answer.status.to_string())]);
+            for (k, v) in &answer.headers {
+                headers.add(k.as_bytes(), v.as_bytes());
+            }
+            self.callout_replies.insert((filter, call.token), HttpReply { headers, body, trailers: Headers::new() });
+            self.schedule(now + end, Event::CalloutReply(filter, call.token));
+        }
+    }
+
+    fn sample(&mut self, at: u64) {
+        let t_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
+        let mut sample = Sample { t_ms, breakers: Vec::new(), in_flight: Vec::new(), budgets_remaining: Vec::new() };
+        for (kind, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
+            match kind {
+                PluginKind::LatencyGuard => {
+                    for name in gateway.metric_names() {
+                        let Some(version) = name.strip_prefix("sluice.latency.breaker_state.version.") else { continue };
+                        let state = match gateway.gauge(&name) {
+                            Some(1) => "open",
+                            Some(2) => "half_open",
+                            _ => "closed",
+                        };
+                        let previous = self.breakers.insert(version.to_string(), state.to_string());
+                        let from = previous.unwrap_or_else(|| "closed".into());
+                        if from != state {
+                            self.result.transitions.push(Transition { t_ms, version: version.to_string(), from, to: state.to_string() });
+                        }
+                        sample.breakers.push((version.to_string(), state.to_string()));
+                    }
+                }
+                PluginKind::TenantBudget => {
+                    for name in gateway.metric_names() {
+                        let Some(code) = name.strip_prefix("sluice.budget.remaining.") else { continue };
+                        if let Some(v) = gateway.gauge(&name) {
+                            sample.budgets_remaining.push((code.to_string(), v));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (name, load) in &self.loads {
+            sample.in_flight.push((name.clone(), load.running + u32::try_from(load.queue.len()).unwrap_or(u32::MAX)));
+        }
+        self.result.samples.push(sample);
+    }
+
+    fn verdict(&self, flight: InFlight, properties: &[(String, Vec<u8>)]) -> Verdict {
+        let stamp = |name: &str| properties.iter().find(|(k, _)| k == name).and_then(|(_, v)| serde_json::from_slice::<Value>(v).ok());
+        let stamps = Stamps { sluice: stamp("sluice_llm"), budget: stamp("sluice_budget"), route: stamp("sluice_route"), latency: stamp("sluice_latency") };
+        let now = self.chain.now_ns();
+        let refused_by = flight.local_reply.and_then(|(filter, status)| {
+            let kind = self.kinds.get(filter)?;
+            // A guard's 504 is a deadline, not a refusal.
+            (status != 504).then_some(*kind)
+        });
+        let code = match refused_by {
+            Some(PluginKind::TenantBudget) => stamps.budget.as_ref().and_then(|b| b.get("reject_code")).and_then(Value::as_str).map(str::to_string),
+            Some(PluginKind::LatencyGuard) => stamps.latency.as_ref().and_then(|l| l.get("outcome")).and_then(Value::as_str).map(str::to_string),
+            _ => None,
+        };
+        let clamped = stamps.budget.as_ref().and_then(|b| b.get("decision")).and_then(Value::as_str) == Some("clamped");
+        let decision = if refused_by.is_some() {
+            Decision::Refused
+        } else if clamped {
+            Decision::Clamped
+        } else {
+            Decision::Admitted
+        };
+        let llm = stamps.sluice.as_ref();
+        let num = |v: Option<&Value>, field: &str| v.and_then(|s| s.get(field)).and_then(Value::as_u64);
+        let text = |v: Option<&Value>, field: &str| v.and_then(|s| s.get(field)).and_then(Value::as_str).map(str::to_string);
+        let up = flight.upstream.as_ref();
+        let service = up.and_then(|u| u.service.as_ref());
+        let version = text(stamps.route.as_ref(), "version").or_else(|| text(llm, "model_version")).or_else(|| up.map(|u| u.name.clone()));
+        let status = num(llm, "status").map(|s| u16::try_from(s).unwrap_or(0)).unwrap_or(flight.local_reply.map_or(flight.client_status, |(_, s)| s));
+        let outcome = text(llm, "outcome").unwrap_or_else(|| {
+            match (refused_by, flight.local_reply) {
+                (Some(_), _) => "refused",
+                (None, Some(_)) => "deadline",
+                _ if status >= 400 || status == 0 => "upstream_error",
+                _ => "completed",
+            }
+            .to_string()
+        });
+        let ttft_ms = num(llm, "ttft_us")
+            .map(|us| us as f64 / 1000.0)
+            .or_else(|| flight.first_content_ns.filter(|_| flight.stream).map(|t| t.saturating_sub(flight.arrival_ns) as f64 / 1e6));
+        let tpot_ms =
+            num(llm, "tpot_us").map(|us| us as f64 / 1000.0).or_else(|| service.filter(|s| s.tokens > 1 && s.fail.is_none()).map(|s| s.itl_ns as f64 / 1e6));
+        let duration_ms = num(llm, "duration_us").map_or_else(|| now.saturating_sub(flight.arrival_ns) as f64 / 1e6, |us| us as f64 / 1000.0);
+        let prompt = flight.request.prompt_tokens.unwrap_or(0);
+        Verdict {
+            line: flight.request.line,
+            arrival_ms: flight.arrival_ns.saturating_sub(self.start_ns) as f64 / 1e6,
+            tenant: flight.tenant,
+            key: text(stamps.budget.as_ref(), "key").or(flight.request.key),
+            user: flight.user,
+            api: flight.request.api.as_str().to_string(),
+            model: flight.request.model.or_else(|| Some(self.scenario.traffic.model.clone())),
+            prompt_tokens: prompt,
+            stream: flight.stream,
+            decision,
+            status,
+            code,
+            refused_by: refused_by.map(|k| k.name().to_string()),
+            outcome,
+            version,
+            route_reason: text(stamps.route.as_ref(), "reason"),
+            shadow_version: stamps
+                .route
+                .as_ref()
+                .and_then(|r| r.get("shadow"))
+                .and_then(|s| s.as_str().map(str::to_string).or_else(|| s.get("version").and_then(Value::as_str).map(str::to_string))),
+            ttft_ms,
+            tpot_ms,
+            duration_ms,
+            input_tokens: num(llm, "input_tokens").unwrap_or(if up.is_some() { prompt } else { 0 }),
+            output_tokens: num(llm, "output_tokens").unwrap_or_else(|| service.filter(|s| s.fail.is_none()).map_or(0, |s| s.tokens)),
+            cost_usd: num(llm, "cost_micro_usd").map(|m| m as f64 / 1e6),
+            ctx: text(llm, "ctx"),
+            turn: text(llm, "turn"),
+            upstream_concurrency: service.map(|s| s.running),
+            stamps,
+        }
+    }
+}
+
+/// The request a trace line stands for: path and JSON body of its API.
+fn request_body(api: ApiKind, model: &str, text: &str, stream: bool, max_tokens: Option<u64>, user: Option<&str>) -> (&'static str, Value) {
+    let mut body = match api {
+        ApiKind::ChatCompletions => json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}),
+        ApiKind::Completions => json!({"model": model, "prompt": text, "stream": stream}),
+        ApiKind::Responses => json!({"model": model, "input": text, "stream": stream}),
+        // Anthropic requires max_tokens.
+        ApiKind::AnthropicMessages => {
+            json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream, "max_tokens": max_tokens.unwrap_or(4096)})
+        }
+    };
+    if let (Some(max), Some(obj)) = (max_tokens, body.as_object_mut()) {
+        let field = match api {
+            ApiKind::Responses => "max_output_tokens",
+            _ => "max_tokens",
+        };
+        obj.insert(field.into(), json!(max));
+    }
+    if let (Some(user), Some(obj)) = (user, body.as_object_mut()) {
+        if matches!(api, ApiKind::ChatCompletions | ApiKind::Completions | ApiKind::Responses) {
+            obj.insert("user".into(), json!(user));
+        }
+    }
+    let path = match api {
+        ApiKind::ChatCompletions => "/v1/chat/completions",
+        ApiKind::Completions => "/v1/completions",
+        ApiKind::Responses => "/v1/responses",
+        ApiKind::AnthropicMessages => "/v1/messages",
+    };
+    (path, body)
+}
+
+/// The tenant of a request whose trace line names none: Zipf weights by position, or shares.
+fn pick_tenant(traffic: &crate::scenario::Traffic, draw: u64) -> Option<String> {
+    if traffic.tenants.is_empty() {
+        return None;
+    }
+    let weights: Vec<f64> = traffic.tenants.iter().enumerate().map(|(i, t)| t.share.unwrap_or_else(|| 1.0 / ((i + 1) as f64).powf(traffic.zipf_s))).collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = unit(draw) * total;
+    for (t, w) in traffic.tenants.iter().zip(&weights) {
+        if x < *w {
+            return Some(t.name.clone());
+        }
+        x -= w;
+    }
+    traffic.tenants.last().map(|t| t.name.clone())
+}
+
+/// SplitMix64 of (seed, n): a reproducible draw per request, whatever order requests run in.
+pub fn mix(seed: u64, n: u64) -> u64 {
+    let mut z = seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A draw in [0, 1).
+fn unit(x: u64) -> f64 {
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn ms_to_ns(ms: f64) -> u64 {
+    (ms * 1e6).round().max(0.0) as u64
+}

@@ -1,0 +1,159 @@
+//! The modelled upstream: per version a batch of at most `max_batch` running requests and a FIFO
+//! queue behind it; time to first token from the queue wait, a fixed part and the prefill of the
+//! prompt; time per output token from the batch size. The bytes it answers with are the mock
+//! server's (`sluice-mock-server`'s renderers), so the simulator and the mock behind real Envoy
+//! speak the same streams.
+
+use std::collections::VecDeque;
+
+use serde_json::Value;
+use sluice_mock_server::api::{error_body, Api, Plan};
+use sluice_mock_server::controls::{Controls, UsageMode};
+
+use crate::scenario::{Incident, Upstream};
+
+/// What one request is answered with, decided when it starts being served.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Service {
+    /// Time to first token from the moment the request reached the upstream (queue wait included), ns.
+    pub ttft_ns: u64,
+    /// Gap between content tokens, ns.
+    pub itl_ns: u64,
+    /// Content tokens it will send.
+    pub tokens: u64,
+    /// An error status instead of an answer.
+    pub fail: Option<u16>,
+    /// Requests running at the version when it started (itself included).
+    pub running: u32,
+}
+
+/// One version's batch and queue.
+#[derive(Debug, Default)]
+pub struct VersionLoad {
+    pub running: u32,
+    pub queue: VecDeque<u64>,
+}
+
+/// The service times of a request of `prompt_tokens` that starts with `running` others in the
+/// batch, during `incidents` (already filtered to this upstream and this time).
+pub fn service_times(model: &Upstream, prompt_tokens: u64, running_others: u32, incidents: &[&Incident]) -> (f64, f64) {
+    let others = f64::from(running_others);
+    let prefill_ms = prompt_tokens as f64 / model.prefill_tokens_per_s * 1000.0 * (1.0 + model.prefill_slowdown_per_running * others);
+    let mut ttft_ms = model.ttft_base_ms + prefill_ms;
+    let mut tpot_ms = model.tpot_ms + model.tpot_per_running_ms * others;
+    for incident in incidents {
+        ttft_ms *= incident.ttft_factor;
+        tpot_ms *= incident.tpot_factor;
+    }
+    (ttft_ms, tpot_ms)
+}
+
+/// The mock's controls for a request: its tokens and timing (the sim plays the timing itself).
+pub fn controls(tokens: u64) -> Controls {
+    Controls {
+        ttft: std::time::Duration::ZERO,
+        itl: std::time::Duration::ZERO,
+        tokens,
+        usage: UsageMode::Auto,
+        keepalives: 0,
+        fail: None,
+        cached_tokens: 0,
+        reasoning_tokens: 0,
+        crlf: false,
+        split: None,
+        served_by: "sim".into(),
+    }
+}
+
+/// The API of a request path, as the mock reads it.
+pub fn api_of(path: &str) -> Option<Api> {
+    Api::from_path(path)
+}
+
+/// A planned answer: what the upstream sends and when (offsets from the start of service, ns).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    /// Body pieces with their offsets; the last one ends the response.
+    pub pieces: Vec<(u64, Vec<u8>)>,
+}
+
+/// Renders the answer to `body` on `path` given `service`, with tokens batched into chunks of
+/// `chunk_ns` of time (the first token always alone, exactly at the TTFT).
+pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64) -> Answer {
+    let Some(api) = api_of(path) else {
+        return error_answer(path, 404, "unknown path", service);
+    };
+    if let Some(status) = service.fail {
+        return error_answer(path, status, "upstream error (simulated)", service);
+    }
+    let plan = match Plan::new(api, body, &controls(service.tokens), None) {
+        Ok(plan) => plan,
+        Err(message) => return error_answer(path, 400, &message, service),
+    };
+    let end_ns = service.ttft_ns + service.itl_ns * plan.tokens.saturating_sub(1);
+    if !plan.stream {
+        let body = plan.full_body().to_string().into_bytes();
+        return Answer { status: 200, headers: vec![("content-type".into(), "application/json".into())], pieces: vec![(end_ns, body)] };
+    }
+    let mut seq = 0;
+    let mut pieces: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut preamble = Vec::new();
+    for event in plan.preamble(&mut seq) {
+        preamble.extend_from_slice(&event.render(false));
+    }
+    if !preamble.is_empty() {
+        pieces.push((0, preamble));
+    }
+    // Chunk 0 is the first token alone; chunk k ≥ 1 holds the tokens whose offset after the first
+    // lies in ((k − 1)·chunk, k·chunk], sent when its last token is due.
+    let mut current: Option<(u64, u64, Vec<u8>)> = None;
+    for i in 0..plan.tokens {
+        let at = service.ttft_ns + service.itl_ns * i;
+        let event = plan.token(i, &mut seq).render(false);
+        let chunk = if i == 0 { 0 } else { (at - service.ttft_ns).div_ceil(chunk_ns.max(1)) };
+        match &mut current {
+            Some((k, t, bytes)) if *k == chunk => {
+                *t = at;
+                bytes.extend_from_slice(&event);
+            }
+            _ => {
+                if let Some((_, t, bytes)) = current.take() {
+                    pieces.push((t, bytes));
+                }
+                current = Some((chunk, at, event));
+            }
+        }
+    }
+    let mut epilogue = Vec::new();
+    for event in plan.epilogue(&mut seq) {
+        epilogue.extend_from_slice(&event.render(false));
+    }
+    match current {
+        Some((_, t, mut bytes)) => {
+            bytes.extend_from_slice(&epilogue);
+            pieces.push((t, bytes));
+        }
+        None => pieces.push((end_ns, epilogue)),
+    }
+    Answer { status: 200, headers: vec![("content-type".into(), "text/event-stream".into()), ("cache-control".into(), "no-cache".into())], pieces }
+}
+
+fn error_answer(path: &str, status: u16, message: &str, service: &Service) -> Answer {
+    let body = error_body(path, status, message).to_string().into_bytes();
+    // The engine sets a failing request's TTFT to the fixed part alone: refused without prefill.
+    let at = service.ttft_ns;
+    Answer { status, headers: vec![("content-type".into(), "application/json".into())], pieces: vec![(at, body)] }
+}
+
+/// The prompt text that the mock counts as `prompt_tokens` tokens (4 characters a token, plus 4
+/// per message), cut from a shared filler.
+pub fn prompt_text(filler: &mut String, prompt_tokens: u64) -> &str {
+    let chars = usize::try_from(prompt_tokens.saturating_sub(4).saturating_mul(4)).unwrap_or(usize::MAX);
+    const WORDS: &str = "the quick brown fox jumps over the lazy dog while sluice counts every token ";
+    while filler.len() < chars {
+        filler.push_str(WORDS);
+    }
+    filler.get(..chars).unwrap_or_default()
+}

@@ -1,0 +1,115 @@
+//! What the simulator says about each request (one JSON line each) and what it samples over time.
+//! The same records describe a real gateway's access log ([`crate::observed`]), so one report
+//! renders both "what would have happened" and "what happened".
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// What the gateway did with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    /// Sent upstream as the client asked.
+    Admitted,
+    /// Sent upstream with a lower output limit than the client asked (tenant-budget's clamp).
+    Clamped,
+    /// Answered by the gateway itself before any upstream saw it (429, 503, …).
+    Refused,
+}
+
+impl Decision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Admitted => "admitted",
+            Decision::Clamped => "clamped",
+            Decision::Refused => "refused",
+        }
+    }
+}
+
+/// One request's verdict: a line of `verdicts.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The trace line the request came from (1-based).
+    pub line: u64,
+    /// Arrival, milliseconds after the trace's first request (after time scaling).
+    pub arrival_ms: f64,
+    pub tenant: Option<String>,
+    pub key: Option<String>,
+    pub user: Option<String>,
+    /// `chat_completions`, `completions`, `responses`, `messages`.
+    pub api: String,
+    /// The model the client asked for.
+    pub model: Option<String>,
+    pub prompt_tokens: u64,
+    pub stream: bool,
+    pub decision: Decision,
+    /// The HTTP status the client got (0: none, the client went away first).
+    pub status: u16,
+    /// Why it was refused: tenant-budget's code (`key:acme:minute:total_tokens`, `unknown_key`, …)
+    /// or latency-guard's (`shed_breaker_open`, `shed_in_flight`).
+    pub code: Option<String>,
+    /// The plugin that refused it: `tenant-budget` or `latency-guard`.
+    pub refused_by: Option<String>,
+    /// llm-metrics' outcome: `completed`, `client_disconnect`, `upstream_error`, `refused`, `deadline`.
+    pub outcome: String,
+    /// The model version it went to (model-router's decision), when it went anywhere.
+    pub version: Option<String>,
+    /// Why the router chose it (`split`, `sticky`, `fallback`, …), from its stamp.
+    pub route_reason: Option<String>,
+    /// Whether a shadow copy was sent, and to which version.
+    pub shadow_version: Option<String>,
+    /// Time to first content token at the gateway, ms.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token after the first, ms.
+    pub tpot_ms: Option<f64>,
+    /// Headers in → end of the response, ms.
+    pub duration_ms: f64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Cost in USD, when a price matched.
+    pub cost_usd: Option<f64>,
+    /// The context-length bucket label (`1k`, `2k`, … as llm-metrics labels it).
+    pub ctx: Option<String>,
+    /// `first` or `follow_up` (llm-metrics' turn label).
+    pub turn: Option<String>,
+    /// Requests in flight at the chosen version when this one was sent upstream (simulation only).
+    pub upstream_concurrency: Option<u32>,
+    /// Each plugin's access-log stamp, as the plugin wrote it: `sluice`, `budget`, `route`, `latency`.
+    pub stamps: Stamps,
+}
+
+/// The plugins' own stamps (the filter-state values the access log prints), parsed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stamps {
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub sluice: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub budget: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub route: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub latency: Option<Value>,
+}
+
+/// State sampled at fixed virtual-time steps (simulation only; a real access log has none).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Milliseconds after the trace's first request.
+    pub t_ms: f64,
+    /// latency-guard's breaker state per version: `closed`, `open`, `half_open`.
+    pub breakers: Vec<(String, String)>,
+    /// Requests in flight upstream per version.
+    pub in_flight: Vec<(String, u32)>,
+    /// tenant-budget's remaining amount per budget code (its `remaining` gauges).
+    pub budgets_remaining: Vec<(String, i64)>,
+}
+
+/// A breaker transition, as latency-guard logged or counted it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Transition {
+    pub t_ms: f64,
+    pub version: String,
+    pub from: String,
+    pub to: String,
+}
