@@ -35,6 +35,8 @@ pub struct LogLine {
     /// The context that was active (root or a stream).
     pub context_id: u32,
     pub message: String,
+    /// Virtual time of the line, ns since the epoch.
+    pub at_ns: u64,
 }
 
 /// A response the plugin sent itself with `proxy_send_local_response`.

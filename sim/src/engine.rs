@@ -17,7 +17,7 @@ use sluice_host::{Chain, ChainEvent, Headers, HttpReply, LogLevel, Plugin, Plugi
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
-use crate::verdict::{Decision, Sample, Stamps, Transition, Verdict};
+use crate::verdict::{Decision, Sample, Stamps, Transition, UpstreamPlan, Verdict};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
@@ -113,7 +113,6 @@ pub struct Engine<'a> {
     callout_replies: HashMap<(usize, u32), HttpReply>,
     filler: String,
     result: RunResult,
-    breakers: BTreeMap<String, String>,
     last_event_ns: u64,
 }
 
@@ -152,7 +151,6 @@ impl<'a> Engine<'a> {
             callout_replies: HashMap::new(),
             filler: String::new(),
             result: RunResult::default(),
-            breakers: BTreeMap::new(),
             last_event_ns: options.start_ns,
         };
         engine.schedule(options.start_ns, Event::Sample);
@@ -195,8 +193,16 @@ impl<'a> Engine<'a> {
         }
         progress(self.result.requests);
         self.result.span_ms = (self.last_event_ns.saturating_sub(self.start_ns)) as f64 / 1e6;
-        for gateway in self.chain.gateways() {
-            self.result.warnings.extend(gateway.logs_at_least(LogLevel::Warn));
+        self.result.transitions.clear();
+        for (kind, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
+            for line in gateway.logs() {
+                if *kind == PluginKind::LatencyGuard {
+                    if let Some(t) = transition(&line.message, line.at_ns.saturating_sub(self.start_ns) as f64 / 1e6) {
+                        self.result.transitions.push(t);
+                    }
+                }
+                self.result.warnings.push(line.message);
+            }
         }
         Ok(self.result)
     }
@@ -220,61 +226,31 @@ impl<'a> Engine<'a> {
 
     fn arrive(&mut self, request: TraceRequest) -> Result<()> {
         let now = self.chain.now_ns();
-        let traffic = &self.scenario.traffic;
-        let draw = mix(self.scenario.seed, request.line);
-        let tenant = request.tenant.clone().or_else(|| request.key.clone()).or_else(|| pick_tenant(traffic, draw));
-        let user = request.user.clone().or_else(|| tenant.as_ref().map(|t| format!("{t}-u{}", (draw >> 20) % traffic.users_per_tenant)));
-        let stream = request.stream.unwrap_or(traffic.stream);
-        let output_tokens = request.output_tokens.unwrap_or(traffic.output_tokens);
-        let max_tokens = request.max_output_tokens.or(match traffic.max_tokens {
-            MaxTokens::None => None,
-            MaxTokens::Fixed(n) => Some(n),
-            MaxTokens::Output => Some(output_tokens),
-        });
-        let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
-        let prompt_tokens = request.prompt_tokens.unwrap_or(0);
-        let text = upstream::prompt_text(&mut self.filler, prompt_tokens).to_string();
-        let (path, body) = request_body(request.api, &model, &text, stream, max_tokens, user.as_deref());
-        let body = body.to_string().into_bytes();
-        let request_id = format!("sim-{}", request.line);
-        let mut properties: Vec<(&[&str], &[u8])> = vec![(&MODEL_METADATA, model.as_bytes())];
-        if let Some(user) = &user {
+        let client = client_request(self.scenario, &request, &mut self.filler);
+        let mut properties: Vec<(&[&str], &[u8])> = vec![(&MODEL_METADATA, client.model.as_bytes())];
+        if let Some(user) = &client.user {
             properties.push((&USER_METADATA, user.as_bytes()));
         }
         let id = self.chain.stream(&properties);
-        let mut headers = vec![
-            (":method".to_string(), "POST".to_string()),
-            (":path".to_string(), path.to_string()),
-            (":authority".to_string(), "gateway".to_string()),
-            (":scheme".to_string(), "http".to_string()),
-            ("content-type".to_string(), "application/json".to_string()),
-            ("x-request-id".to_string(), request_id),
-            ("content-length".to_string(), body.len().to_string()),
-        ];
-        if let Some(tenant) = &tenant {
-            headers.push((traffic.tenant_header.clone(), tenant.clone()));
-        }
-        if request.api == ApiKind::AnthropicMessages {
-            headers.push(("anthropic-version".to_string(), "2023-06-01".to_string()));
-        }
+        let headers = Headers::from_pairs(&client.headers);
         self.flights.insert(
             id,
             InFlight {
                 request,
                 arrival_ns: now,
-                tenant,
-                user,
-                output_tokens,
-                stream,
-                path: path.to_string(),
+                tenant: client.tenant,
+                user: client.user,
+                output_tokens: client.output_tokens,
+                stream: client.stream,
+                path: client.path.clone(),
                 upstream: None,
                 local_reply: None,
                 client_status: 0,
                 first_content_ns: None,
             },
         );
-        self.chain.request_headers(id, Headers::from_pairs(&headers), false)?;
-        self.chain.request_body(id, body, true)?;
+        self.chain.request_headers(id, headers, false)?;
+        self.chain.request_body(id, client.body, true)?;
         Ok(())
     }
 
@@ -347,7 +323,10 @@ impl<'a> Engine<'a> {
             (draw < rate).then_some(model.error_status)
         });
         let prompt_tokens = flight.request.prompt_tokens.unwrap_or(0);
-        let (ttft_ms, tpot_ms) = upstream::service_times(model, prompt_tokens, load.running, &incidents);
+        let (mut ttft_ms, mut tpot_ms) = upstream::service_times(model, prompt_tokens, load.running, &incidents);
+        if self.scenario.whole_milliseconds {
+            (ttft_ms, tpot_ms) = (ttft_ms.round(), tpot_ms.round());
+        }
         let queue_wait = now.saturating_sub(up.reached_ns);
         let ttft_ns = if fail.is_some() { ms_to_ns(model.ttft_base_ms) } else { queue_wait + ms_to_ns(ttft_ms) };
         let service = Service { ttft_ns, itl_ns: ms_to_ns(tpot_ms), tokens: flight.output_tokens, fail, running: load.running + 1 };
@@ -488,11 +467,6 @@ impl<'a> Engine<'a> {
                             Some(2) => "half_open",
                             _ => "closed",
                         };
-                        let previous = self.breakers.insert(version.to_string(), state.to_string());
-                        let from = previous.unwrap_or_else(|| "closed".into());
-                        if from != state {
-                            self.result.transitions.push(Transition { t_ms, version: version.to_string(), from, to: state.to_string() });
-                        }
                         sample.breakers.push((version.to_string(), state.to_string()));
                     }
                 }
@@ -589,9 +563,71 @@ impl<'a> Engine<'a> {
             ctx: text(llm, "ctx"),
             turn: text(llm, "turn"),
             upstream_concurrency: service.map(|s| s.running),
+            upstream: up.zip(service).map(|(u, s)| UpstreamPlan {
+                name: u.name.clone(),
+                ttft_ms: s.ttft_ns as f64 / 1e6,
+                itl_ms: s.itl_ns as f64 / 1e6,
+                tokens: s.tokens,
+                fail_status: s.fail,
+            }),
             stamps,
         }
     }
+}
+
+/// The HTTP request a trace line stands for, as a client sends it to the gateway (the simulator
+/// gives it to the first plugin; a replay against real Envoy sends the same bytes).
+#[derive(Debug, Clone)]
+pub struct ClientRequest {
+    pub path: String,
+    /// Request headers, pseudo-headers first.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// The model asked for (what `json_to_metadata` lifts into metadata).
+    pub model: String,
+    pub tenant: Option<String>,
+    /// The user (the body's `user`, lifted into metadata too).
+    pub user: Option<String>,
+    pub stream: bool,
+    /// What the upstream will produce for it (the trace's output tokens, else the scenario's).
+    pub output_tokens: u64,
+}
+
+/// Builds the client request for `request` under `scenario`'s traffic rules (identity, model,
+/// stream and output limit when the trace does not say). `filler` is the prompt text reused across
+/// requests.
+pub fn client_request(scenario: &Scenario, request: &TraceRequest, filler: &mut String) -> ClientRequest {
+    let traffic = &scenario.traffic;
+    let draw = mix(scenario.seed, request.line);
+    let tenant = request.tenant.clone().or_else(|| request.key.clone()).or_else(|| pick_tenant(traffic, draw));
+    let user = request.user.clone().or_else(|| tenant.as_ref().map(|t| format!("{t}-u{}", (draw >> 20) % traffic.users_per_tenant)));
+    let stream = request.stream.unwrap_or(traffic.stream);
+    let output_tokens = request.output_tokens.unwrap_or(traffic.output_tokens);
+    let max_tokens = request.max_output_tokens.or(match traffic.max_tokens {
+        MaxTokens::None => None,
+        MaxTokens::Fixed(n) => Some(n),
+        MaxTokens::Output => Some(output_tokens),
+    });
+    let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
+    let text = upstream::prompt_text(filler, request.prompt_tokens.unwrap_or(0));
+    let (path, body) = request_body(request.api, &model, text, stream, max_tokens, user.as_deref());
+    let body = body.to_string().into_bytes();
+    let mut headers = vec![
+        (":method".to_string(), "POST".to_string()),
+        (":path".to_string(), path.to_string()),
+        (":authority".to_string(), "gateway".to_string()),
+        (":scheme".to_string(), "http".to_string()),
+        ("content-type".to_string(), "application/json".to_string()),
+        ("x-request-id".to_string(), format!("sim-{}", request.line)),
+        ("content-length".to_string(), body.len().to_string()),
+    ];
+    if let Some(tenant) = &tenant {
+        headers.push((traffic.tenant_header.clone(), tenant.clone()));
+    }
+    if request.api == ApiKind::AnthropicMessages {
+        headers.push(("anthropic-version".to_string(), "2023-06-01".to_string()));
+    }
+    ClientRequest { path: path.to_string(), headers, body, model, tenant, user, stream, output_tokens }
 }
 
 /// The request a trace line stands for: path and JSON body of its API.
@@ -641,6 +677,16 @@ fn pick_tenant(traffic: &crate::scenario::Traffic, draw: u64) -> Option<String> 
         x -= w;
     }
     traffic.tenants.last().map(|t| t.name.clone())
+}
+
+/// A breaker transition from latency-guard's log line
+/// `sluice latency-guard: breaker of <version> <from> → <to>: <why>`.
+fn transition(message: &str, t_ms: f64) -> Option<Transition> {
+    let rest = message.strip_prefix("sluice latency-guard: breaker of ")?;
+    let (head, _why) = rest.split_once(": ")?;
+    let (left, to) = head.split_once(" → ")?;
+    let (version, from) = left.rsplit_once(' ')?;
+    Some(Transition { t_ms, version: version.to_string(), from: from.to_string(), to: to.to_string() })
 }
 
 /// SplitMix64 of (seed, n): a reproducible draw per request, whatever order requests run in.

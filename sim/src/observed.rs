@@ -325,6 +325,7 @@ fn parse(text: &str, line: u64) -> Result<Option<(i128, Verdict)>, String> {
         ctx: known(s.str("ctx")?),
         turn: known(s.str("turn")?),
         upstream_concurrency: None,
+        upstream: None,
         stamps: Stamps {
             sluice: sluice.map(Value::Object),
             budget: budget.map(Value::Object),

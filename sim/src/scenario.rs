@@ -36,6 +36,9 @@ pub struct Scenario {
     pub sample_every_ms: u64,
     /// Tokens of a stream that fall in one such slice of virtual time reach the gateway as one chunk.
     pub stream_chunk_ms: u64,
+    /// Service times (TTFT, time per output token) are rounded to whole milliseconds, as the mock
+    /// server takes them: a replay against it then waits exactly what the simulator modelled.
+    pub whole_milliseconds: bool,
 }
 
 /// The four plugins, in the gateway's filter order.
@@ -217,6 +220,8 @@ struct File {
     sample_every_ms: u64,
     #[serde(default = "default_chunk")]
     stream_chunk_ms: u64,
+    #[serde(default)]
+    whole_milliseconds: bool,
 }
 
 /// A policy: a path to the JSON file Envoy gets (relative to the scenario file), or the policy
@@ -328,6 +333,7 @@ impl Scenario {
             incidents: file.incidents,
             sample_every_ms: file.sample_every_ms,
             stream_chunk_ms: file.stream_chunk_ms,
+            whole_milliseconds: file.whole_milliseconds,
         })
     }
 

@@ -75,8 +75,27 @@ pub struct Verdict {
     pub turn: Option<String>,
     /// Requests in flight at the chosen version when this one was sent upstream (simulation only).
     pub upstream_concurrency: Option<u32>,
+    /// What the modelled upstream was to do for this request (simulation only): a replay against
+    /// the mock server sends exactly this (`x-mock-*` headers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<UpstreamPlan>,
     /// Each plugin's access-log stamp, as the plugin wrote it: `sluice`, `budget`, `route`, `latency`.
     pub stamps: Stamps,
+}
+
+/// The modelled upstream's answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpstreamPlan {
+    /// Where it went (the route model-router wrote, else the model).
+    pub name: String,
+    /// From reaching the upstream to the first token (queue wait included), ms.
+    pub ttft_ms: f64,
+    /// Between content tokens, ms.
+    pub itl_ms: f64,
+    /// Content tokens it was to send (the request's limit may cut them).
+    pub tokens: u64,
+    /// An error status instead of an answer.
+    pub fail_status: Option<u16>,
 }
 
 /// The plugins' own stamps (the filter-state values the access log prints), parsed.

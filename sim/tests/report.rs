@@ -36,6 +36,7 @@ fn verdict(line: u64, arrival_ms: f64, tenant: Option<&str>, version: Option<&st
         ctx: None,
         turn: None,
         upstream_concurrency: None,
+        upstream: None,
         stamps: Stamps::default(),
     }
 }

@@ -373,6 +373,9 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
     ];
     http::start_chunked(w, 200, &headers, keep_alive)?;
 
+    // Token i is due at head + TTFT + i × ITL on one schedule: sleeping a gap per token would let
+    // each sleep's overshoot add up (tens of ms over a long stream under load).
+    let head_sent = std::time::Instant::now();
     // Sent with the head, before the TTFT delay, so first byte and first token differ in time.
     let mut seq = 0;
     for event in plan.preamble(&mut seq) {
@@ -384,7 +387,6 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
         thread::sleep(gap);
         send(w, &keepalive_comment(c.crlf), c.split)?;
     }
-    let ttft_rest = c.ttft.saturating_sub(gap * u32::try_from(c.keepalives).unwrap_or(u32::MAX));
 
     // A failure "after N tokens" with N past the end happens after the last token instead.
     let fail_at = match c.fail {
@@ -410,7 +412,8 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
         if i == plan.tokens {
             break;
         }
-        thread::sleep(if i == 0 { ttft_rest } else { c.itl });
+        let due = head_sent + c.ttft + c.itl * u32::try_from(i).unwrap_or(u32::MAX);
+        thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
         send_event(w, &plan.token(i, &mut seq), c)?;
         shared.stats.count_tokens(1);
         record.tokens_flushed += 1;

@@ -27,7 +27,8 @@ fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) 
     if state.echo_logs {
         eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
     }
-    state.logs.push(LogLine { level, context_id, message });
+    let at_ns = state.clock.now_ns();
+    state.logs.push(LogLine { level, context_id, message, at_ns });
     reply(Status::Ok)
 }
 

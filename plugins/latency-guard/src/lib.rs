@@ -605,7 +605,18 @@ impl Guard {
         let mut probe = false;
         if let Some(b) = &vp.breaker {
             let mut store = host::SharedData;
-            let breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or_else(|_| Breaker::new(b.config.clone()));
+            let mut breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or_else(|_| Breaker::new(b.config.clone()));
+            // Open → half-open is a matter of time alone: decided here, at the request that finds
+            // it due, rather than at the next sweep (up to 100 ms later, at a time that depends on
+            // when the VM started ticking).
+            let state = breaker.state();
+            if state.state == State::Open && now.saturating_sub(state.since_ns) >= b.config.open_for_ns {
+                if let Ok(window) = window::read(&mut store, &vp.window_key(), &b.window) {
+                    let stats = window.snapshot(now);
+                    sh.judge(&vp.name, &vp.breaker_key(), &vp.window_key(), b, now, &stats);
+                    breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or(breaker);
+                }
+            }
             match breaker.admit(g.draw) {
                 Admission::Pass => {}
                 Admission::Probe => probe = true,
