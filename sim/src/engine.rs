@@ -328,7 +328,8 @@ impl<'a> Engine<'a> {
             (ttft_ms, tpot_ms) = (ttft_ms.round(), tpot_ms.round());
         }
         let queue_wait = now.saturating_sub(up.reached_ns);
-        let ttft_ns = if fail.is_some() { ms_to_ns(model.ttft_base_ms) } else { queue_wait + ms_to_ns(ttft_ms) };
+        // A failure comes back after the fixed part alone (no prefill), once the request is served.
+        let ttft_ns = queue_wait + if fail.is_some() { ms_to_ns(model.ttft_base_ms) } else { ms_to_ns(ttft_ms) };
         let service = Service { ttft_ns, itl_ns: ms_to_ns(tpot_ms), tokens: flight.output_tokens, fail, running: load.running + 1 };
         let answer = upstream::answer(&flight.path, &up.body, &service, self.scenario.stream_chunk_ms.saturating_mul(1_000_000));
         if fail.is_none() {
@@ -528,8 +529,12 @@ impl<'a> Engine<'a> {
         let ttft_ms = num(llm, "ttft_us")
             .map(|us| us as f64 / 1000.0)
             .or_else(|| flight.first_content_ns.filter(|_| flight.stream).map(|t| t.saturating_sub(flight.arrival_ns) as f64 / 1e6));
-        let tpot_ms =
-            num(llm, "tpot_us").map(|us| us as f64 / 1000.0).or_else(|| service.filter(|s| s.tokens > 1 && s.fail.is_none()).map(|s| s.itl_ns as f64 / 1e6));
+        // llm-metrics' figure when it measured the request (null for a whole answer, as in Envoy's
+        // log); the modelled one only when llm-metrics is not in the chain.
+        let tpot_ms = match llm {
+            Some(l) => l.get("tpot_us").and_then(Value::as_u64).map(|us| us as f64 / 1000.0),
+            None => service.filter(|s| s.tokens > 1 && s.fail.is_none() && flight.stream).map(|s| s.itl_ns as f64 / 1e6),
+        };
         let duration_ms = num(llm, "duration_us").map_or_else(|| now.saturating_sub(flight.arrival_ns) as f64 / 1e6, |us| us as f64 / 1000.0);
         let prompt = flight.request.prompt_tokens.unwrap_or(0);
         Verdict {

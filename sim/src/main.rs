@@ -283,7 +283,8 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
     let read = Arc::new(AtomicU64::new(0));
     let source = BufReader::with_capacity(256 << 10, Counting { inner: file, read: read.clone() });
     let mut reader = TraceReader::new(source, reader_options(args));
-    let first = next_request(&mut reader, &args.trace)?;
+    let fail_on_malformed = matches!(args.on_malformed, MalformedArg::Fail);
+    let first = if args.limit == Some(0) { None } else { next_request(&mut reader, &args.trace, fail_on_malformed)? };
     let start_ns = match (run.start_unix_ms, reader.origin()) {
         (Some(ms), _) => ms.saturating_mul(1_000_000),
         (None, Some((Clock::Unix, ns))) => u64::try_from(ns).unwrap_or(sluice_host::DEFAULT_EPOCH_NS),
@@ -312,12 +313,11 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
                 return Some(r);
             }
             Some(Err(e)) => {
-                let fatal = e.is_fatal() || matches!(reader_options(args).on_malformed, OnMalformed::Fail);
-                eprintln!("sluice-sim: {}: {e}", trace_path.display());
-                if fatal {
+                if e.is_fatal() || fail_on_malformed {
                     trace_error = Some(anyhow::anyhow!("{}: {e}", trace_path.display()));
                     return None;
                 }
+                eprintln!("sluice-sim: {}: skipped: {e}", trace_path.display());
             }
         }
     }));
@@ -337,6 +337,10 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
     writer.flush()?;
     if let Some(e) = trace_error {
         return Err(fail(exit::TRACE, e));
+    }
+    let skipped = reader.stats().malformed;
+    if skipped > 0 {
+        eprintln!("sluice-sim: {skipped} malformed trace lines skipped");
     }
     if !result.warnings.is_empty() {
         let path = out.join("plugin-warnings.log");
@@ -372,17 +376,13 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
 }
 
 /// The first request (so the trace's origin is known before the clock starts).
-fn next_request<R: BufRead>(reader: &mut TraceReader<R>, path: &Path) -> Result<Option<TraceRequest>, Failure> {
+fn next_request<R: BufRead>(reader: &mut TraceReader<R>, path: &Path, fail_on_malformed: bool) -> Result<Option<TraceRequest>, Failure> {
     loop {
         match reader.next() {
             None => return Ok(None),
             Some(Ok(r)) => return Ok(Some(r)),
-            Some(Err(e)) => {
-                eprintln!("sluice-sim: {}: {e}", path.display());
-                if e.is_fatal() || reader.stats().malformed == 0 {
-                    return Err(fail(exit::TRACE, anyhow::anyhow!("{}: {e}", path.display())));
-                }
-            }
+            Some(Err(e)) if e.is_fatal() || fail_on_malformed => return Err(fail(exit::TRACE, anyhow::anyhow!("{}: {e}", path.display()))),
+            Some(Err(e)) => eprintln!("sluice-sim: {}: skipped: {e}", path.display()),
         }
     }
 }

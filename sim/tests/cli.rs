@@ -204,7 +204,6 @@ fn budget_windows_follow_the_traces_own_clock_unless_told_otherwise() {
 }
 
 #[test]
-#[ignore = "bug: --limit 0 replays one request (run_one yields the first request before it looks at the limit)"]
 fn limit_zero_replays_nothing() {
     let dir = workdir("limit_zero");
     let out_dir = dir.join("out");
@@ -270,7 +269,6 @@ fn a_malformed_line_is_skipped_and_reported() {
 }
 
 #[test]
-#[ignore = "bug: a malformed first record under --on-malformed fail exits 0 with no verdicts (next_request: `reader.stats().malformed == 0` is false once the line is counted)"]
 fn a_malformed_first_line_fails_too() {
     let dir = workdir("malformed_first");
     let out_dir = dir.join("out");

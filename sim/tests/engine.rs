@@ -706,7 +706,6 @@ fn time_scale_compresses_arrivals_and_incidents_follow_the_scaled_clock() {
 }
 
 #[test]
-#[ignore = "bug: a request that fails after waiting in the queue is answered the instant it leaves the queue (its TTFT is set to ttft_base_ms alone, without the wait, and its pieces are then clamped to `now`)"]
 fn a_queued_request_that_fails_still_takes_the_fixed_time() {
     let s = scenario(json!({
         "plugins": { "llm_metrics": "../../policies/llm-metrics.demo.json" },

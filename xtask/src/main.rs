@@ -48,6 +48,9 @@ fn main() -> Result<()> {
         Some("up") => {
             setup(&root)?;
             build(&root)?;
+            // The offline simulator, for the one-line example `up` prints (not needed by the tests,
+            // which run it in process).
+            run(cargo().current_dir(&root).args(["build", "--release", "--package", "sluice-sim"]))?;
             match args.get(1).map(String::as_str) {
                 None => up(&root),
                 Some("--fleet") => up_fleet(&root),
@@ -394,6 +397,8 @@ Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/promethe
 Make v1 slow and watch its SLO breaker open (tenant acme fails over to v2, batch-* tenants get 503):
   curl -s -XPOST 127.0.0.1:{DEMO_UPSTREAM_PORT}/mock/ttft -d '{{"ms":900}}'   (back to normal: '{{"ms":180}}')
 Per-request stamps:    tail -f {}
+Replay a real trace offline through the same plugins (docs/simulator.md; report.html opens offline):
+  target/release/sluice-sim run --scenario examples/sim/demo.scenario.json --trace sim/traces/azure-2023-conv/azure-2023-conv.first-2000.csv --out target/sim-demo
 Stop with Ctrl-C."#,
         DEMO_UPSTREAM_PORT + 1,
         DEMO_UPSTREAM_PORT + 2,
