@@ -744,6 +744,38 @@ fn half_open(gw: &Gateway) {
 }
 
 #[test]
+fn a_request_that_finds_open_for_elapsed_makes_the_breaker_half_open_itself_not_the_next_sweep() {
+    let gw = gateway(&with_breaker(json!({})));
+    open_breaker(&gw, 5);
+    let opened = breaker_since(&gw);
+    // The first millisecond past open_for at which no sweep has yet moved it (sweeps run every
+    // 100 ms, at a phase set by when the VM started ticking).
+    let mut at = opened + 10_000 * NS_PER_MS;
+    loop {
+        advance_to(&gw, at);
+        assert_eq!(gw.counter(&transitions("v1", "half_open")), None, "a sweep got there first at +{} ms", (at - opened) / NS_PER_MS);
+        if gw.gauge(&breaker_state("v1")) == Some(1) {
+            break;
+        }
+        at += NS_PER_MS;
+    }
+    let mut x = Req::new(CRITICAL, "v1").via_router("v1").id("finds-it-due").send(&gw);
+    assert_eq!(
+        gw.counter(&transitions("v1", "half_open")),
+        Some(1),
+        "half-open at the request's arrival: {:?}",
+        gw.logs_at_least(LogLevel::Info).iter().rev().take(4).collect::<Vec<_>>()
+    );
+    assert!(
+        transition_logs(&gw, "v1").last().unwrap().contains(&format!("open → half_open: open for {} ms", (at - opened) / NS_PER_MS)),
+        "{:?}",
+        transition_logs(&gw, "v1")
+    );
+    x.end();
+    assert_no_crash(&gw);
+}
+
+#[test]
 fn half_open_admits_probes_by_request_id_and_healthy_probes_close_it() {
     let gw = gateway(&with_breaker(json!({})));
     half_open(&gw);

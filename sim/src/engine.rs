@@ -331,7 +331,8 @@ impl<'a> Engine<'a> {
         // A failure comes back after the fixed part alone (no prefill), once the request is served.
         let ttft_ns = queue_wait + if fail.is_some() { ms_to_ns(model.ttft_base_ms) } else { ms_to_ns(ttft_ms) };
         let service = Service { ttft_ns, itl_ns: ms_to_ns(tpot_ms), tokens: flight.output_tokens, fail, running: load.running + 1 };
-        let answer = upstream::answer(&flight.path, &up.body, &service, self.scenario.stream_chunk_ms.saturating_mul(1_000_000));
+        let answer =
+            upstream::answer(&flight.path, &up.body, &service, self.scenario.stream_chunk_ms.saturating_mul(1_000_000), self.scenario.tokens_per_event);
         if fail.is_none() {
             load.running += 1;
             up.released = false;
@@ -443,7 +444,7 @@ impl<'a> Engine<'a> {
             let (ttft_ms, tpot_ms) = upstream::service_times(model, prompt, running, &[]);
             let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
             let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
-            let answer = upstream::answer(&path, &body, &service, u64::MAX);
+            let answer = upstream::answer(&path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
             let end = answer.pieces.last().map_or(0, |(t, _)| *t);
             let body: Vec<u8> = answer.pieces.into_iter().flat_map(|(_, b)| b).collect();
             let mut headers = Headers::from_pairs(&[(":status", answer.status.to_string())]);

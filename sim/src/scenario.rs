@@ -11,12 +11,12 @@ use serde_json::Value;
 /// Why a scenario cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
-    #[error("cannot read scenario {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot read scenario {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
     #[error("scenario {path}, field `{field}`: {message}")]
     Invalid { path: PathBuf, field: String, message: String },
-    #[error("scenario {path}: cannot read policy {policy}: {source}")]
-    Policy { path: PathBuf, policy: PathBuf, source: std::io::Error },
+    #[error("scenario {path}: cannot read policy {policy}: {error}")]
+    Policy { path: PathBuf, policy: PathBuf, error: std::io::Error },
 }
 
 /// A parsed, checked scenario. Policies are loaded (their text is what the plugins get).
@@ -39,6 +39,11 @@ pub struct Scenario {
     /// Service times (TTFT, time per output token) are rounded to whole milliseconds, as the mock
     /// server takes them: a replay against it then waits exactly what the simulator modelled.
     pub whole_milliseconds: bool,
+    /// Content tokens per SSE event after the first (which is always alone, at the TTFT). 1 is
+    /// what vLLM and most servers send; more spends fewer plugin callbacks on long answers, with
+    /// TTFT, time per output token and token counts unchanged (the last event still comes at the
+    /// last token's time, and usage carries the count).
+    pub tokens_per_event: u64,
 }
 
 /// The four plugins, in the gateway's filter order.
@@ -222,6 +227,8 @@ struct File {
     stream_chunk_ms: u64,
     #[serde(default)]
     whole_milliseconds: bool,
+    #[serde(default = "default_tokens_per_event")]
+    tokens_per_event: u64,
 }
 
 /// A policy: a path to the JSON file Envoy gets (relative to the scenario file), or the policy
@@ -238,7 +245,7 @@ struct PluginFiles {
 impl Scenario {
     /// Reads and checks the scenario at `path`.
     pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|error| ScenarioError::Read { path: path.to_path_buf(), error })?;
         Self::parse(&text, path)
     }
 
@@ -256,6 +263,9 @@ impl Scenario {
         if file.sample_every_ms == 0 {
             return Err(invalid("sample_every_ms", "must be at least 1".into()));
         }
+        if file.tokens_per_event == 0 || file.tokens_per_event > 4096 {
+            return Err(invalid("tokens_per_event", format!("must be 1 to 4096, got {}", file.tokens_per_event)));
+        }
         if file.stream_chunk_ms == 0 {
             return Err(invalid("stream_chunk_ms", "must be at least 1".into()));
         }
@@ -272,7 +282,7 @@ impl Scenario {
                 None | Some(Value::Null) => continue,
                 Some(Value::String(rel)) => {
                     let policy = base.join(rel);
-                    std::fs::read_to_string(&policy).map_err(|source| ScenarioError::Policy { path: path.to_path_buf(), policy, source })?
+                    std::fs::read_to_string(&policy).map_err(|error| ScenarioError::Policy { path: path.to_path_buf(), policy, error })?
                 }
                 Some(v @ Value::Object(_)) => v.to_string(),
                 Some(other) => return Err(invalid(field, format!("expected a path to the policy file or the policy object, got {other}"))),
@@ -334,6 +344,7 @@ impl Scenario {
             sample_every_ms: file.sample_every_ms,
             stream_chunk_ms: file.stream_chunk_ms,
             whole_milliseconds: file.whole_milliseconds,
+            tokens_per_event: file.tokens_per_event,
         })
     }
 
@@ -419,6 +430,9 @@ fn one() -> f64 {
 }
 fn default_sample() -> u64 {
     1000
+}
+fn default_tokens_per_event() -> u64 {
+    1
 }
 fn default_chunk() -> u64 {
     100

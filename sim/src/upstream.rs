@@ -81,7 +81,7 @@ pub struct Answer {
 
 /// Renders the answer to `body` on `path` given `service`, with tokens batched into chunks of
 /// `chunk_ns` of time (the first token always alone, exactly at the TTFT).
-pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64) -> Answer {
+pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens_per_event: u64) -> Answer {
     let Some(api) = api_of(path) else {
         return error_answer(path, 404, "unknown path", service);
     };
@@ -109,9 +109,15 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64) -> Ans
     // Chunk 0 is the first token alone; chunk k ≥ 1 holds the tokens whose offset after the first
     // lies in ((k − 1)·chunk, k·chunk], sent when its last token is due.
     let mut current: Option<(u64, u64, Vec<u8>)> = None;
-    for i in 0..plan.tokens {
-        let at = service.ttft_ns + service.itl_ns * i;
-        let event = plan.token(i, &mut seq).render(false);
+    let per_event = tokens_per_event.max(1);
+    let mut i = 0;
+    while i < plan.tokens {
+        // The first token alone, at the TTFT; then events of `per_event` tokens, each sent when
+        // its last token is due.
+        let n = if i == 0 { 1 } else { per_event.min(plan.tokens - i) };
+        let last = i + n - 1;
+        let at = service.ttft_ns + service.itl_ns * last;
+        let event = plan.tokens(i, n, &mut seq).render(false);
         let chunk = if i == 0 { 0 } else { (at - service.ttft_ns).div_ceil(chunk_ns.max(1)) };
         match &mut current {
             Some((k, t, bytes)) if *k == chunk => {
@@ -125,6 +131,7 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64) -> Ans
                 current = Some((chunk, at, event));
             }
         }
+        i += n;
     }
     let mut epilogue = Vec::new();
     for event in plan.epilogue(&mut seq) {

@@ -306,7 +306,7 @@ impl HttpContext for Guard {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
-        let sh = shared.borrow();
+        let mut sh = shared.borrow_mut();
         let tenant = match &sh.policy.tenant {
             None => None,
             Some(TenantSource::Header(name)) => host::header(MapType::HttpRequestHeaders, name),
@@ -320,18 +320,21 @@ impl HttpContext for Guard {
         // Which versions this request must not be sent to: blocked by their breaker, and failing over
         // is what this class does. model-router reads the list when it picks the version.
         let mut avoid = String::new();
-        let mut store = host::SharedData;
-        for v in &sh.policy.versions {
-            let Some(b) = &v.breaker else { continue };
-            if b.action(priority) != OpenAction::Fallback {
-                continue;
-            }
-            let Ok(breaker) = breaker::read(&mut store, &v.breaker_key(), &b.config) else { continue };
+        let fallbacks: Vec<(String, String, String, latency::BreakerPolicy)> = sh
+            .policy
+            .versions
+            .iter()
+            .filter_map(|v| {
+                v.breaker.clone().filter(|b| b.action(priority) == OpenAction::Fallback).map(|b| (v.name.clone(), v.breaker_key(), v.window_key(), b))
+            })
+            .collect();
+        for (name, breaker_key, window_key, b) in &fallbacks {
+            let Some(breaker) = sh.current_breaker(name, breaker_key, window_key, b, now) else { continue };
             if breaker.admit(draw) == Admission::Blocked {
                 if !avoid.is_empty() {
                     avoid.push(',');
                 }
-                avoid.push_str(&v.name);
+                avoid.push_str(name);
                 avoid.push('>');
                 avoid.push_str(b.fallback.as_deref().unwrap_or(""));
             }
@@ -604,19 +607,7 @@ impl Guard {
         let priority = g.priority;
         let mut probe = false;
         if let Some(b) = &vp.breaker {
-            let mut store = host::SharedData;
-            let mut breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or_else(|_| Breaker::new(b.config.clone()));
-            // Open → half-open is a matter of time alone: decided here, at the request that finds
-            // it due, rather than at the next sweep (up to 100 ms later, at a time that depends on
-            // when the VM started ticking).
-            let state = breaker.state();
-            if state.state == State::Open && now.saturating_sub(state.since_ns) >= b.config.open_for_ns {
-                if let Ok(window) = window::read(&mut store, &vp.window_key(), &b.window) {
-                    let stats = window.snapshot(now);
-                    sh.judge(&vp.name, &vp.breaker_key(), &vp.window_key(), b, now, &stats);
-                    breaker = breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap_or(breaker);
-                }
-            }
+            let breaker = sh.current_breaker(&vp.name, &vp.breaker_key(), &vp.window_key(), b, now).unwrap_or_else(|| Breaker::new(b.config.clone()));
             match breaker.admit(g.draw) {
                 Admission::Pass => {}
                 Admission::Probe => probe = true,
@@ -1063,6 +1054,23 @@ impl Shared {
                 log::warn!("sluice latency-guard: window of {name} not reset: {e}");
             }
         }
+    }
+
+    /// The breaker of version `name` as a request arriving `now` must see it. Open → half-open is a
+    /// matter of time alone, so it is decided here, at the request that finds it due, rather than
+    /// at the next sweep (up to 100 ms later, at a phase set by when the VM started ticking).
+    /// `None` when the shared state cannot be read.
+    fn current_breaker(&mut self, name: &str, breaker_key: &str, window_key: &str, b: &latency::BreakerPolicy, now: u64) -> Option<Breaker> {
+        let mut store = host::SharedData;
+        let breaker = breaker::read(&mut store, breaker_key, &b.config).ok()?;
+        let state = breaker.state();
+        if state.state != State::Open || now.saturating_sub(state.since_ns) < b.config.open_for_ns {
+            return Some(breaker);
+        }
+        let Ok(window) = window::read(&mut store, window_key, &b.window) else { return Some(breaker) };
+        let stats = window.snapshot(now);
+        self.judge(name, breaker_key, window_key, b, now, &stats);
+        Some(breaker::read(&mut store, breaker_key, &b.config).unwrap_or(breaker))
     }
 
     /// Open breakers go half-open on time alone, and traffic may not reach them to notice.

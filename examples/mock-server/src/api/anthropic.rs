@@ -3,7 +3,7 @@
 //! `content_block_delta` per token, `content_block_stop`, `message_delta` (stop reason and the
 //! cumulative `output_tokens`), `message_stop`.
 
-use super::{token_text, Event, Plan};
+use super::{Event, Plan};
 use serde_json::{json, Value};
 
 fn stop_reason(plan: &Plan) -> &'static str {
@@ -48,8 +48,8 @@ pub fn preamble(plan: &Plan) -> Vec<Event> {
     ]
 }
 
-pub fn token(i: u64) -> Event {
-    Event::named("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": token_text(i)}}))
+pub fn token(text: &str) -> Event {
+    Event::named("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))
 }
 
 pub fn epilogue(plan: &Plan) -> Vec<Event> {

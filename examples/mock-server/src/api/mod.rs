@@ -212,11 +212,18 @@ impl Plan {
 
     /// The event carrying content token `i`.
     pub fn token(&self, i: u64, seq: &mut u64) -> Event {
+        self.tokens(i, 1, seq)
+    }
+
+    /// One event carrying content tokens `i` to `i + n − 1` (servers that batch tokens per event;
+    /// the simulator, to spend fewer events on long answers).
+    pub fn tokens(&self, i: u64, n: u64, seq: &mut u64) -> Event {
+        let text: String = (i..i.saturating_add(n.max(1))).map(token_text).collect();
         match self.api {
-            Api::Chat => openai::chat_token_chunk(self, i),
-            Api::Completions => openai::completion_token_chunk(self, i),
-            Api::Responses => responses::token(self, i, seq),
-            Api::Messages => anthropic::token(i),
+            Api::Chat => openai::chat_token_chunk(self, &text),
+            Api::Completions => openai::completion_token_chunk(self, &text),
+            Api::Responses => responses::token(self, &text, seq),
+            Api::Messages => anthropic::token(&text),
         }
     }
 

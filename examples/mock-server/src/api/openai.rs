@@ -2,7 +2,7 @@
 //! `data:`-only events ending in `data: [DONE]`, with the usage chunk (`choices: []`) just before
 //! it when usage is on, and `"usage": null` on every other chunk in that case.
 
-use super::{token_text, Api, Event, Plan};
+use super::{Api, Event, Plan};
 use serde_json::{json, Value};
 
 /// Reported by every OpenAI-style answer, as real servers do.
@@ -42,12 +42,12 @@ pub fn chat_role_chunk(plan: &Plan) -> Event {
     chunk(plan, json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))
 }
 
-pub fn chat_token_chunk(plan: &Plan, i: u64) -> Event {
-    chunk(plan, json!([{"index": 0, "delta": {"content": token_text(i)}, "logprobs": null, "finish_reason": null}]))
+pub fn chat_token_chunk(plan: &Plan, text: &str) -> Event {
+    chunk(plan, json!([{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null}]))
 }
 
-pub fn completion_token_chunk(plan: &Plan, i: u64) -> Event {
-    chunk(plan, json!([{"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": null}]))
+pub fn completion_token_chunk(plan: &Plan, text: &str) -> Event {
+    chunk(plan, json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": null}]))
 }
 
 pub fn epilogue(plan: &Plan) -> Vec<Event> {

@@ -2,7 +2,7 @@
 //! from `response.created` to `response.completed` (or `response.incomplete` when
 //! `max_output_tokens` cut the answer), whose `response.usage` carries the token counts.
 
-use super::{token_text, Event, Plan};
+use super::{Event, Plan};
 use serde_json::{json, Value};
 
 /// Takes the next sequence number of the stream.
@@ -88,11 +88,11 @@ pub fn preamble(plan: &Plan, seq: &mut u64) -> Vec<Event> {
     ]
 }
 
-pub fn token(plan: &Plan, i: u64, seq: &mut u64) -> Event {
+pub fn token(plan: &Plan, text: &str, seq: &mut u64) -> Event {
     Event::named(
         "response.output_text.delta",
         json!({"type": "response.output_text.delta", "sequence_number": next(seq), "item_id": plan.item_id,
-               "output_index": 0, "content_index": 0, "delta": token_text(i), "logprobs": []}),
+               "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
     )
 }
 
