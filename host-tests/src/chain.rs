@@ -294,61 +294,49 @@ impl Chain {
         if filter >= self.gateways.len() {
             return self.reach_upstream(stream, headers, body, end);
         }
-        let Some(ctx) = self.context(stream, filter) else { return Ok(()) };
-        if headers.is_none() && self.holds_headers(stream, filter, true) {
-            self.mark_hop(stream, filter, true, |h| {
-                h.waiting.extend_from_slice(&body);
-                h.waiting_end |= end;
-            });
-            return Ok(());
-        }
-        let gateway = self.gateway(filter)?;
-        let mut s = Stream::new(gateway, ctx);
-        match headers {
-            Some(headers) => {
-                s.request_headers_owned(headers, end && body.is_empty())?;
-                if !body.is_empty() {
-                    s.request_body(&body, end)?;
-                }
-            }
-            None => {
-                s.request_body(&body, end)?;
-            }
-        }
-        if end {
-            self.mark_hop(stream, filter, true, |h| h.ended_in = true);
-        }
-        self.pump(stream)
+        self.deliver_to(stream, filter, true, headers, body, end)
     }
 
+    /// Gives response data to the filter before `from` (`from` is the filter count for data from
+    /// the upstream, which enters at the last filter), or the client past the first one.
     fn deliver_response(&self, stream: StreamId, from: usize, headers: Option<Headers>, body: Vec<u8>, end: bool) -> Result<()> {
-        // `from` is the filter count for the upstream: the response enters at the last filter.
         let Some(filter) = from.checked_sub(1) else {
             return self.reach_client(stream, headers, body.len(), end);
         };
+        self.deliver_to(stream, filter, false, headers, body, end)
+    }
+
+    /// One direction's data into one filter: headers, then body (body that arrives while the
+    /// filter holds its headers waits for it), then whatever it lets pass moves on.
+    fn deliver_to(&self, stream: StreamId, filter: usize, request: bool, headers: Option<Headers>, body: Vec<u8>, end: bool) -> Result<()> {
         let Some(ctx) = self.context(stream, filter) else { return Ok(()) };
-        if headers.is_none() && self.holds_headers(stream, filter, false) {
-            self.mark_hop(stream, filter, false, |h| {
+        if headers.is_none() && self.holds_headers(stream, filter, request) {
+            self.mark_hop(stream, filter, request, |h| {
                 h.waiting.extend_from_slice(&body);
                 h.waiting_end |= end;
             });
             return Ok(());
         }
-        let gateway = self.gateway(filter)?;
-        let mut s = Stream::new(gateway, ctx);
-        match headers {
-            Some(headers) => {
-                s.response_headers_owned(headers, end && body.is_empty())?;
-                if !body.is_empty() {
-                    s.response_body(&body, end)?;
-                }
+        let mut s = Stream::new(self.gateway(filter)?, ctx);
+        let only_headers = end && body.is_empty();
+        let had_headers = headers.is_some();
+        if let Some(headers) = headers {
+            if request {
+                s.request_headers_owned(headers, only_headers)?;
+            } else {
+                s.response_headers_owned(headers, only_headers)?;
             }
-            None => {
+        }
+        // A body callback for body bytes, or for data without headers (an end among them).
+        if !had_headers || !body.is_empty() {
+            if request {
+                s.request_body(&body, end)?;
+            } else {
                 s.response_body(&body, end)?;
             }
         }
         if end {
-            self.mark_hop(stream, filter, false, |h| h.ended_in = true);
+            self.mark_hop(stream, filter, request, |h| h.ended_in = true);
         }
         self.pump(stream)
     }
