@@ -1194,8 +1194,14 @@ fn d_a_thousand_jwt_subjects_are_each_limited_on_their_own_with_no_series_per_id
     }
     failures.that("(d) volume", answers.len() == D_SUBJECTS, || format!("{} subjects answered", answers.len()));
 
-    // Redis: one counter per subject, each at 2.
-    let counters = redis.ledger_counters(PREFIX).unwrap();
+    // Redis: one counter per subject, each at 2, once every settlement has landed (they are sent
+    // from the root context's tick, after the client has its answer).
+    let all_settled = wait_until(Duration::from_secs(10), "the settlements", || {
+        let c = redis.ledger_counters(PREFIX)?;
+        let per_identity_used: u64 = c.iter().filter(|((_, k), _)| k.starts_with("key:app:i0:")).map(|(_, (u, _))| *u).sum();
+        Ok((c.values().all(|(_, reserved)| *reserved == 0) && per_identity_used >= 2 * D_SUBJECTS as u64).then_some(c))
+    });
+    let counters = all_settled.unwrap_or_else(|_| redis.ledger_counters(PREFIX).unwrap());
     let per_identity: Vec<u64> = counters.iter().filter(|((_, k), _)| k.starts_with("key:app:i0:")).map(|(_, (u, _))| *u).collect();
     failures.that("(d) redis", per_identity.len() == D_SUBJECTS && per_identity.iter().all(|u| *u == 2), || {
         format!("{} per-identity counters, used values {:?}", per_identity.len(), per_identity.iter().collect::<HashSet<_>>())
