@@ -153,8 +153,17 @@ fn setup(root: &Path) -> Result<()> {
         run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
     }
 
-    // Redis for the sluice-ledger tests (each test starts its own redis-server on a free port).
-    ensure_debian_packages(&[("redis-server", "redis-server")])?;
+    // Real servers the tests start on loopback, from Debian's packages: Redis for the sluice-ledger
+    // tests, Prometheus (and its promtool) for the observability tests, the CNCF distribution
+    // registry and skopeo for the OCI image tests, Chromium for the playground's browser test.
+    ensure_debian_packages(&[
+        ("redis-server", "redis-server"),
+        ("prometheus", "prometheus"),
+        ("promtool", "prometheus"),
+        ("docker-registry", "docker-registry"),
+        ("skopeo", "skopeo"),
+        ("chromium", "chromium"),
+    ])?;
     Ok(())
 }
 
@@ -300,11 +309,13 @@ fn write_synthetic_day(path: &Path, requests: u64) -> Result<()> {
 
 /// Installs Debian packages whose command is missing (`(command, package)` pairs).
 fn ensure_debian_packages(needed: &[(&str, &str)]) -> Result<()> {
-    let missing: Vec<&str> = needed
+    let mut missing: Vec<&str> = needed
         .iter()
         .filter(|(command, _)| !Command::new("sh").arg("-c").arg(format!("command -v {command}")).output().map(|o| o.status.success()).unwrap_or(false))
         .map(|(_, package)| *package)
         .collect();
+    // Two commands of one package (prometheus, promtool) name it once.
+    missing.dedup();
     if missing.is_empty() {
         return Ok(());
     }
