@@ -22,6 +22,7 @@ pub mod ledger;
 pub mod mock;
 mod process;
 pub mod prometheus;
+pub mod prometheus_server;
 pub mod redis;
 pub mod sse;
 pub mod tools;
