@@ -315,7 +315,7 @@ impl HttpContext for Guard {
         let (class, priority) = sh.policy.classify(tenant.as_deref().map(str::trim).filter(|t| !t.is_empty()));
         let class = class.to_string();
         let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default();
-        let draw = draw_of(&request_id, self.context_id);
+        let draw = breaker::probe_draw(&request_id, self.context_id);
         let now = host::now_ns();
         // Which versions this request must not be sent to: blocked by their breaker, and failing over
         // is what this class does. model-router reads the list when it picks the version.
@@ -726,19 +726,6 @@ fn final_version() -> Option<String> {
 struct StreamFlag {
     #[serde(default)]
     stream: Option<bool>,
-}
-
-/// FNV-1a of the request id (or the context id): a stable per-request number for probe picking.
-fn draw_of(request_id: &str, context_id: u32) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let id_bytes = context_id.to_le_bytes();
-    let bytes: &[u8] = if request_id.is_empty() { &id_bytes } else { request_id.as_bytes() };
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    // Mix the high bits down: `draw % 100` must not depend on the last byte alone.
-    h ^ (h >> 29)
 }
 
 fn refuse(kind: ApiKind, status: u32, retry_after_s: u64, message: &str, error_type: &str, code: &str) {

@@ -393,6 +393,20 @@ pub fn decode_state(bytes: &[u8]) -> Option<BreakerState> {
     r.is_empty().then_some(BreakerState { state, since_ns, hold_closed_until_ns })
 }
 
+/// A request's probe draw for [`Breaker::admit`]: FNV-1a of its request id (or, without one, of
+/// the stream's context id), high bits mixed down so that `draw % 100` does not depend on the last
+/// byte alone. Deterministic per request: latency-guard and the playground pick the same probes.
+pub fn probe_draw(request_id: &str, context_id: u32) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let id_bytes = context_id.to_le_bytes();
+    let bytes: &[u8] = if request_id.is_empty() { &id_bytes } else { request_id.as_bytes() };
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h ^ (h >> 29)
+}
+
 /// Reads the shared breaker (closed when absent or unreadable).
 pub fn read(store: &mut dyn SharedStore, key: &str, config: &BreakerConfig) -> Result<Breaker, StoreError> {
     let (bytes, _) = store.get(key)?;
