@@ -18,12 +18,14 @@ pub mod budget_traffic;
 pub mod envoy;
 pub mod gateway;
 pub mod http;
+pub mod istio;
 pub mod ledger;
 pub mod mock;
 mod process;
 pub mod prometheus;
 pub mod prometheus_server;
 pub mod redis;
+pub mod registry;
 pub mod sse;
 pub mod tools;
 

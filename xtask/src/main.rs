@@ -8,8 +8,13 @@
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
 //! - `cargo xtask bench` — criterion benches for core and the side-by-side Envoy load bench.
+//! - `cargo xtask images` — the plugins as OCI images for Istio, and the `examples/istio/`
+//!   manifests pinned to their digests (docs/istio.md).
 //!
 //! Every step is idempotent and fast when already done.
+
+mod images;
+mod playground;
 
 use anyhow::{bail, Context, Result};
 use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LEDGER_PORT, LISTEN_PORT, MOCKS, REDIS_PORT};
@@ -67,10 +72,19 @@ fn main() -> Result<()> {
             build(&root)?;
             bench(&root, &args[1..])
         }
+        Some("images") => {
+            setup(&root)?;
+            build(&root)?;
+            images::images_command(&root, &args[1..])
+        }
+        Some("playground") => {
+            setup(&root)?;
+            playground::build(&root).map(|_| ())
+        }
         // Text only: needs neither Envoy nor a build.
         Some("render") => render_command(&root, &args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <setup|build|up|test|bench|render>");
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench|images|render>");
             std::process::exit(2)
         }
     }
@@ -164,6 +178,7 @@ fn setup(root: &Path) -> Result<()> {
         ("skopeo", "skopeo"),
         ("chromium", "chromium"),
     ])?;
+    playground::setup()?;
     Ok(())
 }
 
@@ -177,6 +192,15 @@ fn build(root: &Path) -> Result<()> {
     for (package, _) in PLUGINS {
         cmd.args(["--package", package]);
     }
+    // Panic locations name source files: with cargo's registry and the checkout mapped to fixed
+    // prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
+    // sources and the toolchain only, not on where they sit on this machine.
+    let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    let mut remap = format!("--remap-path-prefix={}=/sluice", root.display());
+    if let Some(home) = cargo_home {
+        remap = format!("{remap} --remap-path-prefix={}=/cargo", home.display());
+    }
+    cmd.env("CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS", remap);
     run(&mut cmd)?;
     // The native binaries the end-to-end tests and `up` run: the mock model server and the fleet
     // ledger service (`sluice-ledger`, docs/ledger.md).
@@ -186,6 +210,8 @@ fn build(root: &Path) -> Result<()> {
         let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
         eprintln!("xtask: built {} ({} KiB)", wasm.display(), size / 1024);
     }
+    // The playground's page, which the browser test loads (docs/playground.md).
+    playground::build(root)?;
     Ok(())
 }
 
