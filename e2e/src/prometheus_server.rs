@@ -124,26 +124,26 @@ impl PrometheusServer {
     pub fn api(&self, path: &str) -> Result<Value> {
         let r = http::get(self.addr(), path)?;
         let body: Value = serde_json::from_slice(&r.body).with_context(|| format!("{path}: status {}: {}", r.status, r.text()))?;
-        if r.status != 200 || body["status"] != "success" {
+        if r.status != 200 || at(&body, "/status") != "success" {
             bail!("{path}: status {}: {body}", r.status);
         }
-        Ok(body["data"].clone())
+        Ok(at(&body, "/data").clone())
     }
 
     /// An instant query: the `result` vector as `(labels, value)` pairs (a scalar result is one
     /// pair without labels).
     pub fn query(&self, expr: &str) -> Result<Vec<(serde_json::Map<String, Value>, f64)>> {
         let data = self.api(&format!("/api/v1/query?query={}", url_encode(expr)))?;
-        if data["resultType"] == "scalar" {
-            let value = data["result"][1].as_str().and_then(|v| v.parse::<f64>().ok()).ok_or_else(|| anyhow!("{expr}: bad scalar {data}"))?;
+        if at(&data, "/resultType") == "scalar" {
+            let value = at(&data, "/result/1").as_str().and_then(|v| v.parse::<f64>().ok()).ok_or_else(|| anyhow!("{expr}: bad scalar {data}"))?;
             return Ok(vec![(serde_json::Map::new(), value)]);
         }
-        let result = data["result"].as_array().ok_or_else(|| anyhow!("{expr}: no result vector: {data}"))?;
+        let result = at(&data, "/result").as_array().ok_or_else(|| anyhow!("{expr}: no result vector: {data}"))?;
         result
             .iter()
             .map(|s| {
-                let labels = s["metric"].as_object().cloned().unwrap_or_default();
-                let value = s["value"][1].as_str().and_then(|v| v.parse::<f64>().ok()).ok_or_else(|| anyhow!("{expr}: bad sample {s}"))?;
+                let labels = at(s, "/metric").as_object().cloned().unwrap_or_default();
+                let value = at(s, "/value/1").as_str().and_then(|v| v.parse::<f64>().ok()).ok_or_else(|| anyhow!("{expr}: bad sample {s}"))?;
                 Ok((labels, value))
             })
             .collect()
@@ -177,6 +177,11 @@ fn config_yaml(c: &ScrapeConfig) -> String {
         path = c.metrics_path,
         target = c.target,
     )
+}
+
+/// The member at JSON pointer `path`, `null` when absent.
+fn at<'a>(v: &'a Value, path: &str) -> &'a Value {
+    v.pointer(path).unwrap_or(&Value::Null)
 }
 
 /// Percent-encodes everything but RFC 3986's unreserved characters, for a query-string value.

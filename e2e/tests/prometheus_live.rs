@@ -109,12 +109,15 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
     router["models"][0]["shadow"]["fraction"] = json!(1.0);
     let (ttft, itl, tokens) = (TTFT_MS.to_string(), ITL_MS.to_string(), TOKENS.to_string());
     let gw = start_full_gateway(&["--tokens", &tokens, "--ttft-ms", &ttft, "--itl-ms", &itl], &[("ROUTER_CONFIG", &router.to_string())]).unwrap();
-    let rule_files = vec![
-        PathBuf::from(shipped("observability/prometheus/sluice-rules.yaml")),
-        PathBuf::from(shipped("observability/prometheus/sluice-alerts.yaml")),
-    ];
-    let prom = PrometheusServer::start(&ScrapeConfig { target: gw.envoy.admin_addr(), metrics_path: "/stats/prometheus".into(), interval_s: 1, rule_files: rule_files.clone() })
-        .unwrap();
+    let rule_files =
+        vec![PathBuf::from(shipped("observability/prometheus/sluice-rules.yaml")), PathBuf::from(shipped("observability/prometheus/sluice-alerts.yaml"))];
+    let prom = PrometheusServer::start(&ScrapeConfig {
+        target: gw.envoy.admin_addr(),
+        metrics_path: "/stats/prometheus".into(),
+        interval_s: 1,
+        rule_files: rule_files.clone(),
+    })
+    .unwrap();
     let q = |expr: &str| prom.query(expr).unwrap_or_else(|e| panic!("{e:#}\nPrometheus log:\n{}", prom.log_tail(20)));
     let scalar = |expr: &str| q(expr).first().map(|(_, v)| *v);
 
@@ -186,8 +189,11 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
             .iter()
             .map(|l| {
                 let name = label(l, "__name__").to_string();
-                let rest: BTreeMap<String, String> =
-                    l.iter().filter(|(k, _)| !["__name__", "job", "instance"].contains(&k.as_str())).map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect();
+                let rest: BTreeMap<String, String> = l
+                    .iter()
+                    .filter(|(k, _)| !["__name__", "job", "instance"].contains(&k.as_str()))
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                    .collect();
                 format!("{name}{rest:?}")
             })
             .collect()
@@ -210,7 +216,10 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
 
     let ttft_buckets = prom.series("sluice_ttft_ms_bucket").unwrap();
     let le: BTreeSet<String> = ttft_buckets.iter().map(|l| label(l, "le").to_string()).collect();
-    c.that(le == shipped_buckets("wasmcustom.sluice.ttft_ms"), format!("sluice_ttft_ms le values {le:?}, shipped {:?}", shipped_buckets("wasmcustom.sluice.ttft_ms")));
+    c.that(
+        le == shipped_buckets("wasmcustom.sluice.ttft_ms"),
+        format!("sluice_ttft_ms le values {le:?}, shipped {:?}", shipped_buckets("wasmcustom.sluice.ttft_ms")),
+    );
     for l in &ttft_buckets {
         let names: BTreeSet<&str> = l.keys().map(String::as_str).collect();
         let want = ["__name__", "api", "ctx", "instance", "job", "le", "model_version", "stream", "tenant", "turn"];
@@ -223,11 +232,17 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
     c.that(values("sluice_ttft_ms_count", "ctx") == set(&["1k", "2k", "4k"]), format!("ctx values {:?}", values("sluice_ttft_ms_count", "ctx")));
     c.that(values("sluice_ttft_ms_count", "turn") == set(&["first", "follow_up"]), format!("turn values {:?}", values("sluice_ttft_ms_count", "turn")));
     // The tenant label: the policy's named tenants, everyone else `other`.
-    c.that(values("sluice_requests_total", "tenant") == set(&["acme", "globex", "other"]), format!("tenant values {:?}", values("sluice_requests_total", "tenant")));
+    c.that(
+        values("sluice_requests_total", "tenant") == set(&["acme", "globex", "other"]),
+        format!("tenant values {:?}", values("sluice_requests_total", "tenant")),
+    );
     c.that(values("sluice_requests_total", "status") == set(&["2xx", "4xx"]), format!("status values {:?}", values("sluice_requests_total", "status")));
     c.that(values("sluice_budget_remaining", "key").is_superset(&set(&KEYS)), format!("budget keys {:?}", values("sluice_budget_remaining", "key")));
     c.that(values("sluice_latency_breaker_state", "version").contains("v1"), "no breaker state for v1".into());
-    c.that(values("sluice_router_compare_total", "shadow") == set(&["qwen-72b-v1"]), format!("compare shadows {:?}", values("sluice_router_compare_total", "shadow")));
+    c.that(
+        values("sluice_router_compare_total", "shadow") == set(&["qwen-72b-v1"]),
+        format!("compare shadows {:?}", values("sluice_router_compare_total", "shadow")),
+    );
 
     // Every rule evaluated without error.
     let rules = prom.api("/api/v1/rules").unwrap();
@@ -251,13 +266,27 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
     // TTFT: every quantile in the bucket holding the mock's 150 ms (tests allow +100 ms: (100, 250]).
     let in_ttft_bucket = |v: f64| v > 0.1 && v <= 0.25;
     let mut figures = Vec::new();
-    for rule in ["model_version:sluice_ttft_seconds:p50_5m", "model_version:sluice_ttft_seconds:p99_5m", "model_version_ctx:sluice_ttft_seconds:p99_5m", "model_version_turn:sluice_ttft_seconds:p50_5m"] {
+    for rule in [
+        "model_version:sluice_ttft_seconds:p50_5m",
+        "model_version:sluice_ttft_seconds:p99_5m",
+        "model_version_ctx:sluice_ttft_seconds:p99_5m",
+        "model_version_turn:sluice_ttft_seconds:p50_5m",
+    ] {
         let got = q(rule);
-        let want = if rule.starts_with("model_version:") { versions.len() } else if rule.contains("ctx") { 6 } else { 4 };
+        let want = if rule.starts_with("model_version:") {
+            versions.len()
+        } else if rule.contains("ctx") {
+            6
+        } else {
+            4
+        };
         c.that(got.len() == want, format!("{rule}: {} series, want {want} (versions × buckets)", got.len()));
         for (l, v) in &got {
             c.that(in_ttft_bucket(*v), format!("{rule}{l:?} = {v} s, not in (0.1, 0.25]"));
-            figures.push(format!("{rule}{{{}}} = {v:.4}", l.iter().filter(|(k, _)| *k != "__name__").map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")));
+            figures.push(format!(
+                "{rule}{{{}}} = {v:.4}",
+                l.iter().filter(|(k, _)| *k != "__name__").map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+            ));
         }
     }
     // Time per output token 15 ms (tolerance 0.9× to +25 ms): inside (10, 50] ms; decode 1/TPOT.
@@ -270,12 +299,19 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
         }
     }
     // Availability 1 and no TTFT SLO errors on both (healthy) versions; the 429 is not a failure.
-    for rule in ["model_version:sluice_availability:ratio_rate5m", "model_version:sluice_requests_errors:ratio_rate1h", "model_version:sluice_ttft_slo_errors:ratio_rate5m"] {
+    for rule in [
+        "model_version:sluice_availability:ratio_rate5m",
+        "model_version:sluice_requests_errors:ratio_rate1h",
+        "model_version:sluice_ttft_slo_errors:ratio_rate5m",
+    ] {
         let want = if rule.contains("availability") { 1.0 } else { 0.0 };
         let got = q(rule);
         c.that(got.len() == versions.len() && got.iter().all(|(_, v)| *v == want), format!("{rule} = {got:?}, want {want} per version"));
     }
-    c.that(q("sum(model_version_status:sluice_requests:rate5m{status=\"4xx\"})").first().is_some_and(|(_, v)| *v > 0.0), "the 429 is not in the 4xx rate".into());
+    c.that(
+        q("sum(model_version_status:sluice_requests:rate5m{status=\"4xx\"})").first().is_some_and(|(_, v)| *v > 0.0),
+        "the 429 is not in the 4xx rate".into(),
+    );
 
     // $/MTok: a ratio of rates is a weighted mean of the requests' own ratios, so it lies between
     // the cheapest and dearest request priced at the policy's prices (each rounded up to a micro-USD).
@@ -302,16 +338,13 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
 
     // Budgets: the recorded minimum equals the gauge Envoy shows now (one Envoy).
     let envoy_metrics = gw.envoy.metrics().unwrap();
-    let gauges: BTreeMap<String, f64> = envoy_metrics
-        .samples
-        .iter()
-        .filter(|s| s.name == "sluice_budget_remaining")
-        .map(|s| (format!("{:?}", s.labels), s.value))
-        .collect();
+    let gauges: BTreeMap<String, f64> =
+        envoy_metrics.samples.iter().filter(|s| s.name == "sluice_budget_remaining").map(|s| (format!("{:?}", s.labels), s.value)).collect();
     let recorded_budgets: BTreeMap<String, f64> = q("owner_window_unit:sluice_budget_remaining:min")
         .into_iter()
         .map(|(l, v)| {
-            let labels: BTreeMap<String, String> = l.iter().filter(|(k, _)| *k != "__name__").map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect();
+            let labels: BTreeMap<String, String> =
+                l.iter().filter(|(k, _)| *k != "__name__").map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect();
             (format!("{labels:?}"), v)
         })
         .collect();
