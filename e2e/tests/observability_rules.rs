@@ -197,12 +197,14 @@ fn labels_in(expr: &str) -> BTreeSet<String> {
     labels
 }
 
-/// Metric names sluice documents: every backticked `sluice_…` name in docs/*.md.
+/// Metric names sluice documents: every backticked `sluice_…` name in docs/*.md, except
+/// docs/observability.md, which describes these rules (it names recorded metrics such as
+/// `sluice_ttft_seconds` that no plugin exports).
 fn documented_metrics() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     for entry in std::fs::read_dir(shipped("docs")).unwrap() {
         let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "md") {
+        if path.extension().is_none_or(|e| e != "md") || path.file_name().is_some_and(|n| n == "observability.md") {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();
