@@ -431,18 +431,14 @@ pub fn read_generic_jsonl(text: &str) -> Result<Vec<Request>, WorkloadError> {
             Some((kind, _)) if kind != calendar => return Err(err(Some(if calendar { "time" } else { "t_ms" }), "the trace mixes t_ms and time".into())),
             Some((_, base)) => base,
         };
-        let arrival_ns =
-            u64::try_from(at - base).map_err(|_| err(Some(if calendar { "time" } else { "t_ms" }), "before the first record (out of order)".into()))?;
-        if arrival_ns < last_ns {
-            return Err(err(
-                Some(if calendar { "time" } else { "t_ms" }),
-                format!(
-                    "arrival {} s after the first record is before the previous record's {} s (out of order)",
-                    arrival_ns as f64 / 1e9,
-                    last_ns as f64 / 1e9
-                ),
-            ));
-        }
+        let field = if calendar { "time" } else { "t_ms" };
+        let offset = at - base;
+        let arrival_ns = u64::try_from(offset).ok().filter(|&a| a >= last_ns).ok_or_else(|| {
+            err(
+                Some(field),
+                format!("arrival {} s after the first record is before the previous record's {} s (out of order)", offset as f64 / 1e9, last_ns as f64 / 1e9),
+            )
+        })?;
         last_ns = arrival_ns;
         let prompt_tokens = u64_field("prompt_tokens")?.ok_or_else(|| err(Some("prompt_tokens"), "missing".into()))?;
         let api = match str_field("api")? {

@@ -192,6 +192,9 @@ fn build(root: &Path) -> Result<()> {
     for (package, _) in PLUGINS {
         cmd.args(["--package", package]);
     }
+    // The load bench's floor: a wasm filter that sets one header (envoy/bench/floor.yaml, which the
+    // tests validate, loads it).
+    cmd.args(["--package", "sluice-bench-floor"]);
     // Panic locations name source files: with cargo's registry and the checkout mapped to fixed
     // prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
     // sources and the toolchain only, not on where they sit on this machine.
@@ -260,7 +263,14 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
         run(cargo().current_dir(root).args(["bench", "--package", "sluice-core"]))?;
     }
     ensure_debian_packages(&[("wrk", "wrk")])?;
-    run(Command::new("python3").arg(root.join("benches/envoy_load.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
+    // The no-op external processor of the ext_proc reference row: its own workspace, so its gRPC
+    // stack stays out of the main build and tests.
+    run(cargo().current_dir(root).args(["build", "--release", "--manifest-path", "benches/extproc-noop/Cargo.toml", "--target-dir", "target/extproc-noop"]))?;
+    // Everything but xtask's own flag goes to the scripts (`--seconds`, `--rounds`, `--only`; `--streams`).
+    let (streams, load): (Vec<&String>, Vec<&String>) = extra.iter().filter(|a| *a != "--load-only").partition(|a| a.starts_with("--streams"));
+    run(Command::new("python3").arg(root.join("benches/envoy_load.py")).args(load).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
+    // Real-time streams: each SSE event its own write, many streams at once (benches/envoy_streams.py).
+    run(Command::new("python3").arg(root.join("benches/envoy_streams.py")).args(streams).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
 }
 
 /// The simulator's speed, side by side: the whole Azure conversation trace and a synthetic day of
