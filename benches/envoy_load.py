@@ -14,7 +14,14 @@ For each configuration and stream length (1 and 64 content tokens, no artificial
     from /proc around the run): the figure other load on the machine does not move. Added CPU per
     request and per chunk are derived from it the same way.
 
-Usage: benches/envoy_load.py [--seconds N] [--only budget,fleet]   (needs: target/release/sluice-mock-server, the .wasm,
+With --rounds N every configuration is measured N times, the rounds interleaved (all configurations
+once, then again), and each figure is the median of its N values: slow drifts of the machine then
+touch every row alike.
+
+With --before DIR every configuration that loads sluice's plugins runs a second time with the `.wasm`
+files of DIR (an earlier build), in the same rounds, as "<name> (before)": before and after from one run.
+
+Usage: benches/envoy_load.py [--seconds N] [--rounds N] [--only budget,fleet] [--before DIR]   (needs: target/release/sluice-mock-server, the .wasm,
 Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
 """
 
@@ -36,6 +43,10 @@ WASM_DIR = ROOT / "target/wasm32-wasip1/release"
 
 CONFIGS = [
     ("no filter", ROOT / "envoy/bench/none.yaml"),
+    # Reference rows: what any wasm filter costs (one that sets one header), and the architecture
+    # users would otherwise pick, a no-op external processor (Envoy's side of the gRPC round trips).
+    ("trivial wasm filter", ROOT / "envoy/bench/floor.yaml"),
+    ("no-op ext_proc", ROOT / "envoy/bench/extproc.yaml"),
     ("sluice llm-metrics", ROOT / "envoy/templates/gateway.yaml"),
     ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),
     # tenant-budget (5 counters: org month $, team minute tokens, key minute tokens + day requests)
@@ -48,6 +59,9 @@ CONFIGS = [
     # latency-guard (demo policy: breaker, deadlines and in-flight limit on v1, none of them
     # tripping) in front of the router + llm-metrics chain above, no shadow.
     ("guard + router + metrics", ROOT / "envoy/templates/latency-gateway.yaml"),
+    # All four plugins: json_to_metadata, latency-guard, model-router (50/50), tenant-budget (the
+    # bench policy), llm-metrics, Envoy's buffer filter.
+    ("full chain", ROOT / "envoy/templates/full-gateway.yaml"),
     # The fleet gateway (tenant-budget, buffer filter, llm-metrics) with the same budget policy:
     # counters in this process's shared data, then in Redis through one sluice-ledger instance
     # (one tokio thread) — the cost of a fleet-wide budget, side by side.
@@ -55,6 +69,8 @@ CONFIGS = [
     ("fleet gw, Redis ledger", ROOT / "envoy/templates/fleet-gateway.yaml"),
 ]
 LEDGER = ROOT / "target/release/sluice-ledger"
+# Built by `cargo xtask bench` (its own workspace, benches/extproc-noop).
+EXTPROC = ROOT / "target/extproc-noop/release/sluice-bench-extproc-noop"
 
 
 def router_policy(shadow_fraction):
@@ -147,9 +163,28 @@ def wrk(port, tokens, connections, seconds, tmp):
     return rps, float(m.group(1)) * scale, total
 
 
+def median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def median_row(rows):
+    """Each figure of a configuration's rows, the median over its rounds."""
+    out = {}
+    for tokens in (1, 64):
+        out[tokens] = tuple(median([r[tokens][i] for r in rows]) for i in range(3))
+    out["p50_p99"] = tuple(median([r["p50_p99"][i] for r in rows]) for i in range(2))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations "
                     "whose name contains one of them (plus 'no filter', the baseline)")
     args = ap.parse_args()
@@ -161,7 +196,7 @@ def main():
     redis_budget_config = yaml_string_body(json.dumps(budget_policy))
     extra_cpu = {}
     latency_config = yaml_string_body((ROOT / "policies/latency-guard.demo.json").read_text())
-    results = {}
+    rounds = {}
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = free_port()
         mock = subprocess.Popen([str(MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
@@ -172,14 +207,23 @@ def main():
         ledger = subprocess.Popen([str(LEDGER), "--listen", f"127.0.0.1:{ledger_port}",
                                    "--redis", f"redis://127.0.0.1:{redis_port}/", "--threads", "1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        extproc_port = free_port()
+        extproc = subprocess.Popen([str(EXTPROC), f"127.0.0.1:{extproc_port}"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL) if EXTPROC.exists() else None
         try:
             wait_port(mock_port)
             wait_port(redis_port)
             wait_port(ledger_port)
+            if extproc:
+                wait_port(extproc_port)
             runs = [("mock alone (no Envoy)", None)] + [
                 (name, config) for name, config in CONFIGS
-                if not wanted or name == "no filter" or any(w in name for w in wanted)]
-            for name, config in runs:
+                if (not wanted or name == "no filter" or any(w in name for w in wanted))
+                and (extproc or "ext_proc" not in name)]
+            if args.before:
+                runs = [r for name, config in runs for r in ([(name, config)] + (
+                    [(name + " (before)", config)] if config and "WASM_DIR" in config.read_text() and "bench/" not in str(config) else []))]
+            for name, config in [r for _ in range(args.rounds) for r in runs]:
                 envoy = None
                 port = mock_port
                 if config is not None:
@@ -187,9 +231,10 @@ def main():
                     path = Path(tmp) / "envoy.yaml"
                     path.write_text(render(config.read_text(), {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
-                        "WASM_DIR": str(WASM_DIR), "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
+                        "WASM_DIR": args.before if name.endswith("(before)") else str(WASM_DIR),
+                        "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
                         "BUDGET_CONFIG": redis_budget_config if "Redis" in name else budget_config,
-                        "LEDGER_PORT": str(ledger_port),
+                        "LEDGER_PORT": str(ledger_port), "EXTPROC_PORT": str(extproc_port),
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port)}))
@@ -215,16 +260,18 @@ def main():
                             extra_cpu[name] = {k: (cpu_seconds(p) - side[k]) * 1e6 / max(total, 1)
                                                for k, p in (("ledger", ledger.pid), ("redis", redis.pid))}
                         row[tokens] = (lat, rps, cpu_us)
-                    results[name] = row
+                    rounds.setdefault(name, []).append(row)
                 finally:
                     if envoy:
                         envoy.terminate()
                         envoy.wait()
         finally:
-            for process in (mock, ledger, redis):
-                process.terminate()
-                process.wait()
+            for process in (mock, ledger, redis, extproc):
+                if process:
+                    process.terminate()
+                    process.wait()
 
+    results = {name: median_row(rows) for name, rows in rounds.items()}
     base = results["no filter"]
     print()
     print(f"{'configuration':<24} {'1 tok: µs/req':>13} {'req/s':>7} {'CPU µs':>7} {'64 tok: µs/req':>14} {'req/s':>7} "
@@ -245,7 +292,8 @@ def main():
     for name, cpu in extra_cpu.items():
         print(f"{name}: outside Envoy, per request at 16 connections: sluice-ledger {cpu['ledger']:.1f} µs CPU, "
               f"redis-server {cpu['redis']:.1f} µs CPU")
-    print("\nEnvoy --concurrency 1; wrk 1 thread. µs/req: mean latency of 1 connection in a closed loop;"
+    print(f"\n{args.rounds} round(s), medians." if args.rounds > 1 else "")
+    print("Envoy --concurrency 1; wrk 1 thread. µs/req: mean latency of 1 connection in a closed loop;"
           "\nreq/s and CPU µs (Envoy's own CPU time per request, from /proc) at 16 connections.")
     json.dump(results, sys.stderr)
     sys.stderr.write("\n")

@@ -270,13 +270,14 @@ fn the_bench_envoy_configs_validate() {
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
         }
-        let rendered =
-            render_config(&std::fs::read_to_string(&path).unwrap(), &[("ADMIN_PORT", "9901"), ("LISTEN_PORT", "10000"), ("UPSTREAM_PORT", "18000")]).unwrap();
+        let wasm = sluice_e2e::tools::wasm_dir().display().to_string();
+        let vars = [("ADMIN_PORT", "9901"), ("LISTEN_PORT", "10000"), ("UPSTREAM_PORT", "18000"), ("WASM_DIR", wasm.as_str()), ("EXTPROC_PORT", "18100")];
+        let rendered = render_config(&std::fs::read_to_string(&path).unwrap(), &vars).unwrap();
         let out = dir.join(path.file_name().unwrap());
         std::fs::write(&out, rendered).unwrap();
         Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
         checked += 1;
     }
-    assert!(checked >= 2, "expected the bench configs, checked {checked}");
+    assert!(checked >= 4, "expected the bench configs (none, floor, lua, extproc), checked {checked}");
     let _ = std::fs::remove_dir_all(&dir);
 }

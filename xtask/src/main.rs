@@ -84,7 +84,7 @@ fn main() -> Result<()> {
         // Text only: needs neither Envoy nor a build.
         Some("render") => render_command(&root, &args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <setup|build|up|test|bench|images|render>");
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench|images|playground|render>");
             std::process::exit(2)
         }
     }
@@ -266,8 +266,21 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
     // The no-op external processor of the ext_proc reference row: its own workspace, so its gRPC
     // stack stays out of the main build and tests.
     run(cargo().current_dir(root).args(["build", "--release", "--manifest-path", "benches/extproc-noop/Cargo.toml", "--target-dir", "target/extproc-noop"]))?;
-    // Everything but xtask's own flag goes to the scripts (`--seconds`, `--rounds`, `--only`; `--streams`).
-    let (streams, load): (Vec<&String>, Vec<&String>) = extra.iter().filter(|a| *a != "--load-only").partition(|a| a.starts_with("--streams"));
+    // The rest goes to the scripts: `--before DIR` to both, `--streams=N,M` to the streams bench,
+    // everything else (`--seconds`, `--rounds`, `--only`) to the load bench.
+    let (mut load, mut streams) = (Vec::new(), Vec::new());
+    let mut it = extra.iter().filter(|a| *a != "--load-only");
+    while let Some(a) = it.next() {
+        if a == "--before" {
+            let dir = it.next().context("--before needs a directory of .wasm files")?;
+            load.extend([a.clone(), dir.clone()]);
+            streams.extend([a.clone(), dir.clone()]);
+        } else if a.starts_with("--streams=") {
+            streams.push(a.clone());
+        } else {
+            load.push(a.clone());
+        }
+    }
     run(Command::new("python3").arg(root.join("benches/envoy_load.py")).args(load).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
     // Real-time streams: each SSE event its own write, many streams at once (benches/envoy_streams.py).
     run(Command::new("python3").arg(root.join("benches/envoy_streams.py")).args(streams).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))

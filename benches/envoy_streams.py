@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Real-time streams through Envoy: what model servers actually do. Each token is its own write, so
+each SSE event reaches Envoy as its own read and every filter sees it as its own body callback.
+
+N streams are held open at once (the mock: first token after 100 ms, then one event every 100 ms,
+150 events; streams started evenly over the first second), and Envoy's own CPU time (user + system
+from /proc) is read over a steady window in which every stream is flowing. Reported per
+configuration and N: Envoy's CPU as a share of one core, the events the clients received in the
+window, CPU µs per event, and the added µs per event against no filter. Every configuration runs in
+this one invocation, one after the other, loopback only, bounded in time (≈ 20 s per row).
+
+Configurations: Envoy with no filter; the trivial wasm filter (one response header); model-router +
+tenant-budget + llm-metrics (the full gateway without latency-guard); the full chain.
+
+With --before DIR the sluice rows also run with the `.wasm` files of DIR (an earlier build), as
+"<name> (before)".
+
+Usage: benches/envoy_streams.py [--streams 10,1000] [--before DIR]   (needs what benches/envoy_load.py needs)
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envoy_load as load  # noqa: E402  (ports, rendering, /proc CPU: one implementation)
+
+ROOT = load.ROOT
+EVENTS = 150
+ITL_MS = 100
+# The window: from when the last stream has surely started (1 s stagger + first token) to before
+# the first one ends (150 × 100 ms).
+WINDOW = (3.0, 13.0)
+
+
+def without_guard(template):
+    """The full gateway's text without its latency-guard filter block."""
+    lines = template.splitlines(keepends=True)
+    out, skipping = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("          - name: "):
+            block = "".join(lines[i:i + 6])
+            skipping = "sluice_latency_guard" in block
+        elif not line.startswith("           ") and not line.startswith("          #"):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    text = "".join(out)
+    assert "sluice_latency_guard" not in text, "the guard's block was not removed"
+    return text
+
+
+async def one_stream(port, i, start_at, counts, clock):
+    await asyncio.sleep(max(0.0, start_at - clock()))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"model": "llama-3-70b", "stream": True, "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": "Say hello."}]})
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            f"x-mock-tokens: {EVENTS}\r\nx-mock-ttft-ms: {ITL_MS}\r\nx-mock-itl-ms: {ITL_MS}\r\n"
+            f"x-sluice-tenant: tenant-{i % 1000}\r\nx-sluice-key: search-prod\r\nx-request-id: stream-{i}\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n{body}")
+    writer.write(head.encode())
+    await writer.drain()
+    carry = b""
+    while True:
+        piece = await reader.read(65536)
+        if not piece:
+            break
+        data = carry + piece
+        n = data.count(b"data: ")
+        carry = data[-5:]
+        n -= carry.count(b"data: ")
+        t = clock()
+        if WINDOW[0] <= t < WINDOW[1]:
+            counts[0] += n
+    writer.close()
+
+
+async def drive(port, streams):
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    clock = lambda: loop.time() - t0  # noqa: E731
+    counts = [0]
+    tasks = [asyncio.create_task(one_stream(port, i, i / streams, counts, clock)) for i in range(streams)]
+    await asyncio.gather(*tasks)
+    return counts[0]
+
+
+def measure(envoy_pid, port, streams):
+    result = {}
+
+    def sample(at):
+        time.sleep(max(0.0, at - (time.time() - started)))
+        result[at] = load.cpu_seconds(envoy_pid)
+
+    import threading
+    started = time.time()
+    samplers = [threading.Thread(target=sample, args=(t,)) for t in WINDOW]
+    for s in samplers:
+        s.start()
+    events = asyncio.run(drive(port, streams))
+    for s in samplers:
+        s.join()
+    cpu = result[WINDOW[1]] - result[WINDOW[0]]
+    return cpu, events
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="10,1000")
+    ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
+    args = ap.parse_args()
+    counts = [int(n) for n in args.streams.split(",")]
+    full = (ROOT / "envoy/templates/full-gateway.yaml").read_text()
+    configs = [
+        ("no filter", (ROOT / "envoy/bench/none.yaml").read_text()),
+        ("trivial wasm filter", (ROOT / "envoy/bench/floor.yaml").read_text()),
+        ("router + budget + metrics", without_guard(full)),
+        ("full chain", full),
+    ]
+    if args.before:
+        configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "sluice_" in t else [])]
+    budget = load.yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
+    policies = {
+        "PLUGIN_CONFIG": load.yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text()),
+        "BUDGET_CONFIG": budget,
+        "ROUTER_CONFIG": load.yaml_string_body(load.router_policy(0.0)),
+        "LATENCY_CONFIG": load.yaml_string_body((ROOT / "policies/latency-guard.demo.json").read_text()),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        mock_port = load.free_port()
+        mock = subprocess.Popen([str(load.MOCK), "--listen", f"127.0.0.1:{mock_port}", "--max-connections", "4096"],
+                                stdout=subprocess.DEVNULL)
+        try:
+            load.wait_port(mock_port)
+            for streams in counts:
+                for name, template in configs:
+                    port, admin = load.free_port(), load.free_port()
+                    path = Path(tmp) / "envoy.yaml"
+                    path.write_text(load.render(template, dict(policies, **{
+                        "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
+                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port),
+                        "WASM_DIR": args.before if name.endswith("(before)") else str(load.WASM_DIR),
+                        "ACCESS_LOG": "/dev/null"})))
+                    envoy = subprocess.Popen([load.ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
+                                              "--base-id", str(os.getpid() % 10000 + 700)],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    try:
+                        load.wait_port(port)
+                        cpu, events = measure(envoy.pid, port, streams)
+                    finally:
+                        envoy.terminate()
+                        envoy.wait()
+                    rows.append((streams, name, cpu, events))
+                    print(f"{streams} streams, {name}: {cpu:.2f} s CPU, {events} events", file=sys.stderr)
+        finally:
+            mock.terminate()
+            mock.wait()
+
+    span = WINDOW[1] - WINDOW[0]
+    print(f"\n| streams | configuration | Envoy CPU (% of a core) | events in {span:.0f} s | CPU µs per event | added µs per event |")
+    print("|---|---|---|---|---|---|")
+    base = {s: cpu / max(ev, 1) for s, n, cpu, ev in rows if n == "no filter"}
+    for streams, name, cpu, events in rows:
+        per_event = cpu * 1e6 / max(events, 1)
+        added = per_event - base[streams] * 1e6
+        print(f"| {streams} | {name} | {cpu / span * 100:.1f} % | {events} | {per_event:.1f} | {added:+.1f} |")
+    print("\nEnvoy --concurrency 1; first token after 100 ms, one event every 100 ms, 150 events; CPU from /proc "
+          f"between {WINDOW[0]:.0f} s and {WINDOW[1]:.0f} s after the first stream started.")
+
+
+if __name__ == "__main__":
+    main()
