@@ -6,6 +6,8 @@
 //!   by every worker through a CAS-updated store value.
 //! - [`breaker`]: closed → open → half-open state machine per model version, with the numbers that
 //!   caused every transition.
+//! - [`deadline`]: one stream's TTFT and total deadlines: the phase it is in (awaiting headers,
+//!   held, streaming, answered 504, reset, cut by an error event) and the effects each event has.
 //! - [`shed`]: priorities (critical, standard, sheddable) and the shedding rule.
 //! - [`policy`]: the `latency-guard` policy (JSON), validated with errors that name the field.
 //!
@@ -14,12 +16,14 @@
 
 pub mod breaker;
 mod codec;
+pub mod deadline;
 pub mod policy;
 pub mod shed;
 pub mod sketch;
 pub mod window;
 
 pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, State, Transition};
+pub use deadline::StreamWatch;
 pub use policy::{BreakerPolicy, LatencyPolicy, OpenAction, PolicyError, TenantClass, TenantSource, VersionPolicy};
 pub use shed::{should_shed, InFlightLimit, Priority};
 pub use sketch::{QuantileSketch, SketchParams};
