@@ -39,7 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY = os.environ.get("SLUICE_ENVOY", str(ROOT / ".tools/venv/bin/envoy"))
 MOCK = ROOT / "target/release/sluice-mock-server"
-WASM_DIR = ROOT / "target/wasm32-wasip1/release"
+# The plugins' .wasm files: `$SLUICE_WASM_DIR` (e.g. a copy that a rebuild cannot change mid-run),
+# else where `cargo xtask build` puts them.
+WASM_DIR = Path(os.environ.get("SLUICE_WASM_DIR", ROOT / "target/wasm32-wasip1/release"))
 
 CONFIGS = [
     ("no filter", ROOT / "envoy/bench/none.yaml"),

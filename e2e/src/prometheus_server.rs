@@ -34,19 +34,7 @@ pub fn promtool_bin() -> Result<PathBuf> {
 }
 
 fn find_tool(name: &str, env: &str) -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os(env) {
-        let p = PathBuf::from(p);
-        if !p.is_file() {
-            bail!("{env}={} does not exist", p.display());
-        }
-        return Ok(p);
-    }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
-    dirs.push(PathBuf::from("/usr/bin"));
-    dirs.into_iter()
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .ok_or_else(|| anyhow!("{name} not found: run `cargo xtask setup` (installs Debian's prometheus) or set {env}"))
+    crate::tools::debian_binary(name, env, "prometheus")
 }
 
 /// What to scrape and which rules to load.

@@ -27,19 +27,7 @@ pub enum Persistence {
 /// Finds `redis-server`: `$SLUICE_REDIS_SERVER`, else the `PATH` (and `/usr/bin`, `/usr/sbin`,
 /// where Debian's package puts it) — `cargo xtask setup` installs Debian's `redis-server`.
 pub fn redis_server_bin() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("SLUICE_REDIS_SERVER") {
-        let p = PathBuf::from(p);
-        if !p.is_file() {
-            bail!("SLUICE_REDIS_SERVER={} does not exist", p.display());
-        }
-        return Ok(p);
-    }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
-    dirs.extend([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")]);
-    dirs.into_iter()
-        .map(|d| d.join("redis-server"))
-        .find(|p| p.is_file())
-        .ok_or_else(|| anyhow!("redis-server not found: run `cargo xtask setup` (installs Debian's redis-server) or set SLUICE_REDIS_SERVER"))
+    crate::tools::debian_binary("redis-server", "SLUICE_REDIS_SERVER", "redis-server")
 }
 
 /// A running `redis-server`, killed (and its directory removed) on drop.

@@ -5,26 +5,13 @@
 use crate::envoy::{free_port, tail};
 use crate::http;
 use crate::process::Process;
+use crate::tools::debian_binary;
 use anyhow::{anyhow, bail, Context, Result};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
-
-/// `name` on `$SLUICE_<ENV>`, else the `PATH`, else Debian's `/usr/bin` (`cargo xtask setup`
-/// installs the packages).
-pub fn find_binary(name: &str, env: &str) -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os(env) {
-        return Ok(PathBuf::from(p));
-    }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
-    dirs.push(PathBuf::from("/usr/bin"));
-    dirs.into_iter()
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .ok_or_else(|| anyhow!("{name} not found: run `cargo xtask setup` (Debian's package) or set {env}"))
-}
 
 /// A running registry.
 pub struct Registry {
@@ -37,7 +24,7 @@ impl Registry {
     /// Starts `docker-registry serve` on a free port and waits until `GET /v2/` answers 200.
     pub fn start() -> Result<Registry> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        let bin = find_binary("docker-registry", "SLUICE_REGISTRY")?;
+        let bin = debian_binary("docker-registry", "SLUICE_REGISTRY", "docker-registry")?;
         let dir = std::env::temp_dir().join(format!("sluice-registry-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("storage"))?;
@@ -94,7 +81,7 @@ impl Drop for Registry {
 /// Runs `skopeo` with `args` (plain-HTTP registries on loopback need `--tls-verify=false` or
 /// `--dest-tls-verify=false`); its standard output, or an error with its standard error.
 pub fn skopeo(args: &[&str]) -> Result<Vec<u8>> {
-    let bin = find_binary("skopeo", "SLUICE_SKOPEO")?;
+    let bin = debian_binary("skopeo", "SLUICE_SKOPEO", "skopeo")?;
     let out = Command::new(&bin).args(args).stdin(Stdio::null()).output().with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
         bail!("skopeo {} failed ({}): {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr));

@@ -96,3 +96,21 @@ fn built_binary(name: &str, env: &str, build: &str) -> Result<PathBuf> {
         ),
     }
 }
+
+/// A program from one of Debian's packages, which `cargo xtask setup` installs: `$<env>` when set
+/// (it must exist), else the first `name` on the `PATH`, `/usr/bin` or `/usr/sbin`.
+pub fn debian_binary(name: &str, env: &str, package: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{env}={} does not exist", p.display());
+        }
+        return Ok(p);
+    }
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    dirs.extend([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")]);
+    match dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file()) {
+        Some(p) => Ok(p),
+        None => bail!("{name} not found: run `cargo xtask setup` (installs Debian's {package}) or set {env}"),
+    }
+}
