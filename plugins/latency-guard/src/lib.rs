@@ -1,7 +1,9 @@
 //! sluice latency-guard: per-tenant-class latency policies in Envoy — TTFT and total deadlines, an
 //! SLO circuit breaker per model version with fallback through model-router, and priority shedding
 //! against per-version in-flight limits. The decisions are `sluice_core::latency`'s; this crate
-//! reads the host, keeps each worker's watch list of streams, and acts.
+//! reads the host, keeps each worker's watch list of streams, and acts. Each stream's deadlines,
+//! hold and release are core's [`StreamWatch`] (`latency::deadline`): the callbacks hand it their
+//! events and apply the effects it returns.
 //!
 //! Where it sits (docs/latency-guard.md has the whole picture and the reasons):
 //!
@@ -17,7 +19,8 @@
 //! - response headers of a stream: held until llm-metrics (behind the guard) marks the first
 //!   content token in filter state `sluice_first_token`, so at the TTFT deadline nothing has reached
 //!   the client and the answer can still be a clean 504;
-//! - a 1 ms root tick: releases held streams, fires deadlines, lets open breakers start probing;
+//! - the root tick (1–100 ms apart, set to when the next thing is due): releases held streams,
+//!   fires deadlines, lets open breakers start probing;
 //! - end of stream: TTFT, time per output token and error into the version's shared window, breaker
 //!   evaluated, every transition logged with the numbers that caused it.
 
@@ -25,7 +28,10 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
 use sluice_core::budget::SharedStore;
-use sluice_core::latency::{self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, TenantSource, Transition, VersionPolicy};
+use sluice_core::latency::deadline::{self, Effect, Effects, Finished, Fired, FirstTokenMark};
+use sluice_core::latency::{
+    self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, StreamWatch, TenantSource, Transition, VersionPolicy,
+};
 use sluice_core::reply::error_body;
 use sluice_core::report::sanitize_label;
 use sluice_core::request::inspect_request_with_kind;
@@ -44,7 +50,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-use sluice_core::contract::{GatewayEnd, GatewayReply, ROUTE_PROPERTY};
+use sluice_core::contract::{GatewayEnd, ROUTE_PROPERTY};
 pub use sluice_core::contract::{AVOID_PROPERTY, FIRST_TOKEN_PROPERTY, RELEASE_PROPERTY};
 /// Shared-data counter that gives each guard VM (one per worker) its own release queue.
 const VM_SEQUENCE_KEY: &str = "sluice/latency-guard/vm-sequence";
@@ -53,24 +59,11 @@ const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "mod
 /// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
 const STAMP_PROPERTY: &str = "sluice_latency";
 
-/// The tick while streams are watched: it releases held streams and fires deadlines, so deadlines
-/// fire at most this late (Envoy 1.40 delivers it every 3–4 ms).
-const TICK: Duration = Duration::from_millis(1);
-/// How often a held stream is looked at when nothing may wake the guard at its first token
-/// (llm-metrics finds no release queue, or is an older one): with a release queue this is a
-/// fallback only, so it need not run every millisecond.
-const HELD_POLL_NS: u64 = 10_000_000;
-/// The tick while nothing is watched: only open breakers need looking at. An idle 1 ms tick cost
-/// ≈ 4 % of a core across a 2-worker Envoy (measured); this one costs nothing measurable.
-const IDLE_TICK: Duration = Duration::from_millis(100);
+/// The tick while nothing is watched (open breakers only); while streams are watched the tick
+/// follows what is due ([`deadline::tick_period_ms`]).
+const IDLE_TICK: Duration = Duration::from_nanos(deadline::IDLE_TICK_NS);
 /// How often each worker looks at open breakers (their way to half-open is time alone).
 const BREAKER_SWEEP_NS: u64 = 100_000_000;
-/// After the error event that ends a stream at its total deadline, the stream is reset this much
-/// later, so the event is written to the client before the reset.
-const END_GRACE_NS: u64 = 20_000_000;
-/// At the total deadline of a stream whose headers went out, the guard waits this long for a chunk
-/// to carry the error event; a stream that sends nothing in that time is reset.
-const CHUNK_WAIT_NS: u64 = 500_000_000;
 /// Compare-and-swap attempts on the in-flight counter before giving up (and not counting).
 const MAX_CAS_ATTEMPTS: usize = 16;
 
@@ -85,77 +78,18 @@ struct Shared {
     release_queue: Option<(String, u32)>,
     vm_id: String,
     /// The tick period set now, ms: the time until the next thing due (a deadline, a reset, a
-    /// held stream to look at), between [`TICK`] and [`IDLE_TICK`]. A 1 ms tick whenever any
+    /// held stream to look at), between 1 ms and [`IDLE_TICK`]. A 1 ms tick whenever any
     /// stream was watched cost ≈ 2.5 % of a core per worker for nothing most of the time.
     tick_period_ms: u64,
 }
 
-/// What the tick needs of a stream.
-#[derive(Debug, Clone)]
+/// A watched stream: its deadline machine (core's) and what applying its effects needs.
+#[derive(Debug)]
 struct Watch {
     kind: ApiKind,
-    /// Shared, not copied: the tick clones the record of every watched stream.
+    /// Shared, not copied: effects are applied with it while the watch list is borrowed.
     version: Rc<str>,
-    start_ns: u64,
-    ttft_deadline_ns: Option<u64>,
-    total_deadline_ns: Option<u64>,
-    /// Response headers are held (nothing has reached the client).
-    held: bool,
-    /// Response headers reached the client (released or never held).
-    started: bool,
-    /// A content token passed (the TTFT deadline no longer applies).
-    first_token_ns: Option<u64>,
-    /// A deadline fired; what it did.
-    fired: Option<Fired>,
-    /// Reset the stream at this time (after the error event that ended it).
-    reset_at_ns: Option<u64>,
-    /// Past the total deadline, waiting until then for a chunk to carry the error event.
-    chunk_wait_until_ns: Option<u64>,
-    /// The TTFT went into the window at the first token (not again at the end).
-    ttft_recorded: bool,
-    /// Status of the upstream's response headers (what the client sees once they are released).
-    status: u16,
-}
-
-impl Watch {
-    /// When the tick next has something to do for this stream; `None` when only its end is left.
-    fn next_due_ns(&self, now: u64, release_queue: bool) -> Option<u64> {
-        if let Some(at) = self.reset_at_ns {
-            return Some(at);
-        }
-        if self.fired.is_some() {
-            return None;
-        }
-        let poll = self.held.then(|| now.saturating_add(if release_queue { HELD_POLL_NS } else { TICK.as_nanos() as u64 }));
-        let ttft = self.ttft_deadline_ns.filter(|_| self.first_token_ns.is_none());
-        let total = self.chunk_wait_until_ns.or(self.total_deadline_ns);
-        [poll, ttft, total].into_iter().flatten().min()
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fired {
-    TtftReply,
-    TtftReset,
-    TotalReply,
-    TotalEvent,
-    TotalReset,
-}
-
-impl Fired {
-    fn kind(self) -> &'static str {
-        match self {
-            Fired::TtftReply | Fired::TtftReset => "ttft",
-            Fired::TotalReply | Fired::TotalEvent | Fired::TotalReset => "total",
-        }
-    }
-    fn action(self) -> &'static str {
-        match self {
-            Fired::TtftReply | Fired::TotalReply => "reply_504",
-            Fired::TtftReset | Fired::TotalReset => "reset",
-            Fired::TotalEvent => "error_event",
-        }
-    }
+    machine: StreamWatch,
 }
 
 #[derive(Default)]
@@ -216,7 +150,7 @@ impl RootContext for Root {
             warned_no_first_token_signal: false,
             release_queue,
             vm_id,
-            tick_period_ms: IDLE_TICK.as_millis() as u64,
+            tick_period_ms: deadline::IDLE_TICK_NS / 1_000_000,
         })));
         true
     }
@@ -251,8 +185,8 @@ impl RootContext for Root {
             };
             let id = std::str::from_utf8(&item).ok().and_then(|t| t.trim().parse::<u32>().ok());
             if let Some(id) = id {
-                if sh.watched.get(&id).is_some_and(|w| w.held) {
-                    sh.release_if_ready(id);
+                if sh.watched.get(&id).is_some_and(|w| w.machine.is_held()) {
+                    sh.release_if_ready(id, host::now_ns());
                 }
             }
         }
@@ -425,95 +359,36 @@ impl HttpContext for Guard {
             g.observer = Some(StreamObserver::new(g.kind));
         }
         let mut sh = shared.borrow_mut();
-        if let Some(w) = sh.watched.get_mut(&self.context_id) {
-            w.status = g.status;
+        let Some(w) = sh.watched.get_mut(&self.context_id) else { return Action::Continue };
+        let effects = w.machine.on_response_headers(g.status, g.streaming, end_of_stream, first_token_mark);
+        if effects.is_empty() {
+            return Action::Continue;
         }
-        let Some(w) = sh.watched.get(&self.context_id).cloned() else { return Action::Continue };
-        let wants_hold = w.ttft_deadline_ns.is_some() && g.streaming && !end_of_stream && (200..300).contains(&g.status);
-        if wants_hold && w.first_token_ns.is_none() && w.fired.is_none() {
-            match host::property(&[FIRST_TOKEN_PROPERTY.to_string()]) {
-                // llm-metrics is behind the guard and waits for the first token: hold until it has.
-                Some(v) if v == "0" => {
-                    if let Some(w) = sh.watched.get_mut(&self.context_id) {
-                        w.held = true;
-                    }
-                    if let Some((name, _)) = &sh.release_queue {
-                        host::set_property(RELEASE_PROPERTY, format!("{} {name} {}", self.context_id, sh.vm_id).as_bytes());
-                    }
-                    sh.schedule_tick(host::now_ns());
-                    return Action::Pause;
-                }
-                Some(_) => {}
-                None => {
-                    if !sh.warned_no_first_token_signal {
-                        sh.warned_no_first_token_signal = true;
-                        log::warn!(
-                            "sluice latency-guard: a stream without llm-metrics' first-token mark (llm-metrics missing \
-                             behind the guard, or skipping this response: content-encoding, path_prefixes); such streams \
-                             are not held and a TTFT deadline can only reset them"
-                        );
-                    }
-                }
-            }
-        }
-        if let Some(w) = sh.watched.get_mut(&self.context_id) {
-            w.started = true;
-            if end_of_stream {
-                // The whole response has passed: no deadline applies to it any more.
-                w.ttft_deadline_ns = None;
-                w.total_deadline_ns = None;
-            }
-        }
-        Action::Continue
+        sh.apply(self.context_id, host::now_ns(), &effects, 0)
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
         let now = host::now_ns();
         let mut sh = shared.borrow_mut();
-        let ended = sh.watched.get(&self.context_id).and_then(|w| w.fired).is_some_and(|f| f == Fired::TotalEvent);
-        if ended {
-            // The stream was ended with an error event: nothing after it reaches the client.
-            host::replace_body(BufferType::HttpResponseBody, body_size, b"");
-            return Action::Continue;
-        }
-        if let Some(observer) = g.observer.as_mut() {
+        // Reads the chunk (unless the machine drops it); whether it carried content.
+        let mut observe = || {
+            let Some(observer) = g.observer.as_mut() else { return false };
             let chunk = host::body(BufferType::HttpResponseBody, body_size);
             let mut outcome = observer.push(&chunk);
             if end_of_stream {
                 let last = observer.finish();
                 outcome.content_events = outcome.content_events.saturating_add(last.content_events);
             }
-            if outcome.content_events > 0 {
-                g.timing.on_content(now, outcome.content_events);
-                // Not held (no llm-metrics mark): the guard's own observation is the first token.
-                let first = sh.watched.get_mut(&self.context_id).map(|w| *w.first_token_ns.get_or_insert(now));
-                if let Some(first) = first {
-                    sh.record_first_token(self.context_id, first, now);
-                }
-            }
-        }
-        let past_total = sh.watched.get(&self.context_id).is_some_and(|w| w.fired.is_none() && w.total_deadline_ns.is_some_and(|d| now >= d) && !end_of_stream);
-        if past_total && g.streaming {
-            let event = deadline_event(g.kind, "total", sh.watched.get(&self.context_id).map(|w| w.total_ms()).unwrap_or(0));
-            host::replace_body(BufferType::HttpResponseBody, body_size, event.as_bytes());
-            host::mark_gateway_reply(GatewayReply { status: g.status, end: GatewayEnd::Deadline });
-            if let Some(w) = sh.watched.get_mut(&self.context_id) {
-                w.fired = Some(Fired::TotalEvent);
-                w.reset_at_ns = Some(now.saturating_add(END_GRACE_NS));
-            }
-            sh.count_deadline(self.context_id, Fired::TotalEvent);
-            sh.schedule_tick(now);
-        }
-        if end_of_stream {
-            // The whole response has passed; the stream may still be logged much later (a client that
-            // reads slowly): a deadline now would reset a complete answer and sample it as an error.
-            if let Some(w) = sh.watched.get_mut(&self.context_id) {
-                w.ttft_deadline_ns = None;
-                w.total_deadline_ns = None;
-            }
-        }
-        Action::Continue
+            g.timing.on_content(now, outcome.content_events);
+            outcome.content_events > 0
+        };
+        let Some(w) = sh.watched.get_mut(&self.context_id) else {
+            observe();
+            return Action::Continue;
+        };
+        let effects = w.machine.on_response_body(now, g.streaming, end_of_stream, observe);
+        sh.apply(self.context_id, now, &effects, body_size)
     }
 
     fn on_log(&mut self) {
@@ -535,15 +410,15 @@ impl HttpContext for Guard {
                 g.timing.on_content(now, last.content_events);
             }
         }
-        // The first token as llm-metrics saw it (earlier than the guard does while holding); a
-        // stream without content has no TTFT, whatever released it.
-        if let Some(first) = watch.as_ref().and_then(|w| w.first_token_ns) {
-            if g.timing.first_content_ns.is_some_and(|t| first < t) {
-                g.timing.first_content_ns = Some(first);
+        // What fired, and the TTFT with llm-metrics' mark taken into the timing.
+        let Finished { fired, ttft_us, window_ttft_us } = match watch {
+            Some(w) => w.machine.end(&mut g.timing),
+            None => {
+                let ttft_us = g.timing.ttft_ns().map(|v| v / 1000);
+                Finished { fired: None, ttft_us, window_ttft_us: ttft_us }
             }
-        }
+        };
         let summary = g.observer.as_ref().map(StreamObserver::summary).unwrap_or_default();
-        let fired = watch.as_ref().and_then(|w| w.fired);
         // Another plugin answered the request itself (tenant-budget's refusal): it says nothing about
         // the version's latency, and the stamp says what the client got.
         let gateway = host::gateway_reply();
@@ -563,17 +438,10 @@ impl HttpContext for Guard {
         let error = fired.is_some() || g.status >= 500 || upstream_failed || summary.upstream_error.is_some() && g.status < 400;
         // The client went away before the answer ended (streamed or not): no sample.
         let client_gone = !error && details.contains("downstream");
-        let ttft_us = match fired {
-            // The TTFT is at least the deadline; the window sees the deadline.
-            Some(Fired::TtftReply | Fired::TtftReset) => watch.as_ref().and_then(|w| w.ttft_deadline_ns).map(|d| d.saturating_sub(g.start_ns) / 1000),
-            _ => g.timing.ttft_ns().map(|v| v / 1000),
-        };
-        // Already in the window since the first token.
-        let window_ttft_us = if watch.as_ref().is_some_and(|w| w.ttft_recorded) { None } else { ttft_us };
         let output_tokens = summary.usage.output_tokens;
         let tpot_us = g.timing.tpot_ns(output_tokens).map(|v| v / 1000);
         let outcome = match (fired, error) {
-            (Some(f), _) => f.kind(),
+            (Some(f), _) => f.kind().as_str(),
             (None, true) => "error",
             (None, false) if client_gone => "client_disconnect",
             _ => "ok",
@@ -666,27 +534,8 @@ impl Guard {
         if probe {
             sh.metrics.add(MetricType::Counter, &format!("sluice.latency.probes_total.version.{version_label}"), 1);
         }
-        let deadline = |d: Option<u64>| d.map(|d| g.start_ns.saturating_add(d));
-        sh.watched.insert(
-            self.context_id,
-            Watch {
-                kind: g.kind,
-                version: Rc::from(vp.name.as_str()),
-                start_ns: g.start_ns,
-                // A whole (non-streamed) answer has no first token before its end: the total
-                // deadline is the one that applies to it.
-                ttft_deadline_ns: if streaming == Some(false) { None } else { deadline(vp.ttft_deadline_ns) },
-                total_deadline_ns: deadline(vp.total_deadline_ns),
-                held: false,
-                started: false,
-                first_token_ns: None,
-                fired: None,
-                reset_at_ns: None,
-                chunk_wait_until_ns: None,
-                ttft_recorded: false,
-                status: 0,
-            },
-        );
+        let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
+        sh.watched.insert(self.context_id, Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine });
         sh.schedule_tick(host::now_ns());
         Action::Continue
     }
@@ -721,6 +570,11 @@ fn final_version() -> Option<String> {
     host::property(&MODEL_METADATA.map(String::from)).filter(|m| !m.is_empty())
 }
 
+/// llm-metrics' first-token mark of the current stream.
+fn first_token_mark() -> FirstTokenMark {
+    FirstTokenMark::parse(host::property(&[FIRST_TOKEN_PROPERTY.to_string()]).as_deref())
+}
+
 /// The one member of a request body the guard reads itself.
 #[derive(serde::Deserialize)]
 struct StreamFlag {
@@ -737,21 +591,6 @@ fn refuse(kind: ApiKind, status: u32, retry_after_s: u64, message: &str, error_t
         &[("content-type", "application/json"), ("retry-after", &retry), ("x-sluice-refused-by", "latency-guard")],
         body.as_bytes(),
     );
-}
-
-/// The SSE event that ends a stream at a deadline: the API's own error event (Anthropic `event:
-/// error`), or an OpenAI-style `error` chunk followed by `[DONE]` so clients stop reading.
-fn deadline_event(kind: ApiKind, which: &str, ms: u64) -> String {
-    let message = format!("sluice latency-guard: {which} deadline of {ms} ms exceeded; the response was cut here");
-    let body = error_body(Some(kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
-    match kind {
-        ApiKind::AnthropicMessages => format!("event: error\ndata: {body}\n\n"),
-        ApiKind::Responses => {
-            let event = serde_json::json!({"type": "error", "code": format!("{which}_deadline_exceeded"), "message": message, "param": null});
-            format!("event: error\ndata: {event}\n\n")
-        }
-        _ => format!("data: {body}\n\ndata: [DONE]\n\n"),
-    }
 }
 
 fn write_refusal_stamp(g: &Guarded, version: &str, outcome: &str) {
@@ -824,114 +663,101 @@ fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFl
     }
 }
 
-impl Watch {
-    fn ttft_ms(&self) -> u64 {
-        self.ttft_deadline_ns.map(|d| d.saturating_sub(self.start_ns) / 1_000_000).unwrap_or(0)
-    }
-    fn total_ms(&self) -> u64 {
-        self.total_deadline_ns.map(|d| d.saturating_sub(self.start_ns) / 1_000_000).unwrap_or(0)
-    }
-}
-
 impl Shared {
-    /// One watched stream on a tick: release it at its first token, or fire its deadline.
+    /// One watched stream on a tick: release it at its first token, fire its deadline, or reset it
+    /// after its error event; what to do is core's ([`StreamWatch::on_tick`]).
     fn tick_stream(&mut self, id: u32, now: u64) {
-        let Some(w) = self.watched.get(&id).cloned() else { return };
-        if let Some(at) = w.reset_at_ns {
-            if now >= at {
-                if host::set_effective_context(id) {
-                    host::reset_stream();
-                }
-                if let Some(w) = self.watched.get_mut(&id) {
-                    w.reset_at_ns = None;
-                }
+        let Some(w) = self.watched.get_mut(&id) else { return };
+        let mark = if w.machine.is_held() {
+            if !host::set_effective_context(id) {
+                self.watched.remove(&id);
+                return;
             }
-            return;
-        }
-        if w.fired.is_some() {
-            return;
-        }
-        if w.held && self.release_if_ready(id) {
-            return;
-        }
-        let ttft_due = w.first_token_ns.is_none() && w.ttft_deadline_ns.is_some_and(|d| now >= d);
-        let total_due = w.total_deadline_ns.is_some_and(|d| now >= d);
-        if !ttft_due && !total_due {
+            Some(first_token_mark())
+        } else {
+            None
+        };
+        let effects = w.machine.on_tick(now, mark);
+        if effects.is_empty() {
             return;
         }
         if !host::set_effective_context(id) {
+            // The stream is gone: nothing to act on, nothing more to watch.
             self.watched.remove(&id);
             return;
         }
-        if !ttft_due && w.started {
-            // Headers went out: the error event needs a chunk to ride on (the body callback puts it
-            // there); a stream that stays silent is reset.
-            match w.chunk_wait_until_ns {
-                None => {
-                    if let Some(w) = self.watched.get_mut(&id) {
-                        w.chunk_wait_until_ns = Some(now.saturating_add(CHUNK_WAIT_NS));
-                    }
-                    return;
-                }
-                Some(until) if now < until => return,
-                Some(_) => {}
-            }
-        }
-        let which = if ttft_due { "ttft" } else { "total" };
-        let ms = if ttft_due { w.ttft_ms() } else { w.total_ms() };
-        let fired = if !w.started {
-            // Nothing has reached the client: a clean 504 in the API's error shape. Envoy resets
-            // the upstream request.
-            let message = format!(
-                "sluice latency-guard: {} of model version {} did not arrive within the {which} deadline of {ms} ms",
-                if ttft_due { "the first token" } else { "the response" },
-                w.version
-            );
-            let body = error_body(Some(w.kind), &message, "timeout", &format!("{which}_deadline_exceeded"));
-            host::gateway_local_reply(
-                GatewayEnd::Deadline,
-                504,
-                &[("content-type", "application/json"), ("x-sluice-deadline", which), ("x-sluice-refused-by", "latency-guard")],
-                body.as_bytes(),
-            );
-            if ttft_due {
-                Fired::TtftReply
-            } else {
-                Fired::TotalReply
-            }
-        } else {
-            // Headers went out and no data is flowing to carry an error event: all that is left.
-            host::mark_gateway_reply(GatewayReply { status: w.status, end: GatewayEnd::Deadline });
-            host::reset_stream();
-            if ttft_due {
-                Fired::TtftReset
-            } else {
-                Fired::TotalReset
-            }
-        };
-        if let Some(w) = self.watched.get_mut(&id) {
-            w.fired = Some(fired);
-            w.held = false;
-        }
-        log::info!(
-            "sluice latency-guard: {which} deadline of {ms} ms fired for a request to {} after {} ms: {}",
-            w.version,
-            now.saturating_sub(w.start_ns) / 1_000_000,
-            fired.action()
-        );
-        self.count_deadline(id, fired);
+        self.apply(id, now, &effects, 0);
     }
 
-    /// Sets the tick to fire when the next thing is due: the earliest deadline, reset or wait of a
-    /// watched stream, a held stream's poll, else [`IDLE_TICK`] (open breakers); at least [`TICK`]
-    /// apart, rounded up to whole milliseconds so that nothing fires early. A hostcall only when
-    /// the period changes.
+    /// Applies a watched stream's effects, in order, in that stream's context. `body_size`: the
+    /// size of the response chunk in a body callback (0 elsewhere). `Pause` when the response
+    /// headers are held.
+    fn apply(&mut self, id: u32, now: u64, effects: &Effects, body_size: usize) -> Action {
+        let Some(w) = self.watched.get(&id) else { return Action::Continue };
+        let (api, version) = (w.kind, Rc::clone(&w.version));
+        let mut action = Action::Continue;
+        for effect in effects {
+            match *effect {
+                Effect::Hold => {
+                    if let Some((name, _)) = &self.release_queue {
+                        host::set_property(RELEASE_PROPERTY, format!("{id} {name} {}", self.vm_id).as_bytes());
+                    }
+                    action = Action::Pause;
+                }
+                Effect::Unmarked => {
+                    if !self.warned_no_first_token_signal {
+                        self.warned_no_first_token_signal = true;
+                        log::warn!(
+                            "sluice latency-guard: a stream without llm-metrics' first-token mark (llm-metrics missing \
+                             behind the guard, or skipping this response: content-encoding, path_prefixes); such streams \
+                             are not held and a TTFT deadline can only reset them"
+                        );
+                    }
+                }
+                // A failure is logged by the host layer.
+                Effect::Release => {
+                    host::resume_response();
+                }
+                Effect::RecordTtft { ttft_us } => {
+                    self.update_window_and_judge(&version, now, |store, key, config| window::update_ttft(store, key, config, now, ttft_us));
+                }
+                // Nothing to do on the host: the tick comes back when the wait ends.
+                Effect::AwaitChunk { .. } => {}
+                Effect::Reply504 { kind, deadline_ms } => {
+                    // Envoy resets the upstream request.
+                    let body = deadline::reply_504_body(api, kind, &version, deadline_ms);
+                    host::gateway_local_reply(
+                        GatewayEnd::Deadline,
+                        504,
+                        &[("content-type", "application/json"), ("x-sluice-deadline", kind.as_str()), ("x-sluice-refused-by", "latency-guard")],
+                        body.as_bytes(),
+                    );
+                }
+                Effect::MarkReply(reply) => host::mark_gateway_reply(reply),
+                Effect::Reset => {
+                    host::reset_stream();
+                }
+                Effect::ErrorEvent { kind, deadline_ms } => {
+                    host::replace_body(BufferType::HttpResponseBody, body_size, deadline::error_event(api, kind, deadline_ms).as_bytes());
+                }
+                Effect::DropChunk => host::replace_body(BufferType::HttpResponseBody, body_size, b""),
+                Effect::CountFired(fired) => self.count_deadline(&version, fired),
+                Effect::LogFired { fired, deadline_ms, after_ms } => log::info!(
+                    "sluice latency-guard: {} deadline of {deadline_ms} ms fired for a request to {version} after {after_ms} ms: {}",
+                    fired.kind().as_str(),
+                    fired.action()
+                ),
+                Effect::Reschedule => self.schedule_tick(now),
+            }
+        }
+        action
+    }
+
+    /// Sets the tick to fire when the next thing is due on this worker ([`deadline::tick_period_ms`]).
+    /// A hostcall only when the period changes.
     fn schedule_tick(&mut self, now: u64) {
         let queue = self.release_queue.is_some();
-        let idle = IDLE_TICK.as_nanos() as u64;
-        let next = self.watched.values().filter_map(|w| w.next_due_ns(now, queue)).fold(now.saturating_add(idle), u64::min);
-        let tick = TICK.as_millis() as u64;
-        let period_ms = next.saturating_sub(now).div_ceil(1_000_000).clamp(tick, IDLE_TICK.as_millis() as u64);
+        let period_ms = deadline::tick_period_ms(now, self.watched.values().filter_map(|w| w.machine.next_due_ns(now, queue)));
         if period_ms == self.tick_period_ms {
             return;
         }
@@ -941,41 +767,25 @@ impl Shared {
         }
     }
 
-    /// Releases a held stream whose first token llm-metrics has marked; `true` when released (or
-    /// gone).
-    fn release_if_ready(&mut self, id: u32) -> bool {
+    /// Releases a held stream whose first token llm-metrics has marked (or forgets it when gone).
+    fn release_if_ready(&mut self, id: u32, now: u64) {
         if !host::set_effective_context(id) {
             self.watched.remove(&id);
-            return true;
-        }
-        let first = host::property(&[FIRST_TOKEN_PROPERTY.to_string()]).and_then(|v| v.parse::<u64>().ok()).filter(|&t| t > 0);
-        let Some(first) = first else { return false };
-        if let Some(w) = self.watched.get_mut(&id) {
-            w.held = false;
-            w.started = true;
-            w.first_token_ns = Some(first);
-        }
-        host::resume_response();
-        self.record_first_token(id, first, host::now_ns());
-        true
-    }
-
-    /// A stream's TTFT into its version's window at the first token, so a TTFT regression reaches
-    /// the breaker without waiting for the end of every generation.
-    fn record_first_token(&mut self, id: u32, first_ns: u64, now: u64) {
-        let Some(w) = self.watched.get_mut(&id) else { return };
-        if w.ttft_recorded {
             return;
         }
-        w.ttft_recorded = true;
-        let ttft_us = first_ns.saturating_sub(w.start_ns) / 1000;
-        let version = Rc::clone(&w.version);
-        self.update_window_and_judge(&version, now, |store, key, config| window::update_ttft(store, key, config, now, ttft_us));
+        let mark = first_token_mark();
+        let Some(w) = self.watched.get_mut(&id) else { return };
+        let effects = w.machine.on_first_token_mark(mark);
+        self.apply(id, now, &effects, 0);
     }
 
-    fn count_deadline(&mut self, id: u32, fired: Fired) {
-        let version = self.watched.get(&id).map(|w| sanitize_label(&w.version)).unwrap_or_default();
-        self.metrics.add(MetricType::Counter, &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind(), fired.action()), 1);
+    fn count_deadline(&mut self, version: &str, fired: Fired) {
+        let version = sanitize_label(version);
+        self.metrics.add(
+            MetricType::Counter,
+            &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind().as_str(), fired.action()),
+            1,
+        );
     }
 
     fn count_shed(&mut self, version_label: &str, priority: Priority, reason: &str) {
