@@ -7,13 +7,12 @@
 //! [`Effect`]s that come back in order. Nothing here reads a clock or calls the host.
 //!
 //! ```text
-//!  AwaitingHeaders ─ headers, mark "0" ─► Held ─ mark <t> (release) ──────┐
-//!        │  └────── headers, not held ────────────────────────────────► Streaming
-//!        │                                 │                               │
-//!        └─ TTFT or total deadline ────────┴─► Replied(kind): 504          ├─ TTFT deadline (unmarked) ─► Reset(ttft)
-//!                                                                          ├─ total: no chunk in CHUNK_WAIT ─► Reset(total)
-//!                                                                          └─ total: next chunk ─► Cut: error event,
-//!                                                                                                   reset END_GRACE later
+//! AwaitingHeaders ── headers, mark "0" ──► Held ── mark <t> ──► Streaming ◄── headers, not held ── AwaitingHeaders
+//!   │                                       │                    │
+//!   │ TTFT or total deadline                │ deadline           ├── TTFT deadline (not held: unmarked) ──► Reset(ttft)
+//!   └──────────────► Replied(kind): 504 ◄───┘                    ├── total deadline, no chunk in CHUNK_WAIT ──► Reset(total)
+//!                                                                └── chunk past the total deadline ──► Cut: error event,
+//!                                                                    reset END_GRACE later, later chunks dropped
 //! ```
 
 use crate::api::ApiKind;
