@@ -48,6 +48,7 @@ CONFIGS = [
     # Reference rows: what any wasm filter costs (one that sets one header), and the architecture
     # users would otherwise pick, a no-op external processor (Envoy's side of the gRPC round trips).
     ("trivial wasm filter", ROOT / "envoy/bench/floor.yaml"),
+    ("4 trivial wasm filters", ROOT / "envoy/bench/floor4.yaml"),
     ("no-op ext_proc", ROOT / "envoy/bench/extproc.yaml"),
     ("sluice llm-metrics", ROOT / "envoy/templates/gateway.yaml"),
     ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),

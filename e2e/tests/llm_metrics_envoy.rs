@@ -278,6 +278,6 @@ fn the_bench_envoy_configs_validate() {
         Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
         checked += 1;
     }
-    assert!(checked >= 4, "expected the bench configs (none, floor, lua, extproc), checked {checked}");
+    assert!(checked >= 5, "expected the bench configs (none, floor, floor4, lua, extproc), checked {checked}");
     let _ = std::fs::remove_dir_all(&dir);
 }
