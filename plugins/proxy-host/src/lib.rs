@@ -88,22 +88,30 @@ pub fn set_property(key: &str, value: &[u8]) {
 /// configuration, so the map is bounded too.
 #[derive(Default)]
 pub struct Metrics {
-    ids: HashMap<(String, u8), u32>,
+    /// One map per metric kind, keyed by name: a lookup borrows the name (no allocation per
+    /// sample on the hot path; a name is copied once, when first defined).
+    ids: [HashMap<String, u32>; 3],
 }
 
-fn kind_key(kind: MetricType) -> u8 {
-    kind as u8
+/// The map of `kind`; `None` for a kind the SDK may add later (then the sample is dropped).
+fn kind_index(kind: MetricType) -> Option<usize> {
+    match kind {
+        MetricType::Counter => Some(0),
+        MetricType::Gauge => Some(1),
+        MetricType::Histogram => Some(2),
+        _ => None,
+    }
 }
 
 impl Metrics {
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
-        let key = (name.to_string(), kind_key(kind));
-        if let Some(id) = self.ids.get(&key) {
+        let ids = self.ids.get_mut(kind_index(kind)?)?;
+        if let Some(id) = ids.get(name) {
             return Some(*id);
         }
         match hostcalls::define_metric(kind, name) {
             Ok(id) => {
-                self.ids.insert(key, id);
+                ids.insert(name.to_string(), id);
                 Some(id)
             }
             Err(status) => {
@@ -232,23 +240,23 @@ pub fn resume_request() {
 }
 
 /// proxy-wasm shared data (one Envoy process, every worker and VM) as a CAS store for
-/// `sluice_core::budget::ledger`.
+/// `sluice_core::store` (budget ledger, latency windows and breakers, shared counters).
 pub struct SharedData;
 
-impl sluice_core::budget::SharedStore for SharedData {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), sluice_core::budget::StoreError> {
+impl sluice_core::store::SharedStore for SharedData {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), sluice_core::store::StoreError> {
         match hostcalls::get_shared_data(key) {
             Ok((value, cas)) => Ok((value, cas.unwrap_or(0))),
-            Err(status) => Err(sluice_core::budget::StoreError::Unavailable(format!("{status:?}"))),
+            Err(status) => Err(sluice_core::store::StoreError::Unavailable(format!("{status:?}"))),
         }
     }
 
-    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), sluice_core::budget::StoreError> {
+    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), sluice_core::store::StoreError> {
         let cas = if cas == 0 { None } else { Some(cas) };
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
-            Err(proxy_wasm::types::Status::CasMismatch) => Err(sluice_core::budget::StoreError::CasMismatch),
-            Err(status) => Err(sluice_core::budget::StoreError::Unavailable(format!("{status:?}"))),
+            Err(proxy_wasm::types::Status::CasMismatch) => Err(sluice_core::store::StoreError::CasMismatch),
+            Err(status) => Err(sluice_core::store::StoreError::Unavailable(format!("{status:?}"))),
         }
     }
 }
@@ -261,6 +269,34 @@ extern "C" {
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_close_stream(stream_type: u32) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+}
+
+/// How many times header `name` is present in `map` (Envoy's single-value read returns only the
+/// first of a repeated header). `None`, logged at debug, when the host cannot give the map or gives
+/// bytes that are not the ABI's layout. The SDK's `get_map_bytes` panics on an unexpected status and
+/// on a name that is not UTF-8; this reads the raw pairs instead.
+pub fn header_count(map: MapType, name: &str) -> Option<usize> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: a proxy-wasm ABI 0.2.1 import writing a pointer and a size into the two locals; the
+    // buffer it returns was allocated by this module's allocator (`proxy_on_memory_allocate`) for
+    // exactly `size` bytes, and ownership passes to us.
+    let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+    if status != STATUS_OK {
+        log::debug!("proxy_get_header_map_pairs returned status {status}");
+        return None;
+    }
+    if data.is_null() {
+        return Some(0);
+    }
+    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
+    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+    let count = sluice_core::identity::header_occurrences(&bytes, name);
+    if count.is_none() {
+        log::debug!("the host's header map is not in the ABI's layout ({size} bytes)");
+    }
+    count
 }
 
 const STREAM_RESPONSE: u32 = 1;
