@@ -40,6 +40,16 @@ ITL_MS = 100
 WINDOW = (3.0, 13.0)
 
 
+def guard_policy():
+    """The demo guard policy with its in-flight limit far above the bench's streams: the guard still
+    counts every stream in and out, but sheds none (a shed stream would send no events)."""
+    policy = json.loads((ROOT / "policies/latency-guard.demo.json").read_text())
+    for version in policy["versions"]:
+        if "in_flight" in version:
+            version["in_flight"]["limit"] = 1_000_000
+    return policy
+
+
 def without_guard(template):
     """The full gateway's text without its latency-guard filter block."""
     lines = template.splitlines(keepends=True)
@@ -132,7 +142,7 @@ def main():
         "PLUGIN_CONFIG": load.yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text()),
         "BUDGET_CONFIG": budget,
         "ROUTER_CONFIG": load.yaml_string_body(load.router_policy(0.0)),
-        "LATENCY_CONFIG": load.yaml_string_body((ROOT / "policies/latency-guard.demo.json").read_text()),
+        "LATENCY_CONFIG": load.yaml_string_body(json.dumps(guard_policy())),
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
