@@ -159,6 +159,8 @@ pub struct MockHead {
     pub at_ms: u64,
     /// `none`, `receiving`, `complete`, `incomplete`, `bad`.
     pub body: String,
+    /// Every header line the mock read, names lower-cased, values trimmed, in order, duplicates kept.
+    pub headers: Vec<(String, String)>,
 }
 
 impl MockHead {
@@ -173,7 +175,17 @@ impl MockHead {
             request_id: text("request_id"),
             at_ms: num("at_ms")?,
             body: text("body").unwrap_or_default(),
+            headers: v
+                .get("headers")
+                .and_then(serde_json::Value::as_array)
+                .map(|pairs| pairs.iter().filter_map(|p| Some((p.get(0)?.as_str()?.to_string(), p.get(1)?.as_str()?.to_string()))).collect())
+                .unwrap_or_default(),
         })
+    }
+
+    /// Every value of header `name` (lower-case) in this head, in order.
+    pub fn values(&self, name: &str) -> Vec<&str> {
+        self.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect()
     }
 }
 

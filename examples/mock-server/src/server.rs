@@ -151,7 +151,7 @@ fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
         let read = http::read_head(&mut reader).and_then(|head| {
             let empty = matches!(head.body, BodyFraming::None | BodyFraming::Length(0));
             let announced = if empty { BodyState::None } else { BodyState::Receiving };
-            let seq = shared.traffic.head(conn_id, &head.method, &head.path, head.header("x-request-id"), announced);
+            let seq = shared.traffic.head(conn_id, &head.method, &head.path, &head.headers, announced);
             let req = http::read_body(&mut reader, &mut writer, head);
             let body = match &req {
                 Ok(_) if announced == BodyState::None => BodyState::None,

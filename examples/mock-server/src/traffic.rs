@@ -73,6 +73,9 @@ pub struct HeadRecord {
     /// Milliseconds since the Unix epoch, when the head was read.
     pub at_ms: u64,
     pub body: BodyState,
+    /// Every header line as read (names lower-cased, values trimmed), in order, duplicates kept:
+    /// what proves which headers a gateway forwarded and which it removed.
+    pub headers: Vec<(String, String)>,
 }
 
 #[derive(Debug, Default)]
@@ -127,8 +130,10 @@ impl Traffic {
         }
     }
 
-    /// Records a request head read on connection `connection`; returns its sequence number.
-    pub fn head(&self, connection: u64, method: &str, path: &str, request_id: Option<&str>, body: BodyState) -> u64 {
+    /// Records a request head read on connection `connection` with its header lines; returns its
+    /// sequence number.
+    pub fn head(&self, connection: u64, method: &str, path: &str, headers: &[(String, String)], body: BodyState) -> u64 {
+        let request_id = headers.iter().find(|(n, _)| n == "x-request-id").map(|(_, v)| v.as_str());
         let mut logs = self.logs();
         logs.next_head += 1;
         let seq = logs.next_head;
@@ -146,6 +151,7 @@ impl Traffic {
             request_id: request_id.map(str::to_string),
             at_ms: now_ms(),
             body,
+            headers: headers.to_vec(),
         });
         seq
     }
@@ -186,7 +192,8 @@ impl Traffic {
         json!({"accepted": logs.accepted, "open": open, "connections": list})
     }
 
-    /// `[{"seq", "connection", "method", "path", "request_id", "at_ms", "body"}, …]`, oldest first.
+    /// `[{"seq", "connection", "method", "path", "request_id", "at_ms", "body", "headers"}, …]`,
+    /// oldest first; `headers` is `[[name, value], …]` in arrival order.
     pub fn heads_json(&self) -> Value {
         let logs = self.logs();
         Value::Array(
@@ -194,7 +201,7 @@ impl Traffic {
                 .iter()
                 .map(|h| {
                     json!({"seq": h.seq, "connection": h.connection, "method": h.method, "path": h.path,
-                           "request_id": h.request_id, "at_ms": h.at_ms, "body": h.body.name()})
+                           "request_id": h.request_id, "at_ms": h.at_ms, "body": h.body.name(), "headers": h.headers})
                 })
                 .collect(),
         )
@@ -210,7 +217,8 @@ mod tests {
     fn heads_and_connections_are_updated_in_place_and_bounded() {
         let t = Traffic::default();
         let c = t.connection_opened("127.0.0.1:1", false);
-        let h = t.head(c, "POST", "/v1/messages", Some("a"), BodyState::Receiving);
+        let sent = [("x-request-id".to_string(), "a".to_string()), ("x-dup".to_string(), "1".to_string()), ("x-dup".to_string(), "2".to_string())];
+        let h = t.head(c, "POST", "/v1/messages", &sent, BodyState::Receiving);
         t.body(h, BodyState::Incomplete);
         t.connection_closed(c);
         let conns = t.connections_json();
@@ -220,8 +228,9 @@ mod tests {
         let heads = t.heads_json();
         assert_eq!(heads[0]["body"], "incomplete");
         assert_eq!(heads[0]["request_id"], "a");
+        assert_eq!(heads[0]["headers"], json!([["x-request-id", "a"], ["x-dup", "1"], ["x-dup", "2"]]));
         for _ in 0..CAPACITY + 1 {
-            t.head(c, "GET", "/health", None, BodyState::None);
+            t.head(c, "GET", "/health", &[], BodyState::None);
         }
         let heads = t.heads_json();
         let heads = heads.as_array().map(Vec::as_slice).unwrap_or_default();

@@ -20,6 +20,17 @@ pub const ROUTE_PROPERTY: &str = "sluice_route";
 /// before it replies.
 pub const GATEWAY_REPLY_PROPERTY: &str = "sluice_gateway_reply";
 
+/// model-router's mark on the shadow copies it sends (`x-sluice-shadow: 1`), which tells the shadow's
+/// upstream that its answer goes nowhere.
+pub const SHADOW_HEADER: &str = "x-sluice-shadow";
+
+/// Headers only sluice writes — the shadow mark, and the response headers the plugins add
+/// (tenant-budget's soft-limit warning and clamp, latency-guard's deadline and refusal) — that a
+/// client may send on a request: model-router removes them from every request (with its configured
+/// route, version and override headers), so none reaches an upstream as if sluice had written it.
+pub const CLIENT_FORBIDDEN_HEADERS: &[&str] =
+    &[SHADOW_HEADER, "x-sluice-budget-warning", "x-sluice-clamped-max-tokens", "x-sluice-deadline", "x-sluice-refused-by"];
+
 /// Why the gateway ended a request itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GatewayEnd {

@@ -68,6 +68,44 @@ fn trim_ows(value: &[u8]) -> &[u8] {
     value.get(start..end).unwrap_or_default()
 }
 
+/// How many entries named `name` (ASCII case-insensitive) a header map holds, from the map as the
+/// proxy-wasm ABI serialises it (`proxy_get_header_map_pairs`): a little-endian `u32` count, then a
+/// `u32` name size and a `u32` value size per entry, then each name and each value followed by a
+/// NUL byte. `None` when the bytes do not follow that layout.
+///
+/// Envoy's single-value read (`proxy_get_header_map_value`) returns only the first of a repeated
+/// header, so an identity read that way would let a second copy — or a client's copy ahead of the
+/// one an auth filter appended — go unseen; callers use this to refuse a repeated identity source.
+pub fn header_occurrences(serialized: &[u8], name: &str) -> Option<usize> {
+    let word = |at: usize| -> Option<usize> {
+        let bytes: [u8; 4] = serialized.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        usize::try_from(u32::from_le_bytes(bytes)).ok()
+    };
+    if serialized.is_empty() {
+        return Some(0);
+    }
+    let entries = word(0)?;
+    let mut sizes_at = 4usize;
+    let mut data_at = entries.checked_mul(8)?.checked_add(4)?;
+    if data_at > serialized.len() {
+        return None;
+    }
+    let mut found = 0usize;
+    for _ in 0..entries {
+        let (name_len, value_len) = (word(sizes_at)?, word(sizes_at.checked_add(4)?)?);
+        sizes_at = sizes_at.checked_add(8)?;
+        let entry_name = serialized.get(data_at..data_at.checked_add(name_len)?)?;
+        if entry_name.eq_ignore_ascii_case(name.as_bytes()) {
+            found = found.saturating_add(1);
+        }
+        data_at = data_at.checked_add(name_len)?.checked_add(1)?.checked_add(value_len)?.checked_add(1)?;
+        if data_at > serialized.len() {
+            return None;
+        }
+    }
+    Some(found)
+}
+
 const PADDING_INDIFFERENT: GeneralPurposeConfig = GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
 const URL_SAFE_ANY_PADDING: GeneralPurpose = GeneralPurpose::new(&alphabet::URL_SAFE, PADDING_INDIFFERENT);
 const STANDARD_ANY_PADDING: GeneralPurpose = GeneralPurpose::new(&alphabet::STANDARD, PADDING_INDIFFERENT);

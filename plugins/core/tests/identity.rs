@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use proptest::prelude::*;
-use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex, MAX_JWT_PAYLOAD_HEADER_BYTES};
+use sluice_core::identity::{api_key_from_headers, header_occurrences, jwt_payload_claim, sha256_hex, MAX_JWT_PAYLOAD_HEADER_BYTES};
 
 #[test]
 fn sha256_known_vectors() {
@@ -161,5 +161,46 @@ proptest! {
     fn bearer_round_trip(k in "[!-~]{1,64}", spaces in 1usize..5, scheme in "[bB][eE][aA][rR][eE][rR]") {
         let h = format!("{scheme}{}{k}", " ".repeat(spaces));
         prop_assert_eq!(api_key_from_headers(Some(h.as_bytes()), None), Some(k.into_bytes()));
+    }
+}
+
+/// A header map serialised as `proxy_get_header_map_pairs` returns it.
+fn serialise(pairs: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+    for (n, v) in pairs {
+        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (n, v) in pairs {
+        out.extend_from_slice(n.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+#[test]
+fn header_occurrences_counts_repeats_in_any_case() {
+    let map = serialise(&[(":path", "/v1/chat/completions"), ("x-sluice-tenant", "globex"), ("x-other", ""), ("X-Sluice-Tenant", "acme")]);
+    assert_eq!(header_occurrences(&map, "x-sluice-tenant"), Some(2));
+    assert_eq!(header_occurrences(&map, "x-other"), Some(1));
+    assert_eq!(header_occurrences(&map, ":path"), Some(1));
+    assert_eq!(header_occurrences(&map, "x-absent"), Some(0));
+    assert_eq!(header_occurrences(&[], "x-sluice-tenant"), Some(0));
+    assert_eq!(header_occurrences(&serialise(&[]), "x-sluice-tenant"), Some(0));
+    // Truncated anywhere, or a count larger than the entries: not the layout.
+    for cut in 1..map.len() {
+        assert_eq!(header_occurrences(&map[..cut], "x-sluice-tenant"), None, "cut at {cut}");
+    }
+    let mut lying = map.clone();
+    lying[0] = 9;
+    assert_eq!(header_occurrences(&lying, "x-sluice-tenant"), None);
+}
+
+proptest! {
+    #[test]
+    fn header_occurrences_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = header_occurrences(&bytes, "x-sluice-tenant");
     }
 }

@@ -297,7 +297,7 @@ fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
 }
 
 /// Filter state latency-guard writes: `version>preferred-fallback` entries, comma-separated.
-use sluice_core::contract::{GatewayEnd, AVOID_PROPERTY};
+use sluice_core::contract::{GatewayEnd, AVOID_PROPERTY, CLIENT_FORBIDDEN_HEADERS, SHADOW_HEADER};
 
 /// The versions latency-guard asked this request to avoid, with the fallback it prefers (may be empty).
 fn avoided_versions() -> Vec<(String, String)> {
@@ -341,6 +341,9 @@ impl HttpContext for Stream {
         let (route_header, version_header) = (sh.policy.route_header().to_string(), sh.policy.version_header().to_string());
         let client_override = sh.policy.override_client_header().map(str::to_string);
         for name in [Some(route_header.as_str()), Some(version_header.as_str()), client_override.as_deref()].into_iter().flatten() {
+            host::set_header(MapType::HttpRequestHeaders, name, None);
+        }
+        for name in CLIENT_FORBIDDEN_HEADERS {
             host::set_header(MapType::HttpRequestHeaders, name, None);
         }
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
@@ -489,7 +492,7 @@ impl HttpContext for Stream {
                         (":path".into(), r.path.clone()),
                         (":authority".into(), authority),
                         ("content-type".into(), "application/json".into()),
-                        ("x-sluice-shadow".into(), "1".into()),
+                        (SHADOW_HEADER.into(), "1".into()),
                         ("x-request-id".into(), r.request_id.clone()),
                     ],
                     body: shadow_body,

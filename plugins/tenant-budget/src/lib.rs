@@ -517,8 +517,18 @@ enum Credential {
 
 /// Tries the sources in the documented order (API key, header, JWT claim) and returns the first
 /// credential `accept` maps to something; a source that is absent, or not accepted, passes to the next.
+///
+/// A header that is present more than once is no credential (nor is one whose count the host cannot
+/// give): Envoy's single-value read returns only the first copy, so a client's copy ahead of the one
+/// an auth filter appended — or two copies naming two tenants — must not name anyone.
 fn first_credential<T>(api_key: bool, header: Option<&str>, jwt: Option<&JwtConfig>, mut accept: impl FnMut(Credential) -> Option<T>) -> Option<T> {
-    let bytes = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
+    let once = |name: &str| host::header_count(MapType::HttpRequestHeaders, name) == Some(1);
+    let bytes = |name: &str| {
+        if !once(name) {
+            return None;
+        }
+        proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+    };
     if api_key {
         if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
             if let Some(found) = accept(Credential::ApiKeyHash(sha256_hex(&key))) {
@@ -526,7 +536,7 @@ fn first_credential<T>(api_key: bool, header: Option<&str>, jwt: Option<&JwtConf
             }
         }
     }
-    if let Some(value) = header.and_then(|h| host::header(MapType::HttpRequestHeaders, h)) {
+    if let Some(value) = header.filter(|h| once(h)).and_then(|h| host::header(MapType::HttpRequestHeaders, h)) {
         if let Some(found) = accept(Credential::Header(value.trim().to_string())) {
             return Some(found);
         }
