@@ -15,6 +15,8 @@
 //! - [`price`]: validated price table, glob lookup and integer micro-USD cost.
 //! - [`reply`]: error bodies of replies sluice sends itself, in the API's own error shape.
 //! - [`report`]: what a finished request becomes: labelled metric samples and the access-log stamp.
+//! - [`metrics`]: the catalogue of metric names: one constructor per family of every plugin, and
+//!   the table of families (kind, labels, unit) the tests check against `envoy/` and `docs/`.
 //! - [`rewrite`]: request body edits (inject `include_usage`, cap output tokens) and the SSE filter
 //!   that hides the injected usage from the client.
 //! - [`identity`]: API-key hashing and extraction, claims from a verified JWT payload.
@@ -30,6 +32,7 @@ pub mod budget;
 pub mod contract;
 pub mod identity;
 pub mod latency;
+pub mod metrics;
 pub mod price;
 pub mod reply;
 pub mod report;

@@ -182,17 +182,6 @@ pub struct Sample {
     pub value: u64,
 }
 
-fn status_class(status: u16) -> &'static str {
-    match status {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        500..=599 => "5xx",
-        _ => "none",
-    }
-}
-
 const NS_PER_MS: u64 = 1_000_000;
 const NS_PER_US: u64 = 1_000;
 
@@ -242,42 +231,40 @@ impl RequestRecord {
     /// Every metric sample this request contributes. Timing histograms only get a sample when the
     /// figure is defined (no TTFT without a content token, no TPOT with fewer than two tokens).
     pub fn samples(&self) -> Vec<Sample> {
-        let labels = self.labels.suffix();
+        use crate::metrics;
+        let series = metrics::RequestSeries::new(&self.labels);
         let mut out = Vec::with_capacity(16);
-        let mut push = |kind: MetricKind, metric: &str, extra: &str, value: u64| {
-            out.push(Sample { kind, name: format!("{METRIC_PREFIX}.{metric}{labels}{extra}"), value });
-        };
-        let finish = finish_label(self.response.finish_reason.as_deref());
-        let usage = if self.response.usage_reported { "reported" } else { "estimated" };
-        push(MetricKind::Counter, "requests_total", &format!(".status.{}.finish.{}.usage.{}", status_class(self.status), finish, usage), 1);
+        let mut push = |kind: MetricKind, name: String, value: u64| out.push(Sample { kind, name, value });
+        let requests = metrics::requests_total(&series, self.status, self.response.finish_reason.as_deref(), self.response.usage_reported);
+        push(MetricKind::Counter, requests, 1);
         if let Some(ttft) = self.ttft_ns() {
-            push(MetricKind::Histogram, "ttft_ms", "", ttft / NS_PER_MS);
+            push(MetricKind::Histogram, metrics::ttft_ms(&series), ttft / NS_PER_MS);
         }
         if let Some(tpot) = self.tpot_ns() {
-            push(MetricKind::Histogram, "tpot_us", "", tpot / NS_PER_US);
+            push(MetricKind::Histogram, metrics::tpot_us(&series), tpot / NS_PER_US);
         }
         if let Some(tps) = self.decode_tokens_per_s() {
-            push(MetricKind::Histogram, "decode_tokens_per_s", "", tps);
+            push(MetricKind::Histogram, metrics::decode_tokens_per_s(&series), tps);
         }
-        push(MetricKind::Histogram, "request_duration_ms", "", self.duration_ns() / NS_PER_MS);
+        push(MetricKind::Histogram, metrics::request_duration_ms(&series), self.duration_ns() / NS_PER_MS);
 
         let (input, output) = (self.input_tokens(), self.output_tokens());
-        push(MetricKind::Histogram, "input_tokens", "", input);
-        push(MetricKind::Histogram, "output_tokens", "", output);
-        push(MetricKind::Counter, "input_tokens_total", "", input);
-        push(MetricKind::Counter, "output_tokens_total", "", output);
+        push(MetricKind::Histogram, metrics::input_tokens(&series), input);
+        push(MetricKind::Histogram, metrics::output_tokens(&series), output);
+        push(MetricKind::Counter, metrics::input_tokens_total(&series), input);
+        push(MetricKind::Counter, metrics::output_tokens_total(&series), output);
         let usage_figures = &self.response.usage;
-        push(MetricKind::Counter, "cached_input_tokens_total", "", usage_figures.cached_input_tokens);
-        push(MetricKind::Counter, "reasoning_tokens_total", "", usage_figures.reasoning_tokens);
+        push(MetricKind::Counter, metrics::cached_input_tokens_total(&series), usage_figures.cached_input_tokens);
+        push(MetricKind::Counter, metrics::reasoning_tokens_total(&series), usage_figures.reasoning_tokens);
         if let Some(cost) = self.cost_micro_usd {
-            push(MetricKind::Counter, "cost_micro_usd_total", "", cost);
+            push(MetricKind::Counter, metrics::cost_micro_usd_total(&series), cost);
         }
         match self.outcome {
             Outcome::Completed => {}
-            Outcome::ClientDisconnect => push(MetricKind::Counter, "client_disconnects_total", "", 1),
-            Outcome::UpstreamError => push(MetricKind::Counter, "upstream_errors_total", "", 1),
-            Outcome::Refused => push(MetricKind::Counter, "gateway_replies_total", ".reason.refused", 1),
-            Outcome::Deadline => push(MetricKind::Counter, "gateway_replies_total", ".reason.deadline", 1),
+            Outcome::ClientDisconnect => push(MetricKind::Counter, metrics::client_disconnects_total(&series), 1),
+            Outcome::UpstreamError => push(MetricKind::Counter, metrics::upstream_errors_total(&series), 1),
+            Outcome::Refused => push(MetricKind::Counter, metrics::gateway_replies_total(&series, crate::contract::GatewayEnd::Refused), 1),
+            Outcome::Deadline => push(MetricKind::Counter, metrics::gateway_replies_total(&series, crate::contract::GatewayEnd::Deadline), 1),
         }
         out
     }
