@@ -32,6 +32,7 @@ use sluice_core::latency::deadline::{self, Effect, Effects, Finished, Fired, Fir
 use sluice_core::latency::{
     self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, StreamWatch, TenantSource, Transition, VersionPolicy,
 };
+use sluice_core::metrics::{self, ShedReason};
 use sluice_core::reply::error_body;
 use sluice_core::report::sanitize_label;
 use sluice_core::request::inspect_request_with_kind;
@@ -333,7 +334,7 @@ impl HttpContext for Guard {
                             host::replace_body(BufferType::HttpRequestBody, body_size, &rewrite.body);
                             let version = g.admitted.as_ref().map(|a| sanitize_label(&a.version)).unwrap_or_default();
                             if let Some(shared) = &self.shared {
-                                shared.borrow_mut().metrics.add(MetricType::Counter, &format!("sluice.latency.output_capped_total.version.{version}"), 1);
+                                shared.borrow_mut().metrics.add(MetricType::Counter, &metrics::latency_output_capped_total(&version), 1);
                             }
                         }
                         Err(e) => log::debug!("sluice latency-guard: output ceiling not written: {e}"),
@@ -425,11 +426,7 @@ impl HttpContext for Guard {
         if let (None, Some(reply)) = (fired, gateway) {
             let version_label = sanitize_label(&a.version);
             let outcome = sluice_core::report::Outcome::from(reply.end).as_str();
-            sh.metrics.add(
-                MetricType::Counter,
-                &format!("sluice.latency.requests_total.version.{version_label}.class.{}.outcome.{outcome}", sanitize_label(&g.class)),
-                1,
-            );
+            sh.metrics.add(MetricType::Counter, &metrics::latency_requests_total(&version_label, &sanitize_label(&g.class), outcome), 1);
             write_stamp(g, &a, outcome, reply.status, None);
             return;
         }
@@ -447,11 +444,7 @@ impl HttpContext for Guard {
             _ => "ok",
         };
         let version_label = sanitize_label(&a.version);
-        sh.metrics.add(
-            MetricType::Counter,
-            &format!("sluice.latency.requests_total.version.{version_label}.class.{}.outcome.{outcome}", sanitize_label(&g.class)),
-            1,
-        );
+        sh.metrics.add(MetricType::Counter, &metrics::latency_requests_total(&version_label, &sanitize_label(&g.class), outcome), 1);
         write_stamp(g, &a, outcome, gateway.map_or(g.status, |r| r.status), ttft_us);
         if client_gone {
             // Says nothing about the version's latency.
@@ -482,7 +475,7 @@ impl Guard {
                 Admission::Blocked => match b.action(priority) {
                     OpenAction::Reject => {
                         let retry = breaker.retry_after_s(now);
-                        sh.count_shed(&version_label, priority, "breaker_open");
+                        sh.count_shed(&version_label, priority, ShedReason::BreakerOpen);
                         let message = format!(
                             "model version {} is failing its latency objective (circuit open); {} requests are refused until it recovers",
                             vp.name,
@@ -495,11 +488,7 @@ impl Guard {
                     OpenAction::Fallback => {
                         // model-router was asked to avoid this version and could not (no router in the
                         // chain, or no available fallback): better served slowly than not at all.
-                        sh.metrics.add(
-                            MetricType::Counter,
-                            &format!("sluice.latency.fallback_unavailable_total.version.{version_label}.priority.{}", priority.as_str()),
-                            1,
-                        );
+                        sh.metrics.add(MetricType::Counter, &metrics::latency_fallback_unavailable_total(&version_label, priority), 1);
                     }
                 },
             }
@@ -509,10 +498,10 @@ impl Guard {
             match enter_in_flight(&vp, priority, &limit) {
                 InFlight::Entered(n) => {
                     counted_in_flight = true;
-                    sh.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{version_label}"), n);
+                    sh.metrics.set_gauge(&metrics::latency_in_flight(&version_label), n);
                 }
                 InFlight::Shed(n) => {
-                    sh.count_shed(&version_label, priority, "in_flight");
+                    sh.count_shed(&version_label, priority, ShedReason::InFlight);
                     let message = format!(
                         "model version {} has {n} requests in flight (limit {} for {} requests); try again shortly",
                         vp.name,
@@ -532,7 +521,7 @@ impl Guard {
         g.admitted = Some(Admitted { version: vp.name.clone(), probe, counted_in_flight });
         g.clamp_to = vp.max_output_tokens;
         if probe {
-            sh.metrics.add(MetricType::Counter, &format!("sluice.latency.probes_total.version.{version_label}"), 1);
+            sh.metrics.add(MetricType::Counter, &metrics::latency_probes_total(&version_label), 1);
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
         sh.watched.insert(self.context_id, Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine });
@@ -781,22 +770,18 @@ impl Shared {
 
     fn count_deadline(&mut self, version: &str, fired: Fired) {
         let version = sanitize_label(version);
-        self.metrics.add(
-            MetricType::Counter,
-            &format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind().as_str(), fired.action()),
-            1,
-        );
+        self.metrics.add(MetricType::Counter, &metrics::latency_deadline_total(&version, fired), 1);
     }
 
-    fn count_shed(&mut self, version_label: &str, priority: Priority, reason: &str) {
-        self.metrics.add(MetricType::Counter, &format!("sluice.latency.shed_total.version.{version_label}.priority.{}.reason.{reason}", priority.as_str()), 1);
+    fn count_shed(&mut self, version_label: &str, priority: Priority, reason: ShedReason) {
+        self.metrics.add(MetricType::Counter, &metrics::latency_shed_total(version_label, priority, reason), 1);
     }
 
     fn leave_in_flight(&mut self, version: &str) {
         let Some(vp) = self.policy.version(version) else { return };
         match update_counter(&vp.in_flight_key(), |n| Ok::<_, ()>(n.saturating_sub(1))) {
             CounterUpdate::Written(n) => {
-                self.metrics.set_gauge(&format!("sluice.latency.in_flight.version.{}", sanitize_label(version)), n);
+                self.metrics.set_gauge(&metrics::latency_in_flight(&sanitize_label(version)), n);
             }
             CounterUpdate::Contended => log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high"),
             CounterUpdate::Declined(()) | CounterUpdate::Unavailable => {}
@@ -833,7 +818,7 @@ impl Shared {
         match breaker::update(&mut store, breaker_key, &b.config, now, stats) {
             Ok((breaker, transition)) => {
                 let label = sanitize_label(name);
-                self.metrics.set_gauge(&format!("sluice.latency.breaker_state.version.{label}"), u64::from(breaker.state().state.code()));
+                self.metrics.set_gauge(&metrics::latency_breaker_state(&label), u64::from(breaker.state().state.code()));
                 if let Some(t) = transition {
                     self.on_transition(name, window_key, b, &t);
                 }
@@ -845,7 +830,7 @@ impl Shared {
     fn on_transition(&mut self, name: &str, window_key: &str, b: &latency::BreakerPolicy, t: &Transition) {
         let label = sanitize_label(name);
         log::warn!("sluice latency-guard: breaker of {name} {} → {}: {}", t.from.as_str(), t.to.as_str(), t.reason);
-        self.metrics.add(MetricType::Counter, &format!("sluice.latency.breaker_transitions_total.version.{label}.to.{}", t.to.as_str()), 1);
+        self.metrics.add(MetricType::Counter, &metrics::latency_breaker_transitions_total(&label, t.to), 1);
         if t.reset_window {
             if let Err(e) = window::reset(&mut host::SharedData, window_key, &b.window) {
                 log::warn!("sluice latency-guard: window of {name} not reset: {e}");
@@ -877,7 +862,7 @@ impl Shared {
         let mut store = host::SharedData;
         for (name, breaker_key, window_key, b) in versions {
             let Ok(current) = breaker::read(&mut store, &breaker_key, &b.config) else { continue };
-            self.metrics.set_gauge(&format!("sluice.latency.breaker_state.version.{}", sanitize_label(&name)), u64::from(current.state().state.code()));
+            self.metrics.set_gauge(&metrics::latency_breaker_state(&sanitize_label(&name)), u64::from(current.state().state.code()));
             if current.state().state != State::Open {
                 continue;
             }

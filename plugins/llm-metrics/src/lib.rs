@@ -12,6 +12,7 @@ use config::{Settings, TenantSource};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
+use sluice_core::metrics::{self, UninspectedReason};
 use sluice_core::report::{LabelBound, Labels, MetricKind, Outcome, RequestRecord, OTHER};
 use sluice_core::request::{inspect_request, ContextBucket, RequestInfo};
 use sluice_core::response::{inspect_response_body, StreamObserver};
@@ -265,7 +266,7 @@ impl HttpContext for Stream {
             m.report(&mut sh, &record);
         }
         if let Some(label) = m.in_flight_label.take() {
-            sh.metrics.add(MetricType::Gauge, &format!("sluice.in_flight.model_version.{label}"), -1);
+            sh.metrics.add(MetricType::Gauge, &metrics::in_flight(&label), -1);
         }
     }
 }
@@ -310,7 +311,7 @@ impl Measured {
         }
         let raw = self.model_version_raw().unwrap_or_else(|| "unknown".into());
         let label = sh.model_versions.label(&raw);
-        sh.metrics.add(MetricType::Gauge, &format!("sluice.in_flight.model_version.{label}"), 1);
+        sh.metrics.add(MetricType::Gauge, &metrics::in_flight(&label), 1);
         self.in_flight_label = Some(label);
     }
 
@@ -321,17 +322,17 @@ impl Measured {
                 Ok(info) => self.request = Some(info),
                 Err(e) => {
                     log::debug!("sluice llm-metrics: request body not inspected: {e}");
-                    sh.metrics.add(MetricType::Counter, "sluice.request_body_uninspected_total.reason.malformed", 1);
+                    sh.metrics.add(MetricType::Counter, metrics::request_body_uninspected_total(UninspectedReason::Malformed), 1);
                 }
             }
             self.request_body = Vec::new();
         }
         if let Some(skip) = self.request_skip.take() {
             let reason = match skip {
-                Skip::Encoded => "encoded",
-                Skip::TooLarge => "too_large",
+                Skip::Encoded => UninspectedReason::Encoded,
+                Skip::TooLarge => UninspectedReason::TooLarge,
             };
-            sh.metrics.add(MetricType::Counter, &format!("sluice.request_body_uninspected_total.reason.{reason}"), 1);
+            sh.metrics.add(MetricType::Counter, metrics::request_body_uninspected_total(reason), 1);
             self.request_body = Vec::new();
         }
         self.enter_in_flight(sh);

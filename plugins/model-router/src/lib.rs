@@ -12,6 +12,7 @@
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
+use sluice_core::metrics::{self, ShadowPair, ShadowResult, Unrouted};
 use sluice_core::report::sanitize_label;
 use sluice_core::response::{inspect_response_body, ResponseSummary, StreamObserver};
 use sluice_core::rewrite::set_top_level_string;
@@ -124,21 +125,21 @@ impl Shared {
 
     fn compare(&mut self, request_id: &str, done: Pending) {
         let (Some(p), Some(s)) = (done.primary, done.shadow) else { return };
-        let labels = format!(".primary.{}.shadow.{}", sanitize_label(&done.versions.0), sanitize_label(&done.versions.1));
-        for (side, v) in [("primary", &p), ("shadow", &s)] {
-            self.metrics.record(&format!("sluice.router.compare_duration_ms{labels}.side.{side}"), v.duration_ns / NS_PER_MS);
-            self.metrics.record(&format!("sluice.router.compare_output_tokens{labels}.side.{side}"), v.output_tokens);
+        let pair = ShadowPair::new(&sanitize_label(&done.versions.0), &sanitize_label(&done.versions.1));
+        for (side, v) in [(metrics::Side::Primary, &p), (metrics::Side::Shadow, &s)] {
+            self.metrics.record(&metrics::router_compare_duration_ms(&pair, side), v.duration_ns / NS_PER_MS);
+            self.metrics.record(&metrics::router_compare_output_tokens(&pair, side), v.output_tokens);
             if v.error {
-                self.count(&format!("sluice.router.compare_errors_total{labels}.side.{side}"));
+                self.count(&metrics::router_compare_errors_total(&pair, side));
             }
         }
         if let Some(ttft) = p.ttft_ns {
-            self.metrics.record(&format!("sluice.router.compare_ttft_ms{labels}.side.primary"), ttft / NS_PER_MS);
+            self.metrics.record(&metrics::router_compare_ttft_ms(&pair), ttft / NS_PER_MS);
         }
         let agree = p.finish_reason == s.finish_reason;
-        self.count(&format!("sluice.router.compare_total{labels}.finish_agree.{agree}"));
+        self.count(&metrics::router_compare_total(&pair, agree));
         let similarity = jaccard_per_mille(&p.text, &s.text);
-        self.metrics.record(&format!("sluice.router.compare_similarity_per_mille{labels}"), similarity);
+        self.metrics.record(&metrics::router_compare_similarity_per_mille(&pair), similarity);
         let record = serde_json::json!({
             "request_id": request_id,
             "primary": done.versions.0,
@@ -167,9 +168,9 @@ impl Context for Root {
         let now = host::now_ns();
         let status = host::call_status();
         let body = host::body(BufferType::HttpCallResponseBody, body_size.min(MAX_WHOLE_BODY_BYTES));
-        let labels = format!(".primary.{}.shadow.{}", sanitize_label(&call.primary_version), sanitize_label(&call.shadow_version));
+        let pair = ShadowPair::new(&sanitize_label(&call.primary_version), &sanitize_label(&call.shadow_version));
         if status == 0 {
-            sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+            sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Failed));
         }
         let summary = inspect_response_body(call.kind, &body);
         let side = Side {
@@ -217,11 +218,11 @@ impl RootContext for Root {
         let jobs: Vec<ShadowJob> = std::mem::take(&mut shared.borrow_mut().jobs);
         for job in jobs {
             let headers: Vec<(&str, &str)> = job.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&job.primary_version), sanitize_label(&job.shadow_version));
+            let pair = ShadowPair::new(&sanitize_label(&job.primary_version), &sanitize_label(&job.shadow_version));
             match self.dispatch_http_call(&job.cluster, headers, Some(&job.body), vec![], SHADOW_TIMEOUT) {
                 Ok(token) => {
                     let mut sh = shared.borrow_mut();
-                    sh.count(&format!("sluice.router.shadow_total{labels}.result.sent"));
+                    sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Sent));
                     sh.in_flight.insert(
                         token,
                         InFlightShadow {
@@ -236,7 +237,7 @@ impl RootContext for Root {
                 Err(status) => {
                     log::warn!("shadow request to cluster {} failed to start: {status:?}", job.cluster);
                     let mut sh = shared.borrow_mut();
-                    sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                    sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Failed));
                     // The comparison still completes, as a shadow error, so nothing waits for it.
                     let failed = Side { status: 0, duration_ns: 0, ttft_ns: None, output_tokens: 0, finish_reason: None, error: true, text: String::new() };
                     sh.offer(&job.request_id, (job.primary_version, job.shadow_version), None, Some(failed));
@@ -349,11 +350,11 @@ impl HttpContext for Stream {
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
         let Some(model) = host::property(&MODEL_METADATA.map(String::from)) else {
-            sh.count("sluice.router.unrouted_total.reason.no_model");
+            sh.count(&metrics::router_unrouted_total(Unrouted::NoModel));
             return Action::Continue;
         };
         let Some(index) = sh.policy.model_for(&model) else {
-            sh.count("sluice.router.unrouted_total.reason.unknown_model");
+            sh.count(&metrics::router_unrouted_total(Unrouted::UnknownModel));
             return Action::Continue;
         };
         // Envoy sets x-request-id unless configured not to; without one, a per-stream id keeps
@@ -387,7 +388,7 @@ impl HttpContext for Stream {
             // Labelled with the policy's model entry, not the client's string: a glob entry would
             // otherwise let a client mint a series per model name.
             let entry = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());
-            sh.count(&format!("sluice.router.unrouted_total.reason.no_version.model.{entry}"));
+            sh.count(&metrics::router_unrouted_total(Unrouted::NoVersion { model: &entry }));
             return Action::Continue;
         };
         // The guard may name the fallback it wants for the avoided version; the router's own
@@ -407,11 +408,7 @@ impl HttpContext for Stream {
         host::set_header(MapType::HttpRequestHeaders, &route_header, Some(&decision.route));
         host::set_header(MapType::HttpRequestHeaders, &version_header, Some(&decision.version));
         let model_label = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());
-        sh.count(&format!(
-            "sluice.router.requests_total.model.{model_label}.version.{}.reason.{}",
-            sanitize_label(&decision.version),
-            decision.reason.as_str()
-        ));
+        sh.count(&metrics::router_requests_total(&model_label, &sanitize_label(&decision.version), decision.reason));
         let tenant = sh
             .policy
             .model(index)
@@ -426,7 +423,7 @@ impl HttpContext for Stream {
                 .map(|s| (s.version.name.clone(), s.version.upstream_model.clone(), s.version.cluster.clone(), s.version.authority.clone())),
             ShadowVerdict::ExcludedTenant => {
                 let shadow_name = sh.policy.model(index).and_then(|m| m.shadow.as_ref()).map(|s| sanitize_label(&s.version.name)).unwrap_or_default();
-                sh.count(&format!("sluice.router.shadow_total.primary.{}.shadow.{shadow_name}.result.excluded", sanitize_label(&decision.version)));
+                sh.count(&metrics::router_shadow_total(&ShadowPair::new(&sanitize_label(&decision.version), &shadow_name), ShadowResult::Excluded));
                 None
             }
             ShadowVerdict::NotSampled | ShadowVerdict::NotConfigured => None,
@@ -474,13 +471,13 @@ impl HttpContext for Stream {
         }
         if let Some((name, upstream_model, cluster, authority)) = r.shadow.clone() {
             let mut sh = shared.borrow_mut();
-            let labels = format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), sanitize_label(&name));
+            let pair = ShadowPair::new(&sanitize_label(&r.decision.version), &sanitize_label(&name));
             let cap = sh.policy.model(r.model_index).and_then(|m| m.shadow.as_ref()).map_or(0, |s| s.max_concurrent);
             let busy = sh.in_flight.len() + sh.jobs.len();
-            sh.count(&format!("sluice.router.shadow_total{labels}.result.sampled"));
+            sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Sampled));
             let shadow_body = set_top_level_string(&body, "model", &upstream_model);
             if busy >= cap as usize {
-                sh.count(&format!("sluice.router.shadow_total{labels}.result.skipped_cap"));
+                sh.count(&metrics::router_shadow_total(&pair, ShadowResult::SkippedCap));
                 r.shadow = None;
             } else if let Ok(shadow_body) = shadow_body {
                 let authority = if authority.is_empty() { r.authority.clone() } else { authority };
@@ -502,7 +499,7 @@ impl HttpContext for Stream {
                 });
             } else {
                 // Not JSON: nothing to send the shadow.
-                sh.count(&format!("sluice.router.shadow_total{labels}.result.failed"));
+                sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Failed));
                 r.shadow = None;
             }
             if r.shadow.is_none() {
@@ -585,9 +582,8 @@ impl Stream {
         let queued = sh.jobs.len();
         sh.jobs.retain(|job| job.request_id != r.request_id);
         if sh.jobs.len() < queued {
-            let labels =
-                format!(".primary.{}.shadow.{}", sanitize_label(&r.decision.version), r.shadow.as_ref().map(|s| sanitize_label(&s.0)).unwrap_or_default());
-            sh.count(&format!("sluice.router.shadow_total{labels}.result.refused"));
+            let pair = ShadowPair::new(&sanitize_label(&r.decision.version), &r.shadow.as_ref().map(|s| sanitize_label(&s.0)).unwrap_or_default());
+            sh.count(&metrics::router_shadow_total(&pair, ShadowResult::Refused));
             r.shadow = None;
             write_stamp(r);
         }

@@ -16,6 +16,7 @@ use sluice_core::budget::remote::PendingReserve;
 use sluice_core::budget::{Admission, AdmitError, Demand, Policy};
 use sluice_core::contract::GatewayEnd;
 use sluice_core::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
+use sluice_core::metrics::{self, LedgerCall, LedgerFallback, LedgerResult};
 use sluice_core::reply::error_body;
 use sluice_core::report::{sanitize_label, LabelBound, Outcome};
 use sluice_core::request::{inspect_request_with_kind, RequestInfo};
@@ -93,7 +94,7 @@ impl Shared {
             log::warn!("tenant-budget: the Redis ledger is failing ({why}); on_failure = {:?}", self.policy.ledger.on_failure);
         }
         self.ledger_ok = Some(ok);
-        self.metrics.set_gauge("sluice.budget.ledger_up", u64::from(ok));
+        self.metrics.set_gauge(metrics::budget_ledger_up(), u64::from(ok));
     }
 
     /// Gives back an admission's whole reservation (a request admitted but then not sent).
@@ -109,7 +110,7 @@ impl Shared {
     /// request went away before it did), sent [`RELEASE_DELAY_NS`] later.
     fn queue_release(&mut self, pending: &PendingReserve, now: u64) {
         if self.settle_queue.len() >= MAX_QUEUED_SETTLEMENTS {
-            self.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+            self.metrics.add(MetricType::Counter, metrics::budget_ledger_settlements_dropped_total(), 1);
             return;
         }
         self.settle_queue.push_back(SettleJob { body: pending.release_body(), attempts: 0, not_before_ns: now.saturating_add(RELEASE_DELAY_NS) });
@@ -120,7 +121,7 @@ impl Shared {
         let (body, settlement) = self.policy.remote_settle(admission, actual)?;
         if self.settle_queue.len() >= MAX_QUEUED_SETTLEMENTS {
             self.settle_queue.pop_front();
-            self.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+            self.metrics.add(MetricType::Counter, metrics::budget_ledger_settlements_dropped_total(), 1);
         }
         self.settle_queue.push_back(SettleJob { body, attempts: 0, not_before_ns: now });
         Some(settlement)
@@ -159,16 +160,16 @@ impl Context for Root {
         // A 400 is final: the ledger judged the settlement itself malformed, a retry cannot fix it.
         let rejected = status == 400;
         let result = if done {
-            "ok"
+            LedgerResult::Ok
         } else if status == 0 {
-            "timeout"
+            LedgerResult::Timeout
         } else if rejected {
-            "rejected"
+            LedgerResult::Rejected
         } else {
-            "error"
+            LedgerResult::Error
         };
-        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.settle.result.{result}"), 1);
-        sh.metrics.record("sluice.budget.ledger_latency_ms.call.settle", now.saturating_sub(started) / 1_000_000);
+        sh.metrics.add(MetricType::Counter, metrics::budget_ledger_calls_total(LedgerCall::Settle, result), 1);
+        sh.metrics.record(metrics::budget_ledger_latency_ms(LedgerCall::Settle), now.saturating_sub(started) / 1_000_000);
         if done {
             sh.ledger_health(true, "");
         } else if rejected {
@@ -185,7 +186,7 @@ impl Context for Root {
 fn retry_settlement(sh: &mut Shared, mut job: SettleJob, now: u64) {
     job.attempts += 1;
     if job.attempts >= MAX_SETTLE_ATTEMPTS {
-        sh.metrics.add(MetricType::Counter, "sluice.budget.ledger_settlements_dropped_total", 1);
+        sh.metrics.add(MetricType::Counter, metrics::budget_ledger_settlements_dropped_total(), 1);
         return;
     }
     let backoff_ms = u64::from(job.attempts.min(20)) * 100;
@@ -584,10 +585,6 @@ fn key_path(policy: &Policy, key: Option<usize>) -> (String, String, String) {
     }
 }
 
-fn counter_label(spec: &CounterSpec) -> String {
-    format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.measure())
-}
-
 impl Stream {
     fn reject(&mut self, status: u32, error_type: &str, code: &str, message: &str, retry_after_s: Option<u64>) {
         let kind = self.state.as_ref().map(|b| b.kind);
@@ -596,11 +593,7 @@ impl Stream {
             b.reject_code = Some(code.to_string());
             b.settled = true;
             let (key, _, _) = key_path(&shared.borrow().policy, b.key);
-            shared.borrow_mut().metrics.add(
-                MetricType::Counter,
-                &format!("sluice.budget.rejections_total.key.{}.reason.{}", sanitize_label(&key), sanitize_label(code)),
-                1,
-            );
+            shared.borrow_mut().metrics.add(MetricType::Counter, &metrics::budget_rejections_total(&sanitize_label(&key), &sanitize_label(code)), 1);
             b.stamp.insert("decision".into(), "rejected".into());
             b.stamp.insert("reject_code".into(), code.into());
             b.stamp.insert("status".into(), status.into());
@@ -710,14 +703,14 @@ impl Stream {
                     b.stamp.insert("decision".into(), "unbudgeted".into());
                     write_stamp(&shared.borrow().policy.filter_state_key, &b.stamp);
                 }
-                shared.borrow_mut().metrics.add(MetricType::Counter, "sluice.budget.ledger_fallback_total.action.allow", 1);
+                shared.borrow_mut().metrics.add(MetricType::Counter, metrics::budget_ledger_fallback_total(LedgerFallback::Allow), 1);
                 Action::Continue
             }
             LedgerFailure::Local => {
                 let key = self.state.as_ref().and_then(|b| b.key);
                 let result = {
                     let mut sh = shared.borrow_mut();
-                    sh.metrics.add(MetricType::Counter, "sluice.budget.ledger_fallback_total.action.local", 1);
+                    sh.metrics.add(MetricType::Counter, metrics::budget_ledger_fallback_total(LedgerFallback::Local), 1);
                     match key {
                         Some(key) => sh.policy.admit_fallback(&mut SharedData, key, pending.demand(), host::now_ns()),
                         None => Err(AdmitError::Store("no key".into())),
@@ -737,13 +730,13 @@ impl Stream {
             let mut sh = shared.borrow_mut();
             let result = sh.policy.remote_admission(&pending, status, reply);
             let outcome = match &result {
-                Ok(_) | Err(AdmitError::Exceeded(_)) => "ok",
-                Err(_) if status == 0 => "timeout",
-                Err(_) => "error",
+                Ok(_) | Err(AdmitError::Exceeded(_)) => LedgerResult::Ok,
+                Err(_) if status == 0 => LedgerResult::Timeout,
+                Err(_) => LedgerResult::Error,
             };
-            sh.metrics.add(MetricType::Counter, &format!("sluice.budget.ledger_calls_total.call.reserve.result.{outcome}"), 1);
-            sh.metrics.record("sluice.budget.ledger_latency_ms.call.reserve", now.saturating_sub(started) / 1_000_000);
-            if outcome == "ok" {
+            sh.metrics.add(MetricType::Counter, metrics::budget_ledger_calls_total(LedgerCall::Reserve, outcome), 1);
+            sh.metrics.record(metrics::budget_ledger_latency_ms(LedgerCall::Reserve), now.saturating_sub(started) / 1_000_000);
+            if outcome == LedgerResult::Ok {
                 sh.ledger_health(true, "");
             }
             result
@@ -822,7 +815,7 @@ impl Stream {
                 let mut sh = shared.borrow_mut();
                 let (key_id, _, _) = key_path(&sh.policy, b.key);
                 if admission.clamped {
-                    sh.metrics.add(MetricType::Counter, &format!("sluice.budget.clamps_total.key.{key_id}"), 1);
+                    sh.metrics.add(MetricType::Counter, &metrics::budget_clamps_total(&key_id), 1);
                 }
                 for ((index, _), counter) in admission.leases.iter().zip(&admission.after) {
                     if let Some(spec) = sh.policy.counters.get(*index).cloned() {
@@ -921,12 +914,12 @@ impl Stream {
         };
         let (key, team, org) = key_path(&sh.policy, b.key);
         let mv = sh.model_versions.label(b.model_version.as_deref().or(request.model.as_deref()).unwrap_or("unknown"));
-        let labels = format!(".key.{key}.team.{team}.org.{org}.model_version.{mv}");
+        let labels = metrics::ChargeSeries::new(&key, &team, &org, &mv);
         let charged_tokens = actual.input_tokens.saturating_add(actual.output_tokens);
-        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_tokens_total{labels}"), i64::try_from(charged_tokens).unwrap_or(i64::MAX));
-        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.charged_micro_usd_total{labels}"), i64::try_from(settlement.micro_usd).unwrap_or(i64::MAX));
+        sh.metrics.add(MetricType::Counter, &metrics::budget_charged_tokens_total(&labels), i64::try_from(charged_tokens).unwrap_or(i64::MAX));
+        sh.metrics.add(MetricType::Counter, &metrics::budget_charged_micro_usd_total(&labels), i64::try_from(settlement.micro_usd).unwrap_or(i64::MAX));
         let reserved_tokens = admission.input_tokens.saturating_add(admission.reserved_output_tokens());
-        sh.metrics.record(&format!("sluice.budget.overestimate_tokens.key.{key}"), reserved_tokens.saturating_sub(charged_tokens));
+        sh.metrics.record(&metrics::budget_overestimate_tokens(&key), reserved_tokens.saturating_sub(charged_tokens));
         for (((index, lease), after), over) in admission.leases.iter().zip(&settlement.after).zip(&settlement.over_estimates) {
             if let (Some(spec), Some(counter)) = (sh.policy.counters.get(*index).cloned(), after) {
                 let charged = u64::try_from(i128::from(lease.amount) - over).unwrap_or(0);
@@ -955,12 +948,11 @@ fn publish_counter(sh: &mut Shared, spec: &CounterSpec, counter: &Counter, charg
         // without one it would show whichever identity was seen last. Only the announcement stays.
         return spec.soft_limit.is_some_and(|soft| counter.used >= soft);
     }
-    let label = counter_label(spec);
-    sh.metrics.set_gauge(&format!("sluice.budget.remaining{label}"), spec.limit.value().saturating_sub(counter.committed()));
+    sh.metrics.set_gauge(&metrics::budget_remaining(spec), spec.limit.value().saturating_sub(counter.committed()));
     let Some(soft) = spec.soft_limit else { return false };
     let used = counter.used;
     if charged > 0 && used >= soft && used.saturating_sub(charged) < soft {
-        sh.metrics.add(MetricType::Counter, &format!("sluice.budget.soft_limit_crossings_total{label}"), 1);
+        sh.metrics.add(MetricType::Counter, &metrics::budget_soft_limit_crossings_total(spec), 1);
         log::info!("soft limit of {} crossed by key {key}: {used} of {} used (soft limit {soft})", spec.code, spec.limit.value());
     }
     used >= soft
