@@ -5,7 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice_core::budget::{Demand, MemoryStore, Policy, Window};
+use sluice_core::budget::{Demand, Policy, Window};
+use sluice_core::store::MemoryStore;
 use sluice_core::usage::Usage;
 use std::hint::black_box;
 use std::time::{Duration, Instant};

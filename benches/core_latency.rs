@@ -7,10 +7,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use sluice_core::budget::MemoryStore;
 use sluice_core::latency::breaker::{self, BreakerConfig};
 use sluice_core::latency::window::{self, RollingWindow, WindowConfig, WindowStats};
 use sluice_core::latency::{should_shed, InFlightLimit, LatencyPolicy, Priority, QuantileSketch, SketchParams};
+use sluice_core::store::MemoryStore;
 use std::hint::black_box;
 
 const S: u64 = 1_000_000_000;
@@ -178,7 +178,7 @@ fn window_and_request(c: &mut Criterion) {
 }
 
 fn store_set(store: &mut MemoryStore, key: &str, bytes: &[u8]) {
-    use sluice_core::budget::SharedStore;
+    use sluice_core::store::SharedStore;
     store.set(key, bytes, 0).unwrap();
 }
 

@@ -6,6 +6,8 @@
 //!
 //! - [`sse`]: incremental, memory-bounded Server-Sent Events framer.
 //! - [`budget`]: per-tenant budgets: policy, windows, CAS ledger, admission and settlement.
+//! - [`store`]: the shared CAS store trait, its in-memory versions, the one compare-and-swap loop
+//!   ([`store::cas_update`]) and the shared counters built on it.
 //! - [`api`]: which LLM API a request speaks, from its path.
 //! - [`contract`]: the filter-state keys the plugins share, and the record of a reply the gateway
 //!   generated itself.
@@ -41,6 +43,7 @@ pub mod response;
 pub mod rewrite;
 pub mod routing;
 pub mod sse;
+pub mod store;
 pub mod timing;
 pub mod usage;
 

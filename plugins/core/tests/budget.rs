@@ -2,8 +2,9 @@
 //! concurrent admissions through a CAS store.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use sluice_core::budget::ledger::{Counter, SharedStore, StoreError};
-use sluice_core::budget::{AdmitError, Demand, MemoryStore, Policy};
+use sluice_core::budget::ledger::Counter;
+use sluice_core::budget::{AdmitError, Demand, Policy};
+use sluice_core::store::{MemoryStore, SharedStore, ThreadedStore};
 use sluice_core::usage::Usage;
 use std::sync::{Arc, Mutex};
 
@@ -162,22 +163,6 @@ fn policy_errors_name_the_field() {
     assert!(refused(r#"{"identity":{"header":"x"},"orgs":[{"id":"o.x"}]}"#).starts_with("orgs[0].id:"));
 }
 
-/// Shared store behind a mutex: every get/set is atomic, but a thread's get→set is not, exactly as
-/// with Envoy shared data across worker threads.
-#[derive(Clone, Default)]
-struct ThreadedStore(Arc<Mutex<MemoryStore>>);
-
-impl SharedStore for ThreadedStore {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-        let r = self.0.lock().unwrap().get(key);
-        std::thread::yield_now();
-        r
-    }
-    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-        self.0.lock().unwrap().set(key, value, cas)
-    }
-}
-
 #[test]
 fn concurrent_admissions_never_overshoot_in_strict_mode() {
     // Repeated: interleavings differ from run to run.
@@ -213,7 +198,7 @@ fn concurrent_run() {
         t.join().unwrap();
     }
     let team_key = &p.counters[p.keys[prod].counters[1]].store_key;
-    let team = Counter::decode(&store.0.lock().unwrap().get(team_key).unwrap().0.unwrap()).unwrap();
+    let team = Counter::decode(&store.get(team_key).unwrap().0.unwrap()).unwrap();
     let total = *charged.lock().unwrap();
     assert_eq!(team.used, total, "every settled charge is in the ledger, none lost or doubled");
     assert_eq!(team.reserved(), 0);

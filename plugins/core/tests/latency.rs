@@ -4,13 +4,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use proptest::prelude::*;
-use sluice_core::budget::ledger::{SharedStore, StoreError};
-use sluice_core::budget::MemoryStore;
 use sluice_core::latency::breaker::{self, Admission, Breaker, BreakerConfig, State, Transition};
 use sluice_core::latency::sketch::{QuantileSketch, SketchParams, MAX_VALUE_US};
 use sluice_core::latency::window::{self, RollingWindow, WindowConfig};
 use sluice_core::latency::{should_shed, InFlightLimit, LatencyPolicy, OpenAction, Priority, UpdateError};
-use std::sync::{Arc, Mutex};
+use sluice_core::store::{MemoryStore, SharedStore, StoreError, ThreadedStore};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
@@ -262,20 +260,6 @@ fn the_window_reports_only_the_last_minute() {
     let bytes = w.encode();
     eprintln!("window of 1,200 requests: {} bytes encoded", bytes.len());
     assert_eq!(RollingWindow::decode(&bytes), Some(w));
-}
-
-#[derive(Default, Clone)]
-struct ThreadedStore(Arc<Mutex<MemoryStore>>);
-
-impl SharedStore for ThreadedStore {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-        let r = self.0.lock().unwrap().get(key);
-        std::thread::yield_now();
-        r
-    }
-    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-        self.0.lock().unwrap().set(key, value, cas)
-    }
 }
 
 #[test]

@@ -27,7 +27,6 @@
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use sluice_core::api::ApiKind;
-use sluice_core::budget::SharedStore;
 use sluice_core::latency::deadline::{self, Effect, Effects, Finished, Fired, FirstTokenMark};
 use sluice_core::latency::{
     self, breaker, window, Admission, Breaker, LatencyPolicy, OpenAction, Priority, State, StreamWatch, TenantSource, Transition, VersionPolicy,
@@ -38,6 +37,7 @@ use sluice_core::report::sanitize_label;
 use sluice_core::request::inspect_request_with_kind;
 use sluice_core::response::StreamObserver;
 use sluice_core::rewrite::rewrite_request;
+use sluice_core::store::{self, SharedStore, Updated};
 use sluice_core::timing::StreamTiming;
 use sluice_proxy_host as host;
 use std::cell::RefCell;
@@ -65,8 +65,6 @@ const STAMP_PROPERTY: &str = "sluice_latency";
 const IDLE_TICK: Duration = Duration::from_nanos(deadline::IDLE_TICK_NS);
 /// How often each worker looks at open breakers (their way to half-open is time alone).
 const BREAKER_SWEEP_NS: u64 = 100_000_000;
-/// Compare-and-swap attempts on the in-flight counter before giving up (and not counting).
-const MAX_CAS_ATTEMPTS: usize = 16;
 
 struct Shared {
     policy: LatencyPolicy,
@@ -124,7 +122,7 @@ impl RootContext for Root {
             }
             if v.in_flight.is_some() {
                 if let Ok((None, _)) = store.get(&v.in_flight_key()) {
-                    if let Err(e) = store.set(&v.in_flight_key(), &0u64.to_le_bytes(), 0) {
+                    if let Err(e) = store.set(&v.in_flight_key(), &store::encode_counter(0), 0) {
                         log::error!("sluice latency-guard: cannot create the in-flight counter of {}: {e}", v.name);
                         return false;
                     }
@@ -533,7 +531,7 @@ impl Guard {
 /// Registers this VM's release queue under a name no other VM of the process uses. `None` (logged):
 /// held streams are then released by the tick alone, a few milliseconds later.
 fn register_release_queue() -> Option<(String, u32)> {
-    let CounterUpdate::Written(n) = update_counter(VM_SEQUENCE_KEY, |n| Ok::<_, ()>(n.saturating_add(1))) else {
+    let Ok(n) = store::counter_add(&mut host::SharedData, VM_SEQUENCE_KEY, 1) else {
         log::warn!("sluice latency-guard: no release queue (shared data unavailable); held streams wait for the tick");
         return None;
     };
@@ -607,45 +605,19 @@ enum InFlight {
     Unavailable,
 }
 
-/// How a compare-and-swap update of a shared counter ended.
-enum CounterUpdate<R> {
-    /// The new value was written.
-    Written(u64),
-    /// The update declined to write, for this reason.
-    Declined(R),
-    /// The store could not be read or written.
-    Unavailable,
-    /// Every attempt lost to another worker's write.
-    Contended,
-}
-
-/// Updates the shared little-endian `u64` counter at `key` (0 when absent) with `next`, retrying
-/// lost compare-and-swaps at most [`MAX_CAS_ATTEMPTS`] times.
-fn update_counter<R>(key: &str, mut next: impl FnMut(u64) -> Result<u64, R>) -> CounterUpdate<R> {
-    let mut store = host::SharedData;
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let Ok((bytes, cas)) = store.get(key) else { return CounterUpdate::Unavailable };
-        let n = bytes.as_deref().and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0);
-        let value = match next(n) {
-            Ok(value) => value,
-            Err(reason) => return CounterUpdate::Declined(reason),
-        };
-        match store.set(key, &value.to_le_bytes(), cas) {
-            Ok(()) => return CounterUpdate::Written(value),
-            Err(sluice_core::budget::StoreError::CasMismatch) => continue,
-            Err(_) => return CounterUpdate::Unavailable,
-        }
-    }
-    CounterUpdate::Contended
-}
-
 fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFlightLimit) -> InFlight {
-    let entered = update_counter(&vp.in_flight_key(), |n| if latency::should_shed(priority, n, limit) { Err(n) } else { Ok(n.saturating_add(1)) });
+    let entered = store::counter_update(&mut host::SharedData, &vp.in_flight_key(), |n| {
+        if latency::should_shed(priority, n, limit) {
+            Err(n)
+        } else {
+            Ok(n.saturating_add(1))
+        }
+    });
     match entered {
-        CounterUpdate::Written(n) => InFlight::Entered(n),
-        CounterUpdate::Declined(n) => InFlight::Shed(n),
-        CounterUpdate::Unavailable => InFlight::Unavailable,
-        CounterUpdate::Contended => {
+        Ok(Updated::Written(n)) => InFlight::Entered(n),
+        Ok(Updated::Stopped(n)) => InFlight::Shed(n),
+        Err(store::CasError::Store(_)) => InFlight::Unavailable,
+        Err(store::CasError::Contended) => {
             log::warn!("sluice latency-guard: in-flight counter of {} too contended; request not counted", vp.name);
             InFlight::Unavailable
         }
@@ -779,12 +751,12 @@ impl Shared {
 
     fn leave_in_flight(&mut self, version: &str) {
         let Some(vp) = self.policy.version(version) else { return };
-        match update_counter(&vp.in_flight_key(), |n| Ok::<_, ()>(n.saturating_sub(1))) {
-            CounterUpdate::Written(n) => {
+        match store::counter_add(&mut host::SharedData, &vp.in_flight_key(), -1) {
+            Ok(n) => {
                 self.metrics.set_gauge(&metrics::latency_in_flight(&sanitize_label(version)), n);
             }
-            CounterUpdate::Contended => log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high"),
-            CounterUpdate::Declined(()) | CounterUpdate::Unavailable => {}
+            Err(store::CasError::Contended) => log::warn!("sluice latency-guard: in-flight counter of {version} too contended; it may read high"),
+            Err(store::CasError::Store(_)) => {}
         }
     }
 

@@ -18,6 +18,7 @@ use sluice_core::response::{inspect_response_body, ResponseSummary, StreamObserv
 use sluice_core::rewrite::set_top_level_string;
 use sluice_core::routing::similarity::{jaccard_per_mille, response_text};
 use sluice_core::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
+use sluice_core::store::{self, SharedStore};
 use sluice_core::timing::StreamTiming;
 use sluice_proxy_host as host;
 use std::cell::RefCell;
@@ -322,11 +323,7 @@ fn unhealthy_routes(routes: &[String], now: u64) -> Vec<String> {
     routes
         .iter()
         .filter(|route| {
-            let until = proxy_wasm::hostcalls::get_shared_data(&unhealthy_key(route))
-                .ok()
-                .and_then(|(v, _)| v)
-                .and_then(|v| v.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes))
-                .unwrap_or(0);
+            let until = host::SharedData.get(&unhealthy_key(route)).map(|(v, _)| store::decode_counter(v.as_deref())).unwrap_or(0);
             until > now
         })
         .cloned()
@@ -549,8 +546,9 @@ impl HttpContext for Stream {
         let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
         if details.contains("no_healthy_upstream") {
             let until = host::now_ns().saturating_add(UNHEALTHY_FOR_NS);
-            if let Err(status) = proxy_wasm::hostcalls::set_shared_data(&unhealthy_key(&r.decision.route), Some(&until.to_le_bytes()), None) {
-                log::warn!("marking {} unhealthy failed: {status:?}", r.decision.route);
+            // Unconditional: the latest mark wins, there is nothing to merge.
+            if let Err(e) = host::SharedData.set(&unhealthy_key(&r.decision.route), &store::encode_counter(until), 0) {
+                log::warn!("marking {} unhealthy failed: {e}", r.decision.route);
             }
             log::info!("route {} has no healthy upstream: version {} skipped for 10 s", r.decision.route, r.decision.version);
         }

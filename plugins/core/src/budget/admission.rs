@@ -5,8 +5,9 @@
 //! [`super::ledger`], so the invariants documented there hold for the whole hierarchy.
 
 use super::identities::{self, IdentityBuckets};
-use super::ledger::{self, Counter, Lease, ReserveError, SharedStore, StoreError};
+use super::ledger::{self, Counter, Lease, ReserveError};
 use super::policy::{CounterSpec, Limit, Policy};
+use crate::store::{SharedStore, StoreError};
 use crate::usage::Usage;
 
 const NS_PER_S: u64 = 1_000_000_000;

@@ -16,7 +16,7 @@
 //! [`IdentityBuckets`] is a [`SharedStore`] adapter: the ledger's reserve/settle run unchanged on an
 //! identity counter key `<template store key>#<identity hash>`.
 
-use super::ledger::{SharedStore, StoreError};
+use crate::store::{SharedStore, StoreError};
 
 /// Buckets per identity template.
 pub const BUCKETS: u64 = 64;
@@ -145,7 +145,8 @@ impl SharedStore for IdentityBuckets<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::ledger::{self, MemoryStore};
+    use crate::budget::ledger;
+    use crate::store::MemoryStore;
 
     #[test]
     fn buckets_round_trip_and_reject_garbage() {

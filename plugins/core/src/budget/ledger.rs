@@ -15,29 +15,9 @@
 //!    settles, the counter has moved on and the charge is not added to the new window (its
 //!    reservation was never part of it either).
 //!
-//! The store is a trait: proxy-wasm shared data in one Envoy process today; a remote store (Redis
-//! through an Envoy cluster) can implement the same `get`/`set` with CAS later without touching this
-//! logic.
+//! The store is [`crate::store::SharedStore`], and every update one [`crate::store::cas_update`].
 
-/// A key-value store with compare-and-swap, as proxy-wasm shared data offers.
-pub trait SharedStore {
-    /// The value and its CAS token; `(None, 0)` when the key does not exist.
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError>;
-    /// Writes `value` if the key's CAS token is still `cas` (0: unconditionally).
-    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError>;
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StoreError {
-    #[error("compare-and-swap mismatch")]
-    CasMismatch,
-    #[error("shared store unavailable: {0}")]
-    Unavailable(String),
-}
-
-/// CAS attempts per counter update before giving up (each mismatch means another request updated
-/// the same counter in between; 32 is far beyond what 64 concurrent requests cause in practice).
-pub const MAX_CAS_ATTEMPTS: u32 = 32;
+use crate::store::{cas_update, CasError, SharedStore, Step, StoreError, Updated};
 
 /// Most lease slots a counter keeps; bounds the stored value (8 + 8 + 8 + 12 × slots bytes).
 pub const MAX_LEASE_SLOTS: usize = 64;
@@ -150,15 +130,23 @@ pub enum ReserveError {
     Store(StoreError),
 }
 
-fn load(store: &mut dyn SharedStore, key: &str) -> Result<(Counter, u32), StoreError> {
-    let (bytes, cas) = store.get(key)?;
-    let counter = bytes.as_deref().and_then(Counter::decode).unwrap_or_default();
-    Ok((counter, cas))
+/// A missing or unreadable counter starts fresh.
+fn decode_or_fresh(bytes: Option<&[u8]>) -> Counter {
+    bytes.and_then(Counter::decode).unwrap_or_default()
+}
+
+impl From<CasError> for ReserveError {
+    fn from(e: CasError) -> Self {
+        match e {
+            CasError::Contended => ReserveError::Contended,
+            CasError::Store(e) => ReserveError::Store(e),
+        }
+    }
 }
 
 /// Reads a counter as it stands now (rolled to the current window, expired leases dropped).
 pub fn read(store: &mut dyn SharedStore, key: &str, window_id: u64, now_minute: u32, ttl_minutes: u32) -> Result<Counter, StoreError> {
-    let (mut counter, _) = load(store, key)?;
+    let mut counter = decode_or_fresh(store.get(key)?.0.as_deref());
     counter.roll(window_id, now_minute, ttl_minutes);
     Ok(counter)
 }
@@ -173,73 +161,45 @@ pub fn reserve(
     amount: u64,
     limit: u64,
 ) -> Result<(Lease, Counter), ReserveError> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (mut counter, cas) = load(store, key).map_err(ReserveError::Store)?;
+    let written = cas_update(store, key, |bytes| {
+        let mut counter = decode_or_fresh(bytes);
         counter.roll(window_id, now_minute, ttl_minutes);
         if counter.committed().saturating_add(amount) > limit {
-            return Err(ReserveError::Exceeded { used: counter.used, reserved: counter.reserved(), limit });
+            return Step::Stop(ReserveError::Exceeded { used: counter.used, reserved: counter.reserved(), limit });
         }
         counter.add_lease(now_minute, amount);
-        match store.set(key, &counter.encode(), cas) {
-            Ok(()) => return Ok((Lease { key: key.to_string(), window_id, minute: now_minute, amount }, counter)),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(ReserveError::Store(e)),
-        }
+        Step::Write(counter.encode(), counter)
+    });
+    match written.map_err(ReserveError::from)? {
+        Updated::Written(counter) => Ok((Lease { key: key.to_string(), window_id, minute: now_minute, amount }, counter)),
+        Updated::Stopped(e) => Err(e),
     }
-    Err(ReserveError::Contended)
 }
 
 /// Replaces a lease by the actual amount: the lease is released and `actual` added to `used`, if
 /// the lease's window is still current. Returns the counter after the update.
 pub fn settle(store: &mut dyn SharedStore, lease: &Lease, actual: u64, now_window_id: u64, now_minute: u32, ttl_minutes: u32) -> Result<Counter, ReserveError> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (mut counter, cas) = load(store, &lease.key).map_err(ReserveError::Store)?;
+    let written = cas_update(store, &lease.key, |bytes| {
+        let mut counter = decode_or_fresh(bytes);
         counter.roll(now_window_id, now_minute, ttl_minutes);
         if counter.window_id != lease.window_id {
             // The admission window is over: nothing of it remains to settle against.
-            return Ok(counter);
+            return Step::Stop(counter);
         }
         counter.release_lease(lease.minute, lease.amount, now_minute, ttl_minutes);
         counter.used = counter.used.saturating_add(actual);
-        match store.set(&lease.key, &counter.encode(), cas) {
-            Ok(()) => return Ok(counter),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(ReserveError::Store(e)),
-        }
-    }
-    Err(ReserveError::Contended)
-}
-
-/// An in-memory [`SharedStore`] with the same CAS semantics as Envoy's shared data (each write bumps
-/// the key's CAS token). For tests, benches and the simulator.
-#[derive(Debug, Default, Clone)]
-pub struct MemoryStore {
-    entries: std::collections::BTreeMap<String, (Vec<u8>, u32)>,
-    next_cas: u32,
-}
-
-impl SharedStore for MemoryStore {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-        Ok(match self.entries.get(key) {
-            Some((value, cas)) => (Some(value.clone()), *cas),
-            None => (None, 0),
-        })
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-        let current = self.entries.get(key).map(|(_, c)| *c).unwrap_or(0);
-        if cas != 0 && cas != current {
-            return Err(StoreError::CasMismatch);
-        }
-        self.next_cas = self.next_cas.wrapping_add(1).max(1);
-        self.entries.insert(key.to_string(), (value.to_vec(), self.next_cas));
-        Ok(())
+        Step::Write(counter.encode(), counter)
+    });
+    match written.map_err(ReserveError::from)? {
+        Updated::Written(counter) | Updated::Stopped(counter) => Ok(counter),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::tests::Contended;
+    use crate::store::{MemoryStore, MAX_CAS_ATTEMPTS};
 
     #[test]
     fn counter_encoding_round_trips_and_rejects_garbage() {
@@ -277,27 +237,6 @@ mod tests {
         let (old, _) = reserve(&mut store, "w", 1, 0, 10, 50, 100).unwrap();
         let c = settle(&mut store, &old, 50, 2, 1, 10).unwrap();
         assert_eq!((c.window_id, c.used, c.reserved()), (2, 0, 0));
-    }
-
-    /// A store whose CAS fails a few times, as under contention from other workers.
-    struct Contended {
-        inner: MemoryStore,
-        failures_left: u32,
-    }
-    impl SharedStore for Contended {
-        fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, u32), StoreError> {
-            self.inner.get(key)
-        }
-        fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-            if self.failures_left > 0 {
-                self.failures_left -= 1;
-                // Someone else wrote in between: bump the token.
-                let (v, c) = self.inner.get(key)?;
-                self.inner.set(key, &v.unwrap_or_default(), c)?;
-                return Err(StoreError::CasMismatch);
-            }
-            self.inner.set(key, value, cas)
-        }
     }
 
     #[test]

@@ -22,7 +22,7 @@
 
 use super::window::WindowStats;
 use super::UpdateError;
-use crate::budget::ledger::{SharedStore, StoreError, MAX_CAS_ATTEMPTS};
+use crate::store::{cas_update, SharedStore, Step, StoreError, Updated};
 use std::fmt::Write as _;
 
 const FORMAT_VERSION: u8 = 1;
@@ -425,7 +425,7 @@ pub fn ensure(store: &mut dyn SharedStore, key: &str) -> Result<bool, StoreError
 }
 
 /// Evaluates the shared breaker and writes a transition with compare-and-swap (retrying at most
-/// [`MAX_CAS_ATTEMPTS`] times, re-evaluating on the state another worker wrote). The worker whose
+/// [`crate::store::MAX_CAS_ATTEMPTS`] times, re-evaluating on the state another worker wrote). The worker whose
 /// write lands gets the [`Transition`]; the others see the new state without one.
 pub fn update(
     store: &mut dyn SharedStore,
@@ -434,24 +434,18 @@ pub fn update(
     now_ns: u64,
     stats: &WindowStats,
 ) -> Result<(Breaker, Option<Transition>), UpdateError> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (bytes, cas) = store.get(key)?;
-        if bytes.is_none() {
-            ensure(store, key)?;
-            continue;
-        }
-        let state = bytes.as_deref().and_then(decode_state).unwrap_or_default();
+    let written = cas_update(store, key, |bytes| {
+        let Some(bytes) = bytes else { return Step::Create(encode_state(&BreakerState::default())) };
+        let state = decode_state(bytes).unwrap_or_default();
         let mut breaker = Breaker::with_state(config.clone(), state);
-        let Some(transition) = breaker.evaluate(now_ns, stats) else {
-            return Ok((breaker, None));
-        };
-        match store.set(key, &breaker.encode(), cas) {
-            Ok(()) => return Ok((breaker, Some(transition))),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(UpdateError::Store(e)),
+        match breaker.evaluate(now_ns, stats) {
+            Some(transition) => Step::Write(breaker.encode(), (breaker, Some(transition))),
+            None => Step::Stop((breaker, None)),
         }
+    })?;
+    match written {
+        Updated::Written(done) | Updated::Stopped(done) => Ok(done),
     }
-    Err(UpdateError::Contended)
 }
 
 #[cfg(test)]

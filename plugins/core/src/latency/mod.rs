@@ -12,7 +12,7 @@
 //! - [`policy`]: the `latency-guard` policy (JSON), validated with errors that name the field.
 //!
 //! Host-agnostic like the rest of the crate: time is a nanosecond timestamp the caller passes in,
-//! shared state goes through [`crate::budget::ledger::SharedStore`].
+//! shared state goes through [`crate::store::SharedStore`] and its one CAS loop, [`crate::store::cas_update`].
 
 pub mod breaker;
 mod codec;
@@ -29,7 +29,7 @@ pub use shed::{should_shed, InFlightLimit, Priority};
 pub use sketch::{QuantileSketch, SketchParams};
 pub use window::{RollingWindow, WindowConfig, WindowStats};
 
-use crate::budget::ledger::StoreError;
+use crate::store::{CasError, StoreError};
 
 /// Why a shared value could not be updated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -39,4 +39,13 @@ pub enum UpdateError {
     Contended,
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl From<CasError> for UpdateError {
+    fn from(e: CasError) -> Self {
+        match e {
+            CasError::Contended => UpdateError::Contended,
+            CasError::Store(e) => UpdateError::Store(e),
+        }
+    }
 }

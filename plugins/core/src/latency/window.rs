@@ -13,7 +13,7 @@
 use super::codec::{put_varint, Reader};
 use super::sketch::{QuantileSketch, SketchParams};
 use super::UpdateError;
-use crate::budget::ledger::{SharedStore, StoreError, MAX_CAS_ATTEMPTS};
+use crate::store::{cas_update, SharedStore, Step, StoreError, Updated};
 
 const FORMAT_VERSION: u8 = 2;
 
@@ -279,20 +279,37 @@ impl RollingWindow {
     }
 }
 
-fn load(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<(RollingWindow, u32), StoreError> {
-    let (bytes, cas) = store.get(key)?;
-    let window = bytes
-        .as_deref()
-        .and_then(RollingWindow::decode)
-        // A window written under another geometry (the policy changed) starts over.
-        .filter(|w| w.config == *config)
-        .unwrap_or_else(|| RollingWindow::new(*config));
-    Ok((window, cas))
+/// The stored window; a fresh one when absent, unreadable or of another geometry (the policy
+/// changed: it starts over).
+fn decode_or_fresh(bytes: Option<&[u8]>, config: &WindowConfig) -> RollingWindow {
+    bytes.and_then(RollingWindow::decode).filter(|w| w.config == *config).unwrap_or_else(|| RollingWindow::new(*config))
+}
+
+/// [`cas_update`] of the shared window with `record` (`false`: nothing changed, nothing written).
+/// A missing key is created empty first (see [`ensure`] for why that should have happened already).
+fn update_with(
+    store: &mut dyn SharedStore,
+    key: &str,
+    config: &WindowConfig,
+    mut record: impl FnMut(&mut RollingWindow) -> bool,
+) -> Result<RollingWindow, UpdateError> {
+    let written = cas_update(store, key, |bytes| {
+        let Some(bytes) = bytes else { return Step::Create(RollingWindow::new(*config).encode()) };
+        let mut window = decode_or_fresh(Some(bytes), config);
+        if record(&mut window) {
+            Step::Write(window.encode(), window)
+        } else {
+            Step::Stop(window)
+        }
+    })?;
+    match written {
+        Updated::Written(w) | Updated::Stopped(w) => Ok(w),
+    }
 }
 
 /// Reads the shared window (a fresh one when absent, unreadable or of another geometry).
 pub fn read(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<RollingWindow, StoreError> {
-    load(store, key, config).map(|(w, _)| w)
+    Ok(decode_or_fresh(store.get(key)?.0.as_deref(), config))
 }
 
 /// Creates the shared window if it does not exist; `true` when it did. Call at configure time,
@@ -307,9 +324,8 @@ pub fn ensure(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> 
     Ok(false)
 }
 
-/// Records one finished request into the shared window with compare-and-swap, retrying at most
-/// [`MAX_CAS_ATTEMPTS`] times. Returns the window as written (snapshot it for the breaker). A
-/// missing key is created empty first (see [`ensure`] for why that should have happened already).
+/// Records one finished request into the shared window with [`cas_update`]. Returns the window as
+/// written (snapshot it for the breaker).
 pub fn update(
     store: &mut dyn SharedStore,
     key: &str,
@@ -319,40 +335,12 @@ pub fn update(
     tpot_us: Option<u64>,
     error: bool,
 ) -> Result<RollingWindow, UpdateError> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        if ensure(store, key, config)? {
-            continue;
-        }
-        let (mut window, cas) = load(store, key, config)?;
-        if !window.record(now_ns, ttft_us, tpot_us, error) {
-            return Ok(window);
-        }
-        match store.set(key, &window.encode(), cas) {
-            Ok(()) => return Ok(window),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(UpdateError::Store(e)),
-        }
-    }
-    Err(UpdateError::Contended)
+    update_with(store, key, config, |w| w.record(now_ns, ttft_us, tpot_us, error))
 }
 
 /// [`RollingWindow::record_ttft`] into the shared window, with compare-and-swap as [`update`].
 pub fn update_ttft(store: &mut dyn SharedStore, key: &str, config: &WindowConfig, now_ns: u64, ttft_us: u64) -> Result<RollingWindow, UpdateError> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        if ensure(store, key, config)? {
-            continue;
-        }
-        let (mut window, cas) = load(store, key, config)?;
-        if !window.record_ttft(now_ns, ttft_us) {
-            return Ok(window);
-        }
-        match store.set(key, &window.encode(), cas) {
-            Ok(()) => return Ok(window),
-            Err(StoreError::CasMismatch) => continue,
-            Err(e) => return Err(UpdateError::Store(e)),
-        }
-    }
-    Err(UpdateError::Contended)
+    update_with(store, key, config, |w| w.record_ttft(now_ns, ttft_us))
 }
 
 /// Replaces the shared window by an empty one (the breaker asks for it when it starts probing, so
@@ -364,7 +352,7 @@ pub fn reset(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::ledger::MemoryStore;
+    use crate::store::MemoryStore;
 
     const S: u64 = 1_000_000_000;
     const MS: u64 = 1_000_000;
