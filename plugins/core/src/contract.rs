@@ -7,14 +7,15 @@
 //! reads an empty value back as absent).
 
 /// llm-metrics → latency-guard: `"0"` while a stream waits for its first content token, then the
-/// token's host time in ns (or the end of a stream that had none).
+/// token's host time in ns (or the end of a stream that had none); [`FirstTokenMark`].
 pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
 /// latency-guard → llm-metrics, on a stream the guard holds: `<context id> <queue name> <vm id>`,
-/// the per-VM shared queue llm-metrics wakes the guard through at the first token.
+/// the per-VM shared queue llm-metrics wakes the guard through at the first token; [`ReleaseAddress`].
 pub const RELEASE_PROPERTY: &str = "sluice_latency_release";
-/// latency-guard → model-router: versions to avoid and their fallbacks, `v1>v2,v3>`.
+/// latency-guard → model-router: versions to avoid and their fallbacks, `v1>v2,v3>`;
+/// [`encode_avoid_list`], [`decode_avoid_list`].
 pub const AVOID_PROPERTY: &str = "sluice_latency_avoid";
-/// model-router's decision and access-log stamp (JSON with at least `version`).
+/// model-router's decision and access-log stamp (JSON with at least `version`; [`route_version`]).
 pub const ROUTE_PROPERTY: &str = "sluice_route";
 /// Whichever plugin answers a request itself (refusal or deadline) writes [`GatewayReply`] here
 /// before it replies.
@@ -80,7 +81,100 @@ impl GatewayReply {
     }
 }
 
+/// The value of [`FIRST_TOKEN_PROPERTY`] as latency-guard reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstTokenMark {
+    /// No mark: llm-metrics is not behind the guard, or does not measure this response.
+    Absent,
+    /// `"0"`: llm-metrics watches the stream; no content token yet.
+    Waiting,
+    /// The first content token's host time, ns (or the end of a stream that had none).
+    At(u64),
+    /// Anything else: neither waiting nor a time.
+    Unreadable,
+}
+
+impl FirstTokenMark {
+    /// What llm-metrics writes while a stream waits for its first content token.
+    pub const WAITING: &'static [u8] = b"0";
+
+    /// What llm-metrics writes at the first content token (host time, ns).
+    pub fn at(ns: u64) -> String {
+        ns.to_string()
+    }
+
+    pub fn parse(value: Option<&str>) -> FirstTokenMark {
+        match value {
+            None => FirstTokenMark::Absent,
+            Some("0") => FirstTokenMark::Waiting,
+            Some(v) => v.parse::<u64>().ok().filter(|&t| t > 0).map_or(FirstTokenMark::Unreadable, FirstTokenMark::At),
+        }
+    }
+}
+
+/// Where llm-metrics wakes latency-guard for a held stream ([`RELEASE_PROPERTY`]):
+/// `<context id> <queue name> <vm id>`. The vm id may be empty (Istio gives plugins none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseAddress<'a> {
+    /// The guard's context id of the stream, sent on the queue as the wake-up message.
+    pub stream: &'a str,
+    pub queue: &'a str,
+    pub vm_id: &'a str,
+}
+
+impl<'a> ReleaseAddress<'a> {
+    pub fn encode(&self) -> String {
+        format!("{} {} {}", self.stream, self.queue, self.vm_id)
+    }
+
+    /// `None` unless the value has all three parts (the last one may be empty).
+    pub fn decode(value: &'a str) -> Option<ReleaseAddress<'a>> {
+        let mut parts = value.splitn(3, ' ');
+        Some(ReleaseAddress { stream: parts.next()?, queue: parts.next()?, vm_id: parts.next()? })
+    }
+}
+
+/// At most this many entries of an avoid list are read: more versions than any policy names.
+pub const MAX_AVOIDED_VERSIONS: usize = 64;
+
+/// latency-guard's avoid list ([`AVOID_PROPERTY`]) from `(version, fallback)` pairs, the fallback
+/// empty when the version has none: `v1>v2,v3>`. Empty when nothing is to be avoided (the guard
+/// then writes nothing: an empty value reads back as absent anyway).
+pub fn encode_avoid_list<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut out = String::new();
+    for (version, fallback) in entries {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(version);
+        out.push('>');
+        out.push_str(fallback);
+    }
+    out
+}
+
+/// model-router's reading of the avoid list: `(version, fallback)` pairs, the fallback empty when
+/// none is named; empty entries skipped, at most [`MAX_AVOIDED_VERSIONS`].
+pub fn decode_avoid_list(value: &str) -> Vec<(String, String)> {
+    value
+        .split(',')
+        .filter(|e| !e.is_empty())
+        .take(MAX_AVOIDED_VERSIONS)
+        .map(|e| match e.split_once('>') {
+            Some((v, f)) => (v.to_string(), f.to_string()),
+            None => (e.to_string(), String::new()),
+        })
+        .collect()
+}
+
+/// The version model-router chose, from its decision ([`ROUTE_PROPERTY`], JSON with `version`).
+pub fn route_version(decision: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(decision).ok()?;
+    v.get("version").and_then(serde_json::Value::as_str).map(str::to_string)
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -96,5 +190,45 @@ mod tests {
         for bad in ["", "504", "504 late", "x refused", "99 refused", "600 refused", "429refused"] {
             assert_eq!(GatewayReply::decode(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_first_token_mark_reads_back_what_llm_metrics_writes() {
+        let waiting = std::str::from_utf8(FirstTokenMark::WAITING).unwrap();
+        assert_eq!(FirstTokenMark::parse(Some(waiting)), FirstTokenMark::Waiting);
+        assert_eq!(FirstTokenMark::parse(Some(&FirstTokenMark::at(1_234_567))), FirstTokenMark::At(1_234_567));
+        assert_eq!(FirstTokenMark::parse(None), FirstTokenMark::Absent);
+        for bad in ["", "-1", "x", "1.5", " 12"] {
+            assert_eq!(FirstTokenMark::parse(Some(bad)), FirstTokenMark::Unreadable, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_release_address_round_trips_also_with_an_empty_vm_id() {
+        for (stream, queue, vm_id) in [("17", "sluice_latency_release_3", "sluice"), ("2", "q", "")] {
+            let a = ReleaseAddress { stream, queue, vm_id };
+            assert_eq!(ReleaseAddress::decode(&a.encode()), Some(a));
+        }
+        assert_eq!(ReleaseAddress::decode("17 queue"), None);
+        assert_eq!(ReleaseAddress::decode(""), None);
+    }
+
+    #[test]
+    fn the_avoid_list_round_trips_and_is_bounded() {
+        let entries = [("v1", "v2"), ("v3", "")];
+        let text = encode_avoid_list(entries);
+        assert_eq!(text, "v1>v2,v3>");
+        assert_eq!(decode_avoid_list(&text), vec![("v1".to_string(), "v2".to_string()), ("v3".to_string(), String::new())]);
+        assert_eq!(encode_avoid_list([]), "");
+        assert_eq!(decode_avoid_list(",,v4,"), vec![("v4".to_string(), String::new())]);
+        let many: Vec<String> = (0..100).map(|i| format!("v{i}>")).collect();
+        assert_eq!(decode_avoid_list(&many.join(",")).len(), MAX_AVOIDED_VERSIONS);
+    }
+
+    #[test]
+    fn the_route_version_is_read_from_the_decision() {
+        assert_eq!(route_version(r#"{"model":"llama","version":"v2","reason":"weight"}"#).as_deref(), Some("v2"));
+        assert_eq!(route_version(r#"{"version":null}"#), None);
+        assert_eq!(route_version("not json"), None);
     }
 }

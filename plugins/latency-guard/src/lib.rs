@@ -51,7 +51,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-use sluice_core::contract::{GatewayEnd, ROUTE_PROPERTY};
+use sluice_core::contract::{self, GatewayEnd, ROUTE_PROPERTY};
 pub use sluice_core::contract::{AVOID_PROPERTY, FIRST_TOKEN_PROPERTY, RELEASE_PROPERTY};
 /// Shared-data counter that gives each guard VM (one per worker) its own release queue.
 const VM_SEQUENCE_KEY: &str = "sluice/latency-guard/vm-sequence";
@@ -252,7 +252,7 @@ impl HttpContext for Guard {
         let now = host::now_ns();
         // Which versions this request must not be sent to: blocked by their breaker, and failing over
         // is what this class does. model-router reads the list when it picks the version.
-        let mut avoid = String::new();
+        let mut avoid: Vec<(&str, &str)> = Vec::new();
         let fallbacks: Vec<(String, String, String, latency::BreakerPolicy)> = sh
             .policy
             .versions
@@ -264,16 +264,11 @@ impl HttpContext for Guard {
         for (name, breaker_key, window_key, b) in &fallbacks {
             let Some(breaker) = sh.current_breaker(name, breaker_key, window_key, b, now) else { continue };
             if breaker.admit(draw) == Admission::Blocked {
-                if !avoid.is_empty() {
-                    avoid.push(',');
-                }
-                avoid.push_str(name);
-                avoid.push('>');
-                avoid.push_str(b.fallback.as_deref().unwrap_or(""));
+                avoid.push((name, b.fallback.as_deref().unwrap_or("")));
             }
         }
         if !avoid.is_empty() {
-            host::set_property(AVOID_PROPERTY, avoid.as_bytes());
+            host::set_property(AVOID_PROPERTY, contract::encode_avoid_list(avoid).as_bytes());
         }
         if !end_of_stream && sh.policy.versions.iter().any(|v| v.max_output_tokens.is_some()) {
             // The output ceiling may rewrite the body after these headers are gone (the version is
@@ -547,12 +542,8 @@ fn register_release_queue() -> Option<(String, u32)> {
 
 /// The version the request goes to: model-router's decision, else the model json_to_metadata read.
 fn final_version() -> Option<String> {
-    if let Some(stamp) = host::property(&[ROUTE_PROPERTY.to_string()]) {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&stamp) {
-            if let Some(version) = v.get("version").and_then(|v| v.as_str()) {
-                return Some(version.to_string());
-            }
-        }
+    if let Some(version) = host::property(&[ROUTE_PROPERTY.to_string()]).and_then(|d| contract::route_version(&d)) {
+        return Some(version);
     }
     host::property(&MODEL_METADATA.map(String::from)).filter(|m| !m.is_empty())
 }
@@ -661,7 +652,9 @@ impl Shared {
             match *effect {
                 Effect::Hold => {
                     if let Some((name, _)) = &self.release_queue {
-                        host::set_property(RELEASE_PROPERTY, format!("{id} {name} {}", self.vm_id).as_bytes());
+                        let stream = id.to_string();
+                        let address = contract::ReleaseAddress { stream: &stream, queue: name, vm_id: &self.vm_id };
+                        host::set_property(RELEASE_PROPERTY, address.encode().as_bytes());
                     }
                     action = Action::Pause;
                 }

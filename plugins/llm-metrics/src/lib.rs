@@ -29,7 +29,7 @@ proxy_wasm::main! {{
 }}
 
 pub use sluice_core::contract::FIRST_TOKEN_PROPERTY;
-use sluice_core::contract::RELEASE_PROPERTY;
+use sluice_core::contract::{FirstTokenMark, ReleaseAddress, RELEASE_PROPERTY};
 
 /// Per-VM state shared by the root and every stream (a VM is single-threaded).
 struct Shared {
@@ -198,7 +198,7 @@ impl HttpContext for Stream {
             m.observer = Some(StreamObserver::new(m.kind));
             // latency-guard (in front) holds the response until the first content token: it reads
             // this filter state, "0" while waiting (an empty value reads back as absent).
-            host::set_property(FIRST_TOKEN_PROPERTY, b"0");
+            host::set_property(FIRST_TOKEN_PROPERTY, FirstTokenMark::WAITING);
         }
         Action::Continue
     }
@@ -274,13 +274,12 @@ impl HttpContext for Stream {
 /// Marks the first content token for latency-guard and, when the guard holds this stream, wakes it
 /// through its release queue (otherwise it would notice at its next tick, milliseconds later).
 fn mark_first_token(now: u64) {
-    host::set_property(FIRST_TOKEN_PROPERTY, now.to_string().as_bytes());
+    host::set_property(FIRST_TOKEN_PROPERTY, FirstTokenMark::at(now).as_bytes());
     let Some(release) = host::property(&[RELEASE_PROPERTY.to_string()]) else { return };
-    let mut parts = release.splitn(3, ' ');
-    let (Some(id), Some(queue), Some(vm_id)) = (parts.next(), parts.next(), parts.next()) else { return };
+    let Some(ReleaseAddress { stream, queue, vm_id }) = ReleaseAddress::decode(&release) else { return };
     match proxy_wasm::hostcalls::resolve_shared_queue(vm_id, queue) {
         Ok(Some(queue_id)) => {
-            if let Err(status) = proxy_wasm::hostcalls::enqueue_shared_queue(queue_id, Some(id.as_bytes())) {
+            if let Err(status) = proxy_wasm::hostcalls::enqueue_shared_queue(queue_id, Some(stream.as_bytes())) {
                 log::debug!("sluice llm-metrics: waking latency-guard failed: {status:?}");
             }
         }

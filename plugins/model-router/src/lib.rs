@@ -299,19 +299,11 @@ fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
 }
 
 /// Filter state latency-guard writes: `version>preferred-fallback` entries, comma-separated.
-use sluice_core::contract::{GatewayEnd, AVOID_PROPERTY, CLIENT_FORBIDDEN_HEADERS, SHADOW_HEADER};
+use sluice_core::contract::{self, GatewayEnd, AVOID_PROPERTY, CLIENT_FORBIDDEN_HEADERS, SHADOW_HEADER};
 
 /// The versions latency-guard asked this request to avoid, with the fallback it prefers (may be empty).
 fn avoided_versions() -> Vec<(String, String)> {
-    let Some(list) = host::property(&[AVOID_PROPERTY.to_string()]) else { return Vec::new() };
-    list.split(',')
-        .filter(|e| !e.is_empty())
-        .take(64)
-        .map(|e| match e.split_once('>') {
-            Some((v, f)) => (v.to_string(), f.to_string()),
-            None => (e.to_string(), String::new()),
-        })
-        .collect()
+    host::property(&[AVOID_PROPERTY.to_string()]).map(|list| contract::decode_avoid_list(&list)).unwrap_or_default()
 }
 
 fn unhealthy_key(route: &str) -> String {

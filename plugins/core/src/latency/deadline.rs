@@ -128,28 +128,8 @@ pub enum Phase {
     },
 }
 
-/// llm-metrics' first-token mark (filter state `sluice_first_token`) as the guard reads it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FirstTokenMark {
-    /// Not set: llm-metrics is not behind the guard, or does not measure this response.
-    Absent,
-    /// `"0"`: llm-metrics waits for the first content token.
-    Waiting,
-    /// The first content token's host time (or the end of a stream without content).
-    At(u64),
-    /// Anything else: neither waiting nor a time.
-    Unreadable,
-}
-
-impl FirstTokenMark {
-    pub fn parse(value: Option<&str>) -> FirstTokenMark {
-        match value {
-            None => FirstTokenMark::Absent,
-            Some("0") => FirstTokenMark::Waiting,
-            Some(v) => v.parse::<u64>().ok().filter(|&t| t > 0).map_or(FirstTokenMark::Unreadable, FirstTokenMark::At),
-        }
-    }
-}
+/// llm-metrics' first-token mark, as the guard reads it (defined with the other filter-state contracts).
+pub use crate::contract::FirstTokenMark;
 
 /// What the plugin does, in the order given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
