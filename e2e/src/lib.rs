@@ -15,6 +15,7 @@
 
 pub mod access_log;
 pub mod budget_traffic;
+pub mod checks;
 pub mod envoy;
 pub mod gateway;
 pub mod http;
@@ -30,6 +31,7 @@ pub mod sse;
 pub mod tools;
 
 pub use access_log::AccessLog;
+pub use checks::Checks;
 pub use envoy::{free_port, render_config, Envoy};
 pub use http::{get, post_json, post_stream, ClientStream, Connection, Response, StreamedResponse};
 pub use mock::{MockHead, MockRequest, MockServer};

@@ -19,7 +19,7 @@
 use serde_json::{json, Value};
 use sluice_e2e::access_log::stamp;
 use sluice_e2e::gateway::{start_full_gateway, FullGateway};
-use sluice_e2e::{post_json, post_stream, wait_until, MockServer, Tools};
+use sluice_e2e::{post_json, post_stream, wait_until, Checks, MockServer, Tools};
 use std::time::{Duration, Instant};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -54,26 +54,6 @@ fn stamps(gw: &FullGateway, id: &str) -> Stamps {
     let line = gw.envoy.access_log().wait_for_request(id, Duration::from_secs(10)).unwrap();
     let get = |field: &str| stamp(&line, field).unwrap().unwrap_or(Value::Null);
     Stamps { route: get("route"), latency: get("latency"), budget: get("budget"), llm: get("sluice"), line }
-}
-
-/// Failed checks, reported together at the end so one run shows everything that differs.
-#[derive(Default)]
-struct Checks(Vec<String>);
-
-impl Checks {
-    fn eq(&mut self, what: &str, got: &Value, want: Value) {
-        if *got != want {
-            self.0.push(format!("{what}: got {got}, want {want}"));
-        }
-    }
-    fn that(&mut self, ok: bool, what: String) {
-        if !ok {
-            self.0.push(what);
-        }
-    }
-    fn done(self, context: &str) {
-        assert!(self.0.is_empty(), "{} failed check(s):\n  {}\n{context}", self.0.len(), self.0.join("\n  "));
-    }
 }
 
 fn ledger_has(mock: &MockServer, id: &str) -> bool {

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use sluice_core::identity::sha256_hex;
 use sluice_e2e::access_log::stamp;
 use sluice_e2e::gateway::{full_gateway_policy, shipped, start_budget_gateway, start_full_gateway, yaml_string_body, FullGateway};
-use sluice_e2e::{get, post_stream, wait_until, Connection, Envoy, MockHead, MockServer, StreamedResponse, Tools};
+use sluice_e2e::{get, post_stream, wait_until, Checks, Connection, Envoy, MockHead, MockServer, StreamedResponse, Tools};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -77,26 +77,6 @@ impl Line {
     }
     fn stamp(&self, field: &str) -> Value {
         stamp(&self.line, field).unwrap().unwrap_or(Value::Null)
-    }
-}
-
-/// Failed checks, reported together at the end so one run shows everything that differs.
-#[derive(Default)]
-struct Checks(Vec<String>);
-
-impl Checks {
-    fn eq(&mut self, what: &str, got: &Value, want: Value) {
-        if *got != want {
-            self.0.push(format!("{what}: got {got}, want {want}"));
-        }
-    }
-    fn that(&mut self, ok: bool, what: String) {
-        if !ok {
-            self.0.push(what);
-        }
-    }
-    fn done(self, context: &str) {
-        assert!(self.0.is_empty(), "{} failed check(s):\n  {}\n{context}", self.0.len(), self.0.join("\n  "));
     }
 }
 
