@@ -121,12 +121,14 @@ fn prometheus_scrapes_the_full_gateway_and_every_shipped_rule_agrees_with_the_tr
     let q = |expr: &str| prom.query(expr).unwrap_or_else(|e| panic!("{e:#}\nPrometheus log:\n{}", prom.log_tail(20)));
     let scalar = |expr: &str| q(expr).first().map(|(_, v)| *v);
 
-    // Wave 1 creates every series (first turns and follow-ups, 1k prompts); Prometheus must have
-    // scraped them before wave 2, since rate() counts only increases between two samples.
+    // Wave 1 creates every series wave 2 adds to — both turns, and each key (so each version its
+    // split sends it to) in every context bucket: Prometheus must have scraped them before wave 2,
+    // since rate() counts only increases between two samples. (A series first seen in wave 2 could
+    // get all its requests between two scrapes: no increase, a NaN quantile.)
     let mut sent = 0;
     for key in KEYS {
-        for follow_up in [false, true] {
-            stream(&gw, key, &format!("w1-{key}-{follow_up}"), &chat(200, follow_up));
+        for (chars, follow_up) in [(200, false), (200, true), (6_000, false), (12_000, false)] {
+            stream(&gw, key, &format!("w1-{key}-{chars}-{follow_up}"), &chat(chars, follow_up));
             sent += 1;
         }
     }
