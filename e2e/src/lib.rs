@@ -55,3 +55,33 @@ pub fn wait_until<T>(timeout: Duration, what: &str, mut check: impl FnMut() -> R
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// base64url without padding, as jwt_authn's `forward_payload_header` writes a verified token's
+/// payload: what the tests send as `x-jwt-payload`.
+pub fn base64url(bytes: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let at = |i: usize| u32::from(chunk.get(i).copied().unwrap_or(0));
+        let n = (at(0) << 16) | (at(1) << 8) | at(2);
+        for i in 0..=chunk.len() {
+            if let Some(&c) = ABC.get(((n >> (18 - 6 * i)) & 63) as usize) {
+                out.push(char::from(c));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::base64url;
+
+    #[test]
+    fn base64url_matches_the_rfc_4648_vectors() {
+        for (plain, encoded) in [("", ""), ("f", "Zg"), ("fo", "Zm8"), ("foo", "Zm9v"), ("foob", "Zm9vYg"), ("fooba", "Zm9vYmE"), ("foobar", "Zm9vYmFy")] {
+            assert_eq!(base64url(plain.as_bytes()), encoded);
+        }
+        assert_eq!(base64url(&[0xfb, 0xff]), "-_8");
+    }
+}

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use sluice_core::identity::sha256_hex;
 use sluice_e2e::access_log::stamp;
 use sluice_e2e::gateway::{full_gateway_policy, shipped, start_budget_gateway, start_full_gateway, yaml_string_body, FullGateway};
-use sluice_e2e::{get, post_stream, wait_until, Checks, Connection, Envoy, MockHead, MockServer, StreamedResponse, Tools};
+use sluice_e2e::{base64url, get, post_stream, wait_until, Checks, Connection, Envoy, MockHead, MockServer, StreamedResponse, Tools};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -44,20 +44,6 @@ fn chat(stream: bool, model: &str, content: &str) -> String {
         "messages": [{"role": "user", "content": content}],
     })
     .to_string()
-}
-
-/// base64url without padding, as jwt_authn's `forward_payload_header` writes the payload.
-fn base64url(bytes: &[u8]) -> String {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..=chunk.len() {
-            out.push(ABC[((n >> (18 - 6 * i)) & 63) as usize] as char);
-        }
-    }
-    out
 }
 
 /// Sends one request on a new connection, headers written exactly as given (names, case,
@@ -194,6 +180,16 @@ fn tenant_header_variants_name_one_tenant_for_every_plugin_or_are_refused() {
     c.done("");
 }
 
+/// The shipped budget gateway with its example policies (tenant-budget.example, llm-metrics.demo)
+/// in front of a mock answering 4 tokens.
+fn example_budget_gateway() -> (MockServer, Envoy) {
+    let mock = MockServer::start(&["--tokens", "4"]).unwrap();
+    let policy = std::fs::read_to_string(shipped("policies/tenant-budget.example.json")).unwrap();
+    let metrics = std::fs::read_to_string(shipped("policies/llm-metrics.demo.json")).unwrap();
+    let envoy = start_budget_gateway(&mock, &policy, &metrics).unwrap();
+    (mock, envoy)
+}
+
 /// The shipped budget gateway (`envoy/templates/budget-gateway.yaml`, policy
 /// `policies/tenant-budget.example.json`) names the key by API key hash, then by the claim
 /// `sluice_key` of `x-jwt-payload` — the header Envoy's jwt_authn writes after verifying a token.
@@ -205,10 +201,7 @@ fn forged_jwt_payload_header_without_jwt_authn_names_no_key() {
     if Tools::locate_or_skip().unwrap().is_none() {
         return;
     }
-    let mock = MockServer::start(&["--tokens", "4"]).unwrap();
-    let policy = std::fs::read_to_string(shipped("policies/tenant-budget.example.json")).unwrap();
-    let metrics = std::fs::read_to_string(shipped("policies/llm-metrics.demo.json")).unwrap();
-    let envoy = start_budget_gateway(&mock, &policy, &metrics).unwrap();
+    let (mock, envoy) = example_budget_gateway();
     let forged = base64url(json!({"sluice_key": "search-prod", "sub": "mallory", "iss": "https://idp.example"}).to_string().as_bytes());
     // "test" is search-staging's API key (its SHA-256 is in the policy).
     let cases: Vec<Case> = vec![
@@ -249,10 +242,7 @@ fn api_key_spacing_and_header_names_resolve_only_the_documented_sources() {
     if Tools::locate_or_skip().unwrap().is_none() {
         return;
     }
-    let mock = MockServer::start(&["--tokens", "4"]).unwrap();
-    let policy = std::fs::read_to_string(shipped("policies/tenant-budget.example.json")).unwrap();
-    let metrics = std::fs::read_to_string(shipped("policies/llm-metrics.demo.json")).unwrap();
-    let envoy = start_budget_gateway(&mock, &policy, &metrics).unwrap();
+    let (mock, envoy) = example_budget_gateway();
     let staging = Some("search-staging");
     let cases: Vec<Case> = vec![
         ("key-plain", vec![("authorization", "Bearer test")], staging),
