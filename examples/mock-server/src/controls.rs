@@ -40,6 +40,17 @@ pub enum Failure {
     ResetAfter(u64),
     /// Send the API's SSE error event after this many content tokens, then end the body cleanly.
     ErrorEventAfter(u64),
+    /// Close the connection as soon as the request head is read, before its body and any answer.
+    ResetOnHead,
+    /// Read half of the announced request body, then close the connection without answering.
+    ResetInBody,
+    /// After this many content tokens, send the first half of the next token's event, then close.
+    ResetInside(u64),
+    /// Send everything but the stream's last event (`data: [DONE]`, `message_stop`,
+    /// `response.completed`), then end the body cleanly.
+    NoTerminal,
+    /// Send everything but the stream's last event, then close the connection (no final chunk).
+    ResetBeforeTerminal,
 }
 
 /// Everything that shapes one response.
@@ -116,9 +127,21 @@ impl Controls {
     }
 }
 
-/// Parses `status:N`, `reset-after:N` or `error-event-after:N`.
+/// Parses `status:N`, `reset-after:N`, `error-event-after:N`, `reset-inside:N`, `reset-on-head`,
+/// `reset-in-body`, `no-terminal` or `reset-before-terminal`.
 fn parse_failure(v: &str) -> Result<Failure, String> {
-    let err = || format!("x-mock-fail: expected status:N, reset-after:N or error-event-after:N, got {v:?}");
+    let err = || {
+        format!(
+            "x-mock-fail: expected status:N, reset-after:N, error-event-after:N, reset-inside:N, reset-on-head, reset-in-body, no-terminal or reset-before-terminal, got {v:?}"
+        )
+    };
+    match v.trim() {
+        "reset-on-head" => return Ok(Failure::ResetOnHead),
+        "reset-in-body" => return Ok(Failure::ResetInBody),
+        "no-terminal" => return Ok(Failure::NoTerminal),
+        "reset-before-terminal" => return Ok(Failure::ResetBeforeTerminal),
+        _ => {}
+    }
     let (kind, n) = v.trim().split_once(':').ok_or_else(err)?;
     let n: u64 = n.trim().parse().map_err(|_| err())?;
     match kind.trim() {
@@ -128,6 +151,7 @@ fn parse_failure(v: &str) -> Result<Failure, String> {
         },
         "reset-after" => Ok(Failure::ResetAfter(n)),
         "error-event-after" => Ok(Failure::ErrorEventAfter(n)),
+        "reset-inside" => Ok(Failure::ResetInside(n)),
         _ => Err(err()),
     }
 }
@@ -176,8 +200,23 @@ mod tests {
             ("x-mock-fail", "explode"),
             ("x-mock-split", "0"),
             ("x-mock-crlf", "yes"),
+            ("x-mock-fail", "reset-inside"),
+            ("x-mock-fail", "no-terminal:1"),
         ] {
             assert!(with(&[h]).is_err(), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn transport_failures_parse() {
+        for (v, want) in [
+            ("reset-on-head", Failure::ResetOnHead),
+            ("reset-in-body", Failure::ResetInBody),
+            ("reset-inside:3", Failure::ResetInside(3)),
+            (" no-terminal ", Failure::NoTerminal),
+            ("reset-before-terminal", Failure::ResetBeforeTerminal),
+        ] {
+            assert_eq!(with(&[("x-mock-fail", v)]).unwrap().fail, Some(want), "{v}");
         }
     }
 }

@@ -299,7 +299,23 @@ pub fn write_chunk<W: Write>(w: &mut W, data: &[u8]) -> io::Result<()> {
 
 /// Ends a chunked body.
 pub fn finish_chunked<W: Write>(w: &mut W) -> io::Result<()> {
-    w.write_all(b"0\r\n\r\n")?;
+    finish_chunked_with_trailers(w, &[])
+}
+
+/// Ends a chunked body with trailer fields after the last chunk.
+pub fn finish_chunked_with_trailers<W: Write>(w: &mut W, trailers: &[(&str, String)]) -> io::Result<()> {
+    let mut out = b"0\r\n".to_vec();
+    for (name, value) in trailers {
+        out.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+    }
+    out.extend_from_slice(b"\r\n");
+    w.write_all(&out)?;
+    w.flush()
+}
+
+/// An interim `100 Continue` head.
+pub fn write_continue<W: Write>(w: &mut W) -> io::Result<()> {
+    w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
     w.flush()
 }
 

@@ -27,10 +27,12 @@ pub enum FailureKind {
     ErrorEvent,
     /// A write failed: the client (Envoy) closed or reset the connection.
     ClientGone,
+    /// `x-mock-fail: no-terminal`: the stream ended cleanly without its last event.
+    NoTerminal,
 }
 
 impl FailureKind {
-    /// The wire name: `bad_request`, `status:N`, `reset`, `error_event`, `client_gone`.
+    /// The wire name: `bad_request`, `status:N`, `reset`, `error_event`, `client_gone`, `no_terminal`.
     pub fn name(self) -> String {
         match self {
             FailureKind::BadRequest => "bad_request".into(),
@@ -38,6 +40,7 @@ impl FailureKind {
             FailureKind::Reset => "reset".into(),
             FailureKind::ErrorEvent => "error_event".into(),
             FailureKind::ClientGone => "client_gone".into(),
+            FailureKind::NoTerminal => "no_terminal".into(),
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod ledger;
 pub mod server;
 pub mod stats;
 pub mod traffic;
+pub mod wire;
 
 pub use controls::Defaults;
 pub use server::{Config, Server};

@@ -9,8 +9,9 @@ use crate::http::{self, BodyFraming, ReadError, Request};
 use crate::ledger::{FailureKind, Ledger, Record};
 use crate::stats::Stats;
 use crate::traffic::{BodyState, Traffic};
+use crate::wire::{Encoder, Wire, BOM};
 use serde_json::{json, Value};
-use std::io::{self, BufReader};
+use std::io::{self, BufRead, BufReader, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -152,6 +153,9 @@ fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
             let empty = matches!(head.body, BodyFraming::None | BodyFraming::Length(0));
             let announced = if empty { BodyState::None } else { BodyState::Receiving };
             let seq = shared.traffic.head(conn_id, &head.method, &head.path, &head.headers, announced);
+            if let Some(cut) = transport_reset(&head) {
+                return Err(reset_request(&mut reader, shared, &head, seq, announced, cut));
+            }
             let req = http::read_body(&mut reader, &mut writer, head);
             let body = match &req {
                 Ok(_) if announced == BodyState::None => BodyState::None,
@@ -182,6 +186,45 @@ fn serve_connection(stream: TcpStream, shared: &Shared, conn_id: u64) {
             }
         }
     }
+}
+
+/// Where `x-mock-fail` asks to cut the request itself: after its head, or halfway through its body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    AfterHead,
+    MidBody,
+}
+
+fn transport_reset(head: &http::Head) -> Option<Cut> {
+    Api::from_path(&head.path)?;
+    match head.header("x-mock-fail").map(str::trim) {
+        Some("reset-on-head") => Some(Cut::AfterHead),
+        Some("reset-in-body") => Some(Cut::MidBody),
+        _ => None,
+    }
+}
+
+/// Drops the connection of a request `x-mock-fail` cuts, after reading half of its body for
+/// `reset-in-body`, and records it (ledger failure `reset`, nothing sent). The connection closes
+/// with request bytes still unread, so the peer sees a reset.
+fn reset_request(reader: &mut BufReader<TcpStream>, shared: &Shared, head: &http::Head, seq: u64, announced: BodyState, cut: Cut) -> ReadError {
+    if cut == Cut::MidBody {
+        let half = match head.body {
+            BodyFraming::Length(n) => n / 2,
+            // A chunked body: what its first read brings, halved.
+            BodyFraming::Chunked => reader.fill_buf().map(|b| b.len() / 2).unwrap_or(0),
+            BodyFraming::None => 0,
+        };
+        let mut buf = vec![0; half];
+        let _ = reader.read_exact(&mut buf);
+    }
+    shared.traffic.body(seq, if announced == BodyState::None { BodyState::None } else { BodyState::Incomplete });
+    shared.stats.count_request(&head.path);
+    let request_id = head.header("x-request-id").map(str::to_string).unwrap_or_else(|| api::new_id("mockreq-"));
+    let mut record = Record::new(request_id, &head.path);
+    record.failure = Some(FailureKind::Reset);
+    shared.ledger.push(record);
+    ReadError::Io(io::Error::new(io::ErrorKind::ConnectionAborted, "x-mock-fail cut the request"))
 }
 
 /// The `x-mock-served-by` header. The name may come from a request header and is echoed back,
@@ -298,6 +341,10 @@ fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &
         Ok(c) => c,
         Err(msg) => return bad_request(w, record, &msg),
     };
+    let wire = match Wire::from_headers(|n| req.header(n)) {
+        Ok(w) => w,
+        Err(msg) => return bad_request(w, record, &msg),
+    };
     let body: Value = match serde_json::from_slice(&req.body) {
         Ok(v) => v,
         Err(e) => return bad_request(w, record, &format!("invalid JSON body: {e}")),
@@ -323,14 +370,14 @@ fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &
         return write_json(w, status, &headers, &body, req.keep_alive);
     }
     if plan.stream {
-        stream(&plan, &controls, req.keep_alive, w, shared, record)
+        stream(&plan, &controls, &wire, req.keep_alive, w, shared, record)
     } else {
         // A whole answer takes as long as generating it would.
         let n = plan.tokens;
         thread::sleep(controls.ttft + controls.itl * u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX));
         match controls.fail {
             // Without a stream there is no "after N tokens": the connection closes with no answer.
-            Some(Failure::ResetAfter(_)) => {
+            Some(Failure::ResetAfter(_) | Failure::ResetInside(_) | Failure::ResetBeforeTerminal) => {
                 record.failure = Some(FailureKind::Reset);
                 Ok(After::Close)
             }
@@ -340,12 +387,27 @@ fn answer(api: Api, req: &Request, w: &mut TcpStream, shared: &Shared, record: &
                 write_json(w, 500, &headers, &body, req.keep_alive)
             }
             _ => {
-                let after = write_json(w, 200, &headers, &plan.full_body(), req.keep_alive)?;
+                let mut headers = headers;
+                if wire.no_content_type {
+                    headers.retain(|(name, _)| *name != "content-type");
+                }
+                let mut body = plan.full_body().to_string().into_bytes();
+                if wire.bom {
+                    body.splice(0..0, BOM.iter().copied());
+                }
+                if let Some(encoding) = wire.encoding {
+                    body = Encoder::encode_all(encoding, &body);
+                    headers.push(("content-encoding", encoding.name().to_string()));
+                }
+                if wire.continue_first {
+                    http::write_continue(w)?;
+                }
+                http::write_full(w, 200, &headers, &body, req.keep_alive)?;
                 shared.stats.count_tokens(n);
                 record.tokens_flushed = n;
                 record.usage_reported = plan.usage;
                 record.completed = true;
-                Ok(after)
+                Ok(After::KeepAlive)
             }
         }
     }
@@ -359,19 +421,68 @@ fn send(w: &mut TcpStream, bytes: &[u8], split: Option<usize>) -> io::Result<()>
     }
 }
 
-fn send_event(w: &mut TcpStream, event: &Event, c: &Controls) -> io::Result<()> {
-    send(w, &event.render(c.crlf), c.split)
+/// Where a stream's bytes go: the byte-order mark before the first of them, each piece through
+/// the content-encoding (as complete blocks), then HTTP chunks of at most `split` bytes.
+struct Sink<'a> {
+    w: &'a mut TcpStream,
+    split: Option<usize>,
+    crlf: bool,
+    encoder: Option<Encoder>,
+    bom: bool,
+}
+
+impl Sink<'_> {
+    fn bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let mut piece = Vec::new();
+        if std::mem::take(&mut self.bom) {
+            piece.extend_from_slice(BOM);
+        }
+        piece.extend_from_slice(bytes);
+        if let Some(encoder) = self.encoder.as_mut() {
+            piece = encoder.push(&piece);
+        }
+        send(self.w, &piece, self.split)
+    }
+
+    fn event(&mut self, event: &Event) -> io::Result<()> {
+        let raw = event.render(self.crlf);
+        self.bytes(&raw)
+    }
+
+    /// The end of the encoded stream (nothing without an encoding).
+    fn finish(&mut self) -> io::Result<()> {
+        match self.encoder.as_mut() {
+            Some(encoder) => {
+                let tail = encoder.finish();
+                send(self.w, &tail, self.split)
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 /// Plays a streamed answer out in time.
-fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared: &Shared, record: &mut Record) -> io::Result<After> {
-    let headers = [
+fn stream(plan: &Plan, c: &Controls, wire: &Wire, keep_alive: bool, w: &mut TcpStream, shared: &Shared, record: &mut Record) -> io::Result<After> {
+    let mut headers = vec![
         ("content-type", "text/event-stream".to_string()),
         ("cache-control", "no-cache".to_string()),
         served_by(&c.served_by),
         ("x-mock-prompt-tokens", plan.prompt_tokens.to_string()),
     ];
+    if wire.no_content_type {
+        headers.remove(0);
+    }
+    if let Some(encoding) = wire.encoding {
+        headers.push(("content-encoding", encoding.name().to_string()));
+    }
+    if wire.trailers {
+        headers.push(("trailer", "x-mock-tokens-sent".to_string()));
+    }
+    if wire.continue_first {
+        http::write_continue(w)?;
+    }
     http::start_chunked(w, 200, &headers, keep_alive)?;
+    let mut out = Sink { w, split: c.split, crlf: c.crlf, encoder: wire.encoding.map(Encoder::new), bom: wire.bom };
 
     // Token i is due at head + TTFT + i × ITL on one schedule: sleeping a gap per token would let
     // each sleep's overshoot add up (tens of ms over a long stream under load).
@@ -379,28 +490,40 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
     // Sent with the head, before the TTFT delay, so first byte and first token differ in time.
     let mut seq = 0;
     for event in plan.preamble(&mut seq) {
-        send_event(w, &event, c)?;
+        out.event(&event)?;
     }
     // Keep-alive comments spread evenly over the wait for the first token.
     let gap = c.ttft / u32::try_from(c.keepalives.saturating_add(1)).unwrap_or(u32::MAX);
     for _ in 0..c.keepalives {
         thread::sleep(gap);
-        send(w, &keepalive_comment(c.crlf), c.split)?;
+        out.bytes(&keepalive_comment(c.crlf))?;
     }
 
     // A failure "after N tokens" with N past the end happens after the last token instead.
     let fail_at = match c.fail {
-        Some(Failure::ResetAfter(n)) | Some(Failure::ErrorEventAfter(n)) => Some(n.min(plan.tokens)),
+        Some(Failure::ResetAfter(n) | Failure::ErrorEventAfter(n) | Failure::ResetInside(n)) => Some(n.min(plan.tokens)),
         _ => None,
     };
+    let token = |i: u64, seq: &mut u64| if wire.token_bytes > 0 { plan.token_padded(i, wire.token_bytes, seq) } else { plan.token(i, seq) };
     for i in 0..=plan.tokens {
         if fail_at == Some(i) {
             return match c.fail {
                 Some(Failure::ErrorEventAfter(_)) => {
-                    send_event(w, &plan.error_event(&mut seq), c)?;
-                    http::finish_chunked(w)?;
+                    out.event(&plan.error_event(&mut seq))?;
+                    out.finish()?;
+                    http::finish_chunked(out.w)?;
                     record.failure = Some(FailureKind::ErrorEvent);
                     Ok(After::KeepAlive)
+                }
+                Some(Failure::ResetInside(_)) => {
+                    // Half of the next event (a token's, or the first of the end events), then the
+                    // connection closes: the peer holds an event without its end.
+                    let next =
+                        if i < plan.tokens { token(i, &mut seq) } else { plan.epilogue(&mut seq).into_iter().next().unwrap_or_else(|| token(i, &mut seq)) };
+                    let raw = next.render(c.crlf);
+                    out.bytes(raw.get(..raw.len() / 2).unwrap_or_default())?;
+                    record.failure = Some(FailureKind::Reset);
+                    Ok(After::Close)
                 }
                 // The body is left unterminated: the peer sees the connection close mid-stream.
                 _ => {
@@ -414,17 +537,35 @@ fn stream(plan: &Plan, c: &Controls, keep_alive: bool, w: &mut TcpStream, shared
         }
         let due = head_sent + c.ttft + c.itl * u32::try_from(i).unwrap_or(u32::MAX);
         thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
-        send_event(w, &plan.token(i, &mut seq), c)?;
+        out.event(&token(i, &mut seq))?;
         shared.stats.count_tokens(1);
         record.tokens_flushed += 1;
     }
-    for event in plan.epilogue(&mut seq) {
-        send_event(w, &event, c)?;
+    let mut epilogue = plan.epilogue(&mut seq);
+    let cut_terminal = matches!(c.fail, Some(Failure::NoTerminal | Failure::ResetBeforeTerminal));
+    if cut_terminal {
+        epilogue.pop();
+    }
+    for event in epilogue {
+        out.event(&event)?;
         if plan.is_final_usage(&event) {
             record.usage_reported = true;
         }
     }
-    http::finish_chunked(w)?;
-    record.completed = true;
+    if c.fail == Some(Failure::ResetBeforeTerminal) {
+        record.failure = Some(FailureKind::Reset);
+        return Ok(After::Close);
+    }
+    out.finish()?;
+    if wire.trailers {
+        http::finish_chunked_with_trailers(out.w, &[("x-mock-tokens-sent", record.tokens_flushed.to_string())])?;
+    } else {
+        http::finish_chunked(out.w)?;
+    }
+    if cut_terminal {
+        record.failure = Some(FailureKind::NoTerminal);
+    } else {
+        record.completed = true;
+    }
     Ok(After::KeepAlive)
 }

@@ -219,6 +219,21 @@ impl Plan {
     /// the simulator, to spend fewer events on long answers).
     pub fn tokens(&self, i: u64, n: u64, seq: &mut u64) -> Event {
         let text: String = (i..i.saturating_add(n.max(1))).map(token_text).collect();
+        self.text_event(&text, seq)
+    }
+
+    /// The event carrying content token `i`, its text padded with `x` to at least `bytes` bytes
+    /// (`x-mock-token-bytes`: large events).
+    pub fn token_padded(&self, i: u64, bytes: usize, seq: &mut u64) -> Event {
+        let mut text = token_text(i);
+        if text.len() < bytes {
+            text.push_str(&"x".repeat(bytes - text.len()));
+        }
+        self.text_event(&text, seq)
+    }
+
+    fn text_event(&self, text: &str, seq: &mut u64) -> Event {
+        let text = text.to_string();
         match self.api {
             Api::Chat => openai::chat_token_chunk(self, &text),
             Api::Completions => openai::completion_token_chunk(self, &text),
