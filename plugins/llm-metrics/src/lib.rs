@@ -179,7 +179,7 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let (Some(shared), Some(m)) = (self.shared.as_ref(), self.state.as_mut()) else {
             return Action::Continue;
         };
@@ -199,6 +199,17 @@ impl HttpContext for Stream {
             // latency-guard (in front) holds the response until the first content token: it reads
             // this filter state, "0" while waiting (an empty value reads back as absent).
             host::set_property(FIRST_TOKEN_PROPERTY, FirstTokenMark::WAITING);
+        }
+        if end_of_stream {
+            // A response without a body (another filter's empty local reply, a 204) ends here: no
+            // body callback follows, and on_log would take it for a client that went away.
+            let now = host::now_ns();
+            if m.observer.is_some() {
+                mark_first_token(now);
+            }
+            m.response_ended = true;
+            let record = m.record(&sh, now, Outcome::Completed);
+            m.report(&mut sh, &record);
         }
         Action::Continue
     }
