@@ -486,7 +486,9 @@ fn check_trapped(c: &mut Checks, s: &Seen) {
     c.eq("the trapping request's status", &json!(s.status), json!(503));
     c.eq("its budget stamp (never admitted)", &s.budget, Value::Null);
     c.eq("its llm-metrics status", &s.llm["status"], json!(503));
-    c.eq("its llm-metrics outcome", &s.llm["outcome"], json!("completed"));
+    // An answer without a body, whole: a 5xx, which llm-metrics files as an upstream error (it cannot
+    // tell another filter's reply from the upstream's), not as a client that went away.
+    c.eq("its llm-metrics outcome", &s.llm["outcome"], json!("upstream_error"));
 }
 
 #[test]
