@@ -595,7 +595,7 @@ fn a_trapping_filter_under_fail_reload_serves_again_with_a_new_vm() {
 /// Drain and parent shutdown times of the hot restart: long enough for the streams in flight
 /// (about 2.4 s), short enough for the test.
 fn hot(base: u32, epoch: u32) -> Launch {
-    Launch { concurrency: 2, hot_restart: Some((base, epoch)), args: ["--drain-time-s", "3", "--parent-shutdown-time-s", "5"].map(String::from).to_vec() }
+    Launch { concurrency: 2, hot_restart: Some((base, epoch)), args: ["--drain-time-s", "2", "--parent-shutdown-time-s", "3"].map(String::from).to_vec() }
 }
 
 /// Starts epoch 0 on `config`, sends 2 requests for k1, starts 2 slow ones, hot-restarts into epoch
@@ -626,6 +626,7 @@ fn hot_restart_with_streams(scratch: &Scratch, config: &Yaml, site: &Site, mock:
     wait_heads(mock, &["hot-flight-0", "hot-flight-1"]);
     let mut child = EnvoyProcess::spawn(scratch, "epoch1", &path, site, &hot(base, 1)).unwrap();
     child.wait_live(Duration::from_secs(20)).unwrap();
+    let live = Instant::now();
     c.that(in_flight.iter().all(|s| !s.is_finished()), "the child was live only after the streams ended".into());
     c.that(parent.exited().is_none(), "the parent exited before its streams ended".into());
     for (i, s) in in_flight.into_iter().enumerate() {
@@ -633,15 +634,24 @@ fn hot_restart_with_streams(scratch: &Scratch, config: &Yaml, site: &Site, mock:
         let r = s.join().unwrap();
         charged += check_charged(c, &id, &r, &stamp_of(&log, &id, "budget"), mock, &id);
     }
-    let status = parent.wait_exit(Duration::from_secs(15));
-    c.that(status.is_some(), "the parent did not exit within 15 s of its drain".into());
-    eprintln!("hot restart: parent exited {status:?}; its stderr: {}", parent.stderr_tail(3));
-    // The child's counters right after the parent left: what hot restart carried over.
+    let status = parent.wait_exit(Duration::from_secs(30));
+    c.that(status.is_some_and(|s| s.success()), format!("the parent did not exit cleanly within 30 s of its streams' end: {status:?}"));
+    eprintln!("hot restart: parent exited {status:?} {:?} after the child was live", live.elapsed());
+    // The child's counters right after the parent left: Envoy's own carry the parent's counts over
+    // (4 requests, before the child served any); sluice's, defined by the plugins in each process's
+    // VMs, start again from nothing.
     let m = child.metrics().unwrap();
     let parent_charged_counter = metric(&m, "sluice_budget_charged_tokens_total", &[("key", "k1")]);
     let downstream = metric(&m, "envoy_http_downstream_rq_total", &[("envoy_http_conn_manager_prefix", "gateway")]);
     let upstream = metric(&m, "envoy_cluster_upstream_rq_total", &[("envoy_cluster_name", "model_server")]);
-    eprintln!("hot restart: the child's counters once the parent exited: sluice_budget_charged_tokens_total{{key=k1}} {parent_charged_counter}, http downstream_rq_total {downstream}, model_server upstream_rq_total {upstream}");
+    let requests = m.value("sluice_requests_total", &[]);
+    eprintln!(
+        "hot restart: the child's counters once the parent exited: http downstream_rq_total {downstream}, model_server upstream_rq_total {upstream}, sluice_budget_charged_tokens_total{{key=k1}} {parent_charged_counter}, sluice_requests_total {requests:?}"
+    );
+    c.eq("the child's downstream_rq_total (the parent's 4 carried over)", &json!(downstream), json!(4.0));
+    c.eq("the child's upstream_rq_total", &json!(upstream), json!(4.0));
+    c.eq("the child's sluice_budget_charged_tokens_total (not carried over)", &json!(parent_charged_counter), json!(0.0));
+    c.that(requests.unwrap_or(0.0) == 0.0, format!("the child's sluice_requests_total (not carried over): {requests:?}"));
     Restarted { child, charged_before: charged, admitted_before: 4, parent_charged_counter }
 }
 
@@ -737,4 +747,36 @@ fn hot_restart_with_the_fleet_ledger_keeps_the_budget() {
     }
     c.that(all > r.charged_before, format!("the access log's charges ({all}) include the child's on top of the parent's {}", r.charged_before));
     c.done(&r.child.stderr_tail(10));
+}
+
+/// A budget whose measure changes (k2: a million tokens a month → 10 requests a month) must start
+/// counting requests from zero. It does not: tenant-budget keys its counters by the budget's
+/// position under its owner (`sluice/tenant-budget/key/k2/0`), so the new requests budget reads the
+/// tokens used under the old one (33 "requests" of 10 after 3 requests) and refuses everything;
+/// a window change (minute → day) likewise keeps a minute's window id, which a day's never passes.
+/// Measured with this test; ignored until the counters are keyed by what they count
+/// (docs/lifecycle.md, "Known problem").
+#[test]
+#[ignore = "known bug: budget counters are keyed by position, so a changed measure reads the old one's counter (docs/lifecycle.md)"]
+fn a_budget_whose_measure_changes_starts_from_zero() {
+    if Tools::locate_or_skip().unwrap().is_none() {
+        return;
+    }
+    let policy = |budgets: Value| edit(&small_budget(5, 100_000, 64), |v| v["orgs"][0]["teams"][0]["keys"][1]["budgets"] = budgets);
+    let scratch = Scratch::new("measure").unwrap();
+    let site = Site::new(&scratch).unwrap();
+    let mock = MockServer::start(&["--tokens", "6"]).unwrap();
+    let mut bootstrap = budget_gateway(&site, &mock, &policy(json!([{ "window": "month", "tokens": 1_000_000 }])));
+    let mut ecds = XdsFile::new(scratch.path(), "ecds").unwrap();
+    let typed = filter_to_ecds(http_filters(static_listener(&mut bootstrap).unwrap()).unwrap(), "sluice_tenant_budget", &ecds).unwrap();
+    set_node(&mut bootstrap, "measure");
+    ecds.publish_extension("sluice_tenant_budget", typed.clone()).unwrap();
+    let envoy = EnvoyProcess::start(&scratch, "envoy", &bootstrap, &site, &Launch::plain(1)).unwrap();
+    for i in 0..3 {
+        assert_eq!(stream(envoy.listen_addr(), &[("x-sluice-key", "k2"), ("x-request-id", &format!("measure-{i}"))]).status, 200);
+    }
+    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, &policy(json!([{ "window": "month", "requests": 10 }]))).unwrap()).unwrap();
+    envoy.wait_stat(ECDS_RELOADS, 2, Duration::from_secs(10)).unwrap();
+    let r = post_json(envoy.listen_addr(), CHAT, &[("x-sluice-key", "k2")], &chat("the first request counted in requests")).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
 }
