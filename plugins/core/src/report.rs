@@ -195,7 +195,8 @@ impl RequestRecord {
         }
     }
 
-    /// Input tokens: reported usage when present; otherwise the request-body estimate, except for
+    /// Input tokens: reported usage when present (or an input count the stream reported before it
+    /// was cut); otherwise the request-body estimate, except for
     /// an answer of status 400 or more (an upstream error or a refusal: the model did not run the
     /// prompt, so no tokens are counted — the request is counted as an error instead).
     pub fn input_tokens(&self) -> u64 {
@@ -203,6 +204,10 @@ impl RequestRecord {
             self.response.usage.input_tokens
         } else if self.status >= 400 {
             0
+        } else if self.response.usage.input_tokens > 0 {
+            // Reported before the end without the rest (Anthropic's message_start, then a cut or an
+            // error event): the upstream's figure, as tenant-budget charges it.
+            self.response.usage.input_tokens
         } else {
             self.prompt_tokens_estimate
         }

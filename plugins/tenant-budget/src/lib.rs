@@ -889,13 +889,16 @@ impl Stream {
         let produced = (200..300).contains(&b.status);
         let outcome = match (gateway, outcome) {
             (Some(g), _) => g.end.into(),
-            (None, Outcome::Completed) if b.status >= 500 => Outcome::UpstreamError,
+            // As llm-metrics judges it: an error event inside a 200 stream is an upstream error too.
+            (None, Outcome::Completed) if b.status >= 500 || (b.status < 400 && summary.upstream_error.is_some()) => Outcome::UpstreamError,
             (None, other) => other,
         };
         // Charge what the upstream reports; without a report, what was seen (output) and the prompt
         // estimate (input). A refused or failed upstream answer produced nothing to charge, and
         // neither did a stream the gateway ended before any content reached it.
-        let nothing_passed = outcome == Outcome::Deadline && summary.estimated_output_tokens == 0 && summary.usage.input_tokens == 0;
+        // (Anthropic's message_start reports the input before any content: a 504 after it still
+        // charges nothing.)
+        let nothing_passed = outcome == Outcome::Deadline && summary.estimated_output_tokens == 0;
         let actual = match (produced, summary.usage_reported) {
             (true, true) => summary.usage,
             (true, false) if nothing_passed => Usage::default(),
