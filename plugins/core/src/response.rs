@@ -307,6 +307,11 @@ impl State {
         if handled {
             return;
         }
+        self.value_path(data, ev.event.as_deref(), out);
+    }
+
+    /// The general path: every event shape, through a `Value`.
+    fn value_path(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) {
         let v = match serde_json::from_str::<Value>(data) {
             Ok(v) if v.is_object() => v,
             _ => {
@@ -318,7 +323,7 @@ impl State {
             self.set_error(msg);
             return;
         }
-        let ty = str_at(&v, "type").or(ev.event.as_deref()).unwrap_or("");
+        let ty = str_at(&v, "type").or(event).unwrap_or("");
         match self.kind {
             ApiKind::ChatCompletions | ApiKind::Completions => self.openai_chunk(&v, out),
             ApiKind::Responses => self.responses_event(ty, &v, out),
@@ -328,7 +333,7 @@ impl State {
 
     /// Fast path for an OpenAI chat / completions chunk; `false` if the general path must decide.
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
-        let Ok(chunk) = serde_json::from_str::<fast::OpenAiChunk<'_>>(data) else {
+        let Ok(fast::Obj(chunk)) = serde_json::from_str::<fast::Obj<fast::OpenAiChunk<'_>>>(data) else {
             return false;
         };
         if chunk.ty.is_some() || chunk.error.as_ref().is_some_and(|e| !e.is_null()) {
@@ -339,8 +344,8 @@ impl State {
         }
         let mut has_content = false;
         let mut n = 0u64;
-        for choice in chunk.choices.iter().flatten() {
-            if let Some(d) = &choice.delta {
+        for fast::Obj(choice) in chunk.choices.iter().flatten() {
+            if let Some(fast::Obj(d)) = &choice.delta {
                 for text in [&d.content, &d.reasoning_content, &d.reasoning, &d.refusal] {
                     let c = text.as_deref().map_or(0, chars);
                     has_content |= c > 0;
@@ -379,12 +384,12 @@ impl State {
     /// Fast path for the hot Anthropic events (`content_block_delta`, `ping`, `content_block_stop`,
     /// `message_stop`); everything else takes the general path.
     fn anthropic_fast(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) -> bool {
-        let Ok(ev) = serde_json::from_str::<fast::AnthropicEvent<'_>>(data) else {
+        let Ok(fast::Obj(ev)) = serde_json::from_str::<fast::Obj<fast::AnthropicEvent<'_>>>(data) else {
             return false;
         };
         match ev.ty.as_deref().or(event) {
             Some("content_block_delta") => {
-                let Some(delta) = ev.delta else { return true };
+                let Some(fast::Obj(delta)) = ev.delta else { return true };
                 let text = match delta.ty.as_deref() {
                     Some("text_delta") => delta.text,
                     Some("input_json_delta") => delta.partial_json,
@@ -647,19 +652,48 @@ impl State {
     }
 }
 
+/// Hooks for the fuzz targets (fuzz/): the fast paths against the general path.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
+
 /// Borrowing, typed shapes of the hottest stream events. Unknown fields are skipped without being
 /// built; a field of an unexpected type fails the parse and sends the event to the `Value` path.
 mod fast {
+    use serde::de::value::MapAccessDeserializer;
+    use serde::de::{Deserializer, MapAccess, Visitor};
     use serde::Deserialize;
     use serde_json::Value;
     use std::borrow::Cow;
+    use std::marker::PhantomData;
+
+    /// A struct read only from a JSON object. Derived structs also accept an array, field by field
+    /// in declaration order (`["m",[…]]` would be a chunk of model `m`), which the general path
+    /// rightly reads as no chunk at all (found by fuzz/fuzz_targets/stream_event.rs).
+    pub(super) struct Obj<T>(pub T);
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct ObjVisitor<T>(PhantomData<T>);
+            impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjVisitor<T> {
+                type Value = Obj<T>;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Obj<T>, A::Error> {
+                    T::deserialize(MapAccessDeserializer::new(map)).map(Obj)
+                }
+            }
+            d.deserialize_map(ObjVisitor(PhantomData))
+        }
+    }
 
     #[derive(Deserialize)]
     pub(super) struct OpenAiChunk<'a> {
         #[serde(default, borrow)]
         pub model: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
-        pub choices: Option<Vec<OpenAiChoice<'a>>>,
+        pub choices: Option<Vec<Obj<OpenAiChoice<'a>>>>,
         #[serde(default)]
         pub usage: Option<Value>,
         #[serde(default)]
@@ -671,7 +705,7 @@ mod fast {
     #[derive(Deserialize)]
     pub(super) struct OpenAiChoice<'a> {
         #[serde(default, borrow)]
-        pub delta: Option<OpenAiDelta<'a>>,
+        pub delta: Option<Obj<OpenAiDelta<'a>>>,
         #[serde(default, borrow)]
         pub text: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
@@ -699,7 +733,7 @@ mod fast {
         #[serde(default, borrow, rename = "type")]
         pub ty: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
-        pub delta: Option<AnthropicDelta<'a>>,
+        pub delta: Option<Obj<AnthropicDelta<'a>>>,
     }
 
     #[derive(Deserialize)]
