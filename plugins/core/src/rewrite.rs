@@ -295,7 +295,7 @@ impl UsageChunkStripper {
             self.line_nonempty = false;
             if blank {
                 let event = rest.get(event_start..pos).unwrap_or_default();
-                let removed = self.complete_event(event, &mut out);
+                let removed = self.complete_event(event, term_len, &mut out);
                 event_start = pos;
                 if cr_at_end {
                     self.pending_cr = PendingCr::AfterEvent { removed };
@@ -364,8 +364,9 @@ impl UsageChunkStripper {
         self.held.extend_from_slice(tail);
     }
 
-    /// The current event ends with `tail` (its blank line included). Returns whether it was removed.
-    fn complete_event(&mut self, tail: &[u8], out: &mut Vec<u8>) -> bool {
+    /// The current event ends with `tail` (its blank line included, whose line end is
+    /// `blank_term_len` bytes). Returns whether it was removed.
+    fn complete_event(&mut self, tail: &[u8], blank_term_len: usize, out: &mut Vec<u8>) -> bool {
         let at_start = std::mem::replace(&mut self.at_stream_start, false);
         if self.passthrough {
             self.passthrough = false;
@@ -380,7 +381,10 @@ impl UsageChunkStripper {
             &held
         };
         let mut removed = false;
-        if event.len() > self.max_event_bytes {
+        // The blank line's own line end is not counted: a CRLF split across chunks puts only its CR
+        // in the event, so counting it would make the verdict depend on where chunks end (found by
+        // fuzz/fuzz_targets/usage_stripper.rs).
+        if event.len().saturating_sub(blank_term_len) > self.max_event_bytes {
             self.overflowed = self.overflowed.saturating_add(1);
             out.extend_from_slice(event);
         } else {
