@@ -444,14 +444,28 @@ struct Seen {
     llm: Value,
 }
 
+/// Where the trapping filter sits: behind the plugins (they see its replies) or in front of them.
+#[derive(Clone, Copy, PartialEq)]
+enum Place {
+    Behind,
+    InFront,
+}
+
 fn trap_gateway(policy: &str) -> (Scratch, MockServer, EnvoyProcess) {
+    trap_gateway_at(policy, Place::Behind)
+}
+
+fn trap_gateway_at(policy: &str, place: Place) -> (Scratch, MockServer, EnvoyProcess) {
     let scratch = Scratch::new("trap").unwrap();
     let site = Site::new(&scratch).unwrap();
     let mock = MockServer::start(&["--tokens", "4"]).unwrap();
     let mut cfg = budget_gateway(&site, &mock, &small_budget(1000, 1_000_000, 64));
     let filters = http_filters(static_listener(&mut cfg).unwrap()).unwrap();
-    let i = wasm_filter_index(filters, "sluice_llm_metrics").unwrap();
-    filters.insert(i + 1, trap_filter(policy).unwrap());
+    let i = match place {
+        Place::Behind => wasm_filter_index(filters, "sluice_llm_metrics").unwrap() + 1,
+        Place::InFront => wasm_filter_index(filters, "sluice_tenant_budget").unwrap(),
+    };
+    filters.insert(i, trap_filter(policy).unwrap());
     // One worker: every request meets the same VMs (each worker has its own).
     let envoy = EnvoyProcess::start(&scratch, "envoy", &cfg, &site, &Launch::plain(1)).unwrap();
     (scratch, mock, envoy)
@@ -517,6 +531,33 @@ fn a_trapping_filter_under_fail_closed_takes_every_later_request_of_the_worker_d
     c.eq("5xx counted", &json!(failed), json!(4.0));
     c.eq("client disconnects counted (none happened)", &json!(disconnects), json!(0.0));
     c.eq("tokens charged (the first request's only)", &json!(charged), first.budget["charged_tokens"].clone().as_f64().map_or(json!(null), |v| json!(v)));
+    c.done(&envoy.stderr_tail(10));
+}
+
+/// The same failure in front of the plugins: its 503s never reach them, so llm-metrics counts
+/// nothing of the outage (Envoy's own counters do).
+#[test]
+fn a_trapping_filter_in_front_of_the_plugins_under_fail_closed_hides_the_outage_from_them() {
+    if Tools::locate_or_skip().unwrap().is_none() {
+        return;
+    }
+    let (_scratch, _mock, envoy) = trap_gateway_at("FAIL_CLOSED", Place::InFront);
+    let mut c = Checks::default();
+    let first = send(&envoy, "front-0", false);
+    c.that(first.status == 200 && first.vm.is_some(), format!("before the trap: {} {:?}", first.status, first.vm));
+    for (i, trap) in [(1, true), (2, false), (3, false)] {
+        let s = send(&envoy, &format!("front-{i}"), trap);
+        c.eq(&format!("request {i}: status"), &json!(s.status), json!(503));
+        c.eq(&format!("request {i}: llm-metrics stamp (never saw it)"), &s.llm, Value::Null);
+        c.eq(&format!("request {i}: budget stamp (never saw it)"), &s.budget, Value::Null);
+    }
+    let (ok, failed, _, _) = plugin_counts(&envoy);
+    let m = envoy.metrics().unwrap();
+    let envoy_5xx = metric(&m, "envoy_http_downstream_rq_xx", &[("envoy_http_conn_manager_prefix", "gateway"), ("envoy_response_code_class", "5")]);
+    eprintln!("FAIL_CLOSED in front: sluice 2xx {ok}, 5xx {failed}; Envoy's downstream 5xx {envoy_5xx}");
+    c.eq("2xx counted by llm-metrics", &json!(ok), json!(1.0));
+    c.eq("5xx counted by llm-metrics", &json!(failed), json!(0.0));
+    c.eq("5xx counted by Envoy", &json!(envoy_5xx), json!(3.0));
     c.done(&envoy.stderr_tail(10));
 }
 
