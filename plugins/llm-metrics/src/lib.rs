@@ -260,6 +260,36 @@ impl HttpContext for Stream {
         Action::Continue
     }
 
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Trailers end the response (an HTTP/2 upstream's, or those Envoy's decompressor adds):
+        // the body saw no end_of_stream, and without this the request would be recorded at
+        // teardown as a client disconnect.
+        let (Some(shared), Some(m)) = (self.shared.as_ref(), self.state.as_mut()) else {
+            return Action::Continue;
+        };
+        if m.reported {
+            return Action::Continue;
+        }
+        let now = host::now_ns();
+        let mut sh = shared.borrow_mut();
+        if let Some(observer) = m.observer.as_mut() {
+            let last = observer.finish();
+            if last.content_events > 0 {
+                if m.timing.first_content_ns.is_none() {
+                    mark_first_token(now);
+                }
+                m.timing.on_content(now, last.content_events);
+            }
+            if m.timing.first_content_ns.is_none() {
+                mark_first_token(now);
+            }
+        }
+        m.response_ended = true;
+        let record = m.record(&sh, now, Outcome::Completed);
+        m.report(&mut sh, &record);
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         let (Some(shared), Some(m)) = (self.shared.as_ref(), self.state.as_mut()) else { return };
         let mut sh = shared.borrow_mut();
