@@ -1,35 +1,72 @@
-//! Fuzz the response path: any bytes, split into chunks at fuzzer-chosen points, through a
-//! `StreamObserver` of every API kind, with a small and the default event cap. Must never panic, and
-//! buffered bytes must never exceed the cap.
+//! The response path: the SSE framer and a `StreamObserver` of every API kind, on any bytes split
+//! into chunks at fuzzer-chosen sizes, with a small and the default event cap.
+//!
+//! Checks, besides never panicking:
+//! - the framer and the observers hold at most the cap (`buffered_bytes`) after every chunk;
+//! - where the chunk boundaries fall changes nothing: the framer dispatches the same events and
+//!   counts the same comments and overflows, and every observer ends with the same summary, as when
+//!   the body arrives in one chunk (the framer's promise, sse.rs);
+//! - the per-chunk outcomes add up to the summary (content events, done).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use sluice_core::api::ApiKind;
-use sluice_core::response::{inspect_response_body, StreamObserver};
-use sluice_core::sse::DEFAULT_MAX_EVENT_BYTES;
+use sluice_core::response::{inspect_response_body, ChunkOutcome, StreamObserver};
+use sluice_core::sse::{SseEvent, SseFramer, StreamTail, DEFAULT_MAX_EVENT_BYTES};
+use sluice_core_fuzz::chunks;
+
+fn frame(parts: &[&[u8]], cap: usize) -> (Vec<SseEvent>, u64, u64) {
+    let mut framer = SseFramer::new(cap);
+    let mut events = Vec::new();
+    for part in parts {
+        framer.push(part, &mut |ev| events.push(ev));
+        assert!(framer.buffered_bytes() <= cap, "framer holds {} > cap {cap}", framer.buffered_bytes());
+    }
+    framer.finish(&mut |ev| events.push(ev));
+    (events, framer.comments_seen(), framer.overflowed_events())
+}
+
+fn observe(kind: ApiKind, parts: &[&[u8]], cap: usize) -> (sluice_core::response::ResponseSummary, u64) {
+    let mut o = StreamObserver::with_max_event_bytes(kind, cap);
+    let mut content = 0u64;
+    let mut done = false;
+    let mut add = |out: ChunkOutcome| {
+        content += u64::from(out.content_events);
+        done |= out.done;
+    };
+    for part in parts {
+        add(o.push(part));
+        assert!(o.buffered_bytes() <= cap, "observer holds {} > cap {cap}", o.buffered_bytes());
+    }
+    add(o.finish());
+    let s = o.summary();
+    assert_eq!(content, s.content_chunks, "per-chunk content events do not add up to the summary");
+    assert_eq!(done, s.done, "per-chunk done does not match the summary");
+    (s, o.comments_seen())
+}
 
 fuzz_target!(|data: &[u8]| {
-    // First two bytes choose the split points; the rest is the body.
-    let (cuts, body) = match data {
-        [a, b, rest @ ..] => ((*a as usize, *b as usize), rest),
-        _ => ((0, 0), data),
+    // First two bytes choose the chunk sizes; the rest is the body.
+    let (a, b, body) = match data {
+        [a, b, rest @ ..] => (*a, *b, rest),
+        _ => (1, 1, data),
     };
-    for kind in ApiKind::ALL {
-        for cap in [64, DEFAULT_MAX_EVENT_BYTES] {
-            let mut o = StreamObserver::with_max_event_bytes(kind, cap);
-            let step = cuts.0.max(1);
-            let mut i = 0;
-            while i < body.len() {
-                // Alternate chunk sizes so CR/LF pairs and UTF-8 sequences land on boundaries.
-                let len = if (i / step) % 2 == 0 { step } else { cuts.1.max(1) };
-                let end = body.len().min(i + len);
-                o.push(&body[i..end]);
-                assert!(o.buffered_bytes() <= cap);
-                i = end;
-            }
-            o.finish();
-            let _ = o.summary();
+    let split = chunks(body, a, b);
+    let whole: [&[u8]; 1] = [body];
+    for cap in [64, DEFAULT_MAX_EVENT_BYTES] {
+        assert_eq!(frame(&split, cap), frame(&whole, cap), "framer result depends on chunk boundaries (cap {cap})");
+        for kind in ApiKind::ALL {
+            assert_eq!(observe(kind, &split, cap), observe(kind, &whole, cap), "{kind} observer result depends on chunk boundaries (cap {cap})");
         }
+    }
+    for kind in ApiKind::ALL {
         let _ = inspect_response_body(kind, body);
     }
+    let mut tail = StreamTail::default();
+    for part in &split {
+        tail.push(part);
+    }
+    let mut whole_tail = StreamTail::default();
+    whole_tail.push(body);
+    assert_eq!(tail.separator_before_new_event(), whole_tail.separator_before_new_event());
 });
