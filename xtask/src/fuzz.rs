@@ -39,7 +39,7 @@ const DEFAULT_RUNS: u64 = 10_000_000;
 
 /// The smoke run: executions per target (seeds first), on a fresh corpus so it costs the same each
 /// time.
-const SMOKE_RUNS: u64 = 20_000;
+const SMOKE_RUNS: u64 = 50_000;
 
 #[derive(Debug, Clone, Copy)]
 enum Budget {
