@@ -287,7 +287,9 @@ impl Launch {
 /// with hot restart off, so its ids reserve nothing anyway).
 pub fn hot_restart_base_id() -> u32 {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    2_000_000_000 - ((std::process::id() % 100_000) * 10 + NEXT.fetch_add(1, Ordering::Relaxed) % 10)
+    // Above the ids `Envoy` hands out (below 10^8), and small enough that Envoy's shared-memory
+    // name (ten per base id, one per epoch) stays within 32 bits.
+    200_000_000 + (std::process::id() % 1_000_000) * 10 + NEXT.fetch_add(1, Ordering::Relaxed) % 10
 }
 
 /// An Envoy process on a config file the test wrote; killed on drop.
