@@ -187,7 +187,8 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     let mut lds = XdsFile::new(scratch.path(), "lds").unwrap();
     let base = listeners_to_lds(&mut bootstrap, &lds).unwrap().remove(0);
     set_node(&mut bootstrap, "lds");
-    let old = (guard_policy(2000), full_budget(8, 1_000_000), metrics_policy(1.0));
+    // The old TTFT deadline far above the waiting stream's 3 s, the new one well below it.
+    let old = (guard_policy(5000), full_budget(8, 1_000_000), metrics_policy(1.0));
     let new = (guard_policy(700), full_budget(6, 900_000), metrics_policy(1000.0));
     lds.publish_listeners(vec![full_listener(&base, &old.0, &old.1, &old.2)]).unwrap();
     let envoy = EnvoyProcess::start(&scratch, "envoy", &bootstrap, &site, &Launch::plain(2)).unwrap();
@@ -209,7 +210,7 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     })
     .unwrap();
 
-    // Two of globex's requests before the update, two slow ones and a stream waiting 1.5 s for its
+    // Two of globex's requests before the update, two slow ones and a stream waiting 3 s for its
     // first token (acme, on v2 while v1's breaker is open) in flight during it.
     let mut charged = 0u64;
     for i in 0..2 {
@@ -220,7 +221,7 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     }
     let in_flight: Vec<_> =
         ["lds-flight-0", "lds-flight-1"].iter().map(|id| stream_in_background(addr, &[("x-sluice-tenant", "globex"), ("x-request-id", id), SLOW[0]])).collect();
-    let waiting = stream_in_background(addr, &[("x-sluice-tenant", "acme"), ("x-request-id", "lds-waiting"), ("x-mock-ttft-ms", "1500")]);
+    let waiting = stream_in_background(addr, &[("x-sluice-tenant", "acme"), ("x-request-id", "lds-waiting"), ("x-mock-ttft-ms", "3000")]);
     let waiting_sent = Instant::now();
     wait_heads(&v2, &["lds-flight-0", "lds-flight-1", "lds-waiting"]);
     let vms_before = vms(&envoy);
@@ -235,7 +236,7 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     );
     // The update must land while that stream still waits for its first token (new deadline 700 ms).
     c.that(
-        !waiting.is_finished() && update_at < Duration::from_millis(1400),
+        !waiting.is_finished() && update_at < Duration::from_millis(2900),
         format!("the update landed after the waiting stream's first token ({update_at:?})"),
     );
 
@@ -253,7 +254,7 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     sent += 1;
     c.that(
         r.status == 200 && r.complete,
-        format!("the stream waiting 1.5 s for its first token under the old 2 s deadline: status {} (a 504 would be the new 700 ms deadline)", r.status),
+        format!("the stream waiting 3 s for its first token under the old 5 s deadline: status {} (a 504 would be the new 700 ms deadline)", r.status),
     );
     c.eq("lds-waiting latency.outcome", &stamp_of(&log, "lds-waiting", "latency")["outcome"], json!("ok"));
 
@@ -273,7 +274,8 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     let took = t.elapsed();
     sent += 1;
     c.that(
-        r.status == 504 && took >= Duration::from_millis(700) && took < Duration::from_millis(1400),
+        // Its first token would come at 1.5 s (a 200): a 504 is the new 700 ms deadline.
+        r.status == 504 && took >= Duration::from_millis(700),
         format!("a new request waiting 1.5 s: status {} after {took:?}, want 504 at the new 700 ms deadline", r.status),
     );
     c.eq("lds-after-deadline route.version (v1's breaker still open)", &stamp_of(&log, "lds-after-deadline", "route")["version"], json!("v2"));
@@ -634,9 +636,9 @@ fn a_trapping_filter_under_fail_reload_serves_again_with_a_new_vm() {
 // Hot restart.
 
 /// Drain and parent shutdown times of the hot restart: long enough for the streams in flight
-/// (about 2.4 s), short enough for the test.
+/// (about 4.2 s from their start), short enough for the test.
 fn hot(base: u32, epoch: u32) -> Launch {
-    Launch { concurrency: 2, hot_restart: Some((base, epoch)), args: ["--drain-time-s", "2", "--parent-shutdown-time-s", "3"].map(String::from).to_vec() }
+    Launch { concurrency: 2, hot_restart: Some((base, epoch)), args: ["--drain-time-s", "3", "--parent-shutdown-time-s", "6"].map(String::from).to_vec() }
 }
 
 /// Starts epoch 0 on `config`, sends 2 requests for k1, starts 2 slow ones, hot-restarts into epoch
@@ -663,7 +665,8 @@ fn hot_restart_with_streams(scratch: &Scratch, config: &Yaml, site: &Site, mock:
         charged += check_charged(c, &id, &r, &stamp_of(&log, &id, "budget"), mock, &id);
     }
     let in_flight: Vec<_> =
-        ["hot-flight-0", "hot-flight-1"].iter().map(|id| stream_in_background(addr, &[("x-sluice-key", "k1"), ("x-request-id", id), SLOW[0]])).collect();
+        // 6 tokens 700 ms apart: still streaming once the child (which compiles its VMs first) is live.
+        ["hot-flight-0", "hot-flight-1"].iter().map(|id| stream_in_background(addr, &[("x-sluice-key", "k1"), ("x-request-id", id), ("x-mock-itl-ms", "700")])).collect();
     wait_heads(mock, &["hot-flight-0", "hot-flight-1"]);
     let mut child = EnvoyProcess::spawn(scratch, "epoch1", &path, site, &hot(base, 1)).unwrap();
     child.wait_live(Duration::from_secs(20)).unwrap();
