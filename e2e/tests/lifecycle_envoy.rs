@@ -3,12 +3,12 @@
 //! - a new policy pushed while streams are in flight, through LDS (the full gateway's listener from a
 //!   watched file) and through ECDS (tenant-budget's filter configuration from a watched file): the
 //!   streams in flight finish on the policy they started with and are charged exactly; counters,
-//!   budgets (shared data is per `vm_id`, and the VM is kept), leases, in-flight counts and an open
+//!   budgets (shared data is per `vm_id`, which the update keeps), leases, in-flight counts and an open
 //!   breaker carry over; new requests get the new policy; a broken policy is refused with the
 //!   plugin's message and the previous one keeps serving;
-//! - a VM failure — a test filter (`e2e/trap-filter`) trapping in the chain behind the plugins —
-//!   under each `failure_policy`: what the trapping request and the next ones get, what the plugins
-//!   count, and `FAIL_RELOAD` serving again with a new VM;
+//! - a VM failure — a test filter (`e2e/trap-filter`) trapping in the chain behind the plugins, and
+//!   once in front of them — under each `failure_policy`: what the trapping request and the next ones
+//!   get, what the plugins count, and `FAIL_RELOAD` serving again with a new VM;
 //! - hot restart (`--restart-epoch`, one `--base-id` per test) with streams in flight: the parent
 //!   finishes them; a local ledger starts again from zero in the new process, the fleet ledger
 //!   (Redis through `sluice-ledger`) carries the budget over.
