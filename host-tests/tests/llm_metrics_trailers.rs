@@ -51,3 +51,38 @@ fn a_whole_answer_ending_with_trailers_is_read_at_the_trailers() {
     let stamp = c.stamp();
     assert_eq!((stamp["outcome"].clone(), stamp["usage"].clone(), stamp["input_tokens"].clone(), stamp["output_tokens"].clone()), (json!("completed"), json!("reported"), json!(9), json!(3)));
 }
+
+/// The stream's end never reaches the plugin (Envoy 1.40 drops trailers a filter nearer the
+/// upstream added, for the filters before one that still holds the response), but Envoy saw the
+/// answer through: `via_upstream` with no response flag. Completed, not a client disconnect.
+#[test]
+fn a_stream_whose_end_never_reached_the_plugin_is_complete_when_envoy_flags_nothing() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
+    c.sse_headers(5);
+    c.body(&[(10, chat::role()), (20, chat::content("Hi")), (30, chat::finish("stop"))], Delivery::PerEntry, false);
+    c.stream.set_property(&["response", "code_details"], "via_upstream");
+    c.stream.set_property(&["response", "flags"], 0u64.to_le_bytes().to_vec());
+    c.at(40);
+    c.end();
+    let l = Labels::new("chat_completions");
+    assert_eq!(gw.counter(&l.name("client_disconnects_total")), None);
+    let stamp = c.stamp();
+    assert_eq!((stamp["outcome"].clone(), stamp["output_tokens"].clone()), (json!("completed"), json!(1)));
+}
+
+/// The same, with Envoy's downstream-termination flag (`DC`, bit 14): the client went away.
+#[test]
+fn a_stream_cut_with_a_response_flag_stays_a_client_disconnect() {
+    let gw = gateway();
+    let mut c = Call::start(&gw, &headers(chat::PATH, &ACME_V2), &chat::request(true, false));
+    c.sse_headers(5);
+    c.body(&[(10, chat::role()), (20, chat::content("Hi"))], Delivery::PerEntry, false);
+    c.stream.set_property(&["response", "code_details"], "via_upstream");
+    c.stream.set_property(&["response", "flags"], (1u64 << 14).to_le_bytes().to_vec());
+    c.at(40);
+    c.end();
+    let l = Labels::new("chat_completions");
+    assert_eq!(gw.counter(&l.name("client_disconnects_total")), Some(1));
+    assert_eq!(c.stamp()["outcome"], json!("client_disconnect"));
+}
