@@ -49,7 +49,10 @@ fn a_whole_answer_ending_with_trailers_is_read_at_the_trailers() {
     assert_eq!(gw.counter(&l.name("client_disconnects_total")), None);
     assert_eq!(gw.histogram(&l.name("request_duration_ms")), Some(vec![12]));
     let stamp = c.stamp();
-    assert_eq!((stamp["outcome"].clone(), stamp["usage"].clone(), stamp["input_tokens"].clone(), stamp["output_tokens"].clone()), (json!("completed"), json!("reported"), json!(9), json!(3)));
+    assert_eq!(
+        (stamp["outcome"].clone(), stamp["usage"].clone(), stamp["input_tokens"].clone(), stamp["output_tokens"].clone()),
+        (json!("completed"), json!("reported"), json!(9), json!(3))
+    );
 }
 
 /// The stream's end never reaches the plugin (Envoy 1.40 drops trailers a filter nearer the
