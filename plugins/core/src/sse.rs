@@ -257,6 +257,10 @@ impl SseFramer {
 
     fn overflow(&mut self) {
         self.overflowed = self.overflowed.saturating_add(1);
+        // A first line dropped for its size still was the first line: a BOM on the next one is
+        // content, not a marker to strip (else a BOM-only line ended the discarded event, or not,
+        // depending on whether it arrived whole; found by fuzz/fuzz_targets/sse_stream.rs).
+        self.at_stream_start = false;
         self.discarding = true;
         self.line.clear();
         self.data.clear();
