@@ -387,6 +387,11 @@ impl State {
         let Ok(fast::Obj(ev)) = serde_json::from_str::<fast::Obj<fast::AnthropicEvent<'_>>>(data) else {
             return false;
         };
+        // An error member makes any event an error report (found by the stream_event fuzz target:
+        // `event: content_block_delta` with `{"error":{…}}` was taken as an empty delta).
+        if ev.error.is_some() {
+            return false;
+        }
         match ev.ty.as_deref().or(event) {
             Some("content_block_delta") => {
                 let Some(fast::Obj(delta)) = ev.delta else { return true };
@@ -734,6 +739,8 @@ mod fast {
         pub ty: Option<Cow<'a, str>>,
         #[serde(default, borrow)]
         pub delta: Option<Obj<AnthropicDelta<'a>>>,
+        #[serde(default)]
+        pub error: Option<Value>,
     }
 
     #[derive(Deserialize)]

@@ -5,6 +5,7 @@
 use sluice_core::api::ApiKind;
 use sluice_core::response::StreamObserver;
 use sluice_core::rewrite::UsageChunkStripper;
+use sluice_core::sse::{SseEvent, SseFramer};
 
 fn observe(kind: ApiKind, body: &[u8]) -> sluice_core::response::ResponseSummary {
     let mut o = StreamObserver::new(kind);
@@ -73,4 +74,54 @@ fn a_usage_chunk_at_the_cap_is_removed_wherever_its_crlf_is_split() {
     let whole = strip(cap, &[event]);
     assert_eq!(whole, strip(cap, &[at_cr, rest]));
     assert_eq!(whole, (Vec::new(), 1, 0));
+}
+
+/// stream_event: crash-d916a45f… = `\x07{"error":{"t":"sxt_"}}` (kind byte 7: Anthropic, event
+/// `content_block_delta`). The Anthropic fast path took the event as a delta without one and
+/// dropped its error; the general path reports it.
+#[test]
+fn an_anthropic_delta_event_with_an_error_member_reports_the_error() {
+    let data: &[u8] = b"\x07{\"error\":{\"t\":\"sxt_\"}}";
+    let mut body = b"event: content_block_delta\ndata: ".to_vec();
+    body.extend_from_slice(&data[1..]);
+    body.extend_from_slice(b"\n\n");
+    let s = observe(ApiKind::AnthropicMessages, &body);
+    assert_eq!(s.upstream_error.as_deref(), Some("error"));
+    let s = observe(
+        ApiKind::AnthropicMessages,
+        b"data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"},\"error\":{\"message\":\"m\"}}\n\n",
+    );
+    assert_eq!((s.upstream_error.as_deref(), s.content_chunks), (Some("m"), 0));
+}
+
+fn frame(cap: usize, parts: &[&[u8]]) -> (Vec<SseEvent>, u64) {
+    let mut f = SseFramer::new(cap);
+    let mut events = Vec::new();
+    for p in parts {
+        f.push(p, &mut |e| events.push(e));
+    }
+    f.finish(&mut |e| events.push(e));
+    (events, f.overflowed_events())
+}
+
+/// sse_stream: crash-1e32e2fe… (chunk sizes 7 and 13, cap 64). The first line was over the cap,
+/// the next one a lone UTF-8 BOM: whole, the BOM was stripped as if at the stream's start and the
+/// line ended the discarded event; split inside the BOM, it did not. Overflow counts (and, in
+/// general, which events are kept) depended on chunking.
+#[test]
+fn a_bom_after_an_overflowed_first_line_is_content_wherever_chunks_end() {
+    let data: &[u8] = b"\x07\rnull:0,\"delta\":{x\":0,\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"stop\"\xf8],\"usage\":null}\n\xef\xbb\xbf\ndata: {\"id\":\"c1\",\"model\":\"m\",\"cht\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"co\":\"Hello\"},\"Afinish_reason\":nu\x96l}]null}],\"usage\":null}\n\n: \x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\xfd\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00data: {\"id\":\"c0\",\"mdetails\":{\"cached_tokens\":1}1e400ata: [DONE]\n\n";
+    let body = &data[2..];
+    let mut parts = Vec::new();
+    let (mut i, mut turn) = (0, false);
+    while i < body.len() {
+        let end = body.len().min(i + if turn { 13 } else { 7 });
+        parts.push(&body[i..end]);
+        (i, turn) = (end, !turn);
+    }
+    assert_eq!(frame(64, &parts), frame(64, &[body]));
+    // The same in small: an event after the BOM line is part of the discarded one either way.
+    let body: &[u8] = b"data: 0123456789abcdef\n\xef\xbb\xbf\ndata: x\n\n";
+    assert_eq!(frame(16, &[body]), (Vec::new(), 1));
+    assert_eq!(frame(16, &[&body[..24], &body[24..]]), (Vec::new(), 1));
 }
