@@ -194,6 +194,17 @@ pub(crate) struct Runtime {
     instance: Instance,
     /// Why the VM died, once it has.
     crashed: Option<String>,
+    /// Work done per export: the profile that `Gateway::profile` reports.
+    profile: std::collections::BTreeMap<String, CallProfile>,
+}
+
+/// What the calls of one export cost the guest: calls, wasm fuel (≈ instructions executed) and
+/// hostcalls made. Fuel is deterministic, so a profile compares builds without timing noise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallProfile {
+    pub calls: u64,
+    pub fuel: u64,
+    pub hostcalls: u64,
 }
 
 impl Runtime {
@@ -211,7 +222,14 @@ impl Runtime {
         let func = self.instance.get_typed_func::<P, R>(&mut self.store, name).map_err(anyhow::Error::from).with_context(|| format!("plugin export {name}"))?;
         self.store.data_mut().effective_context = context_id;
         self.store.set_fuel(FUEL_PER_CALLBACK)?;
-        match func.call(&mut self.store, params) {
+        let hostcalls_before = self.store.data().hostcalls;
+        let result = func.call(&mut self.store, params);
+        let fuel = FUEL_PER_CALLBACK.saturating_sub(self.store.get_fuel().unwrap_or(0));
+        let entry = self.profile.entry(name.to_string()).or_default();
+        entry.calls += 1;
+        entry.fuel += fuel;
+        entry.hostcalls += self.store.data().hostcalls - hostcalls_before;
+        match result {
             Ok(result) => Ok(result),
             Err(error) => {
                 let error = anyhow::Error::from(error);
@@ -304,11 +322,17 @@ impl Gateway {
         linker.define_unknown_imports_as_traps(&plugin.module)?;
         let mut store = Store::new(&plugin.engine, state);
         store.set_fuel(FUEL_PER_CALLBACK)?;
+        store.call_hook(|mut store, hook| {
+            if matches!(hook, wasmtime::CallHook::CallingHost) {
+                store.data_mut().hostcalls += 1;
+            }
+            Ok(())
+        });
         let instance = linker.instantiate(&mut store, &plugin.module)?;
         if instance.get_func(&mut store, "proxy_abi_version_0_2_1").is_none() {
             bail!("the module does not export proxy_abi_version_0_2_1: not a proxy-wasm 0.2.1 plugin");
         }
-        let mut runtime = Runtime { store, instance, crashed: None };
+        let mut runtime = Runtime { store, instance, crashed: None, profile: Default::default() };
         let init = ["_initialize", "_start"].into_iter().find(|name| runtime.instance.get_func(&mut runtime.store, name).is_some());
         if let Some(init) = init {
             runtime.call::<(), ()>(ROOT_CONTEXT, init, ())?;
@@ -325,6 +349,16 @@ impl Gateway {
             bail!("the plugin rejected its configuration (proxy_on_configure returned false){}", error_logs(runtime.state()));
         }
         Ok(Self { runtime: RefCell::new(runtime) })
+    }
+
+    /// Calls, fuel and hostcalls per export since the VM started (start-up included).
+    pub fn profile(&self) -> Vec<(String, CallProfile)> {
+        self.runtime.borrow().profile.iter().map(|(name, p)| (name.clone(), *p)).collect()
+    }
+
+    /// Forgets the profile so far (e.g. after warm-up).
+    pub fn reset_profile(&self) {
+        self.runtime().profile.clear();
     }
 
     pub(crate) fn runtime(&self) -> std::cell::RefMut<'_, Runtime> {

@@ -39,7 +39,7 @@ use std::path::PathBuf;
 pub use abi::{Action, LogLevel, MetricType, Status};
 pub use chain::{Chain, ChainEvent, StreamId};
 pub use coverage::unimplemented_imports;
-pub use gateway::{Gateway, Plugin, PluginSpec};
+pub use gateway::{CallProfile, Gateway, Plugin, PluginSpec};
 pub use headers::Headers;
 pub use hostcalls::callouts::{GrpcCall, GrpcKind, HttpCall, HttpReply};
 pub use hostcalls::clock::DEFAULT_EPOCH_NS;

@@ -169,6 +169,8 @@ pub(crate) struct HostState {
     /// The context the plugin is acting for: set before each callback and by
     /// `proxy_set_effective_context`.
     pub effective_context: u32,
+    /// Hostcalls made so far (counted by a call hook, for the profile).
+    pub hostcalls: u64,
     next_context_id: u32,
     pub logs: Vec<LogLine>,
     pub streams: BTreeMap<u32, HttpStream>,
@@ -203,6 +205,7 @@ impl HostState {
             clock,
             plugin,
             effective_context: ROOT_CONTEXT,
+            hostcalls: 0,
             next_context_id: ROOT_CONTEXT + 1,
             logs: Vec::new(),
             streams: BTreeMap::new(),

@@ -42,6 +42,7 @@ pub mod request;
 pub mod response;
 pub mod rewrite;
 pub mod routing;
+pub(crate) mod scan;
 pub mod sse;
 pub mod store;
 pub mod timing;

@@ -333,48 +333,19 @@ impl State {
 
     /// Fast path for an OpenAI chat / completions chunk; `false` if the general path must decide.
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
-        let Ok(fast::Obj(chunk)) = serde_json::from_str::<fast::Obj<fast::OpenAiChunk<'_>>>(data) else {
+        let Some(chunk) = fast::openai_chunk(data.as_bytes()) else {
             return false;
         };
-        if chunk.ty.is_some() || chunk.error.as_ref().is_some_and(|e| !e.is_null()) {
-            return false;
+        if let Some(m) = chunk.model.filter(|m| !m.is_empty()) {
+            set_string(&mut self.summary.response_model, &m.text());
         }
-        if let Some(m) = chunk.model.as_deref().filter(|m| !m.is_empty()) {
-            set_string(&mut self.summary.response_model, m);
+        if let Some(r) = chunk.finish_reason {
+            set_string(&mut self.summary.finish_reason, &r.text());
         }
-        let mut has_content = false;
-        let mut n = 0u64;
-        for fast::Obj(choice) in chunk.choices.iter().flatten() {
-            if let Some(fast::Obj(d)) = &choice.delta {
-                for text in [&d.content, &d.reasoning_content, &d.reasoning, &d.refusal] {
-                    let c = text.as_deref().map_or(0, chars);
-                    has_content |= c > 0;
-                    n = n.saturating_add(c);
-                }
-                for calls in [&d.tool_calls, &d.function_call] {
-                    let nonempty = match calls {
-                        Some(Value::Array(a)) => !a.is_empty(),
-                        Some(Value::Object(o)) => !o.is_empty(),
-                        _ => false,
-                    };
-                    if let Some(calls) = calls.as_ref().filter(|_| nonempty) {
-                        has_content = true;
-                        n = n.saturating_add(tool_call_chars(calls));
-                    }
-                }
-            }
-            if let Some(t) = choice.text.as_deref().filter(|t| !t.is_empty()) {
-                has_content = true;
-                n = n.saturating_add(chars(t));
-            }
-            if let Some(r) = choice.finish_reason.as_deref().filter(|r| !r.is_empty()) {
-                set_string(&mut self.summary.finish_reason, r);
-            }
+        if chunk.has_content {
+            self.content(chunk.content_chars, out);
         }
-        if has_content {
-            self.content(n, out);
-        }
-        if let Some(u) = chunk.usage.as_ref().and_then(Usage::from_openai) {
+        if let Some(u) = chunk.usage.and_then(|raw| serde_json::from_slice::<Value>(raw).ok()).as_ref().and_then(Usage::from_openai) {
             self.openai_usage = Some(u);
             out.usage_seen = true;
         }
@@ -384,25 +355,14 @@ impl State {
     /// Fast path for the hot Anthropic events (`content_block_delta`, `ping`, `content_block_stop`,
     /// `message_stop`); everything else takes the general path.
     fn anthropic_fast(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) -> bool {
-        let Ok(fast::Obj(ev)) = serde_json::from_str::<fast::Obj<fast::AnthropicEvent<'_>>>(data) else {
+        let Some(ev) = fast::anthropic_event(data.as_bytes()) else {
             return false;
         };
-        // An error member makes any event an error report (found by the stream_event fuzz target:
-        // `event: content_block_delta` with `{"error":{…}}` was taken as an empty delta).
-        if ev.error.is_some() {
-            return false;
-        }
-        match ev.ty.as_deref().or(event) {
+        let ty = ev.ty.map(|t| t.text());
+        match ty.as_deref().or(event) {
             Some("content_block_delta") => {
-                let Some(fast::Obj(delta)) = ev.delta else { return true };
-                let text = match delta.ty.as_deref() {
-                    Some("text_delta") => delta.text,
-                    Some("input_json_delta") => delta.partial_json,
-                    Some("thinking_delta") => delta.thinking,
-                    _ => return true,
-                };
-                if let Some(t) = text.as_deref().filter(|t| !t.is_empty()) {
-                    self.content(chars(t), out);
+                if let Some(t) = ev.delta_text.filter(|t| !t.is_empty()) {
+                    self.content(t.chars(), out);
                 }
                 true
             }
@@ -662,97 +622,177 @@ impl State {
 #[doc(hidden)]
 pub mod fuzzing;
 
-/// Borrowing, typed shapes of the hottest stream events. Unknown fields are skipped without being
-/// built; a field of an unexpected type fails the parse and sends the event to the `Value` path.
+/// The hot event shapes read by [`crate::scan`]: one pass over the event's bytes, nothing
+/// allocated for the members that are skipped. `None` means "not sure": the general path decides.
 mod fast {
-    use serde::de::value::MapAccessDeserializer;
-    use serde::de::{Deserializer, MapAccess, Visitor};
-    use serde::Deserialize;
+    use crate::scan::{first_time, RawStr, Scanner};
     use serde_json::Value;
-    use std::borrow::Cow;
-    use std::marker::PhantomData;
 
-    /// A struct read only from a JSON object. Derived structs also accept an array, field by field
-    /// in declaration order (`["m",[…]]` would be a chunk of model `m`), which the general path
-    /// rightly reads as no chunk at all (found by fuzz/fuzz_targets/stream_event.rs).
-    pub(super) struct Obj<T>(pub T);
-
-    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct ObjVisitor<T>(PhantomData<T>);
-            impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjVisitor<T> {
-                type Value = Obj<T>;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("a JSON object")
-                }
-                fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Obj<T>, A::Error> {
-                    T::deserialize(MapAccessDeserializer::new(map)).map(Obj)
-                }
-            }
-            d.deserialize_map(ObjVisitor(PhantomData))
-        }
-    }
-
-    #[derive(Deserialize)]
+    /// What an OpenAI chat / completions chunk says, as the general path would read it.
     pub(super) struct OpenAiChunk<'a> {
-        #[serde(default, borrow)]
-        pub model: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub choices: Option<Vec<Obj<OpenAiChoice<'a>>>>,
-        #[serde(default)]
-        pub usage: Option<Value>,
-        #[serde(default)]
-        pub error: Option<Value>,
-        #[serde(default, rename = "type")]
-        pub ty: Option<Value>,
+        pub model: Option<RawStr<'a>>,
+        /// The last non-empty `finish_reason` of the chunk's choices.
+        pub finish_reason: Option<RawStr<'a>>,
+        pub has_content: bool,
+        pub content_chars: u64,
+        /// The raw `usage` value, when not null.
+        pub usage: Option<&'a [u8]>,
     }
 
-    #[derive(Deserialize)]
-    pub(super) struct OpenAiChoice<'a> {
-        #[serde(default, borrow)]
-        pub delta: Option<Obj<OpenAiDelta<'a>>>,
-        #[serde(default, borrow)]
-        pub text: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub finish_reason: Option<Cow<'a, str>>,
+    pub(super) fn openai_chunk(data: &[u8]) -> Option<OpenAiChunk<'_>> {
+        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, usage: None };
+        let mut sc = Scanner::new(data);
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            if key.is("model") {
+                first_time(&mut seen, 1)?;
+                chunk.model = sc.opt_string().ok()?;
+            } else if key.is("choices") {
+                first_time(&mut seen, 2)?;
+                if !sc.null() {
+                    sc.array(|sc| choice(sc, &mut chunk))?;
+                }
+            } else if key.is("usage") {
+                first_time(&mut seen, 4)?;
+                if !sc.null() {
+                    chunk.usage = Some(sc.value()?);
+                }
+            } else if key.is("error") || key.is("type") {
+                // A non-null error or a typed event is the general path's (errors, Responses shapes).
+                first_time(&mut seen, if key.is("error") { 8 } else { 16 })?;
+                if !sc.null() {
+                    return None;
+                }
+            } else {
+                sc.value()?;
+            }
+            Some(())
+        })?;
+        sc.at_end().then_some(chunk)
     }
 
-    #[derive(Deserialize)]
-    pub(super) struct OpenAiDelta<'a> {
-        #[serde(default, borrow)]
-        pub content: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub reasoning_content: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub reasoning: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub refusal: Option<Cow<'a, str>>,
-        #[serde(default)]
-        pub tool_calls: Option<Value>,
-        #[serde(default)]
-        pub function_call: Option<Value>,
+    fn choice<'a>(sc: &mut Scanner<'a>, chunk: &mut OpenAiChunk<'a>) -> Option<()> {
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            if key.is("delta") {
+                first_time(&mut seen, 1)?;
+                if !sc.null() {
+                    delta(sc, chunk)?;
+                }
+            } else if key.is("text") {
+                first_time(&mut seen, 2)?;
+                if let Some(t) = sc.opt_string().ok()?.filter(|t| !t.is_empty()) {
+                    chunk.has_content = true;
+                    chunk.content_chars = chunk.content_chars.saturating_add(t.chars());
+                }
+            } else if key.is("finish_reason") {
+                first_time(&mut seen, 4)?;
+                if let Some(r) = sc.opt_string().ok()?.filter(|r| !r.is_empty()) {
+                    chunk.finish_reason = Some(r);
+                }
+            } else {
+                sc.value()?;
+            }
+            Some(())
+        })
     }
 
-    #[derive(Deserialize)]
+    fn delta<'a>(sc: &mut Scanner<'a>, chunk: &mut OpenAiChunk<'a>) -> Option<()> {
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            let text_bit = ["content", "reasoning_content", "reasoning", "refusal"].iter().position(|k| key.is(k));
+            if let Some(bit) = text_bit {
+                first_time(&mut seen, 1 << bit)?;
+                if let Some(t) = sc.opt_string().ok()? {
+                    let c = t.chars();
+                    chunk.has_content |= c > 0;
+                    chunk.content_chars = chunk.content_chars.saturating_add(c);
+                }
+            } else if key.is("tool_calls") || key.is("function_call") {
+                first_time(&mut seen, if key.is("tool_calls") { 16 } else { 32 })?;
+                let raw = sc.value()?;
+                if matches!(raw.first(), Some(b'[' | b'{')) {
+                    let calls: Value = serde_json::from_slice(raw).ok()?;
+                    let nonempty = match &calls {
+                        Value::Array(a) => !a.is_empty(),
+                        Value::Object(o) => !o.is_empty(),
+                        _ => false,
+                    };
+                    if nonempty {
+                        chunk.has_content = true;
+                        chunk.content_chars = chunk.content_chars.saturating_add(super::tool_call_chars(&calls));
+                    }
+                }
+            } else {
+                sc.value()?;
+            }
+            Some(())
+        })
+    }
+
+    /// What an Anthropic event says: its `type` and the text of a known delta kind.
     pub(super) struct AnthropicEvent<'a> {
-        #[serde(default, borrow, rename = "type")]
-        pub ty: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub delta: Option<Obj<AnthropicDelta<'a>>>,
-        #[serde(default)]
-        pub error: Option<Value>,
+        pub ty: Option<RawStr<'a>>,
+        /// `delta.text` / `.partial_json` / `.thinking` for a `text_delta` / `input_json_delta` /
+        /// `thinking_delta`; `None` for any other delta.
+        pub delta_text: Option<RawStr<'a>>,
     }
 
-    #[derive(Deserialize)]
-    pub(super) struct AnthropicDelta<'a> {
-        #[serde(default, borrow, rename = "type")]
-        pub ty: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub text: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub partial_json: Option<Cow<'a, str>>,
-        #[serde(default, borrow)]
-        pub thinking: Option<Cow<'a, str>>,
+    pub(super) fn anthropic_event(data: &[u8]) -> Option<AnthropicEvent<'_>> {
+        let mut ev = AnthropicEvent { ty: None, delta_text: None };
+        let mut sc = Scanner::new(data);
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            if key.is("type") {
+                first_time(&mut seen, 1)?;
+                ev.ty = sc.opt_string().ok()?;
+            } else if key.is("delta") {
+                first_time(&mut seen, 2)?;
+                if !sc.null() {
+                    ev.delta_text = anthropic_delta(sc)?;
+                }
+            } else if key.is("error") {
+                first_time(&mut seen, 4)?;
+                // An error member makes any event an error report, the general path's (found by the
+                // stream_event fuzz target: `content_block_delta` with `{"error":{…}}`).
+                if !sc.null() {
+                    return None;
+                }
+            } else {
+                sc.value()?;
+            }
+            Some(())
+        })?;
+        sc.at_end().then_some(ev)
+    }
+
+    fn anthropic_delta<'a>(sc: &mut Scanner<'a>) -> Option<Option<RawStr<'a>>> {
+        let mut seen = 0u32;
+        let mut ty = None;
+        let mut texts: [Option<RawStr<'a>>; 3] = [None, None, None];
+        const FIELDS: [&str; 3] = ["text", "partial_json", "thinking"];
+        sc.object(|sc, key| {
+            if key.is("type") {
+                first_time(&mut seen, 8)?;
+                ty = sc.opt_string().ok()?;
+            } else if let Some(at) = FIELDS.iter().position(|k| key.is(k)) {
+                first_time(&mut seen, 1 << at)?;
+                let value = sc.opt_string().ok()?;
+                if let Some(slot) = texts.get_mut(at) {
+                    *slot = value;
+                }
+            } else {
+                sc.value()?;
+            }
+            Some(())
+        })?;
+        let at = match ty.map(|t| t.text()).as_deref() {
+            Some("text_delta") => 0,
+            Some("input_json_delta") => 1,
+            Some("thinking_delta") => 2,
+            _ => return Some(None),
+        };
+        Some(texts.get(at).copied().flatten())
     }
 }
 
@@ -770,7 +810,11 @@ mod tests {
             ApiKind::AnthropicMessages => fast.anthropic_fast(data, event, &mut out_f),
             _ => fast.openai_fast(data, &mut out_f),
         };
-        let v: Value = serde_json::from_str(data).unwrap();
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            // Not JSON: the fast path must leave it to the general one (which counts it malformed).
+            assert!(!taken, "the fast path took text serde_json refuses: {data}");
+            return taken;
+        };
         let ty = str_at(&v, "type").or(event).unwrap_or("");
         match kind {
             ApiKind::AnthropicMessages => slow.anthropic_event(ty, &v, &mut out_s),
@@ -804,6 +848,19 @@ mod tests {
             (r#"{"choices":[{"delta":{"content":[{"type":"text","text":"parts"}]}}]}"#, false),
             (r#"{"model":5,"choices":[{"delta":{"content":"a"}}]}"#, false),
             (r#"{"type":"x","choices":[]}"#, false),
+            (r#"{"type":null,"choices":[{"delta":{"content":"typed null"}}]}"#, true),
+            (
+                r#"{"choices":[{"delta":{"content":"line\nbreak \"quoted\" \u00e9\u4e2d"}}],"created":1.5e3,"system_fingerprint":null,"logprobs":[true,false]}"#,
+                true,
+            ),
+            (r#"{"model":"a","model":"b","choices":[]}"#, false),
+            (r#"{"choices":[{"delta":{"content":"a","content":"bb"}}]}"#, false),
+            (r#"{"choices":[{"delta":{"con\u0074ent":"escaped key"}}]}"#, false),
+            (r#"{"choices":[{"delta":{"content":"\ud83d\ude00"}}]}"#, false),
+            (r#"{"choices":[{"delta":{"content":"x"}}],"n":01}"#, false),
+            (r#"{"choices":[{"delta":{"content":"x"}}]} trailing"#, false),
+            (r#"{"choices":[{"delta":{"content":"x"},"finish_reason":""}],"usage":{"prompt_tokens":1,"completion_tokens":2}}"#, true),
+            (r#"{"choices":[{"delta":{"tool_calls":"not calls"}}]}"#, true),
         ];
         for (data, fast) in openai {
             assert_eq!(same_both_ways(ApiKind::ChatCompletions, None, data), fast, "{data}");
@@ -819,6 +876,9 @@ mod tests {
             (r#"{"type":"message_stop"}"#, true),
             (r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#, false),
             (r#"{"type":"message_start","message":{"usage":{"input_tokens":1}}}"#, false),
+            (r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"esc\u00e9\n"}}"#, true),
+            (r#"{"type":"content_block_delta","delta":{"type":"text_delta","text":"a","text":"b"}}"#, false),
+            (r#"{"type":"content_block_delta","delta":null}"#, true),
         ];
         for (data, fast) in anthropic {
             assert_eq!(same_both_ways(ApiKind::AnthropicMessages, None, data), fast, "{data}");

@@ -413,6 +413,11 @@ impl UsageChunkStripper {
 
 /// Decide what happens to one complete event (raw bytes, blank line included).
 fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
+    // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
+    // with a `\u` escape, so an event with neither is kept without parsing it.
+    if !contains(event, b"usage") && !contains(event, b"\\u") {
+        return Verdict::Keep;
+    }
     let mut data_lines: Vec<(usize, usize)> = Vec::new();
     let mut line_start = 0;
     if at_stream_start && event.starts_with(b"\xEF\xBB\xBF") {
@@ -470,6 +475,20 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
         return Verdict::Keep;
     };
     Verdict::Replace { start: *start, end: *end, json: remove_members(data, "usage") }
+}
+
+/// `needle` (non-empty) occurs in `haystack`.
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    let Some((&first, rest)) = needle.split_first() else { return true };
+    let mut from = 0usize;
+    while let Some(at) = haystack.get(from..).and_then(|h| h.iter().position(|&b| b == first)) {
+        let start = from.saturating_add(at).saturating_add(1);
+        if haystack.get(start..start.saturating_add(rest.len())) == Some(rest) {
+            return true;
+        }
+        from = start;
+    }
+    false
 }
 
 /// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.
