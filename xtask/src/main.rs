@@ -8,13 +8,16 @@
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
 //! - `cargo xtask bench` — criterion benches for core and the side-by-side Envoy load bench.
+//! - `cargo xtask soak [--minutes N]` — the full chain under mixed traffic for N minutes (docs/soak.md).
 //! - `cargo xtask images` — the plugins as OCI images for Istio, and the `examples/istio/`
 //!   manifests pinned to their digests (docs/istio.md).
 //!
 //! Every step is idempotent and fast when already done.
 
+mod fuzz;
 mod images;
 mod playground;
+mod soak;
 
 use anyhow::{bail, Context, Result};
 use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LEDGER_PORT, LISTEN_PORT, MOCKS, REDIS_PORT};
@@ -77,14 +80,21 @@ fn main() -> Result<()> {
             build(&root)?;
             images::images_command(&root, &args[1..])
         }
+        Some("soak") => {
+            setup(&root)?;
+            build(&root)?;
+            soak::soak_command(&root, &args[1..])
+        }
         Some("playground") => {
             setup(&root)?;
             playground::build(&root).map(|_| ())
         }
+        // Installs nightly and cargo-fuzz when missing; needs neither Envoy nor the wasm build.
+        Some("fuzz") => fuzz::command(&root, &args[1..]),
         // Text only: needs neither Envoy nor a build.
         Some("render") => render_command(&root, &args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <setup|build|up|test|bench|images|playground|render>");
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench|soak|fuzz|images|playground|render>");
             std::process::exit(2)
         }
     }
@@ -169,8 +179,10 @@ fn setup(root: &Path) -> Result<()> {
 
     // Real servers the tests start on loopback, from Debian's packages: Redis for the sluice-ledger
     // tests, Prometheus (and its promtool) for the observability tests, the CNCF distribution
-    // registry and skopeo for the OCI image tests, Chromium for the playground's browser test.
+    // registry and skopeo for the OCI image tests, Chromium for the playground's browser test,
+    // curl for the fault matrix's HTTP/2 clients (and the mock's decoding checks).
     ensure_debian_packages(&[
+        ("curl", "curl"),
         ("redis-server", "redis-server"),
         ("prometheus", "prometheus"),
         ("promtool", "prometheus"),
@@ -195,6 +207,8 @@ fn build(root: &Path) -> Result<()> {
     // The load bench's floor: a wasm filter that sets one header (envoy/bench/floor.yaml, which the
     // tests validate, loads it).
     cmd.args(["--package", "sluice-bench-floor"]);
+    // A filter that traps on request, for the VM-failure tests (e2e/tests/lifecycle_envoy.rs).
+    cmd.args(["--package", "sluice-e2e-trap"]);
     // Panic locations name source files: with cargo's registry and the checkout mapped to fixed
     // prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
     // sources and the toolchain only, not on where they sit on this machine.
@@ -246,6 +260,8 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
     run(&mut tests)?;
+    // Every fuzz target for a few seconds (docs/fuzzing.md); the long runs are `cargo xtask fuzz`.
+    fuzz::smoke(root)?;
     Ok(())
 }
 
