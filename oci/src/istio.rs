@@ -2,8 +2,8 @@
 //! already ships so they cannot drift from it: each plugin's `WasmPlugin` carries the example
 //! policy of `envoy/templates/full-gateway.yaml` as its `pluginConfig` and the digest of the image
 //! built from the `.wasm` as its `sha256`; the `EnvoyFilter` carries the full gateway's
-//! `json_to_metadata` and `buffer` filters; the bootstrap override carries its `stats_config`
-//! (stats tags and histogram buckets). `cargo xtask images` writes them; a test compares the
+//! `json_to_metadata`, `buffer` and decompressor filters; the bootstrap override carries its
+//! `stats_config` (stats tags and histogram buckets). `cargo xtask images` writes them; a test compares the
 //! committed files with a fresh generation.
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -169,9 +169,9 @@ fn sluice_policy_file(plugin: &Plugin) -> Result<&'static str> {
         .with_context(|| format!("the full gateway has no policy {}", plugin.policy_placeholder))
 }
 
-/// The full gateway's HTTP filter named `name`.
-fn gateway_filter(gateway: &Value, name: &str) -> Result<Value> {
-    let filters = gateway
+/// The full gateway's HTTP filters, in its order.
+fn gateway_http_filters(gateway: &Value) -> Result<&[Value]> {
+    gateway
         .get("static_resources")
         .and_then(|s| s.get("listeners"))
         .and_then(|l| l.get(0))
@@ -182,8 +182,17 @@ fn gateway_filter(gateway: &Value, name: &str) -> Result<Value> {
         .and_then(|f| f.get("typed_config"))
         .and_then(|t| t.get("http_filters"))
         .and_then(Value::as_sequence)
-        .context("envoy/rendered/full-gateway.yaml has no http_filters")?;
-    filters.iter().find(|f| f.get("name").and_then(Value::as_str) == Some(name)).cloned().with_context(|| format!("the full gateway has no {name} filter"))
+        .map(Vec::as_slice)
+        .context("envoy/rendered/full-gateway.yaml has no http_filters")
+}
+
+/// The full gateway's HTTP filter named `name`.
+fn gateway_filter(gateway: &Value, name: &str) -> Result<Value> {
+    gateway_http_filters(gateway)?
+        .iter()
+        .find(|f| f.get("name").and_then(Value::as_str) == Some(name))
+        .cloned()
+        .with_context(|| format!("the full gateway has no {name} filter"))
 }
 
 fn hcm_match(sub_filter: Option<&str>) -> Value {
@@ -194,35 +203,53 @@ fn hcm_match(sub_filter: Option<&str>) -> Value {
     map([("context", "GATEWAY".into()), ("listener", map([("filterChain", map([("filter", filter)]))]))])
 }
 
+/// The `@type` of Envoy's decompressor filter.
+pub const DECOMPRESSOR_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor";
+
+/// The full gateway's decompressor filters (gzip, br, zstd), in its order.
+fn gateway_decompressors(gateway: &Value) -> Result<Vec<Value>> {
+    let buffer = gateway_filter(gateway, "envoy.filters.http.buffer")?;
+    let filters = gateway_http_filters(gateway)?
+        .iter()
+        .skip_while(|f| **f != buffer)
+        .filter(|f| f.get("typed_config").and_then(|t| t.get("@type")).and_then(Value::as_str) == Some(DECOMPRESSOR_TYPE))
+        .cloned()
+        .collect::<Vec<_>>();
+    if filters.is_empty() {
+        bail!("the full gateway has no decompressor after its buffer filter");
+    }
+    Ok(filters)
+}
+
 fn envoy_filter(gateway: &Value) -> Result<String> {
     let patch = |operation: &str, sub: Option<&str>, value: Value| {
         map([("applyTo", "HTTP_FILTER".into()), ("match", hcm_match(sub)), ("patch", map([("operation", operation.into()), ("value", value)]))])
     };
+    let mut patches = vec![
+        patch("INSERT_FIRST", None, gateway_filter(gateway, "envoy.filters.http.json_to_metadata")?),
+        patch("INSERT_BEFORE", Some("envoy.filters.http.router"), gateway_filter(gateway, "envoy.filters.http.buffer")?),
+    ];
+    // Istio applies the patches in order, each just before the router: buffer, then the
+    // decompressors in the gateway's order, then the router.
+    for decompressor in gateway_decompressors(gateway)? {
+        patches.push(patch("INSERT_BEFORE", Some("envoy.filters.http.router"), decompressor));
+    }
     let doc = map([
         ("apiVersion", "networking.istio.io/v1alpha3".into()),
         ("kind", "EnvoyFilter".into()),
         ("metadata", map([("name", "sluice-filters".into()), ("namespace", NAMESPACE.into())])),
-        (
-            "spec",
-            map([
-                ("workloadSelector", map([("labels", map([(GATEWAY_LABEL.0, GATEWAY_LABEL.1.into())]))])),
-                (
-                    "configPatches",
-                    Value::Sequence(vec![
-                        patch("INSERT_FIRST", None, gateway_filter(gateway, "envoy.filters.http.json_to_metadata")?),
-                        patch("INSERT_BEFORE", Some("envoy.filters.http.router"), gateway_filter(gateway, "envoy.filters.http.buffer")?),
-                    ]),
-                ),
-            ]),
-        ),
+        ("spec", map([("workloadSelector", map([("labels", map([(GATEWAY_LABEL.0, GATEWAY_LABEL.1.into())]))])), ("configPatches", Value::Sequence(patches))])),
     ]);
-    let header = "# The two Envoy filters the sluice chain needs around its WasmPlugins, as in\n\
+    let header = "# The plain Envoy filters the sluice chain needs around its WasmPlugins, as in\n\
                   # envoy/templates/full-gateway.yaml. Generated by `cargo xtask images` (docs/istio.md).\n\
                   # json_to_metadata goes first: it lifts the body's `model` and `user` into metadata\n\
-                  # before latency-guard and model-router read them. The buffer filter goes just before\n\
-                  # the router: tenant-budget lets the headers continue while it holds the body, and\n\
-                  # without the buffer the router would open an upstream connection for a request that\n\
-                  # is then refused.\n";
+                  # before latency-guard and model-router read them. The buffer filter goes before the\n\
+                  # router: tenant-budget lets the headers continue while it holds the body, and without\n\
+                  # the buffer the router would open an upstream connection for a request that is then\n\
+                  # refused. The gzip, br and zstd decompressors go between the buffer and the router, so\n\
+                  # an encoded upstream answer is decoded before tenant-budget and llm-metrics see it\n\
+                  # (otherwise it counts as 0 output tokens); responses only, and the client's\n\
+                  # accept-encoding is not extended (docs/faults.md).\n";
     Ok(format!("{header}{}", serde_yaml::to_string(&doc)?))
 }
 
