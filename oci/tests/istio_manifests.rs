@@ -249,3 +249,109 @@ fn the_committed_manifests_pin_the_images_of_the_built_plugins() {
     }
     assert!(stale.is_empty(), "examples/istio/ is out of date with the built plugins or the shipped policies (run `cargo xtask images`): {stale:?}");
 }
+
+const ROUTER: &str = "envoy.filters.http.router";
+
+/// A filter list reduced to what the two deployments must share: a wasm filter by its root id
+/// (Istio names and loads them its own way), the router by its name (Istio writes its own), every
+/// other filter whole — name and settings.
+fn comparable(filters: &[Value]) -> Vec<Value> {
+    filters
+        .iter()
+        .map(|f| match f["name"].as_str() {
+            Some(ROUTER) => json!({ "router": ROUTER }),
+            _ if f.get("wasm").is_some() => json!({ "wasm": f["wasm"] }),
+            Some("envoy.filters.http.wasm") => json!({ "wasm": f["typed_config"]["config"]["root_id"] }),
+            _ => f.clone(),
+        })
+        .collect()
+}
+
+/// The full Envoy gateway's HTTP filters.
+fn gateway_http_filters() -> Vec<Value> {
+    let gateway = yaml_to_json(&std::fs::read_to_string(root().join("envoy/rendered/full-gateway.yaml")).unwrap());
+    gateway["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"].as_array().unwrap().clone()
+}
+
+/// The gateway's HTTP filters as Istio builds them (its listener builder and EnvoyFilter patching;
+/// docs/istio.md): the WasmPlugins by phase, then priority, highest first, then the router; then
+/// the EnvoyFilter's `HTTP_FILTER` patches applied one after the other. A gateway without
+/// policies has no Istio authn/authz filters; Istio's own stats filters (between the STATS plugins
+/// and the router) are left out.
+fn istio_http_filters(envoy_filter: &Value) -> Vec<Value> {
+    let phase_rank = |p: &str| ["AUTHN", "AUTHZ", "STATS", "UNSPECIFIED_PHASE"].iter().position(|x| *x == p).unwrap();
+    let mut plugins: Vec<Value> = PLUGINS.iter().map(|p| shipped(&format!("sluice-{}.wasmplugin.yaml", p.name))).collect();
+    plugins.sort_by_key(|d| (phase_rank(d["spec"]["phase"].as_str().unwrap()), -d["spec"]["priority"].as_i64().unwrap()));
+    let mut filters: Vec<Value> = plugins
+        .iter()
+        .map(|d| json!({ "name": format!("istio-system.{}", d["metadata"]["name"].as_str().unwrap()), "wasm": d["spec"]["pluginName"] }))
+        .collect();
+    filters.push(json!({ "name": ROUTER }));
+    for patch in envoy_filter["spec"]["configPatches"].as_array().unwrap() {
+        assert_eq!(patch["applyTo"], "HTTP_FILTER");
+        assert_eq!(patch["match"]["context"], "GATEWAY");
+        assert_eq!(patch["match"]["listener"]["filterChain"]["filter"]["name"], "envoy.filters.network.http_connection_manager");
+        let value = patch["patch"]["value"].clone();
+        let sub = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"].as_str();
+        let position = |name: &str| filters.iter().position(|f| f["name"] == name).unwrap_or_else(|| panic!("no filter {name} to patch around"));
+        match (patch["patch"]["operation"].as_str().unwrap(), sub) {
+            ("INSERT_FIRST", _) => filters.insert(0, value),
+            ("INSERT_BEFORE", Some(name)) => {
+                let at = position(name);
+                filters.insert(at, value);
+            }
+            ("INSERT_AFTER", Some(name)) => {
+                let at = position(name);
+                filters.insert(at + 1, value);
+            }
+            (op, sub) => panic!("patch {op} around {sub:?} not modelled"),
+        }
+    }
+    filters
+}
+
+#[test]
+fn the_envoy_filter_gives_istio_the_plain_filters_of_the_envoy_gateway_in_its_order() {
+    let gateway = gateway_http_filters();
+    let envoy_filter = shipped("sluice-filters.envoyfilter.yaml");
+    let istio = istio_http_filters(&envoy_filter);
+    // Presence, order and settings: json_to_metadata, the four plugins, buffer, the gzip, br and
+    // zstd decompressors, the router — each plain filter equal to the gateway's, member for member.
+    assert_eq!(comparable(&istio), comparable(&gateway), "the Istio filter chain against envoy/rendered/full-gateway.yaml's");
+
+    // What the decompressors must be (the gateway's and so Istio's): between the buffer and the
+    // router, i.e. in the response direction before every plugin; one per encoding; responses only.
+    let names: Vec<&str> = istio.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    let buffer = names.iter().position(|n| *n == "envoy.filters.http.buffer").unwrap();
+    let last_wasm = istio.iter().rposition(|f| f.get("wasm").is_some()).unwrap();
+    assert!(last_wasm < buffer);
+    let libraries = [
+        ("gzip", "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip"),
+        ("br", "type.googleapis.com/envoy.extensions.compression.brotli.decompressor.v3.Brotli"),
+        ("zstd", "type.googleapis.com/envoy.extensions.compression.zstd.decompressor.v3.Zstd"),
+    ];
+    assert_eq!(
+        names[buffer + 1..],
+        ["envoy.filters.http.decompressor.gzip", "envoy.filters.http.decompressor.br", "envoy.filters.http.decompressor.zstd", ROUTER]
+    );
+    for (filter, (library, library_type)) in istio[buffer + 1..].iter().zip(libraries) {
+        let config = &filter["typed_config"];
+        assert_eq!(config["@type"], istio::DECOMPRESSOR_TYPE, "{library}");
+        assert_eq!(config["decompressor_library"]["name"], library);
+        assert_eq!(config["decompressor_library"]["typed_config"]["@type"], library_type);
+        assert_eq!(config["request_direction_config"]["common_config"]["enabled"]["default_value"], false, "{library}: requests are not decoded");
+        assert_eq!(config["request_direction_config"]["advertise_accept_encoding"], false, "{library}: the client's accept-encoding is not extended");
+        assert!(config.get("response_direction_config").is_none(), "{library}: responses decoded (the default)");
+    }
+
+    // The comparison sees a misplaced, a missing and a changed decompressor.
+    let mut misplaced = envoy_filter.clone();
+    misplaced["spec"]["configPatches"][2]["patch"]["operation"] = json!("INSERT_FIRST");
+    let mut missing = envoy_filter.clone();
+    missing["spec"]["configPatches"].as_array_mut().unwrap().remove(4);
+    let mut changed = envoy_filter.clone();
+    changed["spec"]["configPatches"][3]["patch"]["value"]["typed_config"]["request_direction_config"]["advertise_accept_encoding"] = json!(true);
+    for (case, doc) in [("misplaced", misplaced), ("missing", missing), ("changed", changed)] {
+        assert_ne!(comparable(&istio_http_filters(&doc)), comparable(&gateway), "{case} decompressor not seen");
+    }
+}
