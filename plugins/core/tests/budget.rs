@@ -339,8 +339,8 @@ fn remote_reserve_and_settle_bodies_follow_the_wire_contract() {
     assert_eq!(
         body,
         serde_json::json!({"id": "req-1", "tag": "acme", "hold_ttl_s": 600, "counters": [
-            {"key": format!("team:search:0:w{minute}"), "limit": 100000, "amount": 150, "expire_at_s": (minute + 1) * 60 + 600},
-            {"key": format!("team:search:i0:{alice}:w{day}"), "limit": 1000, "amount": 150, "expire_at_s": (day + 1) * 86_400 + 600},
+            {"key": format!("team:search:minute:total_tokens:w{minute}"), "limit": 100000, "amount": 150, "expire_at_s": (minute + 1) * 60 + 600},
+            {"key": format!("team:search:day:total_tokens:per_identity:{alice}:w{day}"), "limit": 1000, "amount": 150, "expire_at_s": (day + 1) * 86_400 + 600},
         ]})
     );
     let reply = br#"{"admitted": true, "replayed": false, "counters": [{"used": 10, "reserved": 150}, {"used": 0, "reserved": 150}]}"#;

@@ -326,7 +326,8 @@ pub(super) struct PlannedHold {
     pub(super) index: usize,
     /// The counter in local shared data (per-identity: `template#hash`).
     pub(super) local_key: String,
-    /// The counter in the Redis ledger: `<level>:<owner>:<budget>[:<identity>]:w<window id>`.
+    /// The counter in the Redis ledger: the [`super::policy::counter_name`] joined by `:`, then
+    /// `:<identity hash>` for a per-identity budget, then `:w<window id>`.
     pub(super) remote_key: String,
     pub(super) window_id: u64,
     pub(super) amount: u64,
@@ -352,12 +353,11 @@ fn local_key(spec: &CounterSpec, identity: &str) -> String {
 }
 
 fn remote_key(spec: &CounterSpec, identity: &str, window_id: u64) -> String {
-    // The store key's last segment is the budget's position (`3`, or `i3` for a template).
-    let budget = spec.store_key.rsplit('/').next().unwrap_or("0");
+    let name = super::policy::counter_name(spec.level, &spec.owner, &spec.window, &spec.limit, spec.per_identity, ':');
     if spec.per_identity {
-        format!("{}:{}:{budget}:{identity}:w{window_id}", spec.level.as_str(), spec.owner)
+        format!("{name}:{identity}:w{window_id}")
     } else {
-        format!("{}:{}:{budget}:w{window_id}", spec.level.as_str(), spec.owner)
+        format!("{name}:w{window_id}")
     }
 }
 

@@ -432,6 +432,19 @@ impl Limit {
         }
     }
 
+    /// What the budget counts, as part of a counter's name: [`Limit::measure`], and for a weighted
+    /// tokens budget its weights too (`weighted_tokens_in1_out4`): budgets weighted differently
+    /// count different amounts. The limit is not part of it: a budget whose limit changes keeps its
+    /// count.
+    pub fn key_part(&self) -> String {
+        match self {
+            Limit::Tokens { input_weight, output_weight, .. } if self.measure() == "weighted_tokens" => {
+                format!("weighted_tokens_in{input_weight}_out{output_weight}")
+            }
+            other => other.measure().to_string(),
+        }
+    }
+
     /// The amount one request of `input`/`output` tokens costing `cost_micro_usd` takes from this budget.
     pub fn amount(&self, input: u64, output: u64, cost_micro_usd: u64) -> u64 {
         match self {
@@ -442,10 +455,32 @@ impl Limit {
     }
 }
 
+/// The first part of every counter key in Envoy's shared data.
+pub const STORE_PREFIX: &str = "sluice/tenant-budget/";
+
+/// The name of a budget's counter, from what it counts and nothing else: its scope (level and
+/// owner, and whether it is an `identity_budgets` template), its measure and its window, joined by
+/// `sep`: `key<sep>k2<sep>month_day1<sep>requests`. Not its position under its owner, so a budget
+/// that is unchanged keeps its counter however the budgets around it are added, removed or
+/// reordered, and a budget whose measure or window changes starts a new one from zero (the old one
+/// counted something else). Two budgets of one owner never share a name: their codes already differ
+/// in window or measure. Every part is letters, digits, `_` or `-` (owner ids are checked at
+/// compile), so no separator, `#` or brace appears inside one; the longest (a 64-byte team id, both weights
+/// at their maximum, per identity) is 157 bytes, so its Redis key stays under the ledger's 256.
+pub fn counter_name(level: Level, owner: &str, window: &Window, limit: &Limit, per_identity: bool, sep: char) -> String {
+    let mut name = format!("{}{sep}{owner}{sep}{}{sep}{}", level.as_str(), window.key_part(), limit.key_part());
+    if per_identity {
+        name.push(sep);
+        name.push_str("per_identity");
+    }
+    name
+}
+
 /// One budget of one level: a counter in the shared store.
 #[derive(Debug, Clone)]
 pub struct CounterSpec {
-    /// Shared-data key: `sluice/tenant-budget/<level>/<id>/<n>`.
+    /// Shared-data key: [`STORE_PREFIX`] and the [`counter_name`] joined by `/`, e.g.
+    /// `sluice/tenant-budget/key/k2/month_day1/requests`.
     pub store_key: String,
     pub level: Level,
     pub owner: String,
@@ -736,11 +771,7 @@ fn compile_budgets(
         }
         let index = counters.len();
         counters.push(CounterSpec {
-            store_key: if per_identity {
-                format!("sluice/tenant-budget/{}/{owner}/i{bi}", level.as_str())
-            } else {
-                format!("sluice/tenant-budget/{}/{owner}/{bi}", level.as_str())
-            },
+            store_key: format!("{STORE_PREFIX}{}", counter_name(level, owner, &window, &limit, per_identity, '/')),
             level,
             owner: owner.to_string(),
             window,
@@ -752,4 +783,96 @@ fn compile_budgets(
         out.push(index);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compile(key_budgets: serde_json::Value) -> Policy {
+        let policy = serde_json::json!({
+            "identity": {"header": "x-key"},
+            "orgs": [{"id": "o", "teams": [{"id": "t", "keys": [{"id": "k2", "budgets": key_budgets}]}]}]
+        });
+        Policy::from_json(policy.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The store key of the budget of `policy` whose code is `code`.
+    fn key_of(policy: &Policy, code: &str) -> String {
+        policy.counters.iter().find(|c| c.code == code).map(|c| c.store_key.clone()).unwrap_or_else(|| panic!("no budget {code}"))
+    }
+
+    #[test]
+    fn a_counter_is_named_by_scope_measure_and_window() {
+        let p = compile(serde_json::json!([
+            {"window": "month", "requests": 10},
+            {"window": "minute", "tokens": 500},
+            {"window": "day", "tokens": 9, "input_weight": 1, "output_weight": 4},
+            {"window": "hour", "usd": 2.5}
+        ]));
+        let keys: Vec<&str> = p.counters.iter().map(|c| c.store_key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "sluice/tenant-budget/key/k2/month_day1/requests",
+                "sluice/tenant-budget/key/k2/minute/total_tokens",
+                "sluice/tenant-budget/key/k2/day/weighted_tokens_in1_out4",
+                "sluice/tenant-budget/key/k2/hour/micro_usd",
+            ]
+        );
+        let tokens = Limit::Tokens { limit: 1, input_weight: 1, output_weight: 1 };
+        assert_eq!(counter_name(Level::Team, "t", &Window::Month { reset_day: 15 }, &tokens, true, ':'), "team:t:month_day15:total_tokens:per_identity");
+    }
+
+    #[test]
+    fn a_changed_measure_or_window_names_a_new_counter() {
+        let before = key_of(&compile(serde_json::json!([{"window": "month", "tokens": 1_000_000}])), "key:k2:month:total_tokens");
+        let changes = [
+            (serde_json::json!([{"window": "month", "requests": 10}]), "key:k2:month:requests"),
+            (serde_json::json!([{"window": "month", "usd": 10}]), "key:k2:month:micro_usd"),
+            (serde_json::json!([{"window": "month", "tokens": 1_000_000, "count": "output"}]), "key:k2:month:output_tokens"),
+            (serde_json::json!([{"window": "day", "tokens": 1_000_000}]), "key:k2:day:total_tokens"),
+            (serde_json::json!([{"window": "month", "reset_day": 15, "tokens": 1_000_000}]), "key:k2:month:total_tokens"),
+        ];
+        for (budgets, code) in changes {
+            let after = key_of(&compile(budgets.clone()), code);
+            assert_ne!(after, before, "{budgets}");
+        }
+        // Different weights count different amounts.
+        let w = |i: u64, o: u64| {
+            key_of(&compile(serde_json::json!([{"window": "day", "tokens": 9, "input_weight": i, "output_weight": o}])), "key:k2:day:weighted_tokens")
+        };
+        assert_ne!(w(1, 4), w(1, 5));
+        assert_ne!(w(2, 4), w(1, 4));
+    }
+
+    #[test]
+    fn an_unchanged_budget_keeps_its_counter_whatever_moves_around_it() {
+        let month = serde_json::json!({"window": "month", "tokens": 1_000_000});
+        let minute = serde_json::json!({"window": "minute", "requests": 5});
+        let day = serde_json::json!({"window": "day", "usd": 3});
+        let key = |budgets: serde_json::Value| key_of(&compile(budgets), "key:k2:month:total_tokens");
+        let alone = key(serde_json::json!([month]));
+        assert_eq!(key(serde_json::json!([minute, month])), alone, "a budget added before it");
+        assert_eq!(key(serde_json::json!([month, minute, day])), alone, "budgets added after it");
+        assert_eq!(key(serde_json::json!([day, minute, month])), alone, "reordered");
+        assert_eq!(key(serde_json::json!([day, month])), key(serde_json::json!([minute, day, month])), "one removed");
+        // What is not part of what it counts does not move it: its limit, its soft limit, a reset
+        // day of 1 written out.
+        assert_eq!(key(serde_json::json!([{"window": "month", "reset_day": 1, "tokens": 5, "soft_limit_percent": 80}])), alone);
+        // Weights 1/1 count what `total` counts.
+        assert_eq!(key(serde_json::json!([{"window": "month", "tokens": 5, "input_weight": 1, "output_weight": 1}])), alone);
+    }
+
+    #[test]
+    fn the_longest_counter_name_fits_the_ledger() {
+        let owner = "x".repeat(64);
+        let limit = Limit::Tokens { limit: 1, input_weight: u64::MAX, output_weight: u64::MAX };
+        let name = counter_name(Level::Team, &owner, &Window::Month { reset_day: 28 }, &limit, true, ':');
+        assert_eq!(name.len(), 157, "{name}");
+        // As the Redis ledger gets it: identity hash and window id added, at most 256 bytes.
+        let redis = format!("{name}:{}:w{}", "f".repeat(16), u64::MAX);
+        assert!(redis.len() <= 256, "{}", redis.len());
+        assert!(name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b':'), "{name}");
+    }
 }

@@ -32,6 +32,16 @@ impl Window {
         }
     }
 
+    /// The window as part of a counter's name: the period and, for months, the reset day
+    /// (`month_day15`), so two windows that reset at different instants never share a counter
+    /// (their ids would mean different periods). No timezone: every window is on UTC.
+    pub fn key_part(&self) -> String {
+        match self {
+            Window::Month { reset_day } => format!("month_day{reset_day}"),
+            other => other.as_str().to_string(),
+        }
+    }
+
     /// Id of the window containing `now_ns` (nanoseconds since the Unix epoch).
     pub fn id(&self, now_ns: u64) -> u64 {
         let s = now_ns / NS_PER_S;
