@@ -10,7 +10,8 @@
 //!    `WasmPlugin`s, the `EnvoyFilter` and the bootstrap override (`sluice_e2e::istio`): filter
 //!    order, no `vm_id`, failure policies, `pluginConfig` through a protobuf `Struct`; one streamed
 //!    request goes through all four plugins, every stamp is written, and the metrics carry the
-//!    labels and buckets of the override's stats tags.
+//!    labels and buckets of the override's stats tags; one gzip-encoded stream is decoded by the
+//!    `EnvoyFilter`'s decompressors and measured exactly (tokens equal to the mock's).
 //!
 //! Skipped when Envoy is not installed (unless `SLUICE_ENVOY` is set, as `cargo xtask test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -129,6 +130,9 @@ fn the_images_go_through_a_real_registry_and_run_in_envoy_as_istio_configures_th
             "istio-system.sluice-tenant-budget",
             "istio-system.sluice-llm-metrics",
             "envoy.filters.http.buffer",
+            "envoy.filters.http.decompressor.gzip",
+            "envoy.filters.http.decompressor.br",
+            "envoy.filters.http.decompressor.zstd",
             "envoy.filters.http.router"
         ]
     );
@@ -190,6 +194,40 @@ fn the_images_go_through_a_real_registry_and_run_in_envoy_as_istio_configures_th
         Some(budget["charged_tokens"].as_f64().unwrap())
     );
     assert!(ttft.value("sluice_latency_requests_total", &[("version", version.as_str()), ("outcome", "ok")]).unwrap_or(0.0) >= 1.0);
+
+    // A gzip-encoded stream: the EnvoyFilter's decompressors decode it before the plugins see it,
+    // so it is measured exactly (without them: 0 output tokens, usage `estimated`).
+    let id = "istio-gzip-stream-1";
+    let resp =
+        post_stream(envoy.listen_addr(), "/v1/chat/completions", &[("x-sluice-tenant", "acme"), ("x-request-id", id), ("x-mock-encoding", "gzip")], &body)
+            .unwrap()
+            .collect()
+            .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.header("content-encoding"), None, "the client gets the answer decoded");
+    assert!(resp.complete && resp.text().contains("tok5 ") && resp.text().contains("data: [DONE]"), "{}", resp.text());
+    let line = envoy.access_log().wait_for_request(id, Duration::from_secs(10)).unwrap();
+    let get = |field: &str| stamp(&line, field).unwrap().unwrap_or(Value::Null);
+    let (route, latency, budget, llm) = (get("route"), get("latency"), get("budget"), get("sluice"));
+    let version = route["version"].as_str().unwrap_or_default().to_string();
+    let upstream = if version == "v2" { &v2 } else { &v1 };
+    let record = upstream.requests().unwrap().into_iter().find(|r| r.request_id == id).unwrap_or_else(|| panic!("llama-{version} has no record of {id}"));
+    assert_eq!(
+        upstream.heads().unwrap().iter().find(|h| h.request_id.as_deref() == Some(id)).map(|h| h.values("accept-encoding").is_empty()),
+        Some(true),
+        "the client's accept-encoding is not extended"
+    );
+    assert!(record.usage_reported && record.completed, "{record:?}");
+    assert_eq!(llm["usage"], json!("reported"), "llm stamp: {llm}");
+    assert_eq!(llm["outcome"], json!("completed"), "llm stamp: {llm}");
+    assert_eq!(llm["input_tokens"], json!(record.prompt_tokens), "llm stamp: {llm}");
+    assert_eq!(llm["output_tokens"], json!(record.completion_tokens), "llm stamp: {llm}");
+    assert_eq!(record.completion_tokens, 6);
+    assert_eq!(budget["input_tokens"], llm["input_tokens"], "budget {budget} against llm {llm}");
+    assert_eq!(budget["output_tokens"], llm["output_tokens"], "budget {budget} against llm {llm}");
+    assert_eq!(budget["charged_tokens"], json!(record.prompt_tokens + record.completion_tokens), "budget stamp: {budget}");
+    assert_eq!(budget["outcome"], json!("completed"), "budget stamp: {budget}");
+    assert_eq!(latency["outcome"], json!("ok"), "latency stamp: {latency}");
     drop(envoy);
     let _ = std::fs::remove_dir_all(&dir);
 }
