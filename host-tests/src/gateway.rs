@@ -493,6 +493,26 @@ impl Gateway {
         instance.get_memory(&mut *store, "memory").map(|memory| memory.data_size(&*store))
     }
 
+    /// Starts another VM of `plugin` in this gateway's process, with `spec`'s configuration: it
+    /// shares this one's clock, shared data and shared queues, as the VM Envoy starts for a filter
+    /// configuration delivered through ECDS does, while this VM goes on serving the streams it
+    /// has. `spec`'s start time is ignored (the clock is this process's).
+    pub fn start_beside(&self, plugin: &Plugin, spec: PluginSpec) -> Result<Gateway> {
+        let process = self.state(|s| Process {
+            clock: s.clock.clone(),
+            shared_data: s.shared_data.clone(),
+            queues: s.queues.clone(),
+            deferred: s.deferred.clone(),
+            next_vm: s.vm.saturating_add(1),
+        });
+        Self::start_with(plugin, host_state(spec, Some(&process)))
+    }
+
+    /// The configuration this VM's plugin was configured with.
+    pub fn configuration(&self) -> Vec<u8> {
+        self.state(|s| s.plugin.configuration.clone())
+    }
+
     // ---- shared state ----
 
     /// The shared-data value under `key`.

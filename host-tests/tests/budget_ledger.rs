@@ -55,7 +55,7 @@ fn a_reservation_waits_for_the_ledger_and_settlement_leaves_from_the_root() {
     assert_eq!(sent["tag"], json!("acme"));
     let keys: Vec<&str> = sent["counters"].as_array().unwrap().iter().map(|c| c["key"].as_str().unwrap()).collect();
     let minute = gw.now_ns() / NS / 60;
-    assert_eq!(keys, [format!("team:search:0:w{minute}"), format!("key:search-prod:0:w{minute}")]);
+    assert_eq!(keys, [format!("team:search:minute:total_tokens:w{minute}"), format!("key:search-prod:minute:total_tokens:w{minute}")]);
     assert!(sent["counters"].as_array().unwrap().iter().all(|c| c["amount"] == json!(b + 100)));
 
     gw.respond_http_call(call.token, admitted(call)).unwrap();
@@ -205,16 +205,19 @@ fn identity_budgets_name_one_redis_counter_per_identity() {
         let _c = Call::start(&gw, &h, &chat_body(false, false, Some(10)));
         let call = calls_to(&gw, "/v1/reserve").pop().unwrap();
         let sent = body_of(&call);
-        let identity_key = sent["counters"].as_array().unwrap().iter().map(|c| c["key"].as_str().unwrap().to_string()).find(|k| k.contains(":i0:")).unwrap();
+        let identity_key =
+            sent["counters"].as_array().unwrap().iter().map(|c| c["key"].as_str().unwrap().to_string()).find(|k| k.contains(":per_identity:")).unwrap();
         keys.push(identity_key);
         gw.fail_http_call(call.token).unwrap();
     }
     assert_ne!(keys[0], keys[1], "alice and bob count apart");
     assert_eq!(keys[0], keys[2], "alice is always alice");
     let day = gw.now_ns() / NS / 86_400;
-    assert!(keys[0].starts_with("team:search:i0:") && keys[0].ends_with(&format!(":w{day}")), "{}", keys[0]);
+    let prefix = "team:search:day:total_tokens:per_identity:";
+    assert!(keys[0].starts_with(prefix) && keys[0].ends_with(&format!(":w{day}")), "{}", keys[0]);
     // No metric carries an identity.
-    assert!(gw.metric_names().iter().all(|n| !n.contains(&keys[0][15..31])));
+    let hash = &keys[0][prefix.len()..prefix.len() + 16];
+    assert!(gw.metric_names().iter().all(|n| !n.contains(hash)));
 }
 
 #[test]

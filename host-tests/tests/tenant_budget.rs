@@ -1224,3 +1224,54 @@ fn identity_budgets_leave_the_gauges_to_the_shared_budgets() {
     assert_eq!(gw.gauge(&remaining("team", "search", "day", "total_tokens")), Some(5_000_000 - 2 * 28));
     assert!(gw.metric_names().iter().all(|n| !n.contains("per_identity") || n.contains("rejections_total")), "{:?}", gw.metric_names());
 }
+
+/// A policy update (a new VM in the same process, as ECDS delivers it) that changes one budget's
+/// measure and another's window, adds a budget and moves one: the changed budgets start from
+/// zero, the unchanged ones keep their counts wherever they now stand. Counters are named by what
+/// they count; under the old positional names the requests budget read the tokens used (84 of 10:
+/// refused) and the day budget the minute's count.
+#[test]
+fn a_reconfigured_budget_starts_from_zero_when_its_measure_or_window_changes() {
+    let before = policy(
+        json!([{"window": "minute", "tokens": 10_000}]),
+        json!([{"window": "day", "tokens": 100_000}]),
+        json!([{"window": "month", "tokens": 1_000_000}, {"window": "minute", "requests": 50}]),
+    );
+    let after = policy(
+        json!([{"window": "day", "tokens": 10_000}]),
+        json!([{"window": "day", "tokens": 90_000}]),
+        json!([{"window": "month", "requests": 10}, {"window": "day", "requests": 100}, {"window": "minute", "requests": 50}]),
+    );
+    let send = |gw: &Gateway| {
+        let mut c = Call::start(gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(10)));
+        assert_eq!(c.stream.local_reply().map(|r| (r.status, String::from_utf8_lossy(&r.body).into_owned())), None);
+        answer(&mut c, 100, 19, 9);
+        c.end();
+    };
+    let old = gateway_at(&before, MAR31_120030);
+    for _ in 0..3 {
+        send(&old);
+    }
+    assert_eq!(used_reserved(&old, "key", "search-prod", 0), (84, 0));
+    assert_eq!(used_reserved(&old, "org", "acme", 0), (84, 0));
+
+    let new = old.start_beside(&plugin(), sluice_host::PluginSpec::new(after.to_string())).expect("the new policy loads");
+    send(&new);
+    // Changed measure (month tokens → month requests) and changed window (org minute → day): from zero.
+    assert_eq!(used_reserved(&new, "key", "search-prod", 0), (1, 0));
+    assert_eq!(used_reserved(&new, "org", "acme", 0), (28, 0));
+    // Added: from zero.
+    assert_eq!(used_reserved(&new, "key", "search-prod", 1), (1, 0));
+    // Unchanged measure and window, moved from position 1 to 2: 3 before, 1 now.
+    assert_eq!(used_reserved(&new, "key", "search-prod", 2), (4, 0));
+    // Only its limit changed: it keeps its count.
+    assert_eq!(used_reserved(&new, "team", "search", 0), (4 * 28, 0));
+    // The names, and the old tokens counter left as it was (no longer read).
+    assert_eq!(store_key(&new, "key", "search-prod", 0), "sluice/tenant-budget/key/search-prod/month_day1/requests");
+    assert_eq!(store_key(&new, "org", "acme", 0), "sluice/tenant-budget/org/acme/day/total_tokens");
+    let stale =
+        sluice_core::budget::ledger::Counter::decode(&new.shared_data("sluice/tenant-budget/key/search-prod/month_day1/total_tokens").expect("old counter"));
+    assert_eq!(stale.map(|c| c.used), Some(84));
+    assert_no_crash(&old);
+    assert_no_crash(&new);
+}

@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use sluice_core::budget::ledger::Counter;
+use sluice_core::budget::Policy;
 use sluice_host::{workspace_wasm, Gateway, Plugin, PluginSpec, Stream};
 
 pub const NS: u64 = 1_000_000_000;
@@ -112,14 +113,18 @@ pub fn chat_body(stream: bool, include_usage: bool, max_tokens: Option<u64>) -> 
     v.to_string()
 }
 
-/// Shared-data key of budget `n` of `level` `id`.
-pub fn store_key(level: &str, id: &str, n: usize) -> String {
-    format!("sluice/tenant-budget/{level}/{id}/{n}")
+/// Shared-data key of budget `n` (its position in `budgets`) of `level` `id` in the policy `gw`
+/// runs: counters are named by what they count, not by position, so the policy says which.
+pub fn store_key(gw: &Gateway, level: &str, id: &str, n: usize) -> String {
+    let policy = Policy::from_json(&gw.configuration()).unwrap_or_else(|e| panic!("the gateway's policy does not compile: {e}"));
+    let owned: Vec<&str> =
+        policy.counters.iter().filter(|c| c.level.as_str() == level && c.owner == id && !c.per_identity).map(|c| c.store_key.as_str()).collect();
+    owned.get(n).map(|k| k.to_string()).unwrap_or_else(|| panic!("{level} {id} has {} budgets, not a budget {n}", owned.len()))
 }
 
 /// The ledger counter of budget `n` of `level` `id`, as stored.
 pub fn counter(gw: &Gateway, level: &str, id: &str, n: usize) -> Counter {
-    let key = store_key(level, id, n);
+    let key = store_key(gw, level, id, n);
     let bytes = gw.shared_data(&key).unwrap_or_else(|| panic!("no counter {key} in shared data"));
     Counter::decode(&bytes).unwrap_or_else(|| panic!("counter {key} does not decode"))
 }
