@@ -657,11 +657,12 @@ fn while_open_critical_and_standard_fail_over_and_sheddable_gets_503() {
         assert_eq!(x.version.as_deref(), Some("v2"));
         assert_eq!(x.local_reply(), None);
         x.end();
-        // Ended before any response: no status.
+        // Ended before any response, Envoy naming no cause: the client went away, as every plugin
+        // classifies it (`Outcome::classify`); no status.
         assert_eq!(
             x.stamp(),
             Some(json!({"version": "v2", "class": class, "priority": priority,
-            "probe": false, "outcome": "ok", "status": 0, "ttft_ms": null}))
+            "probe": false, "outcome": "client_disconnect", "status": 0, "ttft_ms": null}))
         );
         let s = stream_ok_req(&gw, &req, 100);
         assert_eq!(s, stamp("v2", class, priority, false, "ok", 100));

@@ -117,6 +117,38 @@ impl From<crate::contract::GatewayEnd> for Outcome {
     }
 }
 
+impl Outcome {
+    /// How a stream that a filter did not see end ended, from Envoy's `response.code_details` and
+    /// `response.flags` (`None` when the host gives none): the upstream failed (reset, timeout,
+    /// connection failure), or the client went away. One exception: an upstream answer
+    /// (`via_upstream`) with none of Envoy's response flags set went through Envoy whole — the
+    /// filter missed its end, not the client (Envoy 1.40 drops trailers that a filter nearer the
+    /// upstream adds, e.g. its decompressor, for the filters between it and one still holding the
+    /// response; found by e2e/tests/faults_envoy.rs).
+    pub fn of_unended(code_details: &str, response_flags: Option<u64>) -> Outcome {
+        if code_details.contains("upstream") && !code_details.contains("via_upstream") {
+            Outcome::UpstreamError
+        } else if code_details == "via_upstream" && response_flags == Some(0) {
+            Outcome::Completed
+        } else {
+            Outcome::ClientDisconnect
+        }
+    }
+
+    /// The one classification every plugin reports a request with. `seen` is what the filter saw:
+    /// `Completed` when the response reached its end, else [`Outcome::of_unended`]. A reply a sluice
+    /// plugin generated (a refusal, a deadline) is that outcome whatever else happened; a 5xx, or an
+    /// error event inside a non-error answer, is the upstream's failure; a 4xx with an error body is
+    /// the client's mistake, answered properly.
+    pub fn classify(gateway: Option<crate::contract::GatewayReply>, seen: Outcome, upstream_status: u16, upstream_error_event: bool) -> Outcome {
+        match (gateway, seen) {
+            (Some(g), _) => g.end.into(),
+            (None, Outcome::Completed) if upstream_status >= 500 || (upstream_status < 400 && upstream_error_event) => Outcome::UpstreamError,
+            (None, other) => other,
+        }
+    }
+}
+
 /// Finish reasons the public APIs document (OpenAI chat and completions, the Responses API's
 /// incomplete reasons and statuses, Anthropic's stop reasons). Anything else an upstream sends is
 /// labelled `other`: the label must stay bounded whatever the upstream says.
@@ -321,5 +353,51 @@ fn json_opt_str(v: Option<&str>) -> String {
         // serde_json escapes quotes, control characters and the rest correctly.
         Some(v) => serde_json::to_string(v).unwrap_or_else(|_| "null".into()),
         None => "null".into(),
+    }
+}
+
+#[cfg(test)]
+mod outcome_tests {
+    use super::Outcome;
+    use crate::contract::{GatewayEnd, GatewayReply};
+
+    #[test]
+    fn an_unended_stream_is_named_by_envoys_details_and_flags() {
+        let cases = [
+            ("upstream_reset_after_response_started{remote_reset}", Some(0x10), Outcome::UpstreamError),
+            ("upstream_response_timeout", Some(0), Outcome::UpstreamError),
+            ("downstream_remote_disconnect", Some(0x1000), Outcome::ClientDisconnect),
+            ("via_upstream", Some(0), Outcome::Completed),
+            // A flag set (DC: the client left) or none given: not known to have gone through whole.
+            ("via_upstream", Some(0x1000), Outcome::ClientDisconnect),
+            ("via_upstream", None, Outcome::ClientDisconnect),
+            ("", None, Outcome::ClientDisconnect),
+        ];
+        for (details, flags, want) in cases {
+            assert_eq!(Outcome::of_unended(details, flags), want, "{details} {flags:?}");
+        }
+    }
+
+    #[test]
+    fn one_classification_for_every_plugin() {
+        let deadline = Some(GatewayReply { status: 504, end: GatewayEnd::Deadline });
+        let refused = Some(GatewayReply { status: 429, end: GatewayEnd::Refused });
+        let cases = [
+            // The gateway's own reply wins over whatever the upstream did.
+            (deadline, Outcome::ClientDisconnect, 200, false, Outcome::Deadline),
+            (refused, Outcome::Completed, 0, false, Outcome::Refused),
+            (None, Outcome::Completed, 200, false, Outcome::Completed),
+            // An error event inside a 200 stream is the upstream's failure.
+            (None, Outcome::Completed, 200, true, Outcome::UpstreamError),
+            (None, Outcome::Completed, 503, false, Outcome::UpstreamError),
+            // A 4xx with an error body: the client's mistake, answered properly.
+            (None, Outcome::Completed, 400, true, Outcome::Completed),
+            // What the filter saw of an unended stream stays, whatever the status.
+            (None, Outcome::ClientDisconnect, 500, false, Outcome::ClientDisconnect),
+            (None, Outcome::UpstreamError, 200, false, Outcome::UpstreamError),
+        ];
+        for (gateway, seen, status, error_event, want) in cases {
+            assert_eq!(Outcome::classify(gateway, seen, status, error_event), want, "{gateway:?} {seen:?} {status} {error_event}");
+        }
     }
 }

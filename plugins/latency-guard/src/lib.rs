@@ -33,7 +33,7 @@ use sluice_core::latency::{
 };
 use sluice_core::metrics::{self, ShedReason};
 use sluice_core::reply::error_body;
-use sluice_core::report::sanitize_label;
+use sluice_core::report::{sanitize_label, Outcome};
 use sluice_core::request::inspect_request_with_kind;
 use sluice_core::response::StreamObserver;
 use sluice_core::rewrite::rewrite_request;
@@ -224,6 +224,8 @@ struct Guarded {
     observer: Option<StreamObserver>,
     timing: StreamTiming,
     observed: bool,
+    /// The response reached its end here (its last body chunk, or headers or trailers that ended it).
+    response_ended: bool,
 }
 
 struct Admitted {
@@ -290,6 +292,7 @@ impl HttpContext for Guard {
             observer: None,
             timing: StreamTiming::new(now),
             observed: false,
+            response_ended: false,
         }));
         if end_of_stream {
             // No body: decide now (there is no later request event).
@@ -347,6 +350,7 @@ impl HttpContext for Guard {
             g.decided = true;
         }
         g.status = host::header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        g.response_ended |= end_of_stream;
         let content_type = host::header(MapType::HttpResponseHeaders, "content-type").unwrap_or_default();
         g.streaming = content_type.to_ascii_lowercase().starts_with("text/event-stream");
         if g.streaming {
@@ -364,6 +368,7 @@ impl HttpContext for Guard {
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let (Some(shared), Some(g)) = (self.shared.clone(), self.state.as_mut()) else { return Action::Continue };
         let now = host::now_ns();
+        g.response_ended |= end_of_stream;
         let mut sh = shared.borrow_mut();
         // Reads the chunk (unless the machine drops it); whether it carried content.
         let mut observe = || {
@@ -383,6 +388,14 @@ impl HttpContext for Guard {
         };
         let effects = w.machine.on_response_body(now, g.streaming, end_of_stream, observe);
         sh.apply(self.context_id, now, &effects, body_size)
+    }
+
+    fn on_http_response_trailers(&mut self, _n: usize) -> Action {
+        // Trailers end the response: the body saw no end_of_stream.
+        if let Some(g) = self.state.as_mut() {
+            g.response_ended = true;
+        }
+        Action::Continue
     }
 
     fn on_log(&mut self) {
@@ -418,16 +431,17 @@ impl HttpContext for Guard {
         let gateway = host::gateway_reply();
         if let (None, Some(reply)) = (fired, gateway) {
             let version_label = sanitize_label(&a.version);
-            let outcome = sluice_core::report::Outcome::from(reply.end).as_str();
+            let outcome = Outcome::from(reply.end).as_str();
             sh.metrics.add(MetricType::Counter, &metrics::latency_requests_total(&version_label, &sanitize_label(&g.class), outcome), 1);
             write_stamp(g, &a, outcome, reply.status, None);
             return;
         }
-        let details = host::property(&["response".into(), "code_details".into()]).unwrap_or_default();
-        let upstream_failed = details.contains("upstream") && !details.contains("via_upstream");
-        let error = fired.is_some() || g.status >= 500 || upstream_failed || summary.upstream_error.is_some() && g.status < 400;
+        // The same classification as every other plugin's (`Outcome::classify`).
+        let seen = if g.response_ended { Outcome::Completed } else { host::interrupted_outcome() };
+        let ended = Outcome::classify(None, seen, g.status, summary.upstream_error.is_some());
+        let error = fired.is_some() || ended == Outcome::UpstreamError;
         // The client went away before the answer ended (streamed or not): no sample.
-        let client_gone = !error && details.contains("downstream");
+        let client_gone = !error && ended == Outcome::ClientDisconnect;
         let output_tokens = summary.usage.output_tokens;
         let tpot_us = g.timing.tpot_ns(output_tokens).map(|v| v / 1000);
         let outcome = match (fired, error) {

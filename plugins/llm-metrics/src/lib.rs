@@ -389,12 +389,7 @@ impl Measured {
         // whatever the upstream's headers said before it.
         let gateway = host::gateway_reply();
         let status = gateway.map_or(self.status, |g| g.status);
-        // A 4xx with an error body is the client's mistake, answered properly: not an upstream error.
-        let outcome = match (gateway, outcome) {
-            (Some(g), _) => g.end.into(),
-            (None, Outcome::Completed) if self.status >= 500 || (self.status < 400 && response.upstream_error.is_some()) => Outcome::UpstreamError,
-            (None, other) => other,
-        };
+        let outcome = Outcome::classify(gateway, outcome, self.status, response.upstream_error.is_some());
         let prompt_tokens = if response.usage_reported { response.usage.input_tokens } else { request.prompt_tokens_estimate };
         let have_request = self.request.is_some();
         let labels = Labels {

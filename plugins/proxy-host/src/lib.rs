@@ -196,24 +196,12 @@ pub fn gateway_local_reply(end: sluice_core::contract::GatewayEnd, status: u32, 
     local_reply(status, headers, body);
 }
 
-/// How a request that never saw its last response chunk ended, from Envoy's response code details:
-/// the upstream failed (reset, timeout, connection failure) or the client went away. A reply the
-/// gateway generated itself is read separately ([`gateway_reply`]) and takes precedence.
-///
-/// One more case: an upstream answer (`via_upstream`) with none of Envoy's response flags set went
-/// through Envoy whole — the filter missed its end, not the client. Envoy 1.40 drops trailers that a
-/// filter nearer the upstream adds (its decompressor does, to every answer it decodes) for the
-/// filters between it and a filter still holding the response (latency-guard before the first
-/// token): those filters see neither `end_of_stream` nor trailers. Found by e2e/tests/faults_envoy.rs.
+/// How a request that never saw its last response chunk ended, from Envoy's response code details
+/// and flags ([`sluice_core::report::Outcome::of_unended`]). A reply the gateway generated itself is
+/// read separately ([`gateway_reply`]) and takes precedence.
 pub fn interrupted_outcome() -> sluice_core::report::Outcome {
     let details = property(&["response".into(), "code_details".into()]).unwrap_or_default();
-    if details.contains("upstream") && !details.contains("via_upstream") {
-        sluice_core::report::Outcome::UpstreamError
-    } else if details == "via_upstream" && response_flags() == Some(0) {
-        sluice_core::report::Outcome::Completed
-    } else {
-        sluice_core::report::Outcome::ClientDisconnect
-    }
+    sluice_core::report::Outcome::of_unended(&details, response_flags())
 }
 
 /// Envoy's response flags (`response.flags`, a bit vector as 8 little-endian bytes); `None` when the

@@ -887,12 +887,7 @@ impl Stream {
         let gateway = host::gateway_reply();
         let status = gateway.map_or(b.status, |g| g.status);
         let produced = (200..300).contains(&b.status);
-        let outcome = match (gateway, outcome) {
-            (Some(g), _) => g.end.into(),
-            // As llm-metrics judges it: an error event inside a 200 stream is an upstream error too.
-            (None, Outcome::Completed) if b.status >= 500 || (b.status < 400 && summary.upstream_error.is_some()) => Outcome::UpstreamError,
-            (None, other) => other,
-        };
+        let outcome = Outcome::classify(gateway, outcome, b.status, summary.upstream_error.is_some());
         // Charge what the upstream reports; without a report, what was seen (output) and the prompt
         // estimate (input). A refused or failed upstream answer produced nothing to charge, and
         // neither did a stream the gateway ended before any content reached it.
