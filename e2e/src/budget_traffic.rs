@@ -478,7 +478,8 @@ pub struct Budget {
     /// `org`, `team` or `key`.
     pub level: &'static str,
     pub id: String,
-    /// Its position among its owner's budgets: the Redis counter is `<level>:<id>:<n>:w<window>`.
+    /// Its position among its owner's budgets in the policy (the Redis counter is named by what it
+    /// counts, not by this: see [`Budget::redis_prefix`]).
     pub n: usize,
     pub window: Window,
     pub measure: Measure,
@@ -507,9 +508,11 @@ impl Budget {
         format!("{}:{}:{}:{}", self.level, self.id, self.window.name(), self.measure.code())
     }
 
-    /// The Redis counter key's prefix, before the window id.
+    /// The Redis counter key's prefix, before the window id: `<level>:<id>:<window>:<measure>:w`
+    /// (a month resets on day 1: these policies set no `reset_day`).
     pub fn redis_prefix(&self) -> String {
-        format!("{}:{}:{}:w", self.level, self.id, self.n)
+        let window = if self.window == Window::Month { "month_day1" } else { self.window.name() };
+        format!("{}:{}:{window}:{}:w", self.level, self.id, self.measure.code())
     }
 }
 

@@ -139,8 +139,8 @@ impl Redis {
     }
 
     /// `used` and `reserved` of every counter hash under `<prefix>:{…}:c:`, by the counter key the
-    /// plugin named (`key:search-prod:0:w29583344`), with the org tag: `(org, counter) → (used,
-    /// reserved)`.
+    /// plugin named (`key:search-prod:minute:total_tokens:w29583344`), with the org tag:
+    /// `(org, counter) → (used, reserved)`.
     pub fn ledger_counters(&self, prefix: &str) -> Result<BTreeMap<(String, String), (u64, u64)>> {
         let mut out = BTreeMap::new();
         for key in self.keys(&format!("{prefix}:{{*}}:c:*"))? {

@@ -660,7 +660,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let (e_deny, e_local) = (&envoys[0], &envoys[1]);
     let addrs = [e_deny.listen_addr(), e_local.listen_addr()];
     let mut failures = Failures::default();
-    let k_prefix = "key:k:0:w";
+    let k_prefix = "key:k:day:total_tokens:w";
 
     // A request in flight on an Envoy that dies: its hold is left in Redis, never settled.
     let victim_addr = victim.listen_addr();
@@ -897,7 +897,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let dropped = metric_sum(&refs, "sluice_budget_ledger_settlements_dropped_total", &[]);
     failures.that("(b) no usage lost", dropped == 0.0, || format!("{dropped} settlements dropped"));
     failures.that("(b) expiry", !orphans.is_empty(), || "the killed Envoy's hold is not in Redis".into());
-    let lim_redis = counter_state(&redis, "acme", "key:lim:0:w");
+    let lim_redis = counter_state(&redis, "acme", "key:lim:day:requests:w");
     // Holds are named by the plugin, not by x-request-id: the stalled request's is the one made
     // after the stall began (its expiry is a minute after that).
     let stall_holds: Vec<&Hold> = orphans.iter().filter(|h| h.expires_ms >= stall_redis_ms + 60_000).collect();
@@ -1035,7 +1035,7 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
     failures.that("(c) before", first_lim.iter().chain(&first_k).all(|(_, s, _)| *s == 200), || format!("before the restart: {first_lim:?} {first_k:?}"));
     let settled = wait_until(Duration::from_secs(10), "the settlements", || {
         let c = redis.ledger_counters(PREFIX)?;
-        Ok((c.values().all(|(_, r)| *r == 0) && counter_state(&redis, "acme", "key:lim:0:w") == (50, 0)).then_some(c))
+        Ok((c.values().all(|(_, r)| *r == 0) && counter_state(&redis, "acme", "key:lim:day:requests:w") == (50, 0)).then_some(c))
     });
     let before = settled.unwrap_or_else(|_| redis.ledger_counters(PREFIX).unwrap());
 
@@ -1063,11 +1063,11 @@ fn c_redis_restarted_with_appendonly_keeps_every_counter_and_traffic_continues()
     let logged = read_logs(&refs, n).unwrap();
     let k_charged: u64 = all.iter().filter_map(|(id, _, _)| logged.get(id).and_then(|l| l.stamp.as_ref()).and_then(|s| stamp_u64(s, "charged_tokens"))).sum();
     let end = wait_until(Duration::from_secs(10), "the settlements after the restart", || {
-        let k = counter_state(&redis, "acme", "key:k:0:w");
-        let lim = counter_state(&redis, "acme", "key:lim:0:w");
+        let k = counter_state(&redis, "acme", "key:k:day:total_tokens:w");
+        let lim = counter_state(&redis, "acme", "key:lim:day:requests:w");
         Ok((k == (k_charged, 0) && lim == (80, 0)).then_some((k, lim)))
     });
-    let (k_end, lim_end) = (counter_state(&redis, "acme", "key:k:0:w"), counter_state(&redis, "acme", "key:lim:0:w"));
+    let (k_end, lim_end) = (counter_state(&redis, "acme", "key:k:day:total_tokens:w"), counter_state(&redis, "acme", "key:lim:day:requests:w"));
     failures.that("(c) continues", end.is_ok(), || format!("Redis after: k {k_end:?} (stamps {k_charged}), lim {lim_end:?} (want 80)"));
 
     let mut out = String::new();
@@ -1184,11 +1184,11 @@ fn d_a_thousand_jwt_subjects_are_each_limited_on_their_own_with_no_series_per_id
     // from the root context's tick, after the client has its answer).
     let all_settled = wait_until(Duration::from_secs(10), "the settlements", || {
         let c = redis.ledger_counters(PREFIX)?;
-        let per_identity_used: u64 = c.iter().filter(|((_, k), _)| k.starts_with("key:app:i0:")).map(|(_, (u, _))| *u).sum();
+        let per_identity_used: u64 = c.iter().filter(|((_, k), _)| k.starts_with("key:app:day:requests:per_identity:")).map(|(_, (u, _))| *u).sum();
         Ok((c.values().all(|(_, reserved)| *reserved == 0) && per_identity_used >= 2 * D_SUBJECTS as u64).then_some(c))
     });
     let counters = all_settled.unwrap_or_else(|_| redis.ledger_counters(PREFIX).unwrap());
-    let per_identity: Vec<u64> = counters.iter().filter(|((_, k), _)| k.starts_with("key:app:i0:")).map(|(_, (u, _))| *u).collect();
+    let per_identity: Vec<u64> = counters.iter().filter(|((_, k), _)| k.starts_with("key:app:day:requests:per_identity:")).map(|(_, (u, _))| *u).collect();
     failures.that("(d) redis", per_identity.len() == D_SUBJECTS && per_identity.iter().all(|u| *u == 2), || {
         format!("{} per-identity counters, used values {:?}", per_identity.len(), per_identity.iter().collect::<HashSet<_>>())
     });

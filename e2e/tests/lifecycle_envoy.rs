@@ -5,7 +5,8 @@
 //!   streams in flight finish on the policy they started with and are charged exactly; counters,
 //!   budgets (shared data is per `vm_id`, which the update keeps), leases, in-flight counts and an open
 //!   breaker carry over; new requests get the new policy; a broken policy is refused with the
-//!   plugin's message and the previous one keeps serving;
+//!   plugin's message and the previous one keeps serving; a budget whose measure the update changes
+//!   starts from zero, the unchanged ones keep their counts;
 //! - a VM failure — a test filter (`e2e/trap-filter`) trapping in the chain behind the plugins, and
 //!   once in front of them — under each `failure_policy`: what the trapping request and the next ones
 //!   get, what the plugins count, and `FAIL_RELOAD` serving again with a new VM;
@@ -780,7 +781,7 @@ fn hot_restart_with_the_fleet_ledger_keeps_the_budget() {
     };
     let tokens = wait_until(Duration::from_secs(5), "the child's settlement in Redis", || {
         let counters = redis.ledger_counters(sluice_e2e::ledger::PREFIX)?;
-        let k1: Vec<(u64, u64)> = counters.iter().filter(|((_, k), _)| k.starts_with("key:k1:1:")).map(|(_, v)| *v).collect();
+        let k1: Vec<(u64, u64)> = counters.iter().filter(|((_, k), _)| k.starts_with("key:k1:month_day1:total_tokens:")).map(|(_, v)| *v).collect();
         Ok((k1.len() == 1 && k1[0].1 == 0).then(|| k1[0]))
     });
     let all = charges();
@@ -793,15 +794,12 @@ fn hot_restart_with_the_fleet_ledger_keeps_the_budget() {
     c.done(&r.child.stderr_tail(10));
 }
 
-/// A budget whose measure changes (k2: a million tokens a month → 10 requests a month) must start
-/// counting requests from zero. It does not: tenant-budget keys its counters by the budget's
-/// position under its owner (`sluice/tenant-budget/key/k2/0`), so the new requests budget reads the
-/// tokens used under the old one (33 "requests" of 10 after 3 requests) and refuses everything;
-/// a window change (minute → day) likewise keeps a minute's window id, which a day's never passes.
-/// Measured with this test; ignored until the counters are keyed by what they count
-/// (docs/lifecycle.md, "Known problem").
+/// A budget whose measure changes (k2: a million tokens a month → 10 requests a month) starts
+/// counting requests from zero: counters are named by what they count
+/// (`sluice/tenant-budget/key/k2/month_day1/requests`, not the budget's position), so the new
+/// budget does not read the tokens used under the old one (it did before: 33 "requests" of 10
+/// after 3 requests, every request refused). k1's budgets, unchanged, keep their counts.
 #[test]
-#[ignore = "known bug: budget counters are keyed by position, so a changed measure reads the old one's counter (docs/lifecycle.md)"]
 fn a_budget_whose_measure_changes_starts_from_zero() {
     if Tools::locate_or_skip().unwrap().is_none() {
         return;
@@ -819,8 +817,34 @@ fn a_budget_whose_measure_changes_starts_from_zero() {
     for i in 0..3 {
         assert_eq!(stream(envoy.listen_addr(), &[("x-sluice-key", "k2"), ("x-request-id", &format!("measure-{i}"))]).status, 200);
     }
+    // k1 spends 2 of its 5 requests a month before the update.
+    let k1_before = admitted_until_refused(&envoy, "measure-k1-before", 2);
     ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, &policy(json!([{ "window": "month", "requests": 10 }]))).unwrap()).unwrap();
     envoy.wait_stat(ECDS_RELOADS, 2, Duration::from_secs(10)).unwrap();
-    let r = post_json(envoy.listen_addr(), CHAT, &[("x-sluice-key", "k2")], &chat("the first request counted in requests")).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
+    let mut c = Checks::default();
+    // k2: exactly its 10 requests, then a refusal that counts requests only.
+    let mut answers = Vec::new();
+    for i in 0..11 {
+        let r = post_json(envoy.listen_addr(), CHAT, &[("x-sluice-key", "k2"), ("x-request-id", &format!("measure-after-{i}"))], &chat("counted in requests"))
+            .unwrap();
+        answers.push((r.status, r.text()));
+    }
+    let admitted = answers.iter().take_while(|(status, _)| *status == 200).count();
+    eprintln!("after the measure change: k2 admitted {admitted} of 11; the last answer: {:?}", answers.last());
+    c.eq("k2's requests admitted after the change (a limit of 10, from zero)", &json!(admitted), json!(10));
+    let (last_status, last_body) = answers.last().cloned().unwrap_or_default();
+    c.eq("the 11th request", &json!(last_status), json!(429));
+    c.that(
+        last_body.contains("budget key:k2:month:requests exceeded: 10 used and 0 reserved of 10"),
+        format!("the refusal counts the 10 requests, nothing of the tokens before: {last_body}"),
+    );
+    // k1 (its budgets unchanged) has 3 of its 5 left.
+    let k1_after = admitted_until_refused(&envoy, "measure-k1-after", 8);
+    c.eq("k1's requests before the update", &json!(k1_before), json!(2));
+    c.eq("k1's requests after the update (its counter kept)", &json!(k1_after), json!(3));
+    // Measured, not asserted: the remaining-budget series of k2 Envoy exports after the change.
+    let prom = envoy.admin_get("/stats/prometheus").unwrap_or_default();
+    let k2_remaining: Vec<&str> = prom.lines().filter(|l| l.starts_with("sluice_budget_remaining") && l.contains("\"k2\"")).collect();
+    eprintln!("k2's remaining-budget series after the change: {k2_remaining:?}");
+    c.done(&envoy.stderr_tail(10));
 }
