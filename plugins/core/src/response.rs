@@ -333,7 +333,7 @@ impl State {
 
     /// Fast path for an OpenAI chat / completions chunk; `false` if the general path must decide.
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
-        let Some(chunk) = fast::openai_chunk(data.as_bytes()) else {
+        let Some(chunk) = fast::openai_chunk(data) else {
             return false;
         };
         if let Some(m) = chunk.model.filter(|m| !m.is_empty()) {
@@ -355,7 +355,7 @@ impl State {
     /// Fast path for the hot Anthropic events (`content_block_delta`, `ping`, `content_block_stop`,
     /// `message_stop`); everything else takes the general path.
     fn anthropic_fast(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) -> bool {
-        let Some(ev) = fast::anthropic_event(data.as_bytes()) else {
+        let Some(ev) = fast::anthropic_event(data) else {
             return false;
         };
         let ty = ev.ty.map(|t| t.text());
@@ -639,7 +639,7 @@ mod fast {
         pub usage: Option<&'a [u8]>,
     }
 
-    pub(super) fn openai_chunk(data: &[u8]) -> Option<OpenAiChunk<'_>> {
+    pub(super) fn openai_chunk(data: &str) -> Option<OpenAiChunk<'_>> {
         let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, usage: None };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;
@@ -738,7 +738,7 @@ mod fast {
         pub delta_text: Option<RawStr<'a>>,
     }
 
-    pub(super) fn anthropic_event(data: &[u8]) -> Option<AnthropicEvent<'_>> {
+    pub(super) fn anthropic_event(data: &str) -> Option<AnthropicEvent<'_>> {
         let mut ev = AnthropicEvent { ty: None, delta_text: None };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;

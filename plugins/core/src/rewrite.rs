@@ -415,7 +415,7 @@ impl UsageChunkStripper {
 fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
     // with a `\u` escape, so an event with neither is kept without parsing it.
-    if !contains(event, b"usage") && !contains(event, b"\\u") {
+    if !may_name_usage(event) {
         return Verdict::Keep;
     }
     let mut data_lines: Vec<(usize, usize)> = Vec::new();
@@ -477,16 +477,15 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     Verdict::Replace { start: *start, end: *end, json: remove_members(data, "usage") }
 }
 
-/// `needle` (non-empty) occurs in `haystack`.
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    let Some((&first, rest)) = needle.split_first() else { return true };
-    let mut from = 0usize;
-    while let Some(at) = haystack.get(from..).and_then(|h| h.iter().position(|&b| b == first)) {
-        let start = from.saturating_add(at).saturating_add(1);
-        if haystack.get(start..start.saturating_add(rest.len())) == Some(rest) {
+/// `usage` or a `\\u` escape occurs in `event`: one pass, no call per candidate.
+fn may_name_usage(event: &[u8]) -> bool {
+    let mut i = 0usize;
+    while let Some(&b) = event.get(i) {
+        let next = event.get(i.saturating_add(1)).copied();
+        if (b == b'u' && event.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage")) || (b == b'\\' && next == Some(b'u')) {
             return true;
         }
-        from = start;
+        i = i.saturating_add(1);
     }
     false
 }
@@ -707,6 +706,24 @@ fn apply_edits(s: &[u8], from: usize, to: usize, mut edits: Vec<Edit>) -> Vec<u8
     }
     out.extend_from_slice(s.get(at..to).unwrap_or_default());
     out
+}
+
+#[cfg(test)]
+mod usage_hint_tests {
+    #[test]
+    fn the_usage_hint_finds_the_word_and_any_unicode_escape() {
+        for (event, want) in [
+            (&b"data: {\"usage\":null}"[..], true),
+            (b"data: {\"us\\u0061ge\":{}}", true),
+            (b"data: {\"choices\":[{\"delta\":{\"content\":\"usag\"}}]}", false),
+            (b"data: {\"a\":\"line\\nbreak\"}", false),
+            (b"usage", true),
+            (b"usag", false),
+            (b"", false),
+        ] {
+            assert_eq!(super::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
+        }
+    }
 }
 
 #[cfg(test)]
