@@ -245,7 +245,8 @@ pub fn complete_events(bytes: &[u8]) -> &[u8] {
     bytes.get(..end).unwrap_or_default()
 }
 
-fn seen_from(resp: &StreamedResponse, stream: bool) -> Seen {
+/// What the client saw of one answer (the soak reads its responses the same way).
+pub fn seen_from(resp: &StreamedResponse, stream: bool) -> Seen {
     let body = resp.body();
     // A cut JSON body proves nothing; a cut stream proves its complete events.
     let counted: &[u8] = match (resp.complete, stream) {

@@ -396,25 +396,6 @@ pub struct Outcome {
     pub served_by: Option<String>,
 }
 
-fn seen_of(resp: &crate::StreamedResponse, stream: bool) -> Seen {
-    let body = resp.body();
-    let counted: &[u8] = match (resp.complete, stream) {
-        (true, _) => &body,
-        (false, true) => complete_events(&body),
-        (false, false) => &[],
-    };
-    Seen {
-        status: Some(resp.status),
-        complete: resp.complete,
-        aborted: false,
-        received_tokens: if resp.status == 200 { count_tokens(counted) } else { 0 },
-        usage_seen: String::from_utf8_lossy(&body).contains("\"usage\":{"),
-        retry_after: resp.header("retry-after").map(str::to_string),
-        body,
-        error: None,
-    }
-}
-
 /// Sends one request on `conn`; returns what was seen and the connection if it can be reused.
 fn send_one(conn: Connection, p: &Planned, s: &Shape) -> (Outcome, Option<Connection>) {
     let h = headers(p, s);
@@ -429,7 +410,7 @@ fn send_one(conn: Connection, p: &Planned, s: &Shape) -> (Outcome, Option<Connec
         let served_by = stream.header("x-mock-served-by").map(str::to_string);
         if stream.status != 200 {
             return match stream.collect() {
-                Ok(resp) => (Outcome { seen: seen_of(&resp, p.api.stream()), served_by }, None),
+                Ok(resp) => (Outcome { seen: crate::budget_traffic::seen_from(&resp, p.api.stream()), served_by }, None),
                 Err(e) => (failed(e), None),
             };
         }
@@ -454,7 +435,7 @@ fn send_one(conn: Connection, p: &Planned, s: &Shape) -> (Outcome, Option<Connec
     }
     match conn.request("POST", p.api.path(), &h, body.as_bytes()) {
         Ok((resp, conn)) => {
-            let seen = seen_of(&resp, p.api.stream());
+            let seen = crate::budget_traffic::seen_from(&resp, p.api.stream());
             let reusable = resp.complete && !resp.header("connection").is_some_and(|c| c.eq_ignore_ascii_case("close"));
             (Outcome { seen, served_by: resp.header("x-mock-served-by").map(str::to_string) }, reusable.then_some(conn))
         }
