@@ -55,18 +55,18 @@ pub const KEYS: [TrafficKey; 7] = [
     key("labs-open", "labs", "globex", 35),
 ];
 
-/// xorshift64*: small, deterministic, good enough to pick test traffic.
-struct Rng(u64);
+/// xorshift64*: small, deterministic, good enough to pick test traffic (the soak's too).
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
     /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next() % (hi - lo + 1)
     }
     /// True with probability `percent`/100.

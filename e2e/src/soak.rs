@@ -27,7 +27,7 @@
 
 use crate::access_log::stamp;
 use crate::budget_traffic::{
-    complete_events, count_tokens, error_fields, read_logs, read_mock_ledger, stamp_str, stamp_u64, Api, Check, Failures, Fault, Planned, Policy, Records,
+    complete_events, count_tokens, error_fields, read_logs, read_mock_ledger, stamp_str, stamp_u64, Api, Check, Failures, Fault, Planned, Policy, Records, Rng,
     Seen, Tally, Window,
 };
 use crate::gateway::{start_full_gateway, FullGateway};
@@ -256,21 +256,6 @@ pub struct Shape {
     pub kind: Kind,
     /// Reset / error event after this many tokens; disconnect after this many body bytes.
     pub after: u64,
-}
-
-/// xorshift64*, as the budget traffic's: deterministic shapes and orders.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
 }
 
 pub const CYCLE: usize = 60;
