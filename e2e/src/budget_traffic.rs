@@ -245,6 +245,19 @@ pub fn complete_events(bytes: &[u8]) -> &[u8] {
     bytes.get(..end).unwrap_or_default()
 }
 
+/// What the client saw of a stream it left after `bytes` (the soak's disconnects too): the
+/// complete events of what it read.
+pub(crate) fn seen_aborted(status: u16, bytes: Vec<u8>) -> Seen {
+    Seen {
+        status: Some(status),
+        aborted: true,
+        received_tokens: count_tokens(complete_events(&bytes)),
+        usage_seen: String::from_utf8_lossy(&bytes).contains("\"usage\":{"),
+        body: bytes,
+        ..Seen::default()
+    }
+}
+
 /// What the client saw of one answer (the soak reads its responses the same way).
 pub fn seen_from(resp: &StreamedResponse, stream: bool) -> Seen {
     let body = resp.body();
@@ -285,17 +298,7 @@ fn run_one(conn: Connection, p: &Planned) -> (Seen, Option<Connection>) {
         }
         let status = stream.status;
         return match stream.abort_after(after) {
-            Ok(bytes) => (
-                Seen {
-                    status: Some(status),
-                    aborted: true,
-                    received_tokens: count_tokens(complete_events(&bytes)),
-                    usage_seen: String::from_utf8_lossy(&bytes).contains("\"usage\":{"),
-                    body: bytes,
-                    ..Seen::default()
-                },
-                None,
-            ),
+            Ok(bytes) => (seen_aborted(status, bytes), None),
             Err(e) => (failed(e), None),
         };
     }

@@ -27,8 +27,7 @@
 
 use crate::access_log::stamp;
 use crate::budget_traffic::{
-    complete_events, count_tokens, error_fields, read_logs, read_mock_ledger, stamp_str, stamp_u64, Api, Check, Failures, Fault, Planned, Policy, Records, Rng,
-    Seen, Tally, Window,
+    error_fields, read_logs, read_mock_ledger, stamp_str, stamp_u64, Api, Check, Failures, Fault, Planned, Policy, Records, Rng, Seen, Tally, Window,
 };
 use crate::gateway::{start_full_gateway, FullGateway};
 use crate::prometheus::Metrics;
@@ -401,20 +400,7 @@ fn send_one(conn: Connection, p: &Planned, s: &Shape) -> (Outcome, Option<Connec
         }
         let status = stream.status;
         return match stream.abort_after(after) {
-            Ok(bytes) => (
-                Outcome {
-                    seen: Seen {
-                        status: Some(status),
-                        aborted: true,
-                        received_tokens: count_tokens(complete_events(&bytes)),
-                        usage_seen: String::from_utf8_lossy(&bytes).contains("\"usage\":{"),
-                        body: bytes,
-                        ..Seen::default()
-                    },
-                    served_by,
-                },
-                None,
-            ),
+            Ok(bytes) => (Outcome { seen: crate::budget_traffic::seen_aborted(status, bytes), served_by }, None),
             Err(e) => (failed(e), None),
         };
     }
