@@ -6,29 +6,15 @@
 //! `cargo run --release -p sluice-host --example profile [TOKENS] [REQUESTS]` (after `cargo xtask build`);
 //! with `PROFILE_COMMENTS=1` the events are keep-alive comments instead: the cost of framing alone.
 
-use sluice_host::{workspace_wasm, Chain, Headers, LogLevel, Plugin, PluginSpec};
+use sluice_host::{Chain, Headers, FULL_GATEWAY};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
-const FILTERS: [(&str, &str); 4] = [
-    ("sluice_latency_guard", "latency-guard.demo.json"),
-    ("sluice_model_router", "model-router.demo.json"),
-    ("sluice_tenant_budget", "tenant-budget.full.json"),
-    ("sluice_llm_metrics", "llm-metrics.demo.json"),
-];
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let tokens: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);
     let requests: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(200);
-    let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
-    let mut plugins = Vec::new();
-    for (name, policy) in FILTERS {
-        let config = std::fs::read_to_string(policies.join(policy))?;
-        let spec = PluginSpec::new(config.as_str()).name(name).root_id(name).vm_id("sluice").keep_logs_from(LogLevel::Warn);
-        plugins.push((Plugin::load(workspace_wasm(name))?, spec));
-    }
-    let refs: Vec<(&Plugin, PluginSpec)> = plugins.iter().map(|(p, s)| (p, s.clone())).collect();
-    let chain = Chain::start(&refs)?;
+    let chain = Chain::full_gateway()?;
     // Warm-up: label sets seen, metric ids defined, as in a gateway that has been running.
     run(&chain, tokens, 50, 0)?;
     for gw in chain.gateways() {
@@ -38,7 +24,7 @@ fn main() -> anyhow::Result<()> {
     println!("per request, {tokens} content event(s) each, mean of {requests} requests");
     println!("{:<22} {:<34} {:>8} {:>12} {:>10}", "plugin", "callback", "calls", "fuel", "hostcalls");
     let (mut all_fuel, mut all_hostcalls) = (0u64, 0u64);
-    for (gw, (name, _)) in chain.gateways().iter().zip(FILTERS) {
+    for (gw, (name, _)) in chain.gateways().iter().zip(FULL_GATEWAY) {
         let (mut fuel, mut hostcalls) = (0u64, 0u64);
         for (export, p) in gw.profile() {
             println!(

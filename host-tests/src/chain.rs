@@ -17,6 +17,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::sync::OnceLock;
 
 use anyhow::{bail, Context as _, Result};
 
@@ -28,6 +29,15 @@ use crate::hostcalls::properties::Properties;
 use crate::state::{lock, Deferred, Phase, Shared};
 use crate::stream::Stream;
 use crate::LocalReply;
+
+/// The full gateway's filters in order, each with the example policy (in `policies/`) it runs
+/// with: the plugin's `.wasm` name, the policy file.
+pub const FULL_GATEWAY: [(&str, &str); 4] = [
+    ("sluice_latency_guard", "latency-guard.demo.json"),
+    ("sluice_model_router", "model-router.demo.json"),
+    ("sluice_tenant_budget", "tenant-budget.full.json"),
+    ("sluice_llm_metrics", "llm-metrics.demo.json"),
+];
 
 /// A stream of a [`Chain`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -106,6 +116,26 @@ impl Chain {
             Self { gateways, process, flows: RefCell::default(), by_context: RefCell::default(), next_stream: Cell::new(1), events: RefCell::default() };
         chain.settle()?;
         Ok(chain)
+    }
+
+    /// The full gateway (`envoy/templates/full-gateway.yaml`): [`FULL_GATEWAY`]'s four plugins,
+    /// built by `cargo xtask build`, each with its example policy from `policies/`, in one VM
+    /// group (`vm_id` `sluice`, as the guard's release queue needs), warnings and worse kept.
+    /// Each `.wasm` is compiled once per process.
+    pub fn full_gateway() -> Result<Self> {
+        static PLUGINS: OnceLock<Result<Vec<Plugin>, String>> = OnceLock::new();
+        let plugins = PLUGINS
+            .get_or_init(|| FULL_GATEWAY.iter().map(|(name, _)| Plugin::load(crate::workspace_wasm(name)).map_err(|e| format!("{name}: {e:#}"))).collect())
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
+        let mut filters = Vec::with_capacity(FULL_GATEWAY.len());
+        for (plugin, (name, policy)) in plugins.iter().zip(FULL_GATEWAY) {
+            let path = policies.join(policy);
+            let config = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            filters.push((plugin, PluginSpec::new(config).name(name).root_id(name).vm_id("sluice").keep_logs_from(crate::LogLevel::Warn)));
+        }
+        Self::start(&filters)
     }
 
     /// The filters' VMs, in filter order (for their metrics, logs and shared data).

@@ -6,31 +6,12 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice_host::{workspace_wasm, Chain, ChainEvent, Headers, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_host::{Chain, ChainEvent, Headers, StreamId};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 
-fn policy(name: &str) -> String {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies").join(name);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 fn full_chain() -> Chain {
-    let filters = [
-        ("sluice_latency_guard", policy("latency-guard.demo.json")),
-        ("sluice_model_router", policy("model-router.demo.json")),
-        ("sluice_tenant_budget", policy("tenant-budget.full.json")),
-        ("sluice_llm_metrics", policy("llm-metrics.demo.json")),
-    ];
-    let plugins: Vec<(Plugin, PluginSpec)> = filters
-        .iter()
-        .map(|(name, config)| {
-            let plugin = Plugin::load(workspace_wasm(name)).expect("plugin builds");
-            (plugin, PluginSpec::new(config.as_str()).name(name).root_id(name).vm_id("sluice").keep_logs_from(LogLevel::Warn))
-        })
-        .collect();
-    let refs: Vec<(&Plugin, PluginSpec)> = plugins.iter().map(|(p, s)| (p, s.clone())).collect();
-    Chain::start(&refs).expect("the chain starts")
+    Chain::full_gateway().expect("the chain starts")
 }
 
 fn send(chain: &Chain, tenant: &str, request_id: &str, max_tokens: u64) -> StreamId {
