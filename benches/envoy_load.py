@@ -240,7 +240,7 @@ def main():
                         "LEDGER_PORT": str(ledger_port), "EXTPROC_PORT": str(extproc_port),
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
-                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port)}))
+                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": ""}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

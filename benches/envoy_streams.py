@@ -159,7 +159,7 @@ def main():
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port),
                         "WASM_DIR": args.before if name.endswith("(before)") else str(load.WASM_DIR),
-                        "ACCESS_LOG": "/dev/null"})))
+                        "ACCESS_LOG": "/dev/null", "FLOOR_CONFIG": ""})))
                     envoy = subprocess.Popen([load.ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 700)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -299,7 +299,9 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
     }
     run(Command::new("python3").arg(root.join("benches/envoy_load.py")).args(load).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
     // Real-time streams: each SSE event its own write, many streams at once (benches/envoy_streams.py).
-    run(Command::new("python3").arg(root.join("benches/envoy_streams.py")).args(streams).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
+    run(Command::new("python3").arg(root.join("benches/envoy_streams.py")).args(streams).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
+    // The units the rows above are made of: one hostcall of each kind, and being a wasm filter at all.
+    run(Command::new("python3").arg(root.join("benches/envoy_hostcalls.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
 }
 
 /// The simulator's speed, side by side: the whole Azure conversation trace and a synthetic day of
