@@ -863,46 +863,430 @@ fn responses_carry_rate_headers_for_the_tightest_window_of_each_unit() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 12. Anthropic Messages
+// 12. Every API: reservation, settlement, refusals, a deadline before the first token
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn anthropic_refusals_use_the_anthropic_error_shape() {
-    let gw = gateway(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100}])));
-    let c = Call::start(&gw, &key_headers(messages::PATH, "search-prod"), &messages::request(true));
-    let reply = c.stream.local_reply().expect("refused");
-    assert_eq!((reply.status, reply.headers.get("retry-after")), (429, Some("10")));
-    assert_eq!(reply.headers.get("content-type"), Some("application/json"));
-    assert_eq!(
-        reply_json(&c.stream),
-        json!({"type": "error", "error": {
-            "type": "rate_limit_error",
-            "message": "budget key:search-prod:minute:total_tokens exceeded: 0 used and 0 reserved of 100; resets in 10 s",
-            "sluice_code": "key:search-prod:minute:total_tokens"
-        }})
-    );
-    let c = Call::start(&gw, &key_headers(messages::PATH, "nobody"), &messages::request(true));
-    assert_eq!(c.stream.local_reply().map(|r| r.status), Some(401));
-    assert_eq!(reply_json(&c.stream)["type"], "error");
-    assert_eq!(reply_json(&c.stream)["error"]["type"], "authentication_error");
-    assert_no_crash(&gw);
+/// A policy with a minute tokens budget on the key and a month money budget on the org, and a
+/// price for the legacy completions model too (1.5 in / 2 out USD per million tokens).
+fn every_api_policy() -> Value {
+    let mut p = policy(json!([{"window": "month", "usd": 100}]), json!([]), json!([{"window": "minute", "tokens": 100_000}]));
+    p["prices"].as_array_mut().expect("prices").push(json!({"model": "gpt-3.5-turbo-instruct", "input_usd_per_mtok": 1.5, "output_usd_per_mtok": 2}));
+    p
 }
 
+/// Micro-USD of `input` / `output` tokens at `input_usd` / `output_usd` per million, rounded up
+/// (the prices are exact in micro-USD per token × 10⁶).
+fn cost(input: u64, output: u64, input_usd_x10: u64, output_usd_x10: u64) -> u64 {
+    (input * input_usd_x10 * 100_000 + output * output_usd_x10 * 100_000).div_ceil(1_000_000)
+}
+
+/// `s` as SSE events, each `data:` JSON without its `usage` member and without the events whose
+/// only news is usage (`choices: []`): what a client that did not ask for usage gets.
+fn without_usage_events(events: &[(u64, String)]) -> String {
+    let mut out = String::new();
+    for (_, e) in events {
+        match e.strip_prefix("data: ").and_then(|d| d.strip_suffix("\n\n")).and_then(|d| serde_json::from_str::<Value>(d).ok()) {
+            Some(v) if v["choices"] == json!([]) => {}
+            Some(v) => out += &format!("data: {}\n\n", without_usage(v)),
+            None => out += e,
+        }
+    }
+    out
+}
+
+/// What one admitted request left behind, at admission and once settled.
+#[derive(Debug, PartialEq)]
+struct Settlement {
+    /// The body that went upstream.
+    sent: Value,
+    /// `(used, reserved)` of the key's minute tokens and the org's month money, at admission.
+    admitted: [(u64, u64); 2],
+    /// What the client received.
+    client_body: String,
+    stamp: Value,
+    /// The same counters once settled.
+    settled: [(u64, u64); 2],
+    charged_tokens_total: Option<u64>,
+    charged_micro_usd_total: Option<u64>,
+    overestimate_tokens: Option<Vec<u64>>,
+    remaining_tokens: Option<i64>,
+    remaining_micro_usd: Option<i64>,
+    crashed: Option<String>,
+}
+
+struct UsageCase {
+    name: &'static str,
+    path: &'static str,
+    body: String,
+    /// The body sent upstream, as JSON.
+    sent: Value,
+    content_type: &'static str,
+    answer: Vec<(u64, String)>,
+    /// What the client gets (`None`: the upstream's bytes).
+    client_body: Option<String>,
+    /// The `model_version` label of the charge metrics (the body's model).
+    model_label: &'static str,
+    reserved_output: u64,
+    /// Worst-case and actual money (µUSD), reported input and output tokens.
+    worst_usd: u64,
+    input: u64,
+    output: u64,
+    charged_usd: u64,
+}
+
+impl UsageCase {
+    fn expected(&self) -> Settlement {
+        let b = self.body.len() as u64;
+        let reserved = b + self.reserved_output;
+        let charged = self.input + self.output;
+        assert!(reserved > charged, "{}: the reservation covers the usage", self.name);
+        let answer: String = self.answer.iter().map(|(_, s)| s.as_str()).collect();
+        Settlement {
+            sent: self.sent.clone(),
+            admitted: [(0, reserved), (0, self.worst_usd)],
+            client_body: self.client_body.clone().unwrap_or(answer),
+            stamp: json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "admitted",
+                "reserved_input_tokens": b, "reserved_output_tokens": self.reserved_output, "reserved_tokens": reserved,
+                "reserved_micro_usd": self.worst_usd, "input_tokens": self.input, "output_tokens": self.output,
+                "charged_tokens": charged, "charged_micro_usd": self.charged_usd, "usage": "reported",
+                "status": 200, "outcome": "completed"}),
+            settled: [(charged, 0), (self.charged_usd, 0)],
+            charged_tokens_total: Some(charged),
+            charged_micro_usd_total: Some(self.charged_usd),
+            overestimate_tokens: Some(vec![reserved - charged]),
+            remaining_tokens: Some(100_000 - charged as i64),
+            remaining_micro_usd: Some(100_000_000 - self.charged_usd as i64),
+            crashed: None,
+        }
+    }
+
+    fn play(&self) -> Settlement {
+        let gw = gateway(&every_api_policy());
+        let mut c = Call::start(&gw, &key_headers(self.path, "search-prod"), &self.body);
+        assert_eq!(c.stream.local_reply(), None, "{}: admitted", self.name);
+        let sent = serde_json::from_slice(&c.stream.upstream_request_body()).unwrap_or(Value::Null);
+        let ledger = |gw: &Gateway| [used_reserved(gw, "key", "search-prod", 0), used_reserved(gw, "org", "acme", 0)];
+        let admitted = ledger(&gw);
+        c.response_headers(self.answer[0].0, "200", self.content_type);
+        c.body(&self.answer, Delivery::PerEntry, true);
+        c.end();
+        let metric = |m: &str| gw.counter(&format!("sluice.budget.{m}.key.search-prod.team.search.org.acme.model_version.{}", self.model_label));
+        Settlement {
+            sent,
+            admitted,
+            client_body: String::from_utf8_lossy(&c.downstream_body()).into_owned(),
+            stamp: stamp(&c.stream),
+            settled: ledger(&gw),
+            charged_tokens_total: metric("charged_tokens_total"),
+            charged_micro_usd_total: metric("charged_micro_usd_total"),
+            overestimate_tokens: gw.histogram("sluice.budget.overestimate_tokens.key.search-prod"),
+            remaining_tokens: gw.gauge(&remaining("key", "search-prod", "minute", "total_tokens")),
+            remaining_micro_usd: gw.gauge(&remaining("org", "acme", "month", "micro_usd")),
+            crashed: gw.crashed(),
+        }
+    }
+}
+
+/// `body` (JSON) with the members of `changes` added or replaced, as sent upstream.
+fn body_with(body: &str, changes: Value) -> Value {
+    with(&serde_json::from_str(body).expect("JSON body"), changes)
+}
+
+fn usage_cases() -> Vec<UsageCase> {
+    use common::llm::{completions, responses};
+    let sse = "text/event-stream; charset=utf-8";
+    let whole = "application/json";
+    let gpt4o = |i, o| cost(i, o, 25, 100);
+    let claude = |i, o| cost(i, o, 30, 150);
+    let instruct = |i, o| cost(i, o, 15, 20);
+
+    let chat_stream = chat::request(true, false);
+    let chat_whole = chat_body(false, false, Some(500));
+    // A streamed completions request that did not ask for usage.
+    let cmpl_stream = json!({"model": completions::MODEL, "prompt": "Say this is a test", "max_tokens": 7, "temperature": 0, "stream": true}).to_string();
+    let mut cmpl_events: Vec<(u64, String)> =
+        ["This", " is", " indeed", " a", " test"].iter().enumerate().map(|(i, p)| (90 + 20 * i as u64, completions::text(p, None))).collect();
+    cmpl_events.push((175, completions::text("", Some("length"))));
+    cmpl_events.push((176, completions::usage(5, 5)));
+    cmpl_events.push((177, chat::DONE.to_string()));
+    let cmpl_whole = completions::request(false);
+    let resp_stream = responses::request(true);
+    let resp_whole = responses::request(false);
+    let msg_stream = messages::request(true);
+    let msg_whole = messages::request(false);
+    let len = |s: &String| s.len() as u64;
+    vec![
+        UsageCase {
+            name: "chat, streamed: include_usage asked upstream, hidden from the client",
+            path: chat::PATH,
+            sent: body_with(&chat_stream, json!({"stream_options": {"include_usage": true}, "max_tokens": 4096})),
+            content_type: sse,
+            answer: chat::timeline(true),
+            client_body: Some(String::from_utf8(plain_chat_stream()).expect("UTF-8")),
+            model_label: "gpt-4o",
+            reserved_output: 4096,
+            worst_usd: gpt4o(len(&chat_stream), 4096),
+            input: 19,
+            output: 9,
+            charged_usd: 138, // 19 × 2.5 + 9 × 10 = 137.5
+            body: chat_stream,
+        },
+        UsageCase {
+            name: "chat, whole",
+            path: chat::PATH,
+            sent: serde_json::from_str(&chat_whole).expect("JSON"),
+            content_type: whole,
+            answer: vec![(640, chat::response(19, 9))],
+            client_body: None,
+            model_label: "gpt-4o",
+            reserved_output: 500,
+            worst_usd: gpt4o(len(&chat_whole), 500),
+            input: 19,
+            output: 9,
+            charged_usd: 138,
+            body: chat_whole,
+        },
+        UsageCase {
+            name: "completions, streamed: include_usage asked upstream, hidden from the client",
+            path: completions::PATH,
+            sent: body_with(&cmpl_stream, json!({"stream_options": {"include_usage": true}})),
+            content_type: sse,
+            client_body: Some(without_usage_events(&cmpl_events)),
+            answer: cmpl_events,
+            model_label: "gpt-3_5-turbo-instruct",
+            reserved_output: 7,
+            worst_usd: instruct(len(&cmpl_stream), 7),
+            input: 5,
+            output: 5,
+            charged_usd: 18, // 5 × 1.5 + 5 × 2 = 17.5
+            body: cmpl_stream,
+        },
+        UsageCase {
+            name: "completions, whole",
+            path: completions::PATH,
+            sent: serde_json::from_str(&cmpl_whole).expect("JSON"),
+            content_type: whole,
+            answer: vec![(500, completions::response())],
+            client_body: None,
+            model_label: "gpt-3_5-turbo-instruct",
+            reserved_output: 7,
+            worst_usd: instruct(len(&cmpl_whole), 7),
+            input: 5,
+            output: 7,
+            charged_usd: 22, // 5 × 1.5 + 7 × 2 = 21.5
+            body: cmpl_whole,
+        },
+        UsageCase {
+            name: "responses, streamed: usage in response.completed",
+            path: responses::PATH,
+            sent: body_with(&resp_stream, json!({"max_output_tokens": 4096})),
+            content_type: sse,
+            answer: responses::timeline(),
+            client_body: None,
+            model_label: "gpt-4o",
+            reserved_output: 4096,
+            worst_usd: gpt4o(len(&resp_stream), 4096),
+            input: 1500,
+            output: 6,
+            // No cached price for gpt-4o here: the 1024 cached tokens at the input price.
+            charged_usd: 3810, // 1500 × 2.5 + 6 × 10
+            body: resp_stream,
+        },
+        UsageCase {
+            name: "responses, whole",
+            path: responses::PATH,
+            sent: body_with(&resp_whole, json!({"max_output_tokens": 4096})),
+            content_type: whole,
+            answer: vec![(900, responses::response())],
+            client_body: None,
+            model_label: "gpt-4o",
+            reserved_output: 4096,
+            worst_usd: gpt4o(len(&resp_whole), 4096),
+            input: 1500,
+            output: 6,
+            charged_usd: 3810,
+            body: resp_whole,
+        },
+        UsageCase {
+            name: "messages, streamed: passed untouched, max_tokens 1024 already fits",
+            path: messages::PATH,
+            sent: serde_json::from_str(&msg_stream).expect("JSON"),
+            content_type: sse,
+            answer: messages::timeline(),
+            client_body: None,
+            model_label: "claude-sonnet-4-5",
+            reserved_output: 1024,
+            worst_usd: claude(len(&msg_stream), 1024),
+            input: 1025, // 25 + 1000 cache reads
+            output: 15,
+            charged_usd: 600, // 25 × 3 + 1000 × 0.3 + 15 × 15
+            body: msg_stream,
+        },
+        UsageCase {
+            name: "messages, whole",
+            path: messages::PATH,
+            sent: serde_json::from_str(&msg_whole).expect("JSON"),
+            content_type: whole,
+            answer: vec![(1200, messages::response())],
+            client_body: None,
+            model_label: "claude-sonnet-4-5",
+            reserved_output: 1024,
+            worst_usd: claude(len(&msg_whole), 1024),
+            input: 1025,
+            output: 15,
+            charged_usd: 600,
+            body: msg_whole,
+        },
+    ]
+}
+
+/// Every API, streamed and whole: strict admission reserves the body's bytes plus the output limit
+/// (written into the request when it has none), in tokens and in money; settlement keeps exactly
+/// the reported usage and its price; the client gets what it asked for.
 #[test]
-fn anthropic_streams_pass_untouched_and_are_charged_their_reported_usage() {
-    let gw = gateway(&stream_policy());
-    let body = messages::request(true);
-    let mut c = Call::start(&gw, &key_headers(messages::PATH, "search-prod"), &body);
-    assert_eq!(c.stream.upstream_request_body(), body.as_bytes(), "max_tokens 1024 already fits");
-    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, body.len() as u64 + 1024));
-    c.sse_headers(300);
-    c.body(&messages::timeline(), Delivery::PerEntry, true);
-    c.end();
-    assert_eq!(c.downstream_body(), c.upstream_body);
-    let s = stamp(&c.stream);
-    // 25 + 1000 cache reads in, 15 out.
-    assert_eq!((s["input_tokens"].clone(), s["output_tokens"].clone(), s["usage"].clone()), (json!(1025), json!(15), json!("reported")));
-    assert_no_crash(&gw);
+fn every_api_is_reserved_its_worst_case_and_charged_its_reported_usage() {
+    for case in usage_cases() {
+        assert_eq!(case.play(), case.expected(), "{}", case.name);
+    }
+}
+
+/// The requests of [`usage_cases`] by API: path, a streamed body, the events a stream sends before
+/// its first content token (none for legacy completions), and whether refusals take Anthropic's
+/// error shape.
+/// `(api, path, streamed body, events before the first content token, Anthropic error shape)`.
+type ApiRequest = (&'static str, &'static str, String, Vec<(u64, String)>, bool);
+
+fn every_api() -> Vec<ApiRequest> {
+    use common::llm::{completions, responses};
+    let before_content = |t: Vec<(u64, String)>, first_content_ms: u64| t.into_iter().filter(|(ms, _)| *ms < first_content_ms).collect::<Vec<_>>();
+    vec![
+        ("chat", chat::PATH, chat::request(true, false), vec![(120, chat::role())], false),
+        ("completions", completions::PATH, completions::request(true), vec![], false),
+        ("responses", responses::PATH, responses::request(true), before_content(responses::timeline(), 250), false),
+        // message_start already reports 25 + 1000 input tokens and 1 output token.
+        ("messages", messages::PATH, messages::request(true), before_content(messages::timeline(), 400), true),
+    ]
+}
+
+/// What a refused request left behind.
+#[derive(Debug, PartialEq)]
+struct Refused {
+    status: u32,
+    retry_after: Option<String>,
+    content_type: Option<String>,
+    body: Value,
+    reached_upstream: bool,
+    stamp: Value,
+    rejections: Option<u64>,
+    key_ledger: (u64, u64),
+    /// An unknown key: status, the body with its (free-text) message replaced by `"…"` if it is a
+    /// string, whether headers went upstream, and the count of such refusals.
+    unknown_key: (u32, Value, bool, Option<u64>),
+    crashed: Option<String>,
+}
+
+/// Every API: a request over its key's budget gets 429 in its API's error shape, a request from an
+/// unknown key 401; neither reaches the model.
+#[test]
+fn every_api_refuses_in_its_own_error_shape() {
+    let code = "key:search-prod:minute:total_tokens";
+    let message = "budget key:search-prod:minute:total_tokens exceeded: 0 used and 0 reserved of 100; resets in 10 s";
+    for (api, path, body, _, anthropic) in every_api() {
+        let gw = gateway(&policy(json!([]), json!([]), json!([{"window": "minute", "tokens": 100}])));
+        let c = Call::start(&gw, &key_headers(path, "search-prod"), &body);
+        let reply = c.stream.local_reply().unwrap_or_else(|| panic!("{api}: refused"));
+        let u = Call::start(&gw, &key_headers(path, "nobody"), &body);
+        let unknown = u.stream.local_reply().unwrap_or_else(|| panic!("{api}: unknown key refused"));
+        let mut unknown_body = reply_json(&u.stream);
+        if unknown_body["error"]["message"].is_string() {
+            unknown_body["error"]["message"] = json!("…");
+        }
+        let got = Refused {
+            status: reply.status,
+            retry_after: reply.headers.get("retry-after").map(str::to_owned),
+            content_type: reply.headers.get("content-type").map(str::to_owned),
+            body: reply_json(&c.stream),
+            reached_upstream: !c.stream.upstream_request_body().is_empty(),
+            stamp: stamp(&c.stream),
+            rejections: gw.counter(&rejections("search-prod", code)),
+            key_ledger: used_reserved(&gw, "key", "search-prod", 0),
+            unknown_key: (unknown.status, unknown_body, u.stream.upstream_request_headers().is_some(), gw.counter(&rejections("unknown", "unknown_key"))),
+            crashed: gw.crashed(),
+        };
+        let (body, unknown_body) = if anthropic {
+            (
+                json!({"type": "error", "error": {"type": "rate_limit_error", "message": message, "sluice_code": code}}),
+                json!({"type": "error", "error": {"type": "authentication_error", "message": "…", "sluice_code": "unknown_key"}}),
+            )
+        } else {
+            (
+                json!({"error": {"message": message, "type": "budget_exceeded", "code": code}}),
+                json!({"error": {"message": "…", "type": "authentication_error", "code": "unknown_key"}}),
+            )
+        };
+        let want = Refused {
+            status: 429,
+            retry_after: Some("10".into()),
+            content_type: Some("application/json".into()),
+            body,
+            reached_upstream: false,
+            stamp: json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
+                          "reject_code": code, "status": 429, "outcome": "refused"}),
+            rejections: Some(1),
+            key_ledger: (0, 0),
+            unknown_key: (401, unknown_body, false, Some(1)),
+            crashed: None,
+        };
+        assert_eq!(got, want, "{api}");
+    }
+}
+
+/// What a stream ended by latency-guard's 504 before its first token was charged.
+#[derive(Debug, PartialEq)]
+struct DeadlineCharge {
+    status: Value,
+    outcome: Value,
+    charged_tokens: Value,
+    charged_micro_usd: Value,
+    /// `(used, reserved)` of the key's tokens and the org's money.
+    ledger: [(u64, u64); 2],
+    crashed: Option<String>,
+}
+
+/// Every API: latency-guard answered 504 at the TTFT deadline (it held the upstream's 200 headers)
+/// after the events that come before the first token: the stamp says 504 / `deadline`, nothing is
+/// charged — not even the input an Anthropic `message_start` already reported — and the
+/// reservations are freed.
+#[test]
+fn every_api_ended_by_a_guard_deadline_before_any_token_charges_nothing() {
+    for (api, path, body, before_content, _) in every_api() {
+        let gw = gateway(&every_api_policy());
+        let mut c = Call::start(&gw, &key_headers(path, "search-prod"), &body);
+        assert_ne!(used_reserved(&gw, "key", "search-prod", 0), (0, 0), "{api}: reserved");
+        c.sse_headers(120);
+        c.body(&before_content, Delivery::PerEntry, false);
+        c.at(1000);
+        c.stream.set_property(&["sluice_gateway_reply"], "504 deadline");
+        c.stream.upstream_reset().unwrap();
+        let s = stamp(&c.stream);
+        let got = DeadlineCharge {
+            status: s["status"].clone(),
+            outcome: s["outcome"].clone(),
+            charged_tokens: s["charged_tokens"].clone(),
+            charged_micro_usd: s["charged_micro_usd"].clone(),
+            ledger: [used_reserved(&gw, "key", "search-prod", 0), used_reserved(&gw, "org", "acme", 0)],
+            crashed: gw.crashed(),
+        };
+        let want = DeadlineCharge {
+            status: json!(504),
+            outcome: json!("deadline"),
+            charged_tokens: json!(0),
+            charged_micro_usd: json!(0),
+            ledger: [(0, 0), (0, 0)],
+            crashed: None,
+        };
+        assert_eq!(got, want, "{api}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1145,22 +1529,6 @@ fn two_budgets_of_one_window_have_distinct_gauges_and_codes() {
     let c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(10)));
     assert_eq!(reply_json(&c.stream)["error"]["code"], json!("key:search-prod:day:output_tokens"));
     assert_eq!(gw.counter(&rejections("search-prod", "key:search-prod:day:output_tokens")), Some(1));
-}
-
-/// latency-guard answered 504 at the TTFT deadline (it held the upstream's 200 headers): the budget
-/// stamp says 504 / `deadline`, nothing is charged (no token was produced), and the reservation is
-/// freed.
-#[test]
-fn a_guard_deadline_before_any_token_charges_nothing() {
-    let gw = gateway(&stream_policy());
-    let mut c = partial_stream(&gw, 0);
-    c.at(1000);
-    c.stream.set_property(&["sluice_gateway_reply"], "504 deadline");
-    c.stream.upstream_reset().unwrap();
-    let s = stamp(&c.stream);
-    assert_eq!((s["status"].clone(), s["outcome"].clone(), s["charged_tokens"].clone()), (json!(504), json!("deadline"), json!(0)));
-    assert_eq!(used_reserved(&gw, "key", "search-prod", 0), (0, 0));
-    assert_no_crash(&gw);
 }
 
 /// A stream ended at its total deadline after some tokens: what passed is charged, outcome
