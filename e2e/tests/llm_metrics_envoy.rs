@@ -271,7 +271,14 @@ fn the_bench_envoy_configs_validate() {
             continue;
         }
         let wasm = sluice_e2e::tools::wasm_dir().display().to_string();
-        let vars = [("ADMIN_PORT", "9901"), ("LISTEN_PORT", "10000"), ("UPSTREAM_PORT", "18000"), ("WASM_DIR", wasm.as_str()), ("EXTPROC_PORT", "18100")];
+        let vars = [
+            ("ADMIN_PORT", "9901"),
+            ("LISTEN_PORT", "10000"),
+            ("UPSTREAM_PORT", "18000"),
+            ("WASM_DIR", wasm.as_str()),
+            ("EXTPROC_PORT", "18100"),
+            ("FLOOR_CONFIG", "get_header=1"),
+        ];
         let rendered = render_config(&std::fs::read_to_string(&path).unwrap(), &vars).unwrap();
         let out = dir.join(path.file_name().unwrap());
         std::fs::write(&out, rendered).unwrap();

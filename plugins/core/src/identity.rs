@@ -77,33 +77,7 @@ fn trim_ows(value: &[u8]) -> &[u8] {
 /// header, so an identity read that way would let a second copy — or a client's copy ahead of the
 /// one an auth filter appended — go unseen; callers use this to refuse a repeated identity source.
 pub fn header_occurrences(serialized: &[u8], name: &str) -> Option<usize> {
-    let word = |at: usize| -> Option<usize> {
-        let bytes: [u8; 4] = serialized.get(at..at.checked_add(4)?)?.try_into().ok()?;
-        usize::try_from(u32::from_le_bytes(bytes)).ok()
-    };
-    if serialized.is_empty() {
-        return Some(0);
-    }
-    let entries = word(0)?;
-    let mut sizes_at = 4usize;
-    let mut data_at = entries.checked_mul(8)?.checked_add(4)?;
-    if data_at > serialized.len() {
-        return None;
-    }
-    let mut found = 0usize;
-    for _ in 0..entries {
-        let (name_len, value_len) = (word(sizes_at)?, word(sizes_at.checked_add(4)?)?);
-        sizes_at = sizes_at.checked_add(8)?;
-        let entry_name = serialized.get(data_at..data_at.checked_add(name_len)?)?;
-        if entry_name.eq_ignore_ascii_case(name.as_bytes()) {
-            found = found.saturating_add(1);
-        }
-        data_at = data_at.checked_add(name_len)?.checked_add(1)?.checked_add(value_len)?.checked_add(1)?;
-        if data_at > serialized.len() {
-            return None;
-        }
-    }
-    Some(found)
+    crate::headers::HeaderPairs::parse(serialized.to_vec()).map(|pairs| pairs.count(name))
 }
 
 const PADDING_INDIFFERENT: GeneralPurposeConfig = GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);

@@ -328,15 +328,18 @@ impl HttpContext for Stream {
         let mut sh = shared.borrow_mut();
         // A client never chooses its version or route: whatever it sent is removed, and only the
         // router writes them.
+        // One read of the whole map: the headers to remove are almost always absent (a removal is a
+        // hostcall each), and the path, request id, tenant and authority come from it too.
+        let headers = host::headers(MapType::HttpRequestHeaders);
         let (route_header, version_header) = (sh.policy.route_header().to_string(), sh.policy.version_header().to_string());
         let client_override = sh.policy.override_client_header().map(str::to_string);
-        for name in [Some(route_header.as_str()), Some(version_header.as_str()), client_override.as_deref()].into_iter().flatten() {
-            host::set_header(MapType::HttpRequestHeaders, name, None);
+        let removed = [Some(route_header.as_str()), Some(version_header.as_str()), client_override.as_deref()].into_iter().flatten();
+        for name in removed.chain(CLIENT_FORBIDDEN_HEADERS.iter().copied()) {
+            if headers.contains(name) {
+                host::set_header(MapType::HttpRequestHeaders, name, None);
+            }
         }
-        for name in CLIENT_FORBIDDEN_HEADERS {
-            host::set_header(MapType::HttpRequestHeaders, name, None);
-        }
-        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let path = headers.text(":path").unwrap_or_default();
         let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
         let Some(model) = host::property(&MODEL_METADATA.map(String::from)) else {
             sh.count(&metrics::router_unrouted_total(Unrouted::NoModel));
@@ -348,9 +351,7 @@ impl HttpContext for Stream {
         };
         // Envoy sets x-request-id unless configured not to; without one, a per-stream id keeps
         // sampling and comparisons apart.
-        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id")
-            .filter(|id| !id.is_empty())
-            .unwrap_or_else(|| format!("sluice-{}-{}", host::now_ns(), self.context_id));
+        let request_id = headers.text("x-request-id").filter(|id| !id.is_empty()).unwrap_or_else(|| format!("sluice-{}-{}", host::now_ns(), self.context_id));
         let key = sticky_key(&sh.policy);
         let forced = sh.policy.override_property().and_then(host::property);
         let now = host::now_ns();
@@ -398,12 +399,7 @@ impl HttpContext for Stream {
         host::set_header(MapType::HttpRequestHeaders, &version_header, Some(&decision.version));
         let model_label = sh.policy.model(index).map(|m| sanitize_label(&m.pattern)).unwrap_or_else(|| "unknown".into());
         sh.count(&metrics::router_requests_total(&model_label, &sanitize_label(&decision.version), decision.reason));
-        let tenant = sh
-            .policy
-            .model(index)
-            .and_then(|m| m.shadow.as_ref())
-            .and_then(|s| s.tenant_header.clone())
-            .and_then(|h| host::header(MapType::HttpRequestHeaders, &h));
+        let tenant = sh.policy.model(index).and_then(|m| m.shadow.as_ref()).and_then(|s| s.tenant_header.clone()).and_then(|h| headers.text(&h));
         let shadow = match sh.policy.shadow_sampled(index, request_id.as_bytes(), tenant.as_deref()) {
             ShadowVerdict::Sampled => sh
                 .policy
@@ -425,7 +421,7 @@ impl HttpContext for Stream {
         let routed = Box::new(Routed {
             kind,
             path,
-            authority: host::header(MapType::HttpRequestHeaders, ":authority").unwrap_or_default(),
+            authority: headers.text(":authority").unwrap_or_default(),
             request_id,
             model,
             model_index: index,

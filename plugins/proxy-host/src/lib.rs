@@ -5,6 +5,7 @@
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
+pub use sluice_core::headers::HeaderPairs;
 use std::collections::HashMap;
 use std::time::UNIX_EPOCH;
 
@@ -277,11 +278,12 @@ extern "C" {
     fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
 }
 
-/// How many times header `name` is present in `map` (Envoy's single-value read returns only the
-/// first of a repeated header). `None`, logged at debug, when the host cannot give the map or gives
-/// bytes that are not the ABI's layout. The SDK's `get_map_bytes` panics on an unexpected status and
-/// on a name that is not UTF-8; this reads the raw pairs instead.
-pub fn header_count(map: MapType, name: &str) -> Option<usize> {
+/// The whole header map `map` in one hostcall ([`HeaderPairs`]): a callback that reads several
+/// headers, or removes ones that are usually absent, reads this once instead. Empty, logged at
+/// debug, when the host cannot give the map or gives bytes that are not the ABI's layout. The SDK's
+/// `get_map_bytes` panics on an unexpected status and on a name that is not UTF-8; this reads the
+/// raw pairs instead.
+pub fn headers(map: MapType) -> HeaderPairs {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: a proxy-wasm ABI 0.2.1 import writing a pointer and a size into the two locals; the
@@ -290,18 +292,17 @@ pub fn header_count(map: MapType, name: &str) -> Option<usize> {
     let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
     if status != STATUS_OK {
         log::debug!("proxy_get_header_map_pairs returned status {status}");
-        return None;
+        return HeaderPairs::default();
     }
     if data.is_null() {
-        return Some(0);
+        return HeaderPairs::default();
     }
     // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
     let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
-    let count = sluice_core::identity::header_occurrences(&bytes, name);
-    if count.is_none() {
+    HeaderPairs::parse(bytes).unwrap_or_else(|| {
         log::debug!("the host's header map is not in the ABI's layout ({size} bytes)");
-    }
-    count
+        HeaderPairs::default()
+    })
 }
 
 const STREAM_RESPONSE: u32 = 1;

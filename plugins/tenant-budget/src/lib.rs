@@ -25,7 +25,7 @@ use sluice_core::rewrite::{rewrite_request, UsageChunkStripper};
 use sluice_core::sse::DEFAULT_MAX_EVENT_BYTES;
 use sluice_core::usage::Usage;
 use sluice_proxy_host as host;
-use sluice_proxy_host::SharedData;
+use sluice_proxy_host::{HeaderPairs, SharedData};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
@@ -315,13 +315,15 @@ impl Context for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
-        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        // One read of the map for the path, the identity sources, the version and the encoding.
+        let headers = host::headers(MapType::HttpRequestHeaders);
+        let path = headers.text(":path").unwrap_or_default();
         let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
         let sh = shared.borrow();
         let policy = &sh.policy;
-        let key = identify(policy);
-        let identity = per_identity(policy);
-        let model_version = host::header(MapType::HttpRequestHeaders, &policy.model_version_header);
+        let key = identify(policy, &headers);
+        let identity = per_identity(policy, &headers);
+        let model_version = headers.text(&policy.model_version_header);
         let mut b = Box::new(Budgeted {
             kind,
             key,
@@ -357,8 +359,8 @@ impl HttpContext for Stream {
             b.stamp.insert("team".into(), node.team.clone().into());
             b.stamp.insert("org".into(), node.org.clone().into());
         }
-        if let Some(enc) = host::header(MapType::HttpRequestHeaders, "content-encoding") {
-            if !enc.eq_ignore_ascii_case("identity") {
+        if let Some(enc) = headers.first("content-encoding") {
+            if !enc.eq_ignore_ascii_case(b"identity") {
                 drop(sh);
                 self.state = Some(b);
                 self.reject(415, "invalid_request_error", "encoded_body", "compressed request bodies cannot be budgeted; send identity encoding", None);
@@ -483,9 +485,9 @@ impl HttpContext for Stream {
 
 /// Resolves the request's key from the configured authenticated sources, in order: API key hash,
 /// auth-filter header, JWT claim; falls back to the policy's default key for unknown callers.
-fn identify(policy: &Policy) -> Option<usize> {
+fn identify(policy: &Policy, headers: &HeaderPairs) -> Option<usize> {
     let id = &policy.identity;
-    let found = first_credential(id.api_key, id.header.as_deref(), id.jwt.as_ref(), |credential| match credential {
+    let found = first_credential(headers, id.api_key, id.header.as_deref(), id.jwt.as_ref(), |credential| match credential {
         Credential::ApiKeyHash(hash) => policy.key_by_api_key_hash(&hash),
         Credential::Header(value) | Credential::JwtClaim(value) => policy.key_by_id(&value),
     });
@@ -494,9 +496,9 @@ fn identify(policy: &Policy) -> Option<usize> {
 
 /// The identity `identity_budgets` count by, hashed: the first per-identity source present. `None`
 /// when the policy has none or the request carries none (it then counts as `anonymous`).
-fn per_identity(policy: &Policy) -> Option<String> {
+fn per_identity(policy: &Policy, headers: &HeaderPairs) -> Option<String> {
     let source = policy.identity.per_identity.as_ref()?;
-    first_credential(source.api_key, source.header.as_deref(), source.jwt.as_ref(), |credential| {
+    first_credential(headers, source.api_key, source.header.as_deref(), source.jwt.as_ref(), |credential| {
         Some(identity_hash(&match credential {
             Credential::ApiKeyHash(hash) => format!("api_key:{hash}"),
             Credential::Header(value) if value.is_empty() => return None,
@@ -522,27 +524,26 @@ enum Credential {
 /// A header that is present more than once is no credential (nor is one whose count the host cannot
 /// give): Envoy's single-value read returns only the first copy, so a client's copy ahead of the one
 /// an auth filter appended — or two copies naming two tenants — must not name anyone.
-fn first_credential<T>(api_key: bool, header: Option<&str>, jwt: Option<&JwtConfig>, mut accept: impl FnMut(Credential) -> Option<T>) -> Option<T> {
-    let once = |name: &str| host::header_count(MapType::HttpRequestHeaders, name) == Some(1);
-    let bytes = |name: &str| {
-        if !once(name) {
-            return None;
-        }
-        proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
-    };
+fn first_credential<T>(
+    headers: &HeaderPairs,
+    api_key: bool,
+    header: Option<&str>,
+    jwt: Option<&JwtConfig>,
+    mut accept: impl FnMut(Credential) -> Option<T>,
+) -> Option<T> {
     if api_key {
-        if let Some(key) = api_key_from_headers(bytes("authorization").as_deref(), bytes("x-api-key").as_deref()) {
+        if let Some(key) = api_key_from_headers(headers.single("authorization"), headers.single("x-api-key")) {
             if let Some(found) = accept(Credential::ApiKeyHash(sha256_hex(&key))) {
                 return Some(found);
             }
         }
     }
-    if let Some(value) = header.filter(|h| once(h)).and_then(|h| host::header(MapType::HttpRequestHeaders, h)) {
+    if let Some(value) = header.and_then(|h| headers.single(h)).map(String::from_utf8_lossy) {
         if let Some(found) = accept(Credential::Header(value.trim().to_string())) {
             return Some(found);
         }
     }
-    let claim = jwt.and_then(|j| bytes(&j.header).and_then(|payload| jwt_payload_claim(&payload, &j.claim)))?;
+    let claim = jwt.and_then(|j| headers.single(&j.header).and_then(|payload| jwt_payload_claim(payload, &j.claim)))?;
     accept(Credential::JwtClaim(claim))
 }
 
