@@ -597,52 +597,87 @@ fn a_complete_response_is_never_cut_while_its_log_is_pending() {
     assert_no_crash(&gw);
 }
 
+/// What whole (non-streamed) answers of one API left behind: one at +1500 (past the TTFT deadline,
+/// within the total one), one missing at the total deadline, and the same API streamed.
+#[derive(Debug, PartialEq)]
+struct WholeAnswers {
+    /// The answer at +1500: held?, a reply?, byte-identical, its stamp.
+    in_time: (bool, Option<u32>, bool, Option<Value>),
+    /// The missing answer: a reply at +1999?, then the 504's status, `x-sluice-deadline`, body.
+    missing_at_1999: Option<u32>,
+    missing: (u32, Option<String>, Value),
+    missing_stamp: Option<Value>,
+    /// `deadline_total` for (total, reply_504) and (ttft, reply_504) before the streamed request.
+    replies_504: (Option<u64>, Option<u64>),
+    /// The streamed request: its status at +1000 and the TTFT 504s counted then.
+    streamed: (Option<u32>, Option<u64>),
+    crashed: Option<String>,
+}
+
+/// Every API: a whole answer has no TTFT deadline, only the total one (a 504 in its API's error
+/// shape); the same API streamed has its TTFT deadline.
 #[test]
 fn whole_answers_have_no_ttft_deadline_only_the_total_one() {
-    let gw = gateway(&deadlines());
-    // A whole answer at +1500: past the TTFT deadline, within the total one.
-    let mut x = Req::new(STANDARD, "v1").whole().send(&gw);
-    x.at(1499);
-    x.response_headers(1500, "200", "application/json");
-    assert!(!x.stream.response_paused());
-    x.chunk(1500, chat::response(19, 9).as_bytes(), false, true);
-    assert_eq!(x.local_reply(), None);
-    assert_eq!(x.downstream_body(), x.upstream);
-    x.end();
-    assert_eq!(
-        x.stamp(),
-        Some(json!({"version": "v1", "class": "standard", "priority": "standard",
-        "probe": false, "outcome": "ok", "status": 200, "ttft_ms": null}))
-    );
+    use common::llm::{completions, messages, responses};
+    let message = "sluice latency-guard: the response of model version v1 did not arrive within the total deadline of 2000 ms";
+    let openai = json!({"error": {"message": message, "type": "timeout", "code": "total_deadline_exceeded"}});
+    let cases = [
+        (chat::PATH, chat::request(false, false), chat::response(19, 9), chat::request(true, true), openai.clone()),
+        (completions::PATH, completions::request(false), completions::response(), completions::request(true), openai.clone()),
+        (responses::PATH, responses::request(false), responses::response(), responses::request(true), openai.clone()),
+        (
+            messages::PATH,
+            messages::request(false),
+            messages::response(),
+            messages::request(true),
+            json!({"type": "error", "error": {"type": "timeout_error", "message": message, "sluice_code": "total_deadline_exceeded"}}),
+        ),
+    ];
+    let whole_stamp = |outcome: &str, status: u16| json!({"version": "v1", "class": "standard", "priority": "standard", "probe": false, "outcome": outcome, "status": status, "ttft_ms": null});
+    for (path, whole, answer, streamed, error) in cases {
+        let gw = gateway(&deadlines());
+        let mut x = Req::new(STANDARD, "v1").api(path, whole.clone()).send(&gw);
+        x.at(1499);
+        x.response_headers(1500, "200", "application/json");
+        let held = x.stream.response_paused();
+        x.chunk(1500, answer.as_bytes(), false, true);
+        let reply = x.local_reply().map(|r| r.status);
+        x.end();
+        let in_time = (held, reply, x.downstream_body() == x.upstream, x.stamp());
 
-    // A whole answer still missing at the total deadline: 504 then, not at the TTFT deadline.
-    let mut y = Req::new(STANDARD, "v1").whole().send(&gw);
-    y.at(1999);
-    assert_eq!(y.local_reply(), None);
-    y.at(2000);
-    let reply = y.local_reply().expect("504 at the total deadline");
-    assert_eq!(reply.status, 504);
-    assert_eq!(header(&reply, "x-sluice-deadline").as_deref(), Some("total"));
-    assert_eq!(
-        reply_json(&reply),
-        json!({"error": {
-            "message": "sluice latency-guard: the response of model version v1 did not arrive within the total deadline of 2000 ms",
-            "type": "timeout",
-            "code": "total_deadline_exceeded"
-        }})
-    );
-    y.end();
-    assert_eq!(y.stamp().unwrap()["outcome"], "total");
-    assert_eq!(gw.counter(&deadline_total("v1", "total", "reply_504")), Some(1));
-    assert_eq!(gw.counter(&deadline_total("v1", "ttft", "reply_504")), None);
+        let mut y = Req::new(STANDARD, "v1").api(path, whole).send(&gw);
+        y.at(1999);
+        let missing_at_1999 = y.local_reply().map(|r| r.status);
+        y.at(2000);
+        let reply = y.local_reply().unwrap_or_else(|| panic!("{path}: 504 at the total deadline"));
+        y.end();
+        let replies_504 = (gw.counter(&deadline_total("v1", "total", "reply_504")), gw.counter(&deadline_total("v1", "ttft", "reply_504")));
 
-    // The same request asking for a stream has its TTFT deadline.
-    let mut z = request(&gw, STANDARD, "v1");
-    z.at(1000);
-    assert_eq!(z.local_reply().map(|r| r.status), Some(504));
-    z.end();
-    assert_eq!(gw.counter(&deadline_total("v1", "ttft", "reply_504")), Some(1));
-    assert_no_crash(&gw);
+        let mut z = Req::new(STANDARD, "v1").api(path, streamed).send(&gw);
+        z.at(1000);
+        let streamed = (z.local_reply().map(|r| r.status), gw.counter(&deadline_total("v1", "ttft", "reply_504")));
+        z.end();
+
+        let got = WholeAnswers {
+            in_time,
+            missing_at_1999,
+            missing: (reply.status, header(&reply, "x-sluice-deadline"), reply_json(&reply)),
+            missing_stamp: y.stamp(),
+            replies_504,
+            streamed,
+            crashed: gw.crashed(),
+        };
+        let want = WholeAnswers {
+            in_time: (false, None, true, Some(whole_stamp("ok", 200))),
+            missing_at_1999: None,
+            missing: (504, Some("total".into()), error),
+            missing_stamp: Some(whole_stamp("total", 504)),
+            replies_504: (Some(1), None),
+            streamed: (Some(504), Some(1)),
+            crashed: None,
+        };
+        assert_eq!(got, want, "{path}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
