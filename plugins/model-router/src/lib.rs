@@ -45,6 +45,9 @@ const UNHEALTHY_FOR_NS: u64 = 10_000_000_000;
 /// Shadow results or primaries waiting for their other half; older ones are dropped.
 const MAX_PENDING_COMPARISONS: usize = 1024;
 const SHADOW_TIMEOUT: Duration = Duration::from_secs(300);
+/// How soon a queued shadow request is sent (from the root context: a stream's callouts die with the
+/// stream).
+const SHADOW_TICK: Duration = Duration::from_millis(20);
 const NS_PER_MS: u64 = 1_000_000;
 
 /// One side of a comparison.
@@ -91,9 +94,23 @@ struct Shared {
     in_flight: BTreeMap<u32, InFlightShadow>,
     pending: BTreeMap<String, Pending>,
     pending_order: VecDeque<String>,
+    /// Whether the root's tick runs: only while shadow requests wait to be sent (an idle tick
+    /// every 20 ms cost ≈ 1 % of a core per worker in Envoy, measured with no traffic).
+    tick_armed: bool,
 }
 
 impl Shared {
+    /// Queues a shadow request for the root's next tick, starting the tick if it is stopped.
+    fn queue_shadow(&mut self, job: ShadowJob) {
+        self.jobs.push(job);
+        if !self.tick_armed {
+            match proxy_wasm::hostcalls::set_tick_period(SHADOW_TICK) {
+                Ok(()) => self.tick_armed = true,
+                Err(status) => log::warn!("setting the shadow tick failed: {status:?}"),
+            }
+        }
+    }
+
     fn count(&mut self, name: &str) {
         self.metrics.add(MetricType::Counter, name, 1);
     }
@@ -192,11 +209,6 @@ impl RootContext for Root {
         let Some(bytes) = host::plugin_configuration() else { return false };
         match RoutingPolicy::from_json(&bytes) {
             Ok(policy) => {
-                // Shadow requests are sent from the root context (a stream's callouts die with the
-                // stream), on a short tick.
-                if let Err(status) = proxy_wasm::hostcalls::set_tick_period(Duration::from_millis(20)) {
-                    log::warn!("setting the shadow tick failed: {status:?}");
-                }
                 self.shared = Some(Rc::new(RefCell::new(Shared {
                     policy,
                     metrics: host::Metrics::default(),
@@ -204,6 +216,7 @@ impl RootContext for Root {
                     in_flight: BTreeMap::new(),
                     pending: BTreeMap::new(),
                     pending_order: VecDeque::new(),
+                    tick_armed: false,
                 })));
                 true
             }
@@ -216,7 +229,17 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let Some(shared) = self.shared.clone() else { return };
-        let jobs: Vec<ShadowJob> = std::mem::take(&mut shared.borrow_mut().jobs);
+        let jobs: Vec<ShadowJob> = {
+            let mut sh = shared.borrow_mut();
+            // Every waiting job is sent now: the tick stops until the next one is queued.
+            if sh.tick_armed {
+                match proxy_wasm::hostcalls::set_tick_period(Duration::ZERO) {
+                    Ok(()) => sh.tick_armed = false,
+                    Err(status) => log::debug!("stopping the shadow tick failed: {status:?}"),
+                }
+            }
+            std::mem::take(&mut sh.jobs)
+        };
         for job in jobs {
             let headers: Vec<(&str, &str)> = job.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             let pair = ShadowPair::new(&sanitize_label(&job.primary_version), &sanitize_label(&job.shadow_version));
@@ -292,8 +315,8 @@ fn output_tokens(summary: &ResponseSummary) -> u64 {
 }
 
 /// The sticky key of a request: the first configured source that is present.
-fn sticky_key(policy: &RoutingPolicy) -> Option<Vec<u8>> {
-    let mut header = |name: &str| proxy_wasm::hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten();
+fn sticky_key(policy: &RoutingPolicy, headers: &host::HeaderPairs) -> Option<Vec<u8>> {
+    let mut header = |name: &str| headers.first(name).map(<[u8]>::to_vec);
     let mut property = |path: &[String]| host::property(path).map(String::into_bytes);
     policy.sticky_key(&mut header, &mut property).map(|k| k.bytes)
 }
@@ -352,7 +375,7 @@ impl HttpContext for Stream {
         // Envoy sets x-request-id unless configured not to; without one, a per-stream id keeps
         // sampling and comparisons apart.
         let request_id = headers.text("x-request-id").filter(|id| !id.is_empty()).unwrap_or_else(|| format!("sluice-{}-{}", host::now_ns(), self.context_id));
-        let key = sticky_key(&sh.policy);
+        let key = sticky_key(&sh.policy, &headers);
         let forced = sh.policy.override_property().and_then(host::property);
         let now = host::now_ns();
         let routes: Vec<String> = sh.policy.model(index).map(|m| m.versions.iter().map(|v| v.route.clone()).collect()).unwrap_or_default();
@@ -466,7 +489,7 @@ impl HttpContext for Stream {
                 r.shadow = None;
             } else if let Ok(shadow_body) = shadow_body {
                 let authority = if authority.is_empty() { r.authority.clone() } else { authority };
-                sh.jobs.push(ShadowJob {
+                sh.queue_shadow(ShadowJob {
                     request_id: r.request_id.clone(),
                     cluster,
                     headers: vec![
