@@ -530,40 +530,106 @@ fn compare_metrics(gw: &Gateway) -> Vec<String> {
     metrics_with_prefix(gw, "sluice.router.compare")
 }
 
-#[test]
-fn comparison_when_the_primary_finishes_first() {
-    let gw = gateway(&demo_shadow_all(8));
-    let mut c = Req::new("acme", "cmp-primary-first").chat().call(&gw);
-    let p = routed(&c.stream).version().to_string();
-    primary_stream(&mut c);
-    c.end();
-    assert!(compare_metrics(&gw).is_empty(), "nothing is compared before the shadow answers");
-    c.at(700);
-    let calls = gw.http_calls();
-    assert_eq!(calls.len(), 1);
-    gw.respond_http_call(calls[0].token, HttpReply::status(200).header("content-type", "application/json").body(shadow_answer(&primary_text(), 11, "stop")))
-        .expect("shadow reply");
+/// What the router compared for one shadowed request.
+#[derive(Debug, PartialEq)]
+struct Comparison {
+    /// Before the shadow answered (the primary already ended): every compare metric.
+    before_shadow: Vec<String>,
+    callouts: usize,
+    /// `compare_duration_ms`, `compare_ttft_ms`, `compare_output_tokens`: (primary, shadow).
+    duration_ms: (Option<Vec<u64>>, Option<Vec<u64>>),
+    ttft_ms: (Option<Vec<u64>>, Option<Vec<u64>>),
+    output_tokens: (Option<Vec<u64>>, Option<Vec<u64>>),
+    /// `compare_total` with finish_agree true / false.
+    finish_agree: (Option<u64>, Option<u64>),
+    similarity_per_mille: Option<Vec<u64>>,
+    errors: (Option<u64>, Option<u64>),
+    /// `shadow_total` sent / failed.
+    shadow_sent_failed: (Option<u64>, Option<u64>),
+    /// The comparison log line's members, as `"name":value` pieces of the line that are missing.
+    missing_log_parts: Vec<String>,
+    crashed: Option<String>,
+}
 
-    let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
-    assert_eq!(gw.histogram(&side("compare_duration_ms", "primary")), Some(vec![392]));
-    assert_eq!(gw.histogram(&side("compare_duration_ms", "shadow")), Some(vec![680]), "sent at +20, answered at +700");
-    assert_eq!(gw.histogram(&side("compare_ttft_ms", "primary")), Some(vec![180]));
-    assert_eq!(gw.histogram(&side("compare_ttft_ms", "shadow")), None, "not observable");
-    assert_eq!(gw.histogram(&side("compare_output_tokens", "primary")), Some(vec![9]));
-    assert_eq!(gw.histogram(&side("compare_output_tokens", "shadow")), Some(vec![11]));
-    assert_eq!(gw.counter(&compare_total(&p, true)), Some(1));
-    assert_eq!(gw.counter(&compare_total(&p, false)), None);
-    assert_eq!(gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)), Some(vec![1000]), "identical texts");
-    assert_eq!(gw.counter(&side("compare_errors_total", "primary")), None);
-    assert_eq!(gw.counter(&side("compare_errors_total", "shadow")), None);
-    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "sent")), Some(1));
-    assert_eq!(gw.counter(&shadow_total(&p, SHADOW, "failed")), None);
-    // One log line per comparison, with the request id (its JSON-ness: see the ignored test below).
-    let line = comparison_log_line(&gw);
-    for part in [r#""request_id":"cmp-primary-first""#, r#""duration_ms":[392,680]"#, r#""output_tokens":[9,11]"#, r#""similarity_per_mille":1000"#] {
-        assert!(line.contains(part), "{part} in {line}");
+/// Every API, streamed primary first, then the shadow's whole answer at +700 (sent on the tick at
+/// +20 ms): both sides' duration, the primary's TTFT (the shadow's is not observable), output
+/// tokens, finish agreement, text similarity, and one log line.
+#[test]
+fn comparison_when_the_primary_finishes_first_for_every_api() {
+    use common::llm::{completions, messages, responses};
+    let mut cmpl_stream: Vec<(u64, String)> =
+        ["This", " is", " indeed", " a", " test"].iter().enumerate().map(|(i, p)| (90 + 20 * i as u64, completions::text(p, None))).collect();
+    cmpl_stream.push((175, completions::text("", Some("length"))));
+    cmpl_stream.push((176, completions::usage(5, 5)));
+    cmpl_stream.push((177, chat::DONE.to_string()));
+    // The shadow's completion says what the stream said.
+    let mut cmpl_whole: Value = serde_json::from_str(&completions::response()).expect("JSON");
+    cmpl_whole["choices"][0]["text"] = json!("This is indeed a test");
+    // (path, streamed body, primary stream, shadow answer, primary duration, TTFT, output tokens,
+    //  shadow output tokens, finish reason)
+    let cases = [
+        (chat::PATH, chat::request(true, true), chat::timeline(true), shadow_answer(&primary_text(), 11, "stop"), 392, 180, 9, 11, "stop"),
+        (completions::PATH, completions::request(true), cmpl_stream, cmpl_whole.to_string().into_bytes(), 177, 90, 5, 7, "length"),
+        (responses::PATH, responses::request(true), responses::timeline(), responses::response().into_bytes(), 360, 250, 6, 6, "completed"),
+        (messages::PATH, messages::request(true), messages::timeline(), messages::response().into_bytes(), 531, 400, 15, 15, "end_turn"),
+    ];
+    for (path, body, stream, answer, duration, ttft, output, shadow_output, finish) in cases {
+        let gw = gateway(&demo_shadow_all(8));
+        let id = format!("cmp-primary-first-{}", path.trim_start_matches("/v1/").replace('/', "-"));
+        let mut c = Req::new("acme", &id).api(path, &body).call(&gw);
+        let p = routed(&c.stream).version().to_string();
+        c.sse_headers(stream[0].0);
+        c.body(&stream, Delivery::PerEntry, true);
+        c.end();
+        let before_shadow = compare_metrics(&gw);
+        c.at(700);
+        let calls = gw.http_calls();
+        if let Some(call) = calls.first() {
+            gw.respond_http_call(call.token, HttpReply::status(200).header("content-type", "application/json").body(answer)).expect("shadow reply");
+        }
+        let side = |m: &str, s: &str| compare_side(m, &p, SHADOW, s);
+        let both = |m: &str| (gw.histogram(&side(m, "primary")), gw.histogram(&side(m, "shadow")));
+        let lines: Vec<String> = gw.logs().into_iter().map(|l| l.message).filter(|m| m.starts_with("shadow comparison ")).collect();
+        let parts = [
+            format!(r#""request_id":"{id}""#),
+            format!(r#""duration_ms":[{duration},680]"#),
+            format!(r#""output_tokens":[{output},{shadow_output}]"#),
+            r#""similarity_per_mille":1000"#.to_string(),
+            format!(r#""finish":["{finish}","{finish}"]"#),
+            r#""status":[200,200]"#.to_string(),
+        ];
+        let got = Comparison {
+            before_shadow,
+            callouts: calls.len(),
+            duration_ms: both("compare_duration_ms"),
+            ttft_ms: both("compare_ttft_ms"),
+            output_tokens: both("compare_output_tokens"),
+            finish_agree: (gw.counter(&compare_total(&p, true)), gw.counter(&compare_total(&p, false))),
+            similarity_per_mille: gw.histogram(&compare("compare_similarity_per_mille", &p, SHADOW)),
+            errors: (gw.counter(&side("compare_errors_total", "primary")), gw.counter(&side("compare_errors_total", "shadow"))),
+            shadow_sent_failed: (gw.counter(&shadow_total(&p, SHADOW, "sent")), gw.counter(&shadow_total(&p, SHADOW, "failed"))),
+            missing_log_parts: if lines.len() == 1 {
+                parts.iter().filter(|part| !lines[0].contains(part.as_str())).cloned().collect()
+            } else {
+                vec![format!("one comparison line, not {lines:?}")]
+            },
+            crashed: gw.crashed(),
+        };
+        let want = Comparison {
+            before_shadow: vec![],
+            callouts: 1,
+            duration_ms: (Some(vec![duration]), Some(vec![680])), // sent at +20, answered at +700
+            ttft_ms: (Some(vec![ttft]), None),
+            output_tokens: (Some(vec![output]), Some(vec![shadow_output])),
+            finish_agree: (Some(1), None),
+            similarity_per_mille: Some(vec![1000]), // the same text
+            errors: (None, None),
+            shadow_sent_failed: (Some(1), None),
+            missing_log_parts: vec![],
+            crashed: None,
+        };
+        assert_eq!(got, want, "{path}");
     }
-    assert_no_crash(&gw);
 }
 
 /// The one `shadow comparison {…}` log line.

@@ -113,12 +113,23 @@ pub struct Req {
     pub body: Option<Vec<u8>>,
     /// Size of the pieces the body arrives in (`None`: one piece).
     pub chunk: Option<usize>,
+    /// The request path (an API's endpoint).
+    pub path: String,
 }
 
 impl Req {
     /// A chat request for [`MODEL`] from `tenant`, headers only.
     pub fn new(tenant: &str, request_id: &str) -> Self {
-        Self { model: Some(MODEL.into()), tenant: Some(tenant.into()), request_id: request_id.into(), force: None, extra: Vec::new(), body: None, chunk: None }
+        Self {
+            model: Some(MODEL.into()),
+            tenant: Some(tenant.into()),
+            request_id: request_id.into(),
+            force: None,
+            extra: Vec::new(),
+            body: None,
+            chunk: None,
+            path: chat::PATH.into(),
+        }
     }
     pub fn model(mut self, m: Option<&str>) -> Self {
         self.model = m.map(str::to_string);
@@ -145,6 +156,14 @@ impl Req {
     pub fn chat(self) -> Self {
         self.body(chat_body(MODEL))
     }
+    /// Another API: its `path` and `body`, whose `model` becomes [`MODEL`] (as the client asks for
+    /// the logical model).
+    pub fn api(mut self, path: &str, body: &str) -> Self {
+        let mut v: Value = serde_json::from_str(body).expect("a JSON body");
+        v["model"] = json!(MODEL);
+        path.clone_into(&mut self.path);
+        self.body(v.to_string())
+    }
     pub fn chunked(mut self, size: usize) -> Self {
         self.chunk = Some(size);
         self
@@ -152,7 +171,7 @@ impl Req {
 
     /// The request headers as the client sent them.
     pub fn headers(&self) -> Vec<(String, String)> {
-        let mut h: Vec<(String, String)> = llm::headers(chat::PATH, &[]).into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut h: Vec<(String, String)> = llm::headers(&self.path, &[]).into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         h.push(("x-request-id".into(), self.request_id.clone()));
         if let Some(t) = &self.tenant {
             h.push((TENANT_HEADER.into(), t.clone()));
