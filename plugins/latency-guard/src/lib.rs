@@ -64,7 +64,7 @@ const STAMP_PROPERTY: &str = "sluice_latency";
 /// follows what is due ([`deadline::tick_period_ms`]).
 const IDLE_TICK: Duration = Duration::from_nanos(deadline::IDLE_TICK_NS);
 /// How often each worker looks at open breakers (their way to half-open is time alone).
-const BREAKER_SWEEP_NS: u64 = 100_000_000;
+const BREAKER_SWEEP_NS: u64 = deadline::IDLE_TICK_NS;
 
 struct Shared {
     policy: LatencyPolicy,
@@ -302,13 +302,17 @@ impl HttpContext for Guard {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // The whole body, read at most once per callback (the decision and the ceiling both need it).
+        let mut whole_body: Option<Vec<u8>> = None;
         if self.state.as_ref().is_some_and(|g| !g.decided) {
             // json_to_metadata in front hands over the whole body at once: whether the client asked
             // for a stream is known here, and only streams have a first token before their end.
-            let streaming = end_of_stream
-                .then(|| serde_json::from_slice::<StreamFlag>(&host::body(BufferType::HttpRequestBody, body_size)).ok())
-                .flatten()
-                .map(|f| f.stream.unwrap_or(false));
+            let streaming = if end_of_stream {
+                let body = whole_body.insert(host::body(BufferType::HttpRequestBody, body_size));
+                serde_json::from_slice::<StreamFlag>(body).ok().map(|f| f.stream.unwrap_or(false))
+            } else {
+                None
+            };
             if let Action::Pause = self.decide(streaming) {
                 return Action::Pause;
             }
@@ -320,7 +324,7 @@ impl HttpContext for Guard {
             return Action::Pause;
         }
         g.clamp_to = None;
-        let body = host::body(BufferType::HttpRequestBody, body_size);
+        let body = whole_body.unwrap_or_else(|| host::body(BufferType::HttpRequestBody, body_size));
         match inspect_request_with_kind(g.kind, &body) {
             Ok((kind, info)) => {
                 let target = info.max_output_tokens.map_or(ceiling, |asked| asked.min(ceiling));

@@ -113,9 +113,7 @@ impl Context for Stream {}
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
-        // One read of the map for the path, tenant, encoding and version headers.
-        let headers = host::headers(MapType::HttpRequestHeaders);
-        let path = headers.text(":path").unwrap_or_default();
+        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         let mut sh = shared.borrow_mut();
         if !sh.settings.wants_path(&path) {
             return Action::Continue;
@@ -123,18 +121,18 @@ impl HttpContext for Stream {
         let Some(kind) = ApiKind::from_path(&path) else { return Action::Continue };
         let tenant = match &sh.settings.tenant {
             TenantSource::None => None,
-            TenantSource::Header(name) => headers.text(name),
+            TenantSource::Header(name) => host::header(MapType::HttpRequestHeaders, name),
             TenantSource::Property(path) => host::property(path),
         };
         let tenant_label = match tenant.as_deref().map(str::trim) {
             None | Some("") => "anonymous".to_string(),
             Some(t) => sh.tenants.label(t),
         };
-        let request_skip = match headers.first("content-encoding") {
-            Some(enc) if !enc.eq_ignore_ascii_case(b"identity") => Some(Skip::Encoded),
+        let request_skip = match host::header(MapType::HttpRequestHeaders, "content-encoding") {
+            Some(enc) if !enc.eq_ignore_ascii_case("identity") => Some(Skip::Encoded),
             _ => None,
         };
-        let model_version_header = headers.text(&sh.settings.model_version_header).filter(|v| !v.is_empty());
+        let model_version_header = host::header(MapType::HttpRequestHeaders, &sh.settings.model_version_header).filter(|v| !v.is_empty());
         let mut m = Box::new(Measured {
             kind,
             start_ns: host::now_ns(),

@@ -23,10 +23,12 @@ use crate::timing::StreamTiming;
 /// The tick's shortest period while streams are watched, so a deadline fires at most this late
 /// (Envoy 1.40 delivers a 1 ms tick every 3–4 ms).
 pub const TICK_NS: u64 = 1_000_000;
-/// The tick while nothing is watched: only open breakers need looking at. An idle 1 ms tick cost
-/// ≈ 4 % of a core across a 2-worker Envoy (measured); this one costs nothing measurable. Also the
-/// longest the tick waits while streams are watched.
-pub const IDLE_TICK_NS: u64 = 100_000_000;
+/// The tick while nothing is watched: only open breakers need looking at. Also the longest the
+/// tick waits while streams are watched (deadlines are computed exactly, so only the breakers'
+/// sweep depends on it). Every tick costs Envoy a callback into the VM and the sweep's hostcalls:
+/// an idle 1 ms tick cost ≈ 4 % of a core across a 2-worker Envoy, a 100 ms one ≈ 0.1–0.2 % of a
+/// core per worker (measured with no traffic), so it is one second.
+pub const IDLE_TICK_NS: u64 = 1_000_000_000;
 /// How often a held stream is looked at when nothing may wake the guard at its first token
 /// (llm-metrics finds no release queue, or is an older one): with a release queue this is a
 /// fallback only, so it need not run every millisecond. Without one it is [`TICK_NS`].
