@@ -301,7 +301,9 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
     // Real-time streams: each SSE event its own write, many streams at once (benches/envoy_streams.py).
     run(Command::new("python3").arg(root.join("benches/envoy_streams.py")).args(streams).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
     // The units the rows above are made of: one hostcall of each kind, and being a wasm filter at all.
-    run(Command::new("python3").arg(root.join("benches/envoy_hostcalls.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
+    run(Command::new("python3").arg(root.join("benches/envoy_hostcalls.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
+    // What latency-guard's hold adds to the first token a client sees.
+    run(Command::new("python3").arg(root.join("benches/envoy_hold.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
 }
 
 /// The simulator's speed, side by side: the whole Azure conversation trace and a synthetic day of
