@@ -12,6 +12,10 @@ figure is the median over the rounds, so a slow drift of the machine touches eve
 These are the units sluice's plugins' per-request costs are made of: `cargo run --release -p
 sluice-host --example profile` counts each plugin's callbacks and hostcalls per request.
 
+Then, with no traffic: Envoy's CPU over 10 idle seconds (after a warm-up) with the floor filter
+alone and with a root tick every 20 and every 100 ms that does nothing — what a timer costs a
+worker, divided by the ticks it fired.
+
 Usage: benches/envoy_hostcalls.py [--calls N] [--seconds S] [--rounds R] [--only kind,kind]
 (needs what benches/envoy_load.py needs; `cargo xtask bench` provides it).
 """
@@ -61,6 +65,31 @@ def cpu_per_request(template, floor_config, mock_port, seconds, tmp):
         envoy.wait()
 
 
+IDLE_S = 10
+
+
+def idle_cpu(template, floor_config, mock_port, tmp):
+    """Envoy's CPU share of one core over IDLE_S seconds with no traffic, after a warm-up."""
+    port, admin = load.free_port(), load.free_port()
+    path = Path(tmp) / "envoy.yaml"
+    path.write_text(load.render(template, {
+        "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
+        "WASM_DIR": str(load.WASM_DIR), "FLOOR_CONFIG": floor_config}))
+    envoy = subprocess.Popen([load.ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
+                              "--base-id", str(os.getpid() % 10000 + 950)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        load.wait_port(port)
+        load.wrk(port, 1, 1, 1, tmp)
+        time.sleep(1)
+        before = load.cpu_seconds(envoy.pid)
+        time.sleep(IDLE_S)
+        return (load.cpu_seconds(envoy.pid) - before) / IDLE_S
+    finally:
+        envoy.terminate()
+        envoy.wait()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=32, help="hostcalls of the kind per request")
@@ -73,6 +102,8 @@ def main():
     floor = (ROOT / "envoy/bench/floor.yaml").read_text()
     runs = [("no filter", none, ""), ("floor", floor, "")] + [(k, floor, f"{k}={args.calls}") for k in kinds]
     figures = {}
+    idle = {}
+    ticks = [("floor, no tick", ""), ("tick every 100 ms", "tick=100"), ("tick every 20 ms", "tick=20")]
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = load.free_port()
         mock = subprocess.Popen([str(load.MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
@@ -82,6 +113,8 @@ def main():
                 for name, template, config in runs:
                     figures.setdefault(name, []).append(cpu_per_request(template, config, mock_port, args.seconds, tmp))
                     time.sleep(0.2)
+                for name, config in ticks:
+                    idle.setdefault(name, []).append(idle_cpu(floor, config, mock_port, tmp))
         finally:
             mock.terminate()
             mock.wait()
@@ -94,6 +127,13 @@ def main():
         per_call = (cpu[kind] - cpu["floor"]) / args.calls
         print(f"{kind:<14} {cpu[kind]:>17.1f} {per_call:>12.3f}   {WHAT[kind]} (×{args.calls} per request)")
     print(f"\n{args.rounds} round(s) of {args.seconds} s, medians; Envoy --concurrency 1, 1-token streams, 16 connections.")
+    base = load.median(idle["floor, no tick"])
+    print(f"\n{'idle, no traffic':<20} {'% of a core':>12} {'µs per tick':>12}")
+    for (name, config), per_s in zip(ticks, (1, 10, 50)):
+        share = load.median(idle[name])
+        per_tick = "" if not config else f"{(share - base) * 1e6 / per_s:.1f}"
+        print(f"{name:<20} {share * 100:>11.2f} % {per_tick:>12}")
+    print(f"({IDLE_S} idle s after a warm-up, medians of {args.rounds}; /proc counts CPU in 10 ms ticks: ± 0.1 % of a core)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 //! Its plugin configuration may also ask for extra hostcalls of one kind per request
 //! (`get_header=32`, `set_property=32`, …; see [`Kind`]): `benches/envoy_hostcalls.py` runs one
 //! configuration per kind and divides the added CPU by the count, which gives what one hostcall of
-//! each kind costs Envoy — the unit the plugins' own costs are made of.
+//! each kind costs Envoy — the unit the plugins' own costs are made of. `tick=N` instead sets a
+//! root tick every N ms that does nothing: what a timer costs an idle worker.
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -90,6 +91,13 @@ impl RootContext for Root {
             log::error!("floor: configuration is `kind=count`, got {text:?}");
             return false;
         };
+        if name.trim() == "tick" {
+            let Ok(period_ms) = count.trim().parse::<u64>() else {
+                log::error!("floor: tick period in {text:?} is not a number of ms");
+                return false;
+            };
+            return hostcalls::set_tick_period(std::time::Duration::from_millis(period_ms)).is_ok();
+        }
         let (Some(kind), Ok(count)) = (Kind::parse(name.trim()), count.trim().parse::<u32>()) else {
             log::error!("floor: unknown kind or count in {text:?}");
             return false;
