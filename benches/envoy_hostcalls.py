@@ -21,6 +21,7 @@ Usage: benches/envoy_hostcalls.py [--calls N] [--seconds S] [--rounds R] [--only
 """
 
 import argparse
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -45,7 +46,10 @@ WHAT = {
 }
 
 
-def cpu_per_request(template, floor_config, mock_port, seconds, tmp):
+@contextlib.contextmanager
+def warm_envoy(template, floor_config, mock_port, tmp):
+    """One Envoy (`--concurrency 1`) with `template` rendered for the floor filter, warmed up
+    (connections, VM, JIT); yields its pid and port, stops it afterwards."""
     port, admin = load.free_port(), load.free_port()
     path = Path(tmp) / "envoy.yaml"
     path.write_text(load.render(template, {
@@ -56,13 +60,18 @@ def cpu_per_request(template, floor_config, mock_port, seconds, tmp):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         load.wait_port(port)
-        load.wrk(port, 1, 1, 1, tmp)  # warm-up: connections, VM, JIT
-        before = load.cpu_seconds(envoy.pid)
-        _, _, total = load.wrk(port, 1, 16, seconds, tmp)
-        return (load.cpu_seconds(envoy.pid) - before) * 1e6 / max(total, 1)
+        load.wrk(port, 1, 1, 1, tmp)
+        yield envoy.pid, port
     finally:
         envoy.terminate()
         envoy.wait()
+
+
+def cpu_per_request(template, floor_config, mock_port, seconds, tmp):
+    with warm_envoy(template, floor_config, mock_port, tmp) as (pid, port):
+        before = load.cpu_seconds(pid)
+        _, _, total = load.wrk(port, 1, 16, seconds, tmp)
+        return (load.cpu_seconds(pid) - before) * 1e6 / max(total, 1)
 
 
 IDLE_S = 10
@@ -70,24 +79,11 @@ IDLE_S = 10
 
 def idle_cpu(template, floor_config, mock_port, tmp):
     """Envoy's CPU share of one core over IDLE_S seconds with no traffic, after a warm-up."""
-    port, admin = load.free_port(), load.free_port()
-    path = Path(tmp) / "envoy.yaml"
-    path.write_text(load.render(template, {
-        "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
-        "WASM_DIR": str(load.WASM_DIR), "FLOOR_CONFIG": floor_config}))
-    envoy = subprocess.Popen([load.ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
-                              "--base-id", str(os.getpid() % 10000 + 950)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        load.wait_port(port)
-        load.wrk(port, 1, 1, 1, tmp)
+    with warm_envoy(template, floor_config, mock_port, tmp) as (pid, _):
         time.sleep(1)
-        before = load.cpu_seconds(envoy.pid)
+        before = load.cpu_seconds(pid)
         time.sleep(IDLE_S)
-        return (load.cpu_seconds(envoy.pid) - before) / IDLE_S
-    finally:
-        envoy.terminate()
-        envoy.wait()
+        return (load.cpu_seconds(pid) - before) / IDLE_S
 
 
 def main():
