@@ -32,6 +32,7 @@
 pub mod api;
 pub mod budget;
 pub mod contract;
+pub mod flow;
 pub mod headers;
 pub mod identity;
 pub mod latency;

@@ -339,3 +339,94 @@ pub fn reset_stream() -> bool {
     }
     status == STATUS_OK
 }
+
+/// The flows' [`View`](sluice_core::flow::View) of the live stream: one hostcall per read.
+pub struct LiveView;
+
+impl sluice_core::flow::View for LiveView {
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        header(MapType::HttpRequestHeaders, name)
+    }
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        header(MapType::HttpResponseHeaders, name)
+    }
+    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> Vec<u8> {
+        body(body_buffer(dir), size)
+    }
+    fn property(&mut self, path: &[String]) -> Option<String> {
+        property(path)
+    }
+    fn gateway_reply(&mut self) -> Option<sluice_core::contract::GatewayReply> {
+        gateway_reply()
+    }
+    fn unended_outcome(&mut self) -> sluice_core::report::Outcome {
+        interrupted_outcome()
+    }
+}
+
+fn body_buffer(dir: sluice_core::flow::Dir) -> BufferType {
+    match dir {
+        sluice_core::flow::Dir::Request => BufferType::HttpRequestBody,
+        sluice_core::flow::Dir::Response => BufferType::HttpResponseBody,
+    }
+}
+
+fn header_map(dir: sluice_core::flow::Dir) -> MapType {
+    match dir {
+        sluice_core::flow::Dir::Request => MapType::HttpRequestHeaders,
+        sluice_core::flow::Dir::Response => MapType::HttpResponseHeaders,
+    }
+}
+
+/// Applies a flow's effects to the live stream, in order, and empties the list. `body_size` is the
+/// size of the current body chunk (0 outside body callbacks).
+pub fn apply(effects: &mut sluice_core::flow::Effects, metrics: &mut Metrics, body_size: usize) {
+    use sluice_core::flow::{Effect, LogLevel};
+    for effect in effects.drain() {
+        match effect {
+            Effect::Count { name, delta } => metrics.add(MetricType::Counter, &name, delta),
+            Effect::GaugeAdd { name, delta } => metrics.add(MetricType::Gauge, &name, delta),
+            Effect::GaugeSet { name, value } => metrics.set_gauge(&name, value),
+            Effect::Record { name, value } => metrics.record(&name, value),
+            Effect::SetState { key, value } => set_property(&key, &value),
+            Effect::SetHeader { dir, name, value } => set_header(header_map(dir), &name, value.as_deref()),
+            Effect::ReplaceBody { dir, bytes } => replace_body(body_buffer(dir), body_size, &bytes),
+            Effect::AppendBody { dir, bytes } => match dir {
+                sluice_core::flow::Dir::Response => append_response_body(body_size, &bytes),
+                sluice_core::flow::Dir::Request => {
+                    if let Err(status) = hostcalls::set_buffer(BufferType::HttpRequestBody, body_size, 0, &bytes) {
+                        log::warn!("appending to the request body failed: {status:?}");
+                    }
+                }
+            },
+            Effect::MarkReply(reply) => mark_gateway_reply(reply),
+            Effect::LocalReply { status, headers, body } => {
+                let pairs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                local_reply(status, &pairs, &body);
+            }
+            Effect::WakeGuard => wake_guard(),
+            Effect::Log { level, message } => match level {
+                LogLevel::Debug => log::debug!("{message}"),
+                LogLevel::Info => log::info!("{message}"),
+                LogLevel::Warn => log::warn!("{message}"),
+                LogLevel::Error => log::error!("{message}"),
+            },
+        }
+    }
+}
+
+/// Wakes latency-guard when it holds this stream (its release address is in filter state);
+/// otherwise it notices at its next tick, milliseconds later.
+fn wake_guard() {
+    use sluice_core::contract::{ReleaseAddress, RELEASE_PROPERTY};
+    let Some(release) = property(&[RELEASE_PROPERTY.to_string()]) else { return };
+    let Some(ReleaseAddress { stream, queue, vm_id }) = ReleaseAddress::decode(&release) else { return };
+    match hostcalls::resolve_shared_queue(vm_id, queue) {
+        Ok(Some(queue_id)) => {
+            if let Err(status) = hostcalls::enqueue_shared_queue(queue_id, Some(stream.as_bytes())) {
+                log::debug!("waking latency-guard failed: {status:?}");
+            }
+        }
+        Ok(None) | Err(_) => log::debug!("latency-guard's release queue {queue} not found"),
+    }
+}

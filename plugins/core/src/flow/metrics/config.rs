@@ -1,8 +1,8 @@
 //! The plugin's JSON configuration (Envoy `configuration` / Istio `pluginConfig`): parsed and
 //! validated once at configure time into [`Settings`], shared by every stream of the VM.
 
+use crate::price::{PriceEntry, PriceTable};
 use serde::Deserialize;
-use sluice_core::price::{PriceEntry, PriceTable};
 
 /// Configuration as written by the operator. Unknown fields are refused so a typo is an error, not
 /// a silently ignored knob. See docs/configuration.md and policies/llm-metrics.schema.json.
@@ -120,7 +120,7 @@ impl Settings {
     /// Parses and validates; an empty configuration means all defaults.
     pub fn parse(bytes: &[u8]) -> Result<Settings, ConfigError> {
         let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
-        let config: Config = sluice_core::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
+        let config: Config = crate::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
         Settings::validate(config)
     }
 
@@ -236,7 +236,7 @@ mod shipped_examples {
     /// The example shipped in policies/ (used by the demo gateway) must be accepted as is.
     #[test]
     fn demo_policy_is_valid() {
-        let s = Settings::parse(include_bytes!("../../../policies/llm-metrics.demo.json")).unwrap();
+        let s = Settings::parse(include_bytes!("../../../../../policies/llm-metrics.demo.json")).unwrap();
         assert_eq!(s.tenant, TenantSource::Header("x-sluice-tenant".into()));
         assert_eq!(s.prices.len(), 4);
     }

@@ -1,0 +1,164 @@
+//! Flows: each policy's request life as a state machine in core.
+//!
+//! A flow has a phase enum (no flags) and one method per event the host delivers — request
+//! headers, a request body chunk, response headers, a response body chunk, trailers, a tick, a
+//! callout's answer, the end. Each method takes the host time, reads what it needs through a
+//! [`View`] (headers, the current body chunk, properties — lazily, so a host pays only for what
+//! is read), and pushes [`Effect`]s for the host to apply in order. Nothing here calls a host.
+//!
+//! Hosts only read, call and apply: the proxy-wasm adapters, the harness, the simulator and the
+//! playground drive the same flows, so a rule lives in exactly one place and is tested natively
+//! (each flow's tests assert exact effect lists).
+
+pub mod metrics;
+
+use crate::contract::GatewayReply;
+use crate::report::Outcome;
+
+/// Which side of the exchange a header map or body belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    Request,
+    Response,
+}
+
+/// What a flow may read from the host. A proxy-wasm host answers with a hostcall per read (or
+/// from a snapshot it already took); tests answer from maps ([`FixedView`]).
+pub trait View {
+    fn request_header(&mut self, name: &str) -> Option<String>;
+    fn response_header(&mut self, name: &str) -> Option<String>;
+    /// The first `size` bytes of the current body chunk of `dir` (the host announced the size).
+    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8>;
+    /// A host property (filter state, request attributes), as text.
+    fn property(&mut self, path: &[String]) -> Option<String>;
+    /// The reply the gateway itself gave this request, if a sluice policy recorded one.
+    fn gateway_reply(&mut self) -> Option<GatewayReply>;
+    /// How a request that never saw its last response chunk ended (Envoy's response code details
+    /// and flags, [`Outcome::of_unended`]).
+    fn unended_outcome(&mut self) -> Outcome;
+}
+
+/// Log levels of [`Effect::Log`] (core has no logger).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// What a host does on a flow's behalf, in the order pushed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Add `delta` to a counter (a zero only defines it, so the series exists from the start).
+    Count { name: String, delta: i64 },
+    /// Add `delta` to a gauge.
+    GaugeAdd { name: String, delta: i64 },
+    /// Set a gauge.
+    GaugeSet { name: String, value: u64 },
+    /// Record a histogram sample.
+    Record { name: String, value: u64 },
+    /// Write filter state `key` (stamps for the access log, hand-offs between filters).
+    SetState { key: String, value: Vec<u8> },
+    /// Set (`Some`) or remove (`None`) a header of `dir`.
+    SetHeader { dir: Dir, name: String, value: Option<String> },
+    /// Replace the current body chunk of `dir`.
+    ReplaceBody { dir: Dir, bytes: Vec<u8> },
+    /// Append to the current body chunk of `dir`.
+    AppendBody { dir: Dir, bytes: Vec<u8> },
+    /// Record the reply the gateway gives or the end it imposes, for every policy's report.
+    MarkReply(GatewayReply),
+    /// Answer the client from the gateway; the request goes no further upstream.
+    LocalReply { status: u32, headers: Vec<(String, String)>, body: Vec<u8> },
+    /// The first content token was marked: wake the latency guard holding this stream's response.
+    WakeGuard,
+    /// Log a line.
+    Log { level: LogLevel, message: String },
+}
+
+/// What the host returns to the proxy for a header or body event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verdict {
+    #[default]
+    Continue,
+    Pause,
+}
+
+/// The effects of one event, in order. A host keeps one and clears it after applying, so the hot
+/// path allocates no list per event.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Effects(pub Vec<Effect>);
+
+impl Effects {
+    pub fn push(&mut self, effect: Effect) {
+        self.0.push(effect);
+    }
+
+    pub fn count(&mut self, name: impl Into<String>, delta: i64) {
+        self.0.push(Effect::Count { name: name.into(), delta });
+    }
+
+    pub fn log(&mut self, level: LogLevel, message: impl Into<String>) {
+        self.0.push(Effect::Log { level, message: message.into() });
+    }
+
+    pub fn set_state(&mut self, key: &str, value: impl Into<Vec<u8>>) {
+        self.0.push(Effect::SetState { key: key.to_string(), value: value.into() });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// Takes the effects out, leaving the list empty (its capacity stays with the caller's copy).
+    pub fn drain(&mut self) -> std::vec::Drain<'_, Effect> {
+        self.0.drain(..)
+    }
+}
+
+/// A [`View`] over fixed values, for native tests and the hosts that hold a request in memory.
+#[derive(Debug, Default, Clone)]
+pub struct FixedView {
+    pub request_headers: Vec<(String, String)>,
+    pub response_headers: Vec<(String, String)>,
+    pub request_body: Vec<u8>,
+    pub response_body: Vec<u8>,
+    pub properties: Vec<(Vec<String>, String)>,
+    pub gateway_reply: Option<GatewayReply>,
+    pub unended: Outcome,
+}
+
+impl FixedView {
+    fn find(pairs: &[(String, String)], name: &str) -> Option<String> {
+        pairs.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
+    }
+}
+
+impl View for FixedView {
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        Self::find(&self.request_headers, name)
+    }
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        Self::find(&self.response_headers, name)
+    }
+    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8> {
+        let body = match dir {
+            Dir::Request => &self.request_body,
+            Dir::Response => &self.response_body,
+        };
+        body.get(..size.min(body.len())).unwrap_or_default().to_vec()
+    }
+    fn property(&mut self, path: &[String]) -> Option<String> {
+        self.properties.iter().find(|(p, _)| p.as_slice() == path).map(|(_, v)| v.clone())
+    }
+    fn gateway_reply(&mut self) -> Option<GatewayReply> {
+        self.gateway_reply
+    }
+    fn unended_outcome(&mut self) -> Outcome {
+        self.unended
+    }
+}
