@@ -138,7 +138,7 @@ def main():
         ("full chain", full),
     ]
     if args.before:
-        configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "sluice_llm_metrics" in t else [])]
+        configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "{{WASM_DIR}}/sluice" in t else [])]
     budget = load.yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
     policies = {
         "PLUGIN_CONFIG": load.yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text()),

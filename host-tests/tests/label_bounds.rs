@@ -957,7 +957,7 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
 /// `anonymous`, finish only the documented reasons, `none` and `other`.
 #[test]
 fn llm_metrics_labels_stay_bounded_whatever_clients_and_upstreams_send() {
-    let gw = Gateway::start(&common::llm::plugin(), PluginSpec::new(llm_config())).expect("llm-metrics starts");
+    let gw = Gateway::start(&common::llm::plugin(), common::llm::spec(&llm_config())).expect("llm-metrics starts");
     let result = run(&gw, |i| {
         let tr = traffic(i);
         let mut s = send(&gw, &tr);

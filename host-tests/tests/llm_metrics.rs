@@ -9,7 +9,7 @@ mod common;
 
 use common::llm::{chat, completions, config_with, gateway, gateway_with, headers, messages, plugin, responses, Call, Delivery, Labels, ACME_V2, CONFIG};
 use serde_json::{json, Value};
-use sluice_host::{Gateway, PluginSpec};
+use sluice_host::Gateway;
 
 // ---------------------------------------------------------------------------------------------
 // Reading back what one request recorded
@@ -1109,7 +1109,7 @@ fn configuration_errors_are_refused_at_load_with_precise_messages() {
         ("{not json", "configuration is not valid JSON"),
     ];
     for (config, message) in cases {
-        let error = match Gateway::start(&plugin(), PluginSpec::new(config)) {
+        let error = match Gateway::start(&plugin(), common::llm::spec(config)) {
             Ok(_) => panic!("accepted {config}"),
             Err(e) => format!("{e:#}"),
         };
@@ -1117,8 +1117,8 @@ fn configuration_errors_are_refused_at_load_with_precise_messages() {
         assert!(error.contains(message), "{config}: expected {message:?} in: {error}");
     }
     // The shipped configuration and an empty one load.
-    assert!(Gateway::start(&plugin(), PluginSpec::new(CONFIG)).is_ok());
-    assert!(Gateway::start(&plugin(), PluginSpec::new("")).is_ok());
+    assert!(Gateway::start(&plugin(), common::llm::spec(CONFIG)).is_ok());
+    assert!(Gateway::start(&plugin(), common::llm::spec("")).is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -262,6 +262,16 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
     run(&mut tests)?;
+    // The llm-metrics harness suite again, against sluice.wasm with the same configuration as its
+    // `llm_metrics` section (host-tests/tests/common/llm.rs): one engine, two builds, one behaviour.
+    if extra.is_empty() {
+        let mut one_filter = cargo();
+        one_filter.current_dir(root).args(["test", "--package", "sluice-host"]);
+        for suite in ["llm_metrics", "llm_metrics_headers_only", "llm_metrics_trailers", "label_bounds"] {
+            one_filter.args(["--test", suite]);
+        }
+        run(one_filter.env("SLUICE_HARNESS_BUILD", "sluice"))?;
+    }
     // Every fuzz target for a few seconds (docs/fuzzing.md); the long runs are `cargo xtask fuzz`.
     fuzz::smoke(root)?;
     Ok(())

@@ -268,13 +268,11 @@ pub fn render_template(template: &str, vars: &[(&str, &str)], policies: &[(&str,
     let mut out = String::with_capacity(template.len() + policies.iter().map(|(_, p)| p.len() * 2).sum::<usize>());
     let mut missing: Vec<String> = Vec::new();
     for line in template.split_inclusive('\n') {
-        if let Some((indent, name)) = block_value_line(line) {
-            if let Some((_, json)) = policies.iter().find(|(n, _)| *n == name) {
-                out.push_str(indent);
-                out.push_str("value: |\n");
-                push_block(&mut out, &format!("{indent}  "), json);
-                continue;
-            }
+        if let Some((indent, text)) = block_value_line(line, policies) {
+            out.push_str(&indent);
+            out.push_str("value: |\n");
+            push_block(&mut out, &format!("{indent}  "), &text);
+            continue;
         }
         let mut rest = line;
         while let Some((before, name, after)) = next_placeholder(rest) {
@@ -316,13 +314,40 @@ fn next_placeholder(text: &str) -> Option<(&str, &str, &str)> {
     }
 }
 
-/// `(indent, NAME)` when `line` is exactly `<indent>value: "{{NAME}}"` (trailing spaces allowed).
-fn block_value_line(line: &str) -> Option<(&str, &str)> {
+/// `(indent, text)` when `line` is exactly `<indent>value: "X"` (trailing spaces allowed) and every
+/// placeholder in `X` — at least one — is a policy: `text` is `X` read as YAML reads the string
+/// (`\"` and `\\` are the only escapes allowed here), each placeholder replaced by its policy
+/// verbatim. `value: "{{NAME}}"` is the policy alone; `value: "{\"llm_metrics\": {{NAME}}}"` wraps it
+/// in a section of the one filter's configuration.
+fn block_value_line(line: &str, policies: &[(&str, &str)]) -> Option<(String, String)> {
     let line = line.trim_end();
     let body = line.trim_start_matches(' ');
     let indent = line.get(..line.len() - body.len())?;
-    let name = body.strip_prefix("value: \"{{")?.strip_suffix("}}\"")?;
-    (!name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')).then_some((indent, name))
+    let quoted = body.strip_prefix("value: \"")?.strip_suffix('"')?;
+    let mut unescaped = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next()? {
+                e @ ('"' | '\\') => unescaped.push(e),
+                _ => return None,
+            },
+            '"' => return None,
+            c => unescaped.push(c),
+        }
+    }
+    let mut text = String::with_capacity(unescaped.len() + policies.iter().map(|(_, p)| p.len()).sum::<usize>());
+    let mut rest = unescaped.as_str();
+    let mut any = false;
+    while let Some((before, name, after)) = next_placeholder(rest) {
+        let (_, json) = policies.iter().find(|(n, _)| *n == name)?;
+        text.push_str(before);
+        text.push_str(json.trim());
+        rest = after;
+        any = true;
+    }
+    text.push_str(rest);
+    any.then(|| (indent.to_string(), text))
 }
 
 /// `text` as the lines of a literal block scalar indented by `indent`. YAML takes the block's
@@ -378,6 +403,16 @@ mod tests {
         let json = "\n{\n  \"a\": \"q\\\"uote\",\n\n  \"b\": [1]\n}\n";
         let out = render_template(t, &[], &[("P", json)]).unwrap();
         assert_eq!(out, "    configuration:\n      value: |\n        {\n          \"a\": \"q\\\"uote\",\n\n          \"b\": [1]\n        }\n    next: 1\n");
+    }
+
+    #[test]
+    fn a_value_line_of_sections_becomes_one_block_with_each_policy_in_place() {
+        let t = "      value: \"{\\\"llm_metrics\\\": {{P}}, \\\"model_router\\\": {{R}}}\"\n";
+        let out = render_template(t, &[], &[("P", "{\n  \"a\": 1\n}\n"), ("R", "{}")]).unwrap();
+        assert_eq!(out, "      value: |\n        {\"llm_metrics\": {\n          \"a\": 1\n        }, \"model_router\": {}}\n");
+        // A var among the placeholders (the tests' raw text) keeps the line a quoted string.
+        let out = render_template(t, &[("P", "{}")], &[("R", "{}")]).unwrap();
+        assert_eq!(out, "      value: \"{\\\"llm_metrics\\\": {}, \\\"model_router\\\": {}}\"\n");
     }
 
     #[test]

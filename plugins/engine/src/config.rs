@@ -23,6 +23,9 @@ pub enum ConfigError {
     Empty,
     #[error("{section}: this policy is not run by sluice.wasm yet; configure {filter} for it")]
     NotYet { section: String, filter: &'static str },
+    /// A single-policy build's own configuration error, as that policy words it.
+    #[error("{0}")]
+    Policy(String),
     #[error("{section}.{problem}")]
     Section { section: &'static str, problem: String },
 }
@@ -63,7 +66,7 @@ impl Sections {
     /// A configuration that is llm-metrics' alone, unwrapped (`sluice_llm_metrics.wasm`): an empty
     /// one means all defaults, as it always has.
     pub fn llm_metrics_only(bytes: &[u8]) -> Result<Sections, ConfigError> {
-        let settings = MetricsSettings::parse(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let settings = MetricsSettings::parse(bytes).map_err(|e| ConfigError::Policy(e.to_string()))?;
         Ok(Sections { llm_metrics: Some(MetricsPolicy::new(settings)) })
     }
 
