@@ -146,7 +146,7 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        metrics_event!(self, 0, false, |flow, policy, fx| flow.on_response_headers(policy, &mut host::LiveView, end_of_stream, host::now_ns(), fx));
+        metrics_event!(self, 0, false, |flow, policy, fx| flow.on_response_headers(policy, &mut host::LiveView, end_of_stream, fx));
         Action::Continue
     }
 
@@ -168,6 +168,6 @@ impl HttpContext for Stream {
     }
 
     fn on_log(&mut self) {
-        metrics_event!(self, 0, false, |flow, policy, fx| flow.on_log(policy, &mut host::LiveView, host::now_ns(), fx));
+        metrics_event!(self, 0, false, |flow, policy, fx| flow.on_log(policy, &mut host::LiveView, fx));
     }
 }

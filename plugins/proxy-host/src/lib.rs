@@ -344,6 +344,9 @@ pub fn reset_stream() -> bool {
 pub struct LiveView;
 
 impl sluice_core::flow::View for LiveView {
+    fn now(&mut self) -> u64 {
+        now_ns()
+    }
     fn request_header(&mut self, name: &str) -> Option<String> {
         header(MapType::HttpRequestHeaders, name)
     }

@@ -25,6 +25,10 @@ pub enum Dir {
 /// What a flow may read from the host. A proxy-wasm host answers with a hostcall per read (or
 /// from a snapshot it already took); tests answer from maps ([`FixedView`]).
 pub trait View {
+    /// Host time, ns. Events that always need it take it as an argument; this is for the ones
+    /// that need it only sometimes (a response ending with its headers, a teardown), so a host
+    /// pays the read only then.
+    fn now(&mut self) -> u64;
     fn request_header(&mut self, name: &str) -> Option<String>;
     fn response_header(&mut self, name: &str) -> Option<String>;
     /// The first `size` bytes of the current body chunk of `dir` (the host announced the size).
@@ -130,6 +134,8 @@ pub struct FixedView {
     pub properties: Vec<(Vec<String>, String)>,
     pub gateway_reply: Option<GatewayReply>,
     pub unended: Outcome,
+    /// What [`View::now`] answers.
+    pub now_ns: u64,
 }
 
 impl FixedView {
@@ -139,6 +145,9 @@ impl FixedView {
 }
 
 impl View for FixedView {
+    fn now(&mut self) -> u64 {
+        self.now_ns
+    }
     fn request_header(&mut self, name: &str) -> Option<String> {
         Self::find(&self.request_headers, name)
     }

@@ -160,7 +160,7 @@ impl MetricsFlow {
         }
     }
 
-    pub fn on_response_headers(&mut self, policy: &mut MetricsPolicy, view: &mut dyn View, end_of_stream: bool, now: u64, fx: &mut Effects) {
+    pub fn on_response_headers(&mut self, policy: &mut MetricsPolicy, view: &mut dyn View, end_of_stream: bool, fx: &mut Effects) {
         let Some(m) = self.measured.as_mut() else { return };
         // A request body that never signalled its end (e.g. a GET) is settled now.
         m.finish_request_body(policy, fx);
@@ -181,6 +181,7 @@ impl MetricsFlow {
         if end_of_stream {
             // A response without a body (another filter's empty local reply, a 204) ends here: no
             // body callback follows, and the teardown would take it for a client that went away.
+            let now = view.now();
             if m.observed() {
                 mark_first_token(now, fx);
             }
@@ -260,10 +261,11 @@ impl MetricsFlow {
     }
 
     /// The request's teardown: a request not reported yet ended without its last chunk.
-    pub fn on_log(&mut self, policy: &mut MetricsPolicy, view: &mut dyn View, now: u64, fx: &mut Effects) {
+    pub fn on_log(&mut self, policy: &mut MetricsPolicy, view: &mut dyn View, fx: &mut Effects) {
         let Some(m) = self.measured.as_mut() else { return };
         m.finish_request_body(policy, fx);
         if m.phase != Phase::Reported {
+            let now = view.now();
             if let ResponseBody::Observed(observer, _) = &mut m.response {
                 // A trailing event without its blank line still counts.
                 let last = observer.finish();

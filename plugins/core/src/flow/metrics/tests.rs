@@ -47,7 +47,8 @@ fn a_path_the_configuration_does_not_want_is_not_measured_and_costs_no_effect() 
     let mut view = FixedView { request_headers: vec![(":path".into(), "/healthz".into())], ..FixedView::default() };
     let (mut flow, mut fx) = (MetricsFlow::default(), Effects::default());
     flow.on_request_headers(&mut p, &mut view, 0, &mut fx);
-    flow.on_log(&mut p, &mut view, 5 * MS, &mut fx);
+    view.now_ns = 5 * MS;
+    flow.on_log(&mut p, &mut view, &mut fx);
     assert!(!flow.is_measured());
     assert!(fx.is_empty(), "{:?}", fx);
 }
@@ -65,7 +66,8 @@ fn a_stream_marks_waiting_then_its_first_content_token_then_reports_once() {
     fx.clear();
 
     view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "text/event-stream".into())];
-    flow.on_response_headers(&mut p, &mut view, false, MS, &mut fx);
+    view.now_ns = MS;
+    flow.on_response_headers(&mut p, &mut view, false, &mut fx);
     assert_eq!(names(&fx), ["state sluice_first_token=0"]);
     fx.clear();
 
@@ -95,7 +97,8 @@ fn a_stream_marks_waiting_then_its_first_content_token_then_reports_once() {
     fx.clear();
 
     // The teardown after a reported request only leaves the in-flight gauge.
-    flow.on_log(&mut p, &mut view, 80 * MS, &mut fx);
+    view.now_ns = 80 * MS;
+    flow.on_log(&mut p, &mut view, &mut fx);
     assert_eq!(names(&fx), ["gauge sluice.in_flight.model_version.m1 -1"]);
 }
 
@@ -110,7 +113,8 @@ fn a_gateway_refusal_is_reported_with_the_gateways_status_whatever_the_headers_s
     fx.clear();
     view.gateway_reply = Some(GatewayReply { status: 429, end: GatewayEnd::Refused });
     view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "application/json".into())];
-    flow.on_response_headers(&mut p, &mut view, true, 2 * MS, &mut fx);
+    view.now_ns = 2 * MS;
+    flow.on_response_headers(&mut p, &mut view, true, &mut fx);
     let s = stamp(&fx, "sluice_llm");
     assert_eq!((s["status"].as_u64(), s["outcome"].as_str()), (Some(429), Some("refused")));
     assert!(names(&fx).iter().any(|n| n.starts_with("count sluice.gateway_replies_total.") && n.contains("refused")), "{:?}", names(&fx));
@@ -125,14 +129,16 @@ fn a_stream_the_client_left_is_reported_at_teardown_with_the_hosts_outcome() {
     flow.on_request_headers(&mut p, &mut view, 0, &mut fx);
     flow.on_request_body(&mut p, &mut view, body.len(), true, &mut fx);
     view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "text/event-stream".into())];
-    flow.on_response_headers(&mut p, &mut view, false, MS, &mut fx);
+    view.now_ns = MS;
+    flow.on_response_headers(&mut p, &mut view, false, &mut fx);
     // A last event without its blank line still counts at teardown.
     view.response_body = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}".to_vec();
     let n = view.response_body.len();
     flow.on_response_body(&mut p, &mut view, n, false, 3 * MS, &mut fx);
     fx.clear();
     view.unended = Outcome::ClientDisconnect;
-    flow.on_log(&mut p, &mut view, 9 * MS, &mut fx);
+    view.now_ns = 9 * MS;
+    flow.on_log(&mut p, &mut view, &mut fx);
     let s = stamp(&fx, "sluice_llm");
     assert_eq!((s["outcome"].as_str(), s["output_tokens"].as_u64()), (Some("client_disconnect"), Some(1)));
     assert_eq!(names(&fx).last().map(String::as_str), Some("gauge sluice.in_flight.model_version.m1 -1"));
@@ -165,7 +171,8 @@ fn the_summary_comment_is_appended_to_the_last_chunk_after_a_separator() {
     flow.on_request_headers(&mut p, &mut view, 0, &mut fx);
     flow.on_request_body(&mut p, &mut view, body.len(), true, &mut fx);
     view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "text/event-stream".into())];
-    flow.on_response_headers(&mut p, &mut view, false, MS, &mut fx);
+    view.now_ns = MS;
+    flow.on_response_headers(&mut p, &mut view, false, &mut fx);
     fx.clear();
     // The stream ends mid-event: the comment must not be glued to it.
     view.response_body = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}".to_vec();
