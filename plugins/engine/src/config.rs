@@ -69,15 +69,6 @@ impl Sections {
         let settings = MetricsSettings::parse(bytes).map_err(|e| ConfigError::Policy(e.to_string()))?;
         Ok(Sections { llm_metrics: Some(MetricsPolicy::new(settings)) })
     }
-
-    /// What the log says at configure time.
-    pub fn describe(&self) -> String {
-        let mut parts = Vec::new();
-        if let Some(m) = &self.llm_metrics {
-            parts.push(format!("llm_metrics ({} price entries)", m.settings.prices.len()));
-        }
-        parts.join(", ")
-    }
 }
 
 fn llm_metrics(text: &str, section: &'static str) -> Result<MetricsPolicy, ConfigError> {
