@@ -162,10 +162,9 @@ impl HttpContext for Guard {
             return Action::Continue;
         }
         let now = host::now_ns();
-        self.with(
-            body_size,
-            move |flow, root, id, fx| flow.on_request_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx),
-        )
+        self.with(body_size, move |flow, root, id, fx| {
+            flow.on_request_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx)
+        })
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -181,10 +180,9 @@ impl HttpContext for Guard {
             return Action::Continue;
         }
         let now = host::now_ns();
-        self.with(
-            body_size,
-            move |flow, root, id, fx| flow.on_response_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx),
-        )
+        self.with(body_size, move |flow, root, id, fx| {
+            flow.on_response_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx)
+        })
     }
 
     fn on_http_response_trailers(&mut self, _n: usize) -> Action {
@@ -197,13 +195,10 @@ impl HttpContext for Guard {
             return;
         }
         let now = host::now_ns();
-        self.with(
-            0,
-            move |flow, root, id, fx| {
-                flow.on_log(root, &mut host::LiveView, &mut host::SharedData, id, now, fx);
-                Verdict::Continue
-            },
-        );
+        self.with(0, move |flow, root, id, fx| {
+            flow.on_log(root, &mut host::LiveView, &mut host::SharedData, id, now, fx);
+            Verdict::Continue
+        });
     }
 }
 

@@ -127,7 +127,15 @@ impl GuardRoot {
     /// after its error event ([`StreamWatch::on_tick`]). `enter` makes `id` the stream the host
     /// reads and acts on (`false`: the host no longer knows it, and it is no longer watched); the
     /// effects pushed act on that stream.
-    pub fn on_tick_stream(&mut self, id: u32, now: u64, enter: &mut dyn FnMut(u32) -> bool, view: &mut dyn View, store: &mut dyn SharedStore, fx: &mut Effects) {
+    pub fn on_tick_stream(
+        &mut self,
+        id: u32,
+        now: u64,
+        enter: &mut dyn FnMut(u32) -> bool,
+        view: &mut dyn View,
+        store: &mut dyn SharedStore,
+        fx: &mut Effects,
+    ) {
         let Some(w) = self.watched.get_mut(&id) else { return };
         let mark = if w.machine.is_held() {
             if !enter(id) {
@@ -162,7 +170,15 @@ impl GuardRoot {
 
     /// An item of the release queue (a context id llm-metrics enqueued at the first token): the
     /// held stream is released when its mark says so; `enter` as in [`Self::on_tick_stream`].
-    pub fn on_release(&mut self, item: &[u8], now: u64, enter: &mut dyn FnMut(u32) -> bool, view: &mut dyn View, store: &mut dyn SharedStore, fx: &mut Effects) {
+    pub fn on_release(
+        &mut self,
+        item: &[u8],
+        now: u64,
+        enter: &mut dyn FnMut(u32) -> bool,
+        view: &mut dyn View,
+        store: &mut dyn SharedStore,
+        fx: &mut Effects,
+    ) {
         let Some(id) = std::str::from_utf8(item).ok().and_then(|t| t.trim().parse::<u32>().ok()) else { return };
         if !self.is_held(id) {
             return;
@@ -252,7 +268,9 @@ impl GuardRoot {
         let Some(vp) = self.policy.version(version) else { return };
         match store::counter_add(store, &vp.in_flight_key(), -1) {
             Ok(n) => fx.push(Effect::GaugeSet { name: metrics::latency_in_flight(&sanitize_label(version)), value: n }),
-            Err(store::CasError::Contended) => fx.log(LogLevel::Warn, format!("sluice latency-guard: in-flight counter of {version} too contended; it may read high")),
+            Err(store::CasError::Contended) => {
+                fx.log(LogLevel::Warn, format!("sluice latency-guard: in-flight counter of {version} too contended; it may read high"))
+            }
             Err(store::CasError::Store(_)) => {}
         }
     }
@@ -299,7 +317,16 @@ impl GuardRoot {
 /// Evaluates the breaker of version `name` on `stats`: its state gauge, and any transition logged,
 /// counted and (when it says so) followed by a reset of the window.
 #[allow(clippy::too_many_arguments)]
-fn judge(name: &str, breaker_key: &str, window_key: &str, b: &BreakerPolicy, now: u64, stats: &latency::WindowStats, store: &mut dyn SharedStore, fx: &mut Effects) {
+fn judge(
+    name: &str,
+    breaker_key: &str,
+    window_key: &str,
+    b: &BreakerPolicy,
+    now: u64,
+    stats: &latency::WindowStats,
+    store: &mut dyn SharedStore,
+    fx: &mut Effects,
+) {
     match breaker::update(store, breaker_key, &b.config, now, stats) {
         Ok((breaker, transition)) => {
             let label = sanitize_label(name);
@@ -556,7 +583,16 @@ impl GuardFlow {
 
     /// Response headers: the status and whether the answer is an event stream; a watched stream's
     /// headers are held until llm-metrics marks the first content token ([`StreamWatch`]).
-    pub fn on_response_headers(&mut self, root: &mut GuardRoot, view: &mut dyn View, store: &mut dyn SharedStore, id: u32, end_of_stream: bool, now: u64, fx: &mut Effects) -> Verdict {
+    pub fn on_response_headers(
+        &mut self,
+        root: &mut GuardRoot,
+        view: &mut dyn View,
+        store: &mut dyn SharedStore,
+        id: u32,
+        end_of_stream: bool,
+        now: u64,
+        fx: &mut Effects,
+    ) -> Verdict {
         let Some(g) = self.guarded.as_mut() else { return Verdict::Continue };
         if let Phase::Undecided = g.phase {
             // A request without a body event (or a reply before it): decided now, no refusal possible.
@@ -695,7 +731,16 @@ impl GuardFlow {
     /// The final version is known (model-router decided in its header phase): admit or refuse.
     /// `streaming`: whether the request asked for a stream (`None`: unknown, treated as a stream).
     #[allow(clippy::too_many_arguments)]
-    fn decide(&mut self, root: &mut GuardRoot, view: &mut dyn View, store: &mut dyn SharedStore, id: u32, streaming: Option<bool>, now: u64, fx: &mut Effects) -> Verdict {
+    fn decide(
+        &mut self,
+        root: &mut GuardRoot,
+        view: &mut dyn View,
+        store: &mut dyn SharedStore,
+        id: u32,
+        streaming: Option<bool>,
+        now: u64,
+        fx: &mut Effects,
+    ) -> Verdict {
         let Some(g) = self.guarded.as_mut() else { return Verdict::Continue };
         g.phase = Phase::Passed;
         let Some(version) = final_version(view) else { return Verdict::Continue };
@@ -811,13 +856,8 @@ enum InFlight {
 /// Counts the request into the version's in-flight counter, unless its priority is shed at the
 /// count it finds.
 fn enter_in_flight(vp: &VersionPolicy, priority: Priority, limit: &latency::InFlightLimit, store: &mut dyn SharedStore) -> InFlight {
-    let entered = store::counter_update(store, &vp.in_flight_key(), |n| {
-        if latency::should_shed(priority, n, limit) {
-            Err(n)
-        } else {
-            Ok(n.saturating_add(1))
-        }
-    });
+    let entered =
+        store::counter_update(store, &vp.in_flight_key(), |n| if latency::should_shed(priority, n, limit) { Err(n) } else { Ok(n.saturating_add(1)) });
     match entered {
         Ok(Updated::Written(n)) => InFlight::Entered(n),
         Ok(Updated::Stopped(n)) => InFlight::Shed(n),
