@@ -120,7 +120,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Guard { context_id, shared: self.shared.clone(), flow: GuardFlow::default() }))
+        Some(Box::new(Guard { shared: self.shared.clone(), flow: GuardFlow::new(context_id) }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -129,18 +129,17 @@ impl RootContext for Root {
 }
 
 struct Guard {
-    context_id: u32,
     shared: Option<Rc<RefCell<Shared>>>,
     flow: GuardFlow,
 }
 
 impl Guard {
     /// Calls the flow with the VM's root and applies what it returns.
-    fn with(&mut self, body_size: usize, event: impl FnOnce(&mut GuardFlow, &mut GuardRoot, u32, &mut Effects) -> Verdict) -> Action {
+    fn with(&mut self, body_size: usize, event: impl FnOnce(&mut GuardFlow, &mut GuardRoot, &mut Effects) -> Verdict) -> Action {
         let Some(shared) = self.shared.as_ref() else { return Action::Continue };
         let mut guard = shared.borrow_mut();
         let sh = &mut *guard;
-        let verdict = event(&mut self.flow, &mut sh.root, self.context_id, &mut sh.effects);
+        let verdict = event(&mut self.flow, &mut sh.root, &mut sh.effects);
         sh.apply(body_size);
         match verdict {
             Verdict::Continue => Action::Continue,
@@ -154,7 +153,7 @@ impl Context for Guard {}
 impl HttpContext for Guard {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         let now = host::now_ns();
-        self.with(0, move |flow, root, id, fx| flow.on_request_headers(root, &mut host::LiveView, &mut host::SharedData, id, end_of_stream, now, fx))
+        self.with(0, move |flow, root, fx| flow.on_request_headers(root, &mut host::LiveView, &mut host::SharedData, end_of_stream, now, fx))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -162,9 +161,7 @@ impl HttpContext for Guard {
             return Action::Continue;
         }
         let now = host::now_ns();
-        self.with(body_size, move |flow, root, id, fx| {
-            flow.on_request_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx)
-        })
+        self.with(body_size, move |flow, root, fx| flow.on_request_body(root, &mut host::LiveView, &mut host::SharedData, body_size, end_of_stream, now, fx))
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -172,7 +169,7 @@ impl HttpContext for Guard {
             return Action::Continue;
         }
         let now = host::now_ns();
-        self.with(0, move |flow, root, id, fx| flow.on_response_headers(root, &mut host::LiveView, &mut host::SharedData, id, end_of_stream, now, fx))
+        self.with(0, move |flow, root, fx| flow.on_response_headers(root, &mut host::LiveView, &mut host::SharedData, end_of_stream, now, fx))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -180,9 +177,7 @@ impl HttpContext for Guard {
             return Action::Continue;
         }
         let now = host::now_ns();
-        self.with(body_size, move |flow, root, id, fx| {
-            flow.on_response_body(root, &mut host::LiveView, &mut host::SharedData, id, body_size, end_of_stream, now, fx)
-        })
+        self.with(body_size, move |flow, root, fx| flow.on_response_body(root, &mut host::LiveView, &mut host::SharedData, body_size, end_of_stream, now, fx))
     }
 
     fn on_http_response_trailers(&mut self, _n: usize) -> Action {
@@ -195,8 +190,8 @@ impl HttpContext for Guard {
             return;
         }
         let now = host::now_ns();
-        self.with(0, move |flow, root, id, fx| {
-            flow.on_log(root, &mut host::LiveView, &mut host::SharedData, id, now, fx);
+        self.with(0, move |flow, root, fx| {
+            flow.on_log(root, &mut host::LiveView, &mut host::SharedData, now, fx);
             Verdict::Continue
         });
     }

@@ -287,11 +287,10 @@ impl GuardRoot {
     ) {
         let Some(vp) = self.policy.version(version) else { return };
         let Some(b) = &vp.breaker else { return };
-        let (window_key, breaker_key) = (vp.window_key(), vp.breaker_key());
-        match update(store, &window_key, &b.window) {
+        match update(store, &vp.window_key(), &b.window) {
             Ok(window) => {
                 let stats = window.snapshot(now);
-                judge(version, &breaker_key, &window_key, b, now, &stats, store, fx);
+                judge(vp, b, now, &stats, store, fx);
             }
             Err(e) => fx.log(LogLevel::Warn, format!("sluice latency-guard: window of {version} not updated: {e}")),
         }
@@ -309,30 +308,21 @@ impl GuardRoot {
             }
             let Ok(window) = window::read(store, &window_key, &b.window) else { continue };
             let stats = window.snapshot(now);
-            judge(&v.name, &breaker_key, &window_key, b, now, &stats, store, fx);
+            judge(v, b, now, &stats, store, fx);
         }
     }
 }
 
-/// Evaluates the breaker of version `name` on `stats`: its state gauge, and any transition logged,
+/// Evaluates the breaker of version `vp` on `stats`: its state gauge, and any transition logged,
 /// counted and (when it says so) followed by a reset of the window.
-#[allow(clippy::too_many_arguments)]
-fn judge(
-    name: &str,
-    breaker_key: &str,
-    window_key: &str,
-    b: &BreakerPolicy,
-    now: u64,
-    stats: &latency::WindowStats,
-    store: &mut dyn SharedStore,
-    fx: &mut Effects,
-) {
-    match breaker::update(store, breaker_key, &b.config, now, stats) {
+fn judge(vp: &VersionPolicy, b: &BreakerPolicy, now: u64, stats: &latency::WindowStats, store: &mut dyn SharedStore, fx: &mut Effects) {
+    let name = vp.name.as_str();
+    match breaker::update(store, &vp.breaker_key(), &b.config, now, stats) {
         Ok((breaker, transition)) => {
             let label = sanitize_label(name);
             fx.push(Effect::GaugeSet { name: metrics::latency_breaker_state(&label), value: u64::from(breaker.state().state.code()) });
             if let Some(t) = transition {
-                on_transition(name, window_key, b, &t, store, fx);
+                on_transition(name, &vp.window_key(), b, &t, store, fx);
             }
         }
         Err(e) => fx.log(LogLevel::Warn, format!("sluice latency-guard: breaker of {name} not evaluated: {e}")),
@@ -363,7 +353,7 @@ fn current_breaker(vp: &VersionPolicy, b: &BreakerPolicy, now: u64, store: &mut 
     }
     let Ok(window) = window::read(store, &window_key, &b.window) else { return Some(breaker) };
     let stats = window.snapshot(now);
-    judge(&vp.name, &breaker_key, &window_key, b, now, &stats, store, fx);
+    judge(vp, b, now, &stats, store, fx);
     Some(breaker::read(store, &breaker_key, &b.config).unwrap_or(breaker))
 }
 
@@ -446,12 +436,18 @@ struct Guarded {
 }
 
 /// One stream's guard; `None` inside for requests that are no LLM API call.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct GuardFlow {
+    /// The stream's context id: it seeds the probe draw and keys the stream's watch in the root.
+    id: u32,
     guarded: Option<Box<Guarded>>,
 }
 
 impl GuardFlow {
+    pub fn new(id: u32) -> GuardFlow {
+        GuardFlow { id, guarded: None }
+    }
+
     /// Whether this request is guarded (its path is an LLM API's).
     pub fn is_guarded(&self) -> bool {
         self.guarded.is_some()
@@ -459,15 +455,12 @@ impl GuardFlow {
 
     /// Request headers: the tenant's class, and for every version whose breaker blocks this request
     /// and whose action for the class is `fallback`, an entry in the avoid list model-router honours
-    /// when it picks the version. `id`: the stream's context id (it seeds the probe draw and keys
-    /// the watch). A request without a body is decided here.
-    #[allow(clippy::too_many_arguments)]
+    /// when it picks the version. A request without a body is decided here.
     pub fn on_request_headers(
         &mut self,
         root: &mut GuardRoot,
         view: &mut dyn View,
         store: &mut dyn SharedStore,
-        id: u32,
         end_of_stream: bool,
         now: u64,
         fx: &mut Effects,
@@ -482,7 +475,7 @@ impl GuardFlow {
         let (class, priority) = root.policy.classify(tenant.as_deref().map(str::trim).filter(|t| !t.is_empty()));
         let class = class.to_string();
         let request_id = view.request_header("x-request-id").unwrap_or_default();
-        let draw = breaker::probe_draw(&request_id, id);
+        let draw = breaker::probe_draw(&request_id, self.id);
         // Which versions this request must not be sent to: blocked by their breaker, and failing
         // over is what this class does. model-router reads the list when it picks the version.
         let mut avoid: Vec<(&str, &str)> = Vec::new();
@@ -516,20 +509,20 @@ impl GuardFlow {
         }));
         if end_of_stream {
             // No body: decide now (there is no later request event).
-            return self.decide(root, view, store, id, None, now, fx);
+            return self.decide(root, view, store, None, now, fx);
         }
         Verdict::Continue
     }
 
     /// A request body chunk: the decision at the first one, and the version's output ceiling
     /// written into the whole body (which the guard then waits for).
+    // A body event takes the chunk's size and end besides what every event takes.
     #[allow(clippy::too_many_arguments)]
     pub fn on_request_body(
         &mut self,
         root: &mut GuardRoot,
         view: &mut dyn View,
         store: &mut dyn SharedStore,
-        id: u32,
         size: usize,
         end_of_stream: bool,
         now: u64,
@@ -546,7 +539,7 @@ impl GuardFlow {
             } else {
                 None
             };
-            if let Verdict::Pause = self.decide(root, view, store, id, streaming, now, fx) {
+            if let Verdict::Pause = self.decide(root, view, store, streaming, now, fx) {
                 return Verdict::Pause;
             }
         }
@@ -588,7 +581,6 @@ impl GuardFlow {
         root: &mut GuardRoot,
         view: &mut dyn View,
         store: &mut dyn SharedStore,
-        id: u32,
         end_of_stream: bool,
         now: u64,
         fx: &mut Effects,
@@ -607,23 +599,23 @@ impl GuardFlow {
         if streaming {
             g.observer = Some(Box::new(StreamObserver::new(g.kind)));
         }
-        let Some(w) = root.watched.get_mut(&id) else { return Verdict::Continue };
+        let Some(w) = root.watched.get_mut(&self.id) else { return Verdict::Continue };
         let steps = w.machine.on_response_headers(g.status, streaming, end_of_stream, || first_token_mark(view));
         if steps.is_empty() {
             return Verdict::Continue;
         }
-        root.translate(id, now, &steps, store, fx)
+        root.translate(self.id, now, &steps, store, fx)
     }
 
     /// A response chunk: read for content when it is an event stream (the guard's own first token
     /// when llm-metrics does not mark it), and the total deadline's error event put on it.
+    // A body event takes the chunk's size and end besides what every event takes.
     #[allow(clippy::too_many_arguments)]
     pub fn on_response_body(
         &mut self,
         root: &mut GuardRoot,
         view: &mut dyn View,
         store: &mut dyn SharedStore,
-        id: u32,
         size: usize,
         end_of_stream: bool,
         now: u64,
@@ -646,12 +638,12 @@ impl GuardFlow {
             g.timing.on_content(now, outcome.content_events);
             outcome.content_events > 0
         };
-        let Some(w) = root.watched.get_mut(&id) else {
+        let Some(w) = root.watched.get_mut(&self.id) else {
             observe();
             return Verdict::Continue;
         };
         let steps = w.machine.on_response_body(now, streaming, end_of_stream, observe);
-        root.translate(id, now, &steps, store, fx)
+        root.translate(self.id, now, &steps, store, fx)
     }
 
     /// Trailers end the response: the body saw no end of stream.
@@ -664,9 +656,9 @@ impl GuardFlow {
     /// The request's end (its access log): out of the in-flight count, counted by outcome, stamped,
     /// and its TTFT, time per output token and error into the version's window (the breaker judged
     /// on the result).
-    pub fn on_log(&mut self, root: &mut GuardRoot, view: &mut dyn View, store: &mut dyn SharedStore, id: u32, now: u64, fx: &mut Effects) {
+    pub fn on_log(&mut self, root: &mut GuardRoot, view: &mut dyn View, store: &mut dyn SharedStore, now: u64, fx: &mut Effects) {
         let Some(g) = self.guarded.as_mut() else { return };
-        let watch = root.watched.remove(&id);
+        let watch = root.watched.remove(&self.id);
         let a = match std::mem::replace(&mut g.phase, Phase::Reported) {
             Phase::Admitted(a) => a,
             other => {
@@ -730,13 +722,11 @@ impl GuardFlow {
 
     /// The final version is known (model-router decided in its header phase): admit or refuse.
     /// `streaming`: whether the request asked for a stream (`None`: unknown, treated as a stream).
-    #[allow(clippy::too_many_arguments)]
     fn decide(
         &mut self,
         root: &mut GuardRoot,
         view: &mut dyn View,
         store: &mut dyn SharedStore,
-        id: u32,
         streaming: Option<bool>,
         now: u64,
         fx: &mut Effects,
@@ -811,7 +801,7 @@ impl GuardFlow {
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
         let watch = Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine };
-        root.watched.insert(id, watch);
+        root.watched.insert(self.id, watch);
         root.schedule(now, fx);
         Verdict::Continue
     }

@@ -77,10 +77,10 @@ fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 /// Request headers then the whole request body, at `T0`: what each pushed, and the body's verdict.
 fn admit(flow: &mut GuardFlow, root: &mut GuardRoot, view: &mut FixedView, store: &mut MemoryStore) -> (Vec<Effect>, Vec<Effect>, Verdict) {
     let mut fx = Effects::default();
-    assert_eq!(flow.on_request_headers(root, view, store, ID, false, T0, &mut fx), Verdict::Continue);
+    assert_eq!(flow.on_request_headers(root, view, store, false, T0, &mut fx), Verdict::Continue);
     let at_headers = std::mem::take(&mut fx.0);
     let size = view.request_body.len();
-    let verdict = flow.on_request_body(root, view, store, ID, size, true, T0, &mut fx);
+    let verdict = flow.on_request_body(root, view, store, size, true, T0, &mut fx);
     (at_headers, fx.0, verdict)
 }
 
@@ -89,7 +89,7 @@ fn an_admitted_request_writes_the_avoid_list_and_enters_in_flight() {
     let (mut root, mut store) = root(json!({"breaker": breaker_v1()}), json!({"ttft_deadline_ms": 300, "in_flight": {"limit": 10}}));
     open_breaker(&mut store, &root, "v1", T0 - 1000 * MS);
     // A critical tenant fails over while v1 is open: model-router is told, and routes to v2.
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v2"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v2"));
     let (at_headers, at_body, verdict) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert_eq!(at_headers, vec![Effect::SetState { key: "sluice_latency_avoid".into(), value: b"v1>v2".to_vec() }]);
     assert_eq!(
@@ -110,9 +110,9 @@ fn an_unguarded_path_is_not_followed() {
     let (mut root, mut store) = root(json!({}), json!({}));
     let mut view = request("crit-a", "v1");
     view.request_headers[0].1 = "/healthz".into();
-    let mut flow = GuardFlow::default();
+    let mut flow = GuardFlow::new(ID);
     let mut fx = Effects::default();
-    assert_eq!(flow.on_request_headers(&mut root, &mut view, &mut store, ID, true, T0, &mut fx), Verdict::Continue);
+    assert_eq!(flow.on_request_headers(&mut root, &mut view, &mut store, true, T0, &mut fx), Verdict::Continue);
     assert!(!flow.is_guarded());
     assert!(fx.is_empty());
 }
@@ -121,7 +121,7 @@ fn an_unguarded_path_is_not_followed() {
 fn past_the_in_flight_limit_a_sheddable_request_is_refused() {
     let (mut root, mut store) = root(json!({"in_flight": {"limit": 2}}), json!({}));
     set_in_flight(&mut store, &root, "v1", 2);
-    let (mut flow, mut view) = (GuardFlow::default(), request("batch-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("batch-a", "v1"));
     let (at_headers, at_body, verdict) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert!(at_headers.is_empty(), "{at_headers:?}");
     let body = r#"{"error":{"code":"in_flight_limit","message":"model version v1 has 2 requests in flight (limit 2 for sheddable requests); try again shortly","type":"overloaded"}}"#;
@@ -146,7 +146,7 @@ fn past_the_in_flight_limit_a_sheddable_request_is_refused() {
     // Not counted in, and nothing to count out or report at its end.
     assert_eq!(in_flight(&mut store, &root, "v1"), 2);
     let mut fx = Effects::default();
-    flow.on_log(&mut root, &mut view, &mut store, ID, T0 + MS, &mut fx);
+    flow.on_log(&mut root, &mut view, &mut store, T0 + MS, &mut fx);
     assert!(fx.is_empty(), "{fx:?}");
     assert!(root.watched_ids().is_empty());
 }
@@ -155,13 +155,13 @@ fn past_the_in_flight_limit_a_sheddable_request_is_refused() {
 fn a_critical_request_is_never_shed() {
     let (mut root, mut store) = root(json!({"in_flight": {"limit": 2}}), json!({}));
     set_in_flight(&mut store, &root, "v1", 5);
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     let (_, at_body, verdict) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert_eq!(at_body, vec![Effect::GaugeSet { name: "sluice.latency.in_flight.version.v1".into(), value: 6 }]);
     assert_eq!(verdict, Verdict::Continue);
     // Out again at its end.
     let mut fx = Effects::default();
-    flow.on_log(&mut root, &mut view, &mut store, ID, T0 + MS, &mut fx);
+    flow.on_log(&mut root, &mut view, &mut store, T0 + MS, &mut fx);
     assert_eq!(fx.0.first(), Some(&Effect::GaugeSet { name: "sluice.latency.in_flight.version.v1".into(), value: 5 }));
 }
 
@@ -170,7 +170,7 @@ fn an_open_breaker_refuses_the_class_that_rejects_and_avoids_for_the_one_that_fa
     let (mut root, mut store) = root(json!({"breaker": breaker_v1()}), json!({}));
     open_breaker(&mut store, &root, "v1", T0 - 1500 * MS);
     // Sheddable: refused (no fallback for it by default), retry-after the rest of the open time.
-    let (mut flow, mut view) = (GuardFlow::default(), request("batch-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("batch-a", "v1"));
     let (at_headers, at_body, verdict) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert!(at_headers.is_empty(), "{at_headers:?}");
     let body = r#"{"error":{"code":"breaker_open","message":"model version v1 is failing its latency objective (circuit open); sheddable requests are refused until it recovers","type":"overloaded"}}"#;
@@ -195,7 +195,7 @@ fn an_open_breaker_refuses_the_class_that_rejects_and_avoids_for_the_one_that_fa
 
     // Standard fails over: the avoid list names the fallback; if it reaches v1 anyway (no router
     // honoured the list), it is served and counted.
-    let (mut flow, mut view) = (GuardFlow::default(), request("std-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("std-a", "v1"));
     let (at_headers, at_body, verdict) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert_eq!(at_headers, vec![Effect::SetState { key: "sluice_latency_avoid".into(), value: b"v1>v2".to_vec() }]);
     assert_eq!(at_body, vec![Effect::Count { name: "sluice.latency.fallback_unavailable_total.version.v1.priority.standard".into(), delta: 1 }]);
@@ -206,9 +206,9 @@ fn an_open_breaker_refuses_the_class_that_rejects_and_avoids_for_the_one_that_fa
 fn an_open_breaker_past_its_open_time_goes_half_open_at_the_request_that_finds_it() {
     let (mut root, mut store) = root(json!({"breaker": breaker_v1()}), json!({}));
     open_breaker(&mut store, &root, "v1", T0 - 10_000 * MS);
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     let mut fx = Effects::default();
-    flow.on_request_headers(&mut root, &mut view, &mut store, ID, false, T0, &mut fx);
+    flow.on_request_headers(&mut root, &mut view, &mut store, false, T0, &mut fx);
     let [gauge, Effect::Log { level: LogLevel::Warn, message }, count, ..] = fx.0.as_slice() else { panic!("{fx:?}") };
     assert_eq!(gauge, &Effect::GaugeSet { name: "sluice.latency.breaker_state.version.v1".into(), value: 2 });
     assert!(message.starts_with("sluice latency-guard: breaker of v1 open → half_open: open for 10000 ms"), "{message}");
@@ -229,20 +229,20 @@ fn event_stream(view: &mut FixedView) {
 #[test]
 fn a_stream_end_records_the_window_and_writes_the_stamp() {
     let (mut root, mut store) = root(json!({"breaker": breaker_v1()}), json!({}));
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     let (_, at_body, _) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert!(at_body.is_empty(), "{at_body:?}");
     event_stream(&mut view);
     let mut fx = Effects::default();
     // Without a TTFT deadline nothing is held.
-    assert_eq!(flow.on_response_headers(&mut root, &mut view, &mut store, ID, false, T0 + 100 * MS, &mut fx), Verdict::Continue);
+    assert_eq!(flow.on_response_headers(&mut root, &mut view, &mut store, false, T0 + 100 * MS, &mut fx), Verdict::Continue);
     assert!(fx.is_empty(), "{fx:?}");
     let size = view.response_body.len();
-    assert_eq!(flow.on_response_body(&mut root, &mut view, &mut store, ID, size, true, T0 + 250 * MS, &mut fx), Verdict::Continue);
+    assert_eq!(flow.on_response_body(&mut root, &mut view, &mut store, size, true, T0 + 250 * MS, &mut fx), Verdict::Continue);
     // The guard's own first token went into the window at once (no breaker move on one sample).
     assert_eq!(fx.0, vec![Effect::GaugeSet { name: "sluice.latency.breaker_state.version.v1".into(), value: 0 }]);
     fx.clear();
-    flow.on_log(&mut root, &mut view, &mut store, ID, T0 + 400 * MS, &mut fx);
+    flow.on_log(&mut root, &mut view, &mut store, T0 + 400 * MS, &mut fx);
     assert_eq!(
         fx.0,
         vec![
@@ -262,20 +262,20 @@ fn a_stream_end_records_the_window_and_writes_the_stamp() {
     assert!(root.watched_ids().is_empty());
     // A second teardown reports nothing.
     fx.clear();
-    flow.on_log(&mut root, &mut view, &mut store, ID, T0 + 500 * MS, &mut fx);
+    flow.on_log(&mut root, &mut view, &mut store, T0 + 500 * MS, &mut fx);
     assert!(fx.is_empty(), "{fx:?}");
 }
 
 #[test]
 fn a_client_that_went_away_writes_the_stamp_but_no_sample() {
     let (mut root, mut store) = root(json!({"breaker": breaker_v1()}), json!({}));
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     admit(&mut flow, &mut root, &mut view, &mut store);
     event_stream(&mut view);
     let mut fx = Effects::default();
-    flow.on_response_headers(&mut root, &mut view, &mut store, ID, false, T0 + 100 * MS, &mut fx);
+    flow.on_response_headers(&mut root, &mut view, &mut store, false, T0 + 100 * MS, &mut fx);
     view.unended = Outcome::ClientDisconnect;
-    flow.on_log(&mut root, &mut view, &mut store, ID, T0 + 400 * MS, &mut fx);
+    flow.on_log(&mut root, &mut view, &mut store, T0 + 400 * MS, &mut fx);
     assert_eq!(
         fx.0,
         vec![
@@ -296,13 +296,13 @@ fn a_client_that_went_away_writes_the_stamp_but_no_sample() {
 #[test]
 fn a_held_stream_is_released_through_its_queue_at_the_first_token() {
     let (mut root, mut store) = root(json!({"ttft_deadline_ms": 1000, "breaker": breaker_v1()}), json!({}));
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     let (_, at_body, _) = admit(&mut flow, &mut root, &mut view, &mut store);
     assert!(at_body.is_empty(), "the deadline is the idle tick away: {at_body:?}");
     event_stream(&mut view);
     view.properties.push((vec![FIRST_TOKEN_PROPERTY.to_string()], "0".to_string()));
     let mut fx = Effects::default();
-    assert_eq!(flow.on_response_headers(&mut root, &mut view, &mut store, ID, false, T0 + 100 * MS, &mut fx), Verdict::Pause);
+    assert_eq!(flow.on_response_headers(&mut root, &mut view, &mut store, false, T0 + 100 * MS, &mut fx), Verdict::Pause);
     assert_eq!(
         fx.0,
         vec![Effect::SetState { key: "sluice_latency_release".into(), value: format!("{ID} {QUEUE} vm-1").into_bytes() }, Effect::SetTickPeriod { ms: 10 }]
@@ -331,7 +331,7 @@ fn a_held_stream_is_released_through_its_queue_at_the_first_token() {
 #[test]
 fn a_ttft_deadline_on_the_tick_answers_504_and_a_gone_stream_is_forgotten() {
     let (mut root, mut store) = root(json!({"ttft_deadline_ms": 300}), json!({}));
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     admit(&mut flow, &mut root, &mut view, &mut store);
     let mut fx = Effects::default();
     let mut enter = |_| true;
@@ -360,9 +360,9 @@ fn a_ttft_deadline_on_the_tick_answers_504_and_a_gone_stream_is_forgotten() {
     assert_eq!(fx.0, vec![Effect::SetTickPeriod { ms: 1000 }], "nothing is due any more");
 
     // A second stream whose context is gone by its deadline: nothing is done, it is no longer watched.
-    let (mut other, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut other, mut view) = (GuardFlow::new(ID + 1), request("crit-a", "v1"));
     let mut fx = Effects::default();
-    other.on_request_headers(&mut root, &mut view, &mut store, ID + 1, true, T0, &mut fx);
+    other.on_request_headers(&mut root, &mut view, &mut store, true, T0, &mut fx);
     fx.clear();
     root.on_tick_stream(ID + 1, T0 + 300 * MS, &mut |_| false, &mut view, &mut store, &mut fx);
     assert!(fx.is_empty(), "{fx:?}");
@@ -372,17 +372,17 @@ fn a_ttft_deadline_on_the_tick_answers_504_and_a_gone_stream_is_forgotten() {
 #[test]
 fn the_output_ceiling_is_written_into_the_whole_body() {
     let (mut root, mut store) = root(json!({"max_output_tokens": 16}), json!({}));
-    let (mut flow, mut view) = (GuardFlow::default(), request("crit-a", "v1"));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
     let mut fx = Effects::default();
-    flow.on_request_headers(&mut root, &mut view, &mut store, ID, false, T0, &mut fx);
+    flow.on_request_headers(&mut root, &mut view, &mut store, false, T0, &mut fx);
     // Its length may change: no content-length upstream.
     assert_eq!(fx.0, vec![Effect::SetHeader { dir: Dir::Request, name: "content-length".into(), value: None }]);
     fx.clear();
     // A first chunk of several: decided, then the guard waits for the whole body.
-    assert_eq!(flow.on_request_body(&mut root, &mut view, &mut store, ID, 10, false, T0, &mut fx), Verdict::Pause);
+    assert_eq!(flow.on_request_body(&mut root, &mut view, &mut store, 10, false, T0, &mut fx), Verdict::Pause);
     assert!(fx.is_empty(), "{fx:?}");
     let size = view.request_body.len();
-    assert_eq!(flow.on_request_body(&mut root, &mut view, &mut store, ID, size, true, T0, &mut fx), Verdict::Continue);
+    assert_eq!(flow.on_request_body(&mut root, &mut view, &mut store, size, true, T0, &mut fx), Verdict::Continue);
     let [Effect::ReplaceBody { dir: Dir::Request, bytes }, count] = fx.0.as_slice() else { panic!("{fx:?}") };
     let body: serde_json::Value = serde_json::from_slice(bytes).unwrap();
     assert_eq!(body["max_tokens"], json!(16), "{body}");
