@@ -414,6 +414,18 @@ pub fn apply(effects: &mut sluice_core::flow::Effects, metrics: &mut Metrics, bo
                 LogLevel::Warn => log::warn!("{message}"),
                 LogLevel::Error => log::error!("{message}"),
             },
+            // A failure is logged by the call.
+            Effect::ResumeResponse => {
+                resume_response();
+            }
+            Effect::ResetStream => {
+                reset_stream();
+            }
+            Effect::SetTickPeriod { ms } => {
+                if let Err(status) = hostcalls::set_tick_period(std::time::Duration::from_millis(ms)) {
+                    log::warn!("cannot change the tick period: {status:?}");
+                }
+            }
         }
     }
 }

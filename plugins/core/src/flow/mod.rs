@@ -10,6 +10,7 @@
 //! playground drive the same flows, so a rule lives in exactly one place and is tested natively
 //! (each flow's tests assert exact effect lists).
 
+pub mod guard;
 pub mod metrics;
 
 use crate::contract::GatewayReply;
@@ -78,6 +79,14 @@ pub enum Effect {
     WakeGuard,
     /// Log a line.
     Log { level: LogLevel, message: String },
+    /// Let the response this stream paused (latency-guard's held headers) continue to the client,
+    /// with what the proxy buffered behind it.
+    ResumeResponse,
+    /// Reset the stream (both directions): the only way to end a response whose headers already
+    /// reached the client.
+    ResetStream,
+    /// Set the VM's tick period, ms (latency-guard's tick follows what is due next).
+    SetTickPeriod { ms: u64 },
 }
 
 /// What the host returns to the proxy for a header or body event.
