@@ -743,7 +743,15 @@ impl Budgeted {
                     if !host.replace_request_body(body_size, &rewrite.body) {
                         // The limit the reservation assumed cannot be written: not admitted.
                         policy.release(store, &admission, now, fx);
-                        self.reject(policy, 503, "overloaded", "unrewritable_body", "the request body could not be updated to enforce the budget; retry", Some(1), fx);
+                        self.reject(
+                            policy,
+                            503,
+                            "overloaded",
+                            "unrewritable_body",
+                            "the request body could not be updated to enforce the budget; retry",
+                            Some(1),
+                            fx,
+                        );
                         return Verdict::Pause;
                     }
                 }

@@ -142,13 +142,8 @@ mod tests {
         let empty = Stamp::default();
         assert_eq!(empty.to_json(), "{}");
         assert_eq!(empty.to_json(), via_map(&empty));
-        let rejected = Stamp {
-            decision: Some("rejected"),
-            reject_code: Some("unknown_key".into()),
-            status: Some(401),
-            outcome: Some("refused"),
-            ..Stamp::default()
-        };
+        let rejected =
+            Stamp { decision: Some("rejected"), reject_code: Some("unknown_key".into()), status: Some(401), outcome: Some("refused"), ..Stamp::default() };
         assert_eq!(rejected.to_json(), r#"{"decision":"rejected","outcome":"refused","reject_code":"unknown_key","status":401}"#);
         let full = Stamp {
             charged_micro_usd: Some(138),

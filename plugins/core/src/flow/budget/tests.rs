@@ -287,8 +287,11 @@ fn an_unknown_key_and_a_compressed_body_are_refused_from_the_headers() {
     let (v, fx) = w.request_headers(&gzip, false);
     assert_eq!(v, Verdict::Pause);
     assert_eq!(fx.first(), Some(&count("sluice.budget.rejections_total.key.search-prod.reason.encoded_body", 1)));
-    assert_eq!(fx.get(1), Some(&stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
-        "reject_code": "encoded_body", "status": 415, "outcome": "refused"}))));
+    assert_eq!(
+        fx.get(1),
+        Some(&stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
+        "reject_code": "encoded_body", "status": 415, "outcome": "refused"})))
+    );
 
     // Not an LLM path: not budgeted, nothing done.
     let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
@@ -314,8 +317,11 @@ fn a_response_reporting_usage_settles_to_it_and_crosses_the_soft_limit_once() {
             gauge("sluice.budget.remaining.key.search-prod.window.minute.unit.total_tokens", 90),
             count("sluice.budget.soft_limit_crossings_total.key.search-prod.window.minute.unit.total_tokens", 1),
             Effect::Log { level: LogLevel::Info, message: format!("soft limit of {CODE} crossed by key search-prod: 110 of 200 used (soft limit 100)") },
-            stamp(with(admitted_stamp(), json!({"input_tokens": 90, "output_tokens": 20, "charged_tokens": 110, "charged_micro_usd": 425,
-                "usage": "reported", "status": 200, "outcome": "completed"}))),
+            stamp(with(
+                admitted_stamp(),
+                json!({"input_tokens": 90, "output_tokens": 20, "charged_tokens": 110, "charged_micro_usd": 425,
+                "usage": "reported", "status": 200, "outcome": "completed"})
+            )),
         ]
     );
     let c = w.counter(CODE);
@@ -455,8 +461,11 @@ fn the_ledgers_admission_admits_and_its_settlement_is_queued_for_the_tick() {
             count(CHARGED_TOKENS, 12),
             count(CHARGED_USD, 53),
             record(OVERESTIMATE, 88 - 12),
-            stamp(with(admitted_stamp(), json!({"ledger": "redis", "ledger_hold": id, "input_tokens": 9, "output_tokens": 3,
-                "charged_tokens": 12, "charged_micro_usd": 53, "usage": "reported", "status": 200, "outcome": "completed"}))),
+            stamp(with(
+                admitted_stamp(),
+                json!({"ledger": "redis", "ledger_hold": id, "input_tokens": 9, "output_tokens": 3,
+                "charged_tokens": 12, "charged_micro_usd": 53, "usage": "reported", "status": 200, "outcome": "completed"})
+            )),
         ]
     );
     assert_eq!(w.policy.queued_settlements(), 1);
