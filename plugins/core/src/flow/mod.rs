@@ -10,6 +10,7 @@
 //! playground drive the same flows, so a rule lives in exactly one place and is tested natively
 //! (each flow's tests assert exact effect lists).
 
+pub mod budget;
 pub mod guard;
 pub mod metrics;
 

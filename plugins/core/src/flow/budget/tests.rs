@@ -1,0 +1,596 @@
+//! tenant-budget's rules, natively: each test drives a [`BudgetFlow`] through its events and
+//! asserts the exact effects (and the store's counters) a host would apply.
+
+use super::*;
+use crate::budget::ledger;
+use crate::flow::FixedView;
+use crate::store::MemoryStore;
+use serde_json::{json, Value};
+
+const NS: u64 = 1_000_000_000;
+/// 2026-03-31T12:00:30Z: 30 s before the minute ends, 3570 s before the hour ends.
+const NOW: u64 = 1_774_958_430 * NS;
+const STAMP_KEY: &str = "sluice_budget";
+
+/// A policy with org `acme`, team `search` and key `search-prod` (named by `x-sluice-key`) whose
+/// own budgets are `key_budgets`; `extra` is merged in at the top.
+fn policy_json(key_budgets: Value, extra: Value) -> Value {
+    let mut p = json!({
+        "identity": {"header": "x-sluice-key"},
+        "prices": [{"model": "gpt-4o*", "input_usd_per_mtok": 2.5, "output_usd_per_mtok": 10}],
+        "orgs": [{"id": "acme", "teams": [{"id": "search", "keys": [{"id": "search-prod", "budgets": key_budgets}]}]}]
+    });
+    if let (Some(p), Some(extra)) = (p.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            p.insert(k.clone(), v.clone());
+        }
+    }
+    p
+}
+
+fn budget_policy(json: &Value) -> BudgetPolicy {
+    let policy = Policy::from_json(json.to_string().as_bytes()).unwrap();
+    BudgetPolicy::new(policy, "node-1", NOW)
+}
+
+fn minute_tokens(limit: u64) -> Value {
+    json!([{"window": "minute", "tokens": limit, "soft_limit_percent": 50}])
+}
+
+/// A header map as the host serialises it.
+fn headers(pairs: &[(&str, &str)]) -> HeaderPairs {
+    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+    for (name, value) in pairs {
+        out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    }
+    for (name, value) in pairs {
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        out.extend_from_slice(value.as_bytes());
+        out.push(0);
+    }
+    HeaderPairs::parse(out).unwrap()
+}
+
+fn chat_headers() -> HeaderPairs {
+    headers(&[(":path", "/v1/chat/completions"), ("x-sluice-key", "search-prod"), ("content-type", "application/json")])
+}
+
+/// A host whose callouts get tokens 1, 2, … (or fail), recording what was sent.
+#[derive(Default)]
+struct MockHost {
+    calls: Vec<(String, Value)>,
+    fail_calls: bool,
+    refuse_body: bool,
+    replaced: Option<Vec<u8>>,
+}
+
+impl BudgetHost for MockHost {
+    fn ledger_call(&mut self, _ledger: &LedgerConfig, path: &str, body: &[u8]) -> Result<u32, String> {
+        if self.fail_calls {
+            return Err("BadArgument".into());
+        }
+        self.calls.push((path.to_string(), serde_json::from_slice(body).unwrap()));
+        Ok(u32::try_from(self.calls.len()).unwrap())
+    }
+    fn replace_request_body(&mut self, _size: usize, bytes: &[u8]) -> bool {
+        if self.refuse_body {
+            return false;
+        }
+        self.replaced = Some(bytes.to_vec());
+        true
+    }
+}
+
+/// One request's world: the VM policy, shared data, the host and the effects of the last event.
+struct World {
+    policy: BudgetPolicy,
+    store: MemoryStore,
+    host: MockHost,
+    view: FixedView,
+    flow: BudgetFlow,
+    fx: Effects,
+}
+
+impl World {
+    fn new(json: &Value) -> World {
+        let policy = budget_policy(json);
+        let mut store = MemoryStore::default();
+        policy.policy.ensure_counters(&mut store).unwrap();
+        World { policy, store, host: MockHost::default(), view: FixedView::default(), flow: BudgetFlow::new(0x2a), fx: Effects::default() }
+    }
+
+    fn take(&mut self) -> Vec<Effect> {
+        self.fx.drain().collect()
+    }
+
+    fn request_headers(&mut self, h: &HeaderPairs, end_of_stream: bool) -> (Verdict, Vec<Effect>) {
+        let v = self.flow.on_request_headers(&mut self.policy, h, end_of_stream, &mut self.fx);
+        (v, self.take())
+    }
+
+    fn request_body(&mut self, body: &[u8]) -> (Verdict, Vec<Effect>) {
+        self.view.request_body = body.to_vec();
+        let v = self.flow.on_request_body(&mut self.policy, &mut self.store, &mut self.host, &mut self.view, body.len(), true, NOW, &mut self.fx);
+        (v, self.take())
+    }
+
+    fn reserve_answer(&mut self, status: u16, answer: &Value, at: u64) -> (Verdict, Vec<Effect>) {
+        let bytes = answer.to_string().into_bytes();
+        let v = self.flow.on_reserve_answer(&mut self.policy, &mut self.store, &mut self.host, status, &bytes, at, &mut self.fx);
+        (v, self.take())
+    }
+
+    fn response_headers(&mut self, status: &str, content_type: &str) -> Vec<Effect> {
+        self.view.response_headers = vec![(":status".into(), status.into()), ("content-type".into(), content_type.into())];
+        self.flow.on_response_headers(&mut self.policy, &mut self.view, NOW, &mut self.fx);
+        self.take()
+    }
+
+    fn response_body(&mut self, chunk: &[u8], end_of_stream: bool) -> Vec<Effect> {
+        self.view.response_body = chunk.to_vec();
+        self.flow.on_response_body(&mut self.policy, &mut self.store, &mut self.view, chunk.len(), end_of_stream, NOW, &mut self.fx);
+        self.take()
+    }
+
+    fn log(&mut self, unended: Outcome) -> Vec<Effect> {
+        self.view.unended = unended;
+        self.flow.on_log(&mut self.policy, &mut self.store, &mut self.view, NOW, &mut self.fx);
+        self.take()
+    }
+
+    /// The counter `code` in the store.
+    fn counter(&mut self, code: &str) -> Counter {
+        let spec = self.policy.policy.counters.iter().find(|c| c.code == code).unwrap().clone();
+        let minute = u32::try_from(NOW / NS / 60).unwrap();
+        ledger::read(&mut self.store, &spec.store_key, spec.window.id(NOW), minute, self.policy.policy.reservation_ttl_minutes).unwrap()
+    }
+}
+
+fn stamp(value: Value) -> Effect {
+    Effect::SetState { key: STAMP_KEY.into(), value: value.to_string().into_bytes() }
+}
+
+fn count(name: &str, delta: i64) -> Effect {
+    Effect::Count { name: name.into(), delta }
+}
+
+fn gauge(name: &str, value: u64) -> Effect {
+    Effect::GaugeSet { name: name.into(), value }
+}
+
+fn record(name: &str, value: u64) -> Effect {
+    Effect::Record { name: name.into(), value }
+}
+
+fn header(name: &str, value: Option<&str>, dir: Dir) -> Effect {
+    Effect::SetHeader { dir, name: name.into(), value: value.map(String::from) }
+}
+
+/// The refusal a client gets: the reply recorded for the other plugins, then sent.
+fn refusal(status: u32, retry_after: Option<&str>, body: Value) -> [Effect; 2] {
+    let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+    if let Some(r) = retry_after {
+        headers.push(("retry-after".into(), r.into()));
+    }
+    [
+        Effect::MarkReply(GatewayReply { status: u16::try_from(status).unwrap(), end: GatewayEnd::Refused }),
+        Effect::LocalReply { status, headers, body: body.to_string().into_bytes() },
+    ]
+}
+
+/// 78 bytes: strict mode reserves 78 prompt tokens (and the 10 output tokens asked for).
+const BODY: &[u8] = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":10}"#;
+const REMAINING: &str = "sluice.budget.remaining.key.search-prod.window.minute.unit.total_tokens";
+const CODE: &str = "key:search-prod:minute:total_tokens";
+
+#[test]
+fn an_admitted_request_is_reserved_stamped_and_announced_in_rate_headers() {
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    let (v, fx) = w.request_headers(&chat_headers(), false);
+    assert_eq!(v, Verdict::Continue);
+    assert_eq!(fx, [header("content-length", None, Dir::Request)]);
+    let input = BODY.len() as u64;
+    let (v, fx) = w.request_body(BODY);
+    assert_eq!(v, Verdict::Continue);
+    let reserved = input + 10;
+    assert_eq!(
+        fx,
+        [
+            gauge(REMAINING, 1000 - reserved),
+            stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "admitted",
+                "reserved_input_tokens": input, "reserved_output_tokens": 10, "reserved_tokens": reserved,
+                "reserved_micro_usd": (input * 25 + 10 * 100).div_ceil(10)})),
+        ]
+    );
+    // max_tokens as asked and no stream: the body goes on untouched.
+    assert_eq!(w.host.replaced, None);
+    assert_eq!(w.counter(CODE).reserved(), reserved);
+    let fx = w.response_headers("200", "application/json");
+    assert_eq!(
+        fx,
+        [
+            header("x-ratelimit-limit-tokens", Some("1000"), Dir::Response),
+            header("x-ratelimit-remaining-tokens", Some(&(1000 - reserved).to_string()), Dir::Response),
+            header("x-ratelimit-reset-tokens", Some("30s"), Dir::Response),
+        ]
+    );
+}
+
+/// A chat completion answer reporting `prompt` + `completion` tokens.
+fn answer(prompt: u64, completion: u64) -> Vec<u8> {
+    json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+    .to_string()
+    .into_bytes()
+}
+
+const CHARGED_TOKENS: &str = "sluice.budget.charged_tokens_total.key.search-prod.team.search.org.acme.model_version.gpt-4o";
+const CHARGED_USD: &str = "sluice.budget.charged_micro_usd_total.key.search-prod.team.search.org.acme.model_version.gpt-4o";
+const OVERESTIMATE: &str = "sluice.budget.overestimate_tokens.key.search-prod";
+
+fn admitted_stamp() -> serde_json::Map<String, Value> {
+    let input = BODY.len() as u64;
+    let v = json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "admitted",
+        "reserved_input_tokens": input, "reserved_output_tokens": 10, "reserved_tokens": input + 10, "reserved_micro_usd": 295});
+    v.as_object().unwrap().clone()
+}
+
+fn with(mut base: serde_json::Map<String, Value>, more: Value) -> Value {
+    for (k, v) in more.as_object().unwrap() {
+        base.insert(k.clone(), v.clone());
+    }
+    Value::Object(base)
+}
+
+#[test]
+fn a_request_past_its_budget_is_refused_with_429_and_reserves_nothing() {
+    let mut w = World::new(&policy_json(minute_tokens(50), json!({})));
+    w.request_headers(&chat_headers(), false);
+    let (v, fx) = w.request_body(BODY);
+    assert_eq!(v, Verdict::Pause);
+    let message = format!("budget {CODE} exceeded: 0 used and 0 reserved of 50; resets in 30 s");
+    let mut want = vec![
+        count("sluice.budget.rejections_total.key.search-prod.reason.key_search-prod_minute_total_tokens", 1),
+        stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected", "reject_code": CODE,
+            "status": 429, "outcome": "refused"})),
+    ];
+    want.extend(refusal(429, Some("30"), json!({"error": {"message": message, "type": "budget_exceeded", "code": CODE}})));
+    assert_eq!(fx, want);
+    assert_eq!(w.counter(CODE).committed(), 0);
+    // Refused: nothing to settle at the teardown, nothing more is stamped.
+    assert_eq!(w.log(Outcome::ClientDisconnect), []);
+}
+
+#[test]
+fn an_unknown_key_and_a_compressed_body_are_refused_from_the_headers() {
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    let (v, fx) = w.request_headers(&headers(&[(":path", "/v1/chat/completions"), ("x-sluice-key", "nobody")]), false);
+    assert_eq!(v, Verdict::Pause);
+    let mut want = vec![
+        count("sluice.budget.rejections_total.key.unknown.reason.unknown_key", 1),
+        stamp(json!({"decision": "rejected", "reject_code": "unknown_key", "status": 401, "outcome": "refused"})),
+    ];
+    let message = "the request's API key or tenant is not in the budget policy";
+    want.extend(refusal(401, None, json!({"error": {"message": message, "type": "authentication_error", "code": "unknown_key"}})));
+    assert_eq!(fx, want);
+
+    // A key named twice is no key at all.
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    let twice = headers(&[(":path", "/v1/chat/completions"), ("x-sluice-key", "search-prod"), ("x-sluice-key", "search-prod")]);
+    assert_eq!(w.request_headers(&twice, false).0, Verdict::Pause);
+
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    let gzip = headers(&[(":path", "/v1/chat/completions"), ("x-sluice-key", "search-prod"), ("content-encoding", "gzip")]);
+    let (v, fx) = w.request_headers(&gzip, false);
+    assert_eq!(v, Verdict::Pause);
+    assert_eq!(fx.first(), Some(&count("sluice.budget.rejections_total.key.search-prod.reason.encoded_body", 1)));
+    assert_eq!(
+        fx.get(1),
+        Some(&stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected",
+        "reject_code": "encoded_body", "status": 415, "outcome": "refused"})))
+    );
+
+    // Not an LLM path: not budgeted, nothing done.
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    assert_eq!(w.request_headers(&headers(&[(":path", "/healthz")]), true), (Verdict::Continue, vec![]));
+    assert!(!w.flow.is_budgeted());
+}
+
+#[test]
+fn a_response_reporting_usage_settles_to_it_and_crosses_the_soft_limit_once() {
+    // Soft limit at 100 of 200: the first request's reported 110 tokens cross it.
+    let mut w = World::new(&policy_json(minute_tokens(200), json!({})));
+    w.request_headers(&chat_headers(), false);
+    assert_eq!(w.request_body(BODY).0, Verdict::Continue);
+    assert_eq!(w.response_headers("200", "application/json").len(), 3);
+    let fx = w.response_body(&answer(90, 20), true);
+    assert_eq!(
+        fx,
+        [
+            count(CHARGED_TOKENS, 110),
+            // 90 × 2.5 + 20 × 10 micro-USD, rounded up.
+            count(CHARGED_USD, 425),
+            record(OVERESTIMATE, 0),
+            gauge("sluice.budget.remaining.key.search-prod.window.minute.unit.total_tokens", 90),
+            count("sluice.budget.soft_limit_crossings_total.key.search-prod.window.minute.unit.total_tokens", 1),
+            Effect::Log { level: LogLevel::Info, message: format!("soft limit of {CODE} crossed by key search-prod: 110 of 200 used (soft limit 100)") },
+            stamp(with(
+                admitted_stamp(),
+                json!({"input_tokens": 90, "output_tokens": 20, "charged_tokens": 110, "charged_micro_usd": 425,
+                "usage": "reported", "status": 200, "outcome": "completed"})
+            )),
+        ]
+    );
+    let c = w.counter(CODE);
+    assert_eq!((c.used, c.reserved()), (110, 0));
+    // Settled once: the teardown adds nothing.
+    assert_eq!(w.log(Outcome::ClientDisconnect), []);
+
+    // The next request is told (usage, not its reservation, is past the soft limit); no new crossing.
+    let mut next = BudgetFlow::new(0x2b);
+    std::mem::swap(&mut w.flow, &mut next);
+    w.request_headers(&chat_headers(), false);
+    let (v, fx) = w.request_body(BODY);
+    assert_eq!(v, Verdict::Continue);
+    // Past the soft limit already: announced, not counted as a crossing again.
+    assert_eq!(fx, [gauge(REMAINING, 200 - 110 - 88), stamp(Value::Object(admitted_stamp()))]);
+    let fx = w.response_headers("200", "application/json");
+    assert_eq!(fx.last(), Some(&header("x-sluice-budget-warning", Some(&format!("soft limit reached: {CODE}")), Dir::Response)));
+    let fx = w.response_body(&answer(10, 2), true);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Count { name, .. } if name.contains("soft_limit_crossings"))), "{fx:?}");
+}
+
+/// A streaming chat request: sluice asks for the usage (and strips it again).
+const STREAM_BODY: &[u8] = br#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":10}"#;
+
+fn prompt_estimate(body: &[u8]) -> u64 {
+    inspect_request_with_kind(ApiKind::ChatCompletions, body).unwrap().1.prompt_tokens_estimate
+}
+
+#[test]
+fn a_stream_cut_before_any_content_is_charged_its_prompt() {
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    w.request_headers(&chat_headers(), false);
+    assert_eq!(w.request_body(STREAM_BODY).0, Verdict::Continue);
+    let rewritten: Value = serde_json::from_slice(w.host.replaced.as_deref().unwrap()).unwrap();
+    assert_eq!(rewritten["stream_options"], json!({"include_usage": true}));
+    let fx = w.response_headers("200", "text/event-stream");
+    assert_eq!(fx.last(), Some(&header("content-length", None, Dir::Response)), "the stripper changes the length");
+    // Only the role delta came before the client went away.
+    let role = b"data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+    assert_eq!(w.response_body(role, false), []);
+    let input = prompt_estimate(STREAM_BODY);
+    assert!(input > 0);
+    let reserved = STREAM_BODY.len() as u64 + 10;
+    let fx = w.log(Outcome::ClientDisconnect);
+    let usd = (input * 25).div_ceil(10);
+    assert_eq!(
+        fx,
+        [
+            count(CHARGED_TOKENS, i64::try_from(input).unwrap()),
+            count(CHARGED_USD, i64::try_from(usd).unwrap()),
+            record(OVERESTIMATE, reserved - input),
+            gauge(REMAINING, 1000 - input),
+            stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "admitted",
+                "reserved_input_tokens": STREAM_BODY.len(), "reserved_output_tokens": 10, "reserved_tokens": reserved,
+                "reserved_micro_usd": (STREAM_BODY.len() as u64 * 25 + 1000).div_ceil(10),
+                "input_tokens": input, "output_tokens": 0, "charged_tokens": input, "charged_micro_usd": usd,
+                "usage": "estimated", "status": 200, "outcome": "client_disconnect"})),
+        ]
+    );
+    assert_eq!(w.counter(CODE).used, input);
+
+    // The same stream ended by the gateway's deadline before any content: nothing passed, nothing charged.
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    w.request_headers(&chat_headers(), false);
+    w.request_body(STREAM_BODY);
+    w.response_headers("200", "text/event-stream");
+    w.response_body(role, false);
+    w.view.gateway_reply = Some(GatewayReply { status: 504, end: GatewayEnd::Deadline });
+    let fx = w.log(Outcome::ClientDisconnect);
+    assert_eq!(fx.first(), Some(&count(CHARGED_TOKENS, 0)));
+    let Some(Effect::SetState { value, .. }) = fx.last() else { panic!("{fx:?}") };
+    let s: Value = serde_json::from_slice(value).unwrap();
+    assert_eq!((&s["charged_tokens"], &s["status"], &s["outcome"]), (&json!(0), &json!(504), &json!("deadline")));
+    assert_eq!(w.counter(CODE).committed(), 0);
+}
+
+#[test]
+fn a_body_the_host_will_not_replace_is_refused_and_its_reservation_released() {
+    let mut w = World::new(&policy_json(minute_tokens(1000), json!({})));
+    w.host.refuse_body = true;
+    w.request_headers(&chat_headers(), false);
+    let (v, fx) = w.request_body(STREAM_BODY);
+    assert_eq!(v, Verdict::Pause);
+    let message = "the request body could not be updated to enforce the budget; retry";
+    let mut want = vec![
+        count("sluice.budget.rejections_total.key.search-prod.reason.unrewritable_body", 1),
+        stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected", "reject_code": "unrewritable_body",
+            "status": 503, "outcome": "refused"})),
+    ];
+    want.extend(refusal(503, Some("1"), json!({"error": {"message": message, "type": "overloaded", "code": "unrewritable_body"}})));
+    assert_eq!(fx, want);
+    assert_eq!(w.counter(CODE).committed(), 0, "released");
+}
+
+fn redis(on_failure: &str) -> Value {
+    policy_json(minute_tokens(1000), json!({"ledger": {"mode": "redis", "cluster": "ledger", "on_failure": on_failure}}))
+}
+
+const RESERVE_OK: &str = "sluice.budget.ledger_calls_total.call.reserve.result.ok";
+const RESERVE_LATENCY: &str = "sluice.budget.ledger_latency_ms.call.reserve";
+
+/// A Redis-mode request sent to the ledger; returns its hold id.
+fn reserving(w: &mut World) -> String {
+    w.request_headers(&chat_headers(), false);
+    let (v, fx) = w.request_body(BODY);
+    assert_eq!((v, fx), (Verdict::Pause, vec![]));
+    let (path, body) = w.host.calls.last().unwrap().clone();
+    assert_eq!(path, "/v1/reserve");
+    let id = body["id"].as_str().unwrap().to_string();
+    assert!(id.ends_with(&format!("-2a-{NOW:x}")), "{id}");
+    assert!(w.flow.awaits_reserve(1) && !w.flow.awaits_reserve(2));
+    id
+}
+
+#[test]
+fn the_ledgers_admission_admits_and_its_settlement_is_queued_for_the_tick() {
+    let mut w = World::new(&redis("deny"));
+    let id = reserving(&mut w);
+    let (v, fx) = w.reserve_answer(200, &json!({"admitted": true, "counters": [{"used": 5, "reserved": 100}]}), NOW + 3_000_000);
+    assert_eq!(v, Verdict::Continue);
+    assert_eq!(
+        fx,
+        [
+            count(RESERVE_OK, 1),
+            record(RESERVE_LATENCY, 3),
+            gauge("sluice.budget.ledger_up", 1),
+            gauge(REMAINING, 1000 - 105),
+            stamp(with(admitted_stamp(), json!({"ledger": "redis", "ledger_hold": id}))),
+        ]
+    );
+    w.response_headers("200", "application/json");
+    let fx = w.response_body(&answer(9, 3), true);
+    // The counters after a Redis settlement are the ledger's: no gauge here.
+    assert_eq!(
+        fx,
+        [
+            count(CHARGED_TOKENS, 12),
+            count(CHARGED_USD, 53),
+            record(OVERESTIMATE, 88 - 12),
+            stamp(with(
+                admitted_stamp(),
+                json!({"ledger": "redis", "ledger_hold": id, "input_tokens": 9, "output_tokens": 3,
+                "charged_tokens": 12, "charged_micro_usd": 53, "usage": "reported", "status": 200, "outcome": "completed"})
+            )),
+        ]
+    );
+    assert_eq!(w.policy.queued_settlements(), 1);
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    assert_eq!(w.take(), []);
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), json!({"id": id, "tag": "acme", "charges": [12]})));
+    assert!(w.policy.awaits_settlement(2));
+    w.policy.on_settle_answer(2, 200, br#"{"settled":true}"#, NOW + NS + 2_000_000, &mut w.fx);
+    assert_eq!(w.take(), [count("sluice.budget.ledger_calls_total.call.settle.result.ok", 1), record("sluice.budget.ledger_latency_ms.call.settle", 2)]);
+    assert_eq!(w.policy.queued_settlements(), 0);
+
+    // A failed settlement goes back with a backoff, and is sent again once due.
+    w.policy.settle_queue.push_back(SettleJob { body: b"{}".to_vec(), attempts: 0, not_before_ns: NOW });
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    w.policy.on_settle_answer(3, 502, b"", NOW + NS, &mut w.fx);
+    assert_eq!(
+        w.take(),
+        [
+            count("sluice.budget.ledger_calls_total.call.settle.result.error", 1),
+            record("sluice.budget.ledger_latency_ms.call.settle", 0),
+            Effect::Log { level: LogLevel::Warn, message: "tenant-budget: the Redis ledger is failing (settle answered HTTP 502); on_failure = Deny".into() },
+            gauge("sluice.budget.ledger_up", 0),
+        ]
+    );
+    w.policy.on_tick(&mut w.host, NOW + NS + 50_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.len(), 3, "backing off");
+    w.policy.on_tick(&mut w.host, NOW + NS + 100_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.len(), 4, "sent again");
+}
+
+#[test]
+fn the_ledgers_refusal_is_a_429_naming_the_refusing_budget() {
+    let mut w = World::new(&redis("allow"));
+    let id = reserving(&mut w);
+    let (v, fx) = w.reserve_answer(200, &json!({"admitted": false, "refused": 0, "used": 990, "reserved": 4}), NOW);
+    assert_eq!(v, Verdict::Pause);
+    let message = format!("budget {CODE} exceeded: 990 used and 4 reserved of 1000; resets in 30 s");
+    let mut want = vec![
+        count(RESERVE_OK, 1),
+        record(RESERVE_LATENCY, 0),
+        gauge("sluice.budget.ledger_up", 1),
+        count("sluice.budget.rejections_total.key.search-prod.reason.key_search-prod_minute_total_tokens", 1),
+        stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected", "reject_code": CODE,
+            "status": 429, "outcome": "refused", "ledger_hold": id})),
+    ];
+    want.extend(refusal(429, Some("30"), json!({"error": {"message": message, "type": "budget_exceeded", "code": CODE}})));
+    assert_eq!(fx, want);
+    assert_eq!(w.policy.queued_settlements(), 0, "a refusal held nothing");
+}
+
+#[test]
+fn a_ledger_that_does_not_answer_is_handled_by_its_failure_policy() {
+    let failing = |on_failure: &str| Effect::Log {
+        level: LogLevel::Warn,
+        message: format!("tenant-budget: the Redis ledger is failing (sluice-ledger answered HTTP 0); on_failure = {on_failure}"),
+    };
+    let timed_out = [count("sluice.budget.ledger_calls_total.call.reserve.result.timeout", 1), record(RESERVE_LATENCY, 250)];
+
+    // deny: 503, and the hold the reservation may still make is released a second later.
+    let mut w = World::new(&redis("deny"));
+    let id = reserving(&mut w);
+    let (v, fx) = w.reserve_answer(0, &json!(null), NOW + 250_000_000);
+    assert_eq!(v, Verdict::Pause);
+    let mut want = timed_out.to_vec();
+    want.extend([
+        failing("Deny"),
+        gauge("sluice.budget.ledger_up", 0),
+        count("sluice.budget.rejections_total.key.search-prod.reason.budget_ledger_unavailable", 1),
+        stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "rejected", "reject_code": "budget_ledger_unavailable",
+            "status": 503, "outcome": "refused", "ledger_hold": id})),
+    ]);
+    let message = "the budget ledger is unavailable; retry shortly";
+    want.extend(refusal(503, Some("1"), json!({"error": {"message": message, "type": "overloaded", "code": "budget_ledger_unavailable"}})));
+    assert_eq!(fx, want);
+    assert_eq!(w.policy.queued_settlements(), 1);
+    w.policy.on_tick(&mut w.host, NOW + 250_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.len(), 1, "the release waits a second");
+    w.policy.on_tick(&mut w.host, NOW + 1_250_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), json!({"id": id, "tag": "acme", "charges": [0]})));
+
+    // allow: through, unbudgeted, and nothing to settle at the end.
+    let mut w = World::new(&redis("allow"));
+    let id = reserving(&mut w);
+    let (v, fx) = w.reserve_answer(0, &json!(null), NOW + 250_000_000);
+    assert_eq!(v, Verdict::Continue);
+    let mut want = timed_out.to_vec();
+    want.extend([
+        failing("Allow"),
+        gauge("sluice.budget.ledger_up", 0),
+        stamp(json!({"key": "search-prod", "team": "search", "org": "acme", "decision": "unbudgeted", "ledger_hold": id})),
+        count("sluice.budget.ledger_fallback_total.action.allow", 1),
+    ]);
+    assert_eq!(fx, want);
+    w.response_headers("200", "application/json");
+    assert_eq!(w.response_body(&answer(9, 3), true), []);
+    assert_eq!(w.log(Outcome::Completed), []);
+
+    // local: the per-process ledger admits (a callout that never started counts the same way).
+    let mut w = World::new(&redis("local"));
+    w.host.fail_calls = true;
+    w.request_headers(&chat_headers(), false);
+    let (v, fx) = w.request_body(BODY);
+    assert_eq!(v, Verdict::Continue);
+    assert_eq!(
+        fx,
+        [
+            Effect::Log {
+                level: LogLevel::Warn,
+                message: "tenant-budget: the Redis ledger is failing (reserve callout not started: BadArgument); on_failure = Local".into()
+            },
+            gauge("sluice.budget.ledger_up", 0),
+            count("sluice.budget.ledger_fallback_total.action.local", 1),
+            gauge(REMAINING, 1000 - 88),
+            stamp(with(admitted_stamp(), json!({"ledger": "local_fallback"}))),
+        ]
+    );
+    assert_eq!(w.counter(CODE).reserved(), 88);
+}
+
+#[test]
+fn a_stream_gone_while_the_ledger_decides_releases_its_hold() {
+    let mut w = World::new(&redis("deny"));
+    let id = reserving(&mut w);
+    assert_eq!(w.log(Outcome::ClientDisconnect), []);
+    assert!(!w.flow.awaits_reserve(1));
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), json!({"id": id, "tag": "acme", "charges": [0]})));
+}
