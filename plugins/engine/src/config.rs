@@ -3,13 +3,65 @@
 
 use sluice_core::flow::metrics::config::Settings as MetricsSettings;
 use sluice_core::flow::metrics::MetricsPolicy;
+use sluice_core::budget::Policy as BudgetPolicy;
+use sluice_core::latency::LatencyPolicy;
 
-/// The sections `sluice.wasm` knows, in pipeline order (request side).
+/// A policy section, in pipeline order (request side).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SectionKind {
+    LatencyGuard,
+    TenantBudget,
+    LlmMetrics,
+}
+
+/// The sections `sluice.wasm` knows, in pipeline order (request side), with the filters that still
+/// run the others.
 pub const SECTIONS: &[&str] = &["latency_guard", "model_router", "tenant_budget", "llm_metrics"];
+const NOT_YET_IN_ENGINE: &[(&str, &str)] = &[("model_router", "sluice_model_router.wasm")];
 
-/// Sections whose policy still runs in its own filter (see docs/configuration.md).
-const NOT_YET_IN_ENGINE: &[(&str, &str)] =
-    &[("latency_guard", "sluice_latency_guard.wasm"), ("model_router", "sluice_model_router.wasm"), ("tenant_budget", "sluice_tenant_budget.wasm")];
+impl SectionKind {
+    /// The section's member name in `sluice.wasm`'s configuration.
+    pub fn section(self) -> &'static str {
+        match self {
+            SectionKind::LatencyGuard => "latency_guard",
+            SectionKind::TenantBudget => "tenant_budget",
+            SectionKind::LlmMetrics => "llm_metrics",
+        }
+    }
+
+    /// The policy's name in log lines (the single-policy filter's name).
+    pub fn policy_name(self) -> &'static str {
+        match self {
+            SectionKind::LatencyGuard => "latency-guard",
+            SectionKind::TenantBudget => "tenant-budget",
+            SectionKind::LlmMetrics => "llm-metrics",
+        }
+    }
+
+    fn from_section(name: &str) -> Option<SectionKind> {
+        [SectionKind::LatencyGuard, SectionKind::TenantBudget, SectionKind::LlmMetrics].into_iter().find(|k| k.section() == name)
+    }
+}
+
+/// One configured, validated policy.
+#[derive(Debug)]
+pub enum Policy {
+    LatencyGuard(Box<LatencyPolicy>),
+    TenantBudget(Box<BudgetPolicy>),
+    LlmMetrics(Box<MetricsPolicy>),
+}
+
+impl Policy {
+    /// Parses one policy's configuration as that policy words its errors. An empty llm-metrics
+    /// configuration means all defaults, as it always has.
+    fn parse(kind: SectionKind, bytes: &[u8]) -> Result<Policy, String> {
+        match kind {
+            SectionKind::LatencyGuard => LatencyPolicy::from_json(bytes).map(|p| Policy::LatencyGuard(Box::new(p))).map_err(|e| e.to_string()),
+            SectionKind::TenantBudget => BudgetPolicy::from_json(bytes).map(|p| Policy::TenantBudget(Box::new(p))).map_err(|e| e.to_string()),
+            SectionKind::LlmMetrics => MetricsSettings::parse(bytes).map(|s| Policy::LlmMetrics(Box::new(MetricsPolicy::new(s)))).map_err(|e| e.to_string()),
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -19,10 +71,15 @@ pub enum ConfigError {
     NotAnObject,
     #[error("unknown section `{0}`: expected one of {known}", known = SECTIONS.join(", "))]
     UnknownSection(String),
-    #[error("no policy section: name at least one of {}", SECTIONS.join(", "))]
+    #[error("no policy section: name one of {}", SECTIONS.join(", "))]
     Empty,
     #[error("{section}: this policy is not run by sluice.wasm yet; configure {filter} for it")]
     NotYet { section: String, filter: &'static str },
+    #[error(
+        "sections {0}: one filter instance runs one section in this release; configure one sluice.wasm filter per section, in the order {order} (instances with the same vm_id share one VM)",
+        order = SECTIONS.join(", ")
+    )]
+    SeveralSections(String),
     /// A single-policy build's own configuration error, as that policy words it.
     #[error("{0}")]
     Policy(String),
@@ -30,49 +87,39 @@ pub enum ConfigError {
     Section { section: &'static str, problem: String },
 }
 
-/// Every configured policy, validated.
-#[derive(Debug, Default)]
-pub struct Sections {
-    pub llm_metrics: Option<MetricsPolicy>,
-}
-
-impl Sections {
-    /// A configuration with one section per policy (`sluice.wasm`).
-    pub fn parse(bytes: &[u8]) -> Result<Sections, ConfigError> {
-        let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
-        if text.trim().is_empty() {
-            return Err(ConfigError::Empty);
-        }
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
-        let serde_json::Value::Object(members) = value else { return Err(ConfigError::NotAnObject) };
-        if members.is_empty() {
-            return Err(ConfigError::Empty);
-        }
-        let mut sections = Sections::default();
-        for (name, section) in members {
-            match name.as_str() {
-                "llm_metrics" => sections.llm_metrics = Some(llm_metrics(&section.to_string(), "llm_metrics")?),
-                other => {
-                    return Err(match NOT_YET_IN_ENGINE.iter().find(|(s, _)| *s == other) {
-                        Some((section, filter)) => ConfigError::NotYet { section: (*section).to_string(), filter },
-                        None => ConfigError::UnknownSection(other.to_string()),
-                    })
-                }
+/// A configuration with one section per policy (`sluice.wasm`).
+pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
+    if text.trim().is_empty() {
+        return Err(ConfigError::Empty);
+    }
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
+    let serde_json::Value::Object(members) = value else { return Err(ConfigError::NotAnObject) };
+    let mut found = Vec::new();
+    for (name, section) in members {
+        match SectionKind::from_section(&name) {
+            Some(kind) => found.push((kind, section)),
+            None => {
+                return Err(match NOT_YET_IN_ENGINE.iter().find(|(s, _)| *s == name) {
+                    Some((section, filter)) => ConfigError::NotYet { section: (*section).to_string(), filter },
+                    None => ConfigError::UnknownSection(name),
+                })
             }
         }
-        Ok(sections)
     }
-
-    /// A configuration that is llm-metrics' alone, unwrapped (`sluice_llm_metrics.wasm`): an empty
-    /// one means all defaults, as it always has.
-    pub fn llm_metrics_only(bytes: &[u8]) -> Result<Sections, ConfigError> {
-        let settings = MetricsSettings::parse(bytes).map_err(|e| ConfigError::Policy(e.to_string()))?;
-        Ok(Sections { llm_metrics: Some(MetricsPolicy::new(settings)) })
+    match found.len() {
+        0 => Err(ConfigError::Empty),
+        1 => {
+            let (kind, section) = found.remove(0);
+            Policy::parse(kind, section.to_string().as_bytes()).map_err(|problem| ConfigError::Section { section: kind.section(), problem })
+        }
+        _ => Err(ConfigError::SeveralSections(found.iter().map(|(k, _)| k.section()).collect::<Vec<_>>().join(", "))),
     }
 }
 
-fn llm_metrics(text: &str, section: &'static str) -> Result<MetricsPolicy, ConfigError> {
-    MetricsSettings::parse(text.as_bytes()).map(MetricsPolicy::new).map_err(|e| ConfigError::Section { section, problem: e.to_string() })
+/// A configuration that is one policy's alone, unwrapped (the single-policy builds).
+pub fn parse_only(kind: SectionKind, bytes: &[u8]) -> Result<Policy, ConfigError> {
+    Policy::parse(kind, bytes).map_err(ConfigError::Policy)
 }
 
 #[cfg(test)]
@@ -81,35 +128,44 @@ mod tests {
     use super::*;
 
     fn err(json: &str) -> String {
-        match Sections::parse(json.as_bytes()) {
+        match parse_sections(json.as_bytes()) {
             Ok(_) => panic!("accepted {json}"),
             Err(e) => e.to_string(),
         }
     }
 
     #[test]
-    fn the_shipped_llm_metrics_policy_is_a_section_unchanged() {
-        let policy = include_str!("../../../policies/llm-metrics.demo.json");
-        let s = Sections::parse(format!(r#"{{"llm_metrics":{policy}}}"#).as_bytes()).unwrap();
-        assert_eq!(s.llm_metrics.unwrap().settings.prices.len(), 4);
+    fn the_shipped_policies_are_sections_unchanged() {
+        let metrics = include_str!("../../../policies/llm-metrics.demo.json");
+        match parse_sections(format!(r#"{{"llm_metrics":{metrics}}}"#).as_bytes()).unwrap() {
+            Policy::LlmMetrics(m) => assert_eq!(m.settings.prices.len(), 4),
+            other => panic!("{other:?}"),
+        }
+        let guard = include_str!("../../../policies/latency-guard.demo.json");
+        assert!(matches!(parse_sections(format!(r#"{{"latency_guard":{guard}}}"#).as_bytes()).unwrap(), Policy::LatencyGuard(_)));
+        let budget = include_str!("../../../policies/tenant-budget.full.json");
+        assert!(matches!(parse_sections(format!(r#"{{"tenant_budget":{budget}}}"#).as_bytes()).unwrap(), Policy::TenantBudget(_)));
     }
 
     #[test]
     fn errors_name_the_section_and_the_field() {
         assert_eq!(err(r#"{"llm_metrics":{"path_prefixes":["v1"]}}"#), "llm_metrics.path_prefixes[0]: must start with '/', got \"v1\"");
-        assert!(err(r#"{"llm_metrics":{"path_prefix":[]}}"#).starts_with("llm_metrics."), "{}", err(r#"{"llm_metrics":{"path_prefix":[]}}"#));
-        assert!(err(r#"{"llm_metrics":{"path_prefix":[]}}"#).contains("unknown field `path_prefix`"));
+        let unknown = err(r#"{"llm_metrics":{"path_prefix":[]}}"#);
+        assert!(unknown.starts_with("llm_metrics.") && unknown.contains("unknown field `path_prefix`"), "{unknown}");
+        assert!(err(r#"{"latency_guard":{"classes":7}}"#).starts_with("latency_guard."), "{}", err(r#"{"latency_guard":{"classes":7}}"#));
         assert_eq!(err(r#"{"llm_metric":{}}"#), "unknown section `llm_metric`: expected one of latency_guard, model_router, tenant_budget, llm_metrics");
-        assert_eq!(err("{}"), "no policy section: name at least one of latency_guard, model_router, tenant_budget, llm_metrics");
+        assert_eq!(err("{}"), "no policy section: name one of latency_guard, model_router, tenant_budget, llm_metrics");
         assert_eq!(err(""), err("{}"));
         assert!(err("[1]").starts_with("configuration must be a JSON object"));
         assert!(err("{nope").starts_with("configuration is not valid JSON"));
         assert_eq!(err(r#"{"model_router":{}}"#), "model_router: this policy is not run by sluice.wasm yet; configure sluice_model_router.wasm for it");
+        assert!(err(r#"{"tenant_budget":{"mode":"sloppy"}}"#).starts_with("tenant_budget."), "{}", err(r#"{"tenant_budget":{"mode":"sloppy"}}"#));
+        assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections llm_metrics, latency_guard: one filter instance runs one section"));
     }
 
     #[test]
-    fn the_single_section_build_reads_its_policy_unwrapped() {
-        assert!(Sections::llm_metrics_only(b"").unwrap().llm_metrics.is_some());
-        assert!(Sections::llm_metrics_only(br#"{"llm_metrics":{}}"#).unwrap_err().to_string().contains("unknown field `llm_metrics`"));
+    fn a_single_policy_build_reads_its_policy_unwrapped() {
+        assert!(matches!(parse_only(SectionKind::LlmMetrics, b"").unwrap(), Policy::LlmMetrics(_)));
+        assert!(parse_only(SectionKind::LlmMetrics, br#"{"llm_metrics":{}}"#).unwrap_err().to_string().contains("unknown field `llm_metrics`"));
     }
 }

@@ -1,108 +1,124 @@
-//! The sluice engine: the policies' core flows (`sluice_core::flow`) composed in one proxy-wasm
-//! filter. A stream's events go through the flows in the fixed order — latency guard → router →
-//! budget → metrics on the request, reversed on the response — each flow reading through one
-//! [`View`](sluice_core::flow::View) and pushing effects this adapter applies; nothing here decides
-//! anything.
+//! The sluice engine: the policies' core flows (`sluice_core::flow`) run by one proxy-wasm module.
+//! Each section's adapter (`guard`, `budget`, `metrics`) only reads what the host gives, calls its
+//! flow and applies the effects; nothing here decides anything.
 //!
-//! Builds: `sluice.wasm` (crate `sluice`, every section, [`start_sections`]) and the single-policy
-//! filters kept for existing deployments (`sluice_llm_metrics.wasm`, [`start_llm_metrics`]: the
-//! same engine with its one section, configured unwrapped).
+//! Builds: `sluice.wasm` (crate `sluice`, configured with one section per policy,
+//! [`start_sections`]) and the single-policy filters kept for existing deployments
+//! (`sluice_llm_metrics.wasm`, `sluice_latency_guard.wasm`, `sluice_tenant_budget.wasm`: the same
+//! engine configured with the policy unwrapped). Every instance of `sluice.wasm` that has the same
+//! `vm_id` runs in one VM per worker, whatever its section (docs/architecture.md).
 
 pub mod config;
+mod budget;
+mod guard;
 mod metrics;
 
-use config::Sections;
+use config::{Policy, SectionKind};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 use sluice_proxy_host as host;
-use std::cell::RefCell;
-use std::rc::Rc;
 
 /// How a build reads its configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shape {
     /// One section per policy (`sluice.wasm`).
     Sections,
-    /// llm-metrics' configuration alone, unwrapped (`sluice_llm_metrics.wasm`).
-    LlmMetrics,
+    /// One policy's configuration alone, unwrapped (the single-policy builds).
+    Only(SectionKind),
 }
 
 impl Shape {
     fn name(self) -> &'static str {
         match self {
             Shape::Sections => "sluice",
-            Shape::LlmMetrics => "llm-metrics",
+            Shape::Only(kind) => kind.policy_name(),
         }
     }
 }
 
-/// The entry point of `sluice.wasm`: call from `proxy_wasm::main!`.
-pub fn start_sections() {
-    start(Shape::Sections);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::new(Shape::Sections)) });
+macro_rules! entry_point {
+    ($(#[$doc:meta])* $name:ident, $shape:expr) => {
+        $(#[$doc])*
+        pub fn $name() {
+            proxy_wasm::set_log_level(LogLevel::Info);
+            host::install_panic_hook($shape.name());
+            proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shape: $shape, section: None }) });
+        }
+    };
 }
 
-/// The entry point of `sluice_llm_metrics.wasm`: call from `proxy_wasm::main!`.
-pub fn start_llm_metrics() {
-    start(Shape::LlmMetrics);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::new(Shape::LlmMetrics)) });
-}
+entry_point!(
+    /// `sluice.wasm`: call from `proxy_wasm::main!`.
+    start_sections,
+    Shape::Sections
+);
+entry_point!(
+    /// `sluice_llm_metrics.wasm`: call from `proxy_wasm::main!`.
+    start_llm_metrics,
+    Shape::Only(SectionKind::LlmMetrics)
+);
+entry_point!(
+    /// `sluice_latency_guard.wasm`: call from `proxy_wasm::main!`.
+    start_latency_guard,
+    Shape::Only(SectionKind::LatencyGuard)
+);
+entry_point!(
+    /// `sluice_tenant_budget.wasm`: call from `proxy_wasm::main!`.
+    start_tenant_budget,
+    Shape::Only(SectionKind::TenantBudget)
+);
 
-fn start(shape: Shape) {
-    proxy_wasm::set_log_level(LogLevel::Info);
-    host::install_panic_hook(shape.name());
-}
-
-/// The configured policy of one filter instance. Each instance runs one section today; instances
-/// of `sluice.wasm` with the same `vm_id` share one VM per worker (docs/architecture.md).
-enum Section {
-    Metrics(Rc<RefCell<metrics::Shared>>),
-}
-
+/// The filter instance's root: parses the configuration once, then hands every root event to the
+/// configured section's root.
 struct Root {
     shape: Shape,
-    section: Option<Section>,
+    section: Option<Box<dyn RootContext>>,
 }
 
-impl Root {
-    fn new(shape: Shape) -> Root {
-        Root { shape, section: None }
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, trailers: usize) {
+        if let Some(section) = self.section.as_mut() {
+            section.on_http_call_response(token, headers, body_size, trailers);
+        }
     }
 }
-
-impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let Some(bytes) = host::plugin_configuration() else { return false };
         let parsed = match self.shape {
-            Shape::Sections => Sections::parse(&bytes),
-            Shape::LlmMetrics => Sections::llm_metrics_only(&bytes),
+            Shape::Sections => config::parse_sections(&bytes),
+            Shape::Only(kind) => config::parse_only(kind, &bytes),
         };
-        let name = self.shape.name();
-        let section = match parsed {
-            Ok(Sections { llm_metrics: Some(policy) }) => Section::Metrics(metrics::Shared::new(policy)),
-            Ok(Sections { llm_metrics: None }) => {
-                log::error!("sluice {name}: configuration refused: no policy section");
-                return false;
-            }
+        let policy = match parsed {
+            Ok(policy) => policy,
             Err(e) => {
-                log::error!("sluice {name}: configuration refused: {e}");
+                log::error!("sluice {}: configuration refused: {e}", self.shape.name());
                 return false;
             }
         };
-        let described = match &section {
-            Section::Metrics(sh) => sh.borrow().describe(),
+        self.section = match policy {
+            Policy::LatencyGuard(p) => guard::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
+            Policy::TenantBudget(p) => budget::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
+            Policy::LlmMetrics(p) => Some(Box::new(metrics::Root::configure(*p))),
         };
-        log::info!("sluice {name}: configured: {described}");
-        self.section = Some(section);
-        true
+        self.section.is_some()
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        match self.section.as_ref()? {
-            Section::Metrics(sh) => Some(Box::new(metrics::Stream::new(sh.clone()))),
+    fn on_tick(&mut self) {
+        if let Some(section) = self.section.as_mut() {
+            section.on_tick();
         }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if let Some(section) = self.section.as_mut() {
+            section.on_queue_ready(queue_id);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        self.section.as_ref()?.create_http_context(context_id)
     }
 
     fn get_type(&self) -> Option<ContextType> {

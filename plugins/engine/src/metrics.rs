@@ -1,8 +1,8 @@
 //! llm-metrics' section: the proxy-wasm side of `sluice_core::flow::metrics` — read, call the
 //! flow, apply its effects. Every callback continues: measurement never delays a request.
 
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::Action;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
 use sluice_core::flow::Effects;
 use sluice_proxy_host as host;
@@ -10,33 +10,42 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 /// Per-VM state of the section, shared by every stream (a VM is single-threaded).
-pub struct Shared {
+struct Shared {
     policy: MetricsPolicy,
     metrics: host::Metrics,
     /// Reused by every event, so the hot path allocates no effect list.
     effects: Effects,
 }
 
-impl Shared {
-    pub fn new(policy: MetricsPolicy) -> Rc<RefCell<Shared>> {
-        Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default(), effects: Effects::default() }))
-    }
+pub struct Root {
+    shared: Rc<RefCell<Shared>>,
+}
 
-    pub fn describe(&self) -> String {
-        format!("llm_metrics ({} price entries)", self.policy.settings.prices.len())
+impl Root {
+    pub fn configure(policy: MetricsPolicy) -> Root {
+        log::info!("sluice llm-metrics: configured ({} price entries)", policy.settings.prices.len());
+        Root { shared: Rc::new(RefCell::new(Shared { policy, metrics: host::Metrics::default(), effects: Effects::default() })) }
     }
 }
 
-pub struct Stream {
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { shared: self.shared.clone(), flow: MetricsFlow::default() }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Stream {
     shared: Rc<RefCell<Shared>>,
     flow: MetricsFlow,
 }
 
 impl Stream {
-    pub fn new(shared: Rc<RefCell<Shared>>) -> Stream {
-        Stream { shared, flow: MetricsFlow::default() }
-    }
-
     /// Calls the flow with the section's policy and applies what it returns.
     fn with(&mut self, body_size: usize, event: impl FnOnce(&mut MetricsFlow, &mut MetricsPolicy, &mut Effects)) {
         let mut guard = self.shared.borrow_mut();
