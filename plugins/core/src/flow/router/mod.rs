@@ -364,7 +364,15 @@ impl RouterFlow {
     /// The request headers (`view` answers from the whole map; `store` holds the routes marked
     /// unhealthy by every worker). `now` is asked only for a request that is routed: the host's
     /// time is a hostcall, and most traffic through a gateway is not an LLM call.
-    pub fn on_request_headers(&mut self, router: &mut Router, view: &mut dyn View, store: &mut dyn SharedStore, end_of_stream: bool, now: &mut dyn FnMut() -> u64, fx: &mut Effects) {
+    pub fn on_request_headers(
+        &mut self,
+        router: &mut Router,
+        view: &mut dyn View,
+        store: &mut dyn SharedStore,
+        end_of_stream: bool,
+        now: &mut dyn FnMut() -> u64,
+        fx: &mut Effects,
+    ) {
         let policy = &router.policy;
         // A client never chooses its version or route: whatever it sent is removed, and only the
         // router writes them. Most are absent, and a removal costs a hostcall: only present ones go.
@@ -541,7 +549,15 @@ impl RouterFlow {
 
     /// A response body chunk of `size` bytes, captured while the request is shadowed. `now` is
     /// asked only for a chunk with content and at the end (a stream may arrive byte by byte).
-    pub fn on_response_body(&mut self, router: &mut Router, view: &mut dyn View, size: usize, end_of_stream: bool, now: &mut dyn FnMut() -> u64, fx: &mut Effects) {
+    pub fn on_response_body(
+        &mut self,
+        router: &mut Router,
+        view: &mut dyn View,
+        size: usize,
+        end_of_stream: bool,
+        now: &mut dyn FnMut() -> u64,
+        fx: &mut Effects,
+    ) {
         let Some(r) = self.routed.as_mut() else { return };
         if matches!(r.shadow, Shadowing::Off) {
             return;
