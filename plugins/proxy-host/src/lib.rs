@@ -350,6 +350,15 @@ impl sluice_core::flow::View for LiveView {
     fn request_header(&mut self, name: &str) -> Option<String> {
         header(MapType::HttpRequestHeaders, name)
     }
+    fn request_header_bytes(&mut self, name: &str) -> Option<Vec<u8>> {
+        match hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name) {
+            Ok(bytes) => bytes,
+            Err(status) => {
+                log::debug!("reading header {name} failed: {status:?}");
+                None
+            }
+        }
+    }
     fn response_header(&mut self, name: &str) -> Option<String> {
         header(MapType::HttpResponseHeaders, name)
     }
@@ -364,6 +373,35 @@ impl sluice_core::flow::View for LiveView {
     }
     fn unended_outcome(&mut self) -> sluice_core::report::Outcome {
         interrupted_outcome()
+    }
+}
+
+/// A [`View`](sluice_core::flow::View) whose request headers come from one read of the whole map
+/// ([`headers`]), for a callback that reads several of them or checks for ones that are usually
+/// absent; everything else is read live.
+pub struct RequestHeadersView(pub HeaderPairs);
+
+impl sluice_core::flow::View for RequestHeadersView {
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        self.0.text(name)
+    }
+    fn request_header_bytes(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.0.first(name).map(<[u8]>::to_vec)
+    }
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        LiveView.response_header(name)
+    }
+    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> Vec<u8> {
+        LiveView.body(dir, size)
+    }
+    fn property(&mut self, path: &[String]) -> Option<String> {
+        LiveView.property(path)
+    }
+    fn gateway_reply(&mut self) -> Option<sluice_core::contract::GatewayReply> {
+        LiveView.gateway_reply()
+    }
+    fn unended_outcome(&mut self) -> sluice_core::report::Outcome {
+        LiveView.unended_outcome()
     }
 }
 

@@ -13,6 +13,7 @@
 pub mod budget;
 pub mod guard;
 pub mod metrics;
+pub mod router;
 
 use crate::contract::GatewayReply;
 use crate::report::Outcome;
@@ -32,6 +33,11 @@ pub trait View {
     /// pays the read only then.
     fn now(&mut self) -> u64;
     fn request_header(&mut self, name: &str) -> Option<String>;
+    /// A request header's value as the bytes the client sent (a sticky key hashes them; text
+    /// would replace bytes that are not UTF-8).
+    fn request_header_bytes(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.request_header(name).map(String::into_bytes)
+    }
     fn response_header(&mut self, name: &str) -> Option<String>;
     /// The first `size` bytes of the current body chunk of `dir` (the host announced the size).
     fn body(&mut self, dir: Dir, size: usize) -> Vec<u8>;
