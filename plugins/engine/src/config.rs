@@ -1,29 +1,32 @@
 //! The engine's configuration: one section per policy, each the policy's own configuration
 //! unchanged (today's policy files are the sections), parsed and validated once at configure time.
 
+use sluice_core::budget::Policy as BudgetPolicy;
 use sluice_core::flow::metrics::config::Settings as MetricsSettings;
 use sluice_core::flow::metrics::MetricsPolicy;
-use sluice_core::budget::Policy as BudgetPolicy;
 use sluice_core::latency::LatencyPolicy;
+use sluice_core::routing::RoutingPolicy;
 
 /// A policy section, in pipeline order (request side).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SectionKind {
     LatencyGuard,
+    ModelRouter,
     TenantBudget,
     LlmMetrics,
 }
 
-/// The sections `sluice.wasm` knows, in pipeline order (request side), with the filters that still
-/// run the others.
-pub const SECTIONS: &[&str] = &["latency_guard", "model_router", "tenant_budget", "llm_metrics"];
-const NOT_YET_IN_ENGINE: &[(&str, &str)] = &[("model_router", "sluice_model_router.wasm")];
+/// Every section, in pipeline order (request side).
+pub const KINDS: [SectionKind; 4] = [SectionKind::LatencyGuard, SectionKind::ModelRouter, SectionKind::TenantBudget, SectionKind::LlmMetrics];
+/// Their member names, for messages.
+const SECTIONS: &[&str] = &["latency_guard", "model_router", "tenant_budget", "llm_metrics"];
 
 impl SectionKind {
     /// The section's member name in `sluice.wasm`'s configuration.
     pub fn section(self) -> &'static str {
         match self {
             SectionKind::LatencyGuard => "latency_guard",
+            SectionKind::ModelRouter => "model_router",
             SectionKind::TenantBudget => "tenant_budget",
             SectionKind::LlmMetrics => "llm_metrics",
         }
@@ -33,13 +36,25 @@ impl SectionKind {
     pub fn policy_name(self) -> &'static str {
         match self {
             SectionKind::LatencyGuard => "latency-guard",
+            SectionKind::ModelRouter => "model-router",
             SectionKind::TenantBudget => "tenant-budget",
             SectionKind::LlmMetrics => "llm-metrics",
         }
     }
 
+    /// How the single-policy build words a refused configuration in its log line (kept as each
+    /// filter always wrote it: operators grep for these).
+    pub fn refusal(self) -> &'static str {
+        match self {
+            SectionKind::LatencyGuard => "sluice latency-guard: configuration refused",
+            SectionKind::ModelRouter => "model-router policy refused",
+            SectionKind::TenantBudget => "tenant-budget policy refused",
+            SectionKind::LlmMetrics => "sluice llm-metrics: configuration refused",
+        }
+    }
+
     fn from_section(name: &str) -> Option<SectionKind> {
-        [SectionKind::LatencyGuard, SectionKind::TenantBudget, SectionKind::LlmMetrics].into_iter().find(|k| k.section() == name)
+        KINDS.into_iter().find(|k| k.section() == name)
     }
 }
 
@@ -47,6 +62,7 @@ impl SectionKind {
 #[derive(Debug)]
 pub enum Policy {
     LatencyGuard(Box<LatencyPolicy>),
+    ModelRouter(Box<RoutingPolicy>),
     TenantBudget(Box<BudgetPolicy>),
     LlmMetrics(Box<MetricsPolicy>),
 }
@@ -57,6 +73,7 @@ impl Policy {
     fn parse(kind: SectionKind, bytes: &[u8]) -> Result<Policy, String> {
         match kind {
             SectionKind::LatencyGuard => LatencyPolicy::from_json(bytes).map(|p| Policy::LatencyGuard(Box::new(p))).map_err(|e| e.to_string()),
+            SectionKind::ModelRouter => RoutingPolicy::from_json(bytes).map(|p| Policy::ModelRouter(Box::new(p))).map_err(|e| e.to_string()),
             SectionKind::TenantBudget => BudgetPolicy::from_json(bytes).map(|p| Policy::TenantBudget(Box::new(p))).map_err(|e| e.to_string()),
             SectionKind::LlmMetrics => MetricsSettings::parse(bytes).map(|s| Policy::LlmMetrics(Box::new(MetricsPolicy::new(s)))).map_err(|e| e.to_string()),
         }
@@ -73,8 +90,6 @@ pub enum ConfigError {
     UnknownSection(String),
     #[error("no policy section: name one of {}", SECTIONS.join(", "))]
     Empty,
-    #[error("{section}: this policy is not run by sluice.wasm yet; configure {filter} for it")]
-    NotYet { section: String, filter: &'static str },
     #[error(
         "sections {0}: one filter instance runs one section in this release; configure one sluice.wasm filter per section, in the order {order} (instances with the same vm_id share one VM)",
         order = SECTIONS.join(", ")
@@ -99,12 +114,7 @@ pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
     for (name, section) in members {
         match SectionKind::from_section(&name) {
             Some(kind) => found.push((kind, section)),
-            None => {
-                return Err(match NOT_YET_IN_ENGINE.iter().find(|(s, _)| *s == name) {
-                    Some((section, filter)) => ConfigError::NotYet { section: (*section).to_string(), filter },
-                    None => ConfigError::UnknownSection(name),
-                })
-            }
+            None => return Err(ConfigError::UnknownSection(name)),
         }
     }
     match found.len() {
@@ -143,6 +153,8 @@ mod tests {
         }
         let guard = include_str!("../../../policies/latency-guard.demo.json");
         assert!(matches!(parse_sections(format!(r#"{{"latency_guard":{guard}}}"#).as_bytes()).unwrap(), Policy::LatencyGuard(_)));
+        let router = include_str!("../../../policies/model-router.demo.json");
+        assert!(matches!(parse_sections(format!(r#"{{"model_router":{router}}}"#).as_bytes()).unwrap(), Policy::ModelRouter(_)));
         let budget = include_str!("../../../policies/tenant-budget.full.json");
         assert!(matches!(parse_sections(format!(r#"{{"tenant_budget":{budget}}}"#).as_bytes()).unwrap(), Policy::TenantBudget(_)));
     }
@@ -158,7 +170,7 @@ mod tests {
         assert_eq!(err(""), err("{}"));
         assert!(err("[1]").starts_with("configuration must be a JSON object"));
         assert!(err("{nope").starts_with("configuration is not valid JSON"));
-        assert_eq!(err(r#"{"model_router":{}}"#), "model_router: this policy is not run by sluice.wasm yet; configure sluice_model_router.wasm for it");
+        assert!(err(r#"{"model_router":{"models":3}}"#).starts_with("model_router."), "{}", err(r#"{"model_router":{"models":3}}"#));
         assert!(err(r#"{"tenant_budget":{"mode":"sloppy"}}"#).starts_with("tenant_budget."), "{}", err(r#"{"tenant_budget":{"mode":"sloppy"}}"#));
         assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections llm_metrics, latency_guard: one filter instance runs one section"));
     }

@@ -1,17 +1,19 @@
 //! The sluice engine: the policies' core flows (`sluice_core::flow`) run by one proxy-wasm module.
-//! Each section's adapter (`guard`, `budget`, `metrics`) only reads what the host gives, calls its
+//! Each section's adapter (`guard`, `router`, `budget`, `metrics`) only reads what the host gives, calls its
 //! flow and applies the effects; nothing here decides anything.
 //!
 //! Builds: `sluice.wasm` (crate `sluice`, configured with one section per policy,
 //! [`start_sections`]) and the single-policy filters kept for existing deployments
-//! (`sluice_llm_metrics.wasm`, `sluice_latency_guard.wasm`, `sluice_tenant_budget.wasm`: the same
+//! (`sluice_llm_metrics.wasm`, `sluice_latency_guard.wasm`, `sluice_model_router.wasm`,
+//! `sluice_tenant_budget.wasm`: the same
 //! engine configured with the policy unwrapped). Every instance of `sluice.wasm` that has the same
 //! `vm_id` runs in one VM per worker, whatever its section (docs/architecture.md).
 
-pub mod config;
 mod budget;
+pub mod config;
 mod guard;
 mod metrics;
+mod router;
 
 use config::{Policy, SectionKind};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -63,6 +65,11 @@ entry_point!(
     Shape::Only(SectionKind::LatencyGuard)
 );
 entry_point!(
+    /// `sluice_model_router.wasm`: call from `proxy_wasm::main!`.
+    start_model_router,
+    Shape::Only(SectionKind::ModelRouter)
+);
+entry_point!(
     /// `sluice_tenant_budget.wasm`: call from `proxy_wasm::main!`.
     start_tenant_budget,
     Shape::Only(SectionKind::TenantBudget)
@@ -93,12 +100,16 @@ impl RootContext for Root {
         let policy = match parsed {
             Ok(policy) => policy,
             Err(e) => {
-                log::error!("sluice {}: configuration refused: {e}", self.shape.name());
+                match self.shape {
+                    Shape::Sections => log::error!("sluice: configuration refused: {e}"),
+                    Shape::Only(kind) => log::error!("{}: {e}", kind.refusal()),
+                }
                 return false;
             }
         };
         self.section = match policy {
             Policy::LatencyGuard(p) => guard::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
+            Policy::ModelRouter(p) => Some(Box::new(router::Root::configure(*p))),
             Policy::TenantBudget(p) => budget::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
             Policy::LlmMetrics(p) => Some(Box::new(metrics::Root::configure(*p))),
         };

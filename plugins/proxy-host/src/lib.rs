@@ -382,6 +382,9 @@ impl sluice_core::flow::View for LiveView {
 pub struct RequestHeadersView(pub HeaderPairs);
 
 impl sluice_core::flow::View for RequestHeadersView {
+    fn now(&mut self) -> u64 {
+        now_ns()
+    }
     fn request_header(&mut self, name: &str) -> Option<String> {
         self.0.text(name)
     }
