@@ -102,7 +102,7 @@ fn a_rendered_file_with_a_broken_policy_inlined_fails_validation_with_the_plugin
             "PLUGIN_CONFIG",
             r#""path_prefixes": ["v1/"]"#,
             policy("llm-metrics.demo.json").replace(r#""path_prefixes": ["/v1/"]"#, r#""path_prefixes": ["v1/"]"#),
-            ["llm_metrics.path_prefixes[0]: must start with '/'", "Unable to create Wasm plugin sluice"],
+            ["llm-metrics: configuration refused: path_prefixes[0]: must start with '/'", "Unable to create Wasm plugin sluice"],
         ),
         (
             "budget-gateway",

@@ -39,7 +39,7 @@ use common::budget::{ANTHROPIC_KEY_SHA256, API_KEY, API_KEY_SHA256};
 use common::latency::{self as lat, Exchange, Route};
 use serde_json::{json, Value};
 use sluice_core::report::KNOWN_FINISH_REASONS;
-use sluice_host::{Gateway, HttpReply, PluginSpec, Stream};
+use sluice_host::{Gateway, HttpReply, Stream};
 
 /// Requests each test sends.
 const REQUESTS: usize = 2_000;
@@ -1174,7 +1174,7 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
 fn tenant_budget_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let start = common::budget::at(common::budget::MAR31_120030);
     for policy in [budget_policy(), budget_policy_redis()] {
-        let gw = Gateway::start(&common::budget::plugin(), PluginSpec::new(policy.to_string()).start_time(start)).expect("tenant-budget starts");
+        let gw = Gateway::start(&common::budget::plugin(), common::budget::spec(&policy.to_string()).start_time(start)).expect("tenant-budget starts");
         let mut settled_once = BTreeSet::new();
         let result = run(&gw, |i| {
             let tr = traffic(i);
@@ -1330,7 +1330,7 @@ fn answer_shadows(gw: &Gateway, tr: &Traffic) {
 #[test]
 fn model_router_labels_stay_bounded_whatever_clients_and_upstreams_send() {
     let policy = router_policy();
-    let gw = Gateway::start(&common::router::plugin(), PluginSpec::new(policy.to_string())).expect("model-router starts");
+    let gw = Gateway::start(&common::router::plugin(), common::router::spec(&policy.to_string())).expect("model-router starts");
     let result = run(&gw, |i| {
         let mut tr = traffic(i);
         // Once a period, Envoy finds no healthy upstream for the request's route (a `gpt-*` one):

@@ -19,7 +19,7 @@ use common::latency::*;
 use common::llm::chat;
 use serde_json::{json, Value};
 use sluice_core::latency::{QuantileSketch, SketchParams};
-use sluice_host::{Gateway, LogLevel, PluginSpec};
+use sluice_host::{Gateway, LogLevel};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -1208,11 +1208,16 @@ fn broken_policies_are_refused_with_the_field_that_is_wrong() {
     // Every case is checked before failing, so one run lists every wrong message.
     let mut failed = Vec::new();
     for (policy, expected) in cases {
-        let error = match Gateway::start(&plugin(), PluginSpec::new(policy.as_str())) {
+        let error = match Gateway::start(&plugin(), common::latency::spec(policy.as_str())) {
             Ok(_) => "accepted".to_string(),
             Err(e) => format!("{e:#}"),
         };
-        if !error.contains(&format!("sluice latency-guard: configuration refused: {expected}")) {
+        // A policy that is not JSON makes sluice.wasm's whole configuration not JSON.
+        let wanted = match !policy.trim().is_empty() && serde_json::from_str::<serde_json::Value>(&policy).is_err() {
+            true => common::not_json_refusal(&format!("sluice latency-guard: configuration refused: {expected}")),
+            false => format!("sluice latency-guard: configuration refused: {expected}"),
+        };
+        if !error.contains(&wanted) {
             failed.push(format!("policy {policy}\n  expected: {expected}\n  got: {error}"));
         }
     }

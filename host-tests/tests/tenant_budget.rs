@@ -1623,7 +1623,7 @@ fn a_reconfigured_budget_starts_from_zero_when_its_measure_or_window_changes() {
     assert_eq!(used_reserved(&old, "key", "search-prod", 0), (84, 0));
     assert_eq!(used_reserved(&old, "org", "acme", 0), (84, 0));
 
-    let new = old.start_beside(&plugin(), sluice_host::PluginSpec::new(after.to_string())).expect("the new policy loads");
+    let new = old.start_beside(&plugin(), common::budget::spec(&after.to_string())).expect("the new policy loads");
     send(&new);
     // Changed measure (month tokens → month requests) and changed window (org minute → day): from zero.
     assert_eq!(used_reserved(&new, "key", "search-prod", 0), (1, 0));

@@ -262,12 +262,22 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
     run(&mut tests)?;
-    // The llm-metrics harness suite again, against sluice.wasm with the same configuration as its
-    // `llm_metrics` section (host-tests/tests/common/llm.rs): one engine, two builds, one behaviour.
+    // Every policy's harness suite again, against sluice.wasm with the same policy as its section
+    // (host-tests/tests/common/mod.rs): one engine, two builds, one behaviour.
     if extra.is_empty() {
         let mut one_filter = cargo();
         one_filter.current_dir(root).args(["test", "--package", "sluice-host"]);
-        for suite in ["llm_metrics", "llm_metrics_headers_only", "llm_metrics_trailers", "label_bounds"] {
+        for suite in [
+            "llm_metrics",
+            "llm_metrics_headers_only",
+            "llm_metrics_trailers",
+            "label_bounds",
+            "tenant_budget",
+            "budget_ledger",
+            "soak_findings",
+            "model_router",
+            "latency_guard",
+        ] {
             one_filter.args(["--test", suite]);
         }
         run(one_filter.env("SLUICE_HARNESS_BUILD", "sluice"))?;

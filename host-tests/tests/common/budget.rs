@@ -33,7 +33,7 @@ pub const JWT_PAYLOAD_SEARCH_DEV: &str = "eyJzdWIiOiJhbGljZSIsInNsdWljZV9rZXkiOi
 /// `cargo build --release --target wasm32-wasip1 -p sluice-tenant-budget`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_tenant_budget")).expect("sluice_tenant_budget.wasm compiles")).clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm(super::build_stem("sluice_tenant_budget"))).expect("the build compiles")).clone()
 }
 
 pub fn at(unix_s: u64) -> SystemTime {
@@ -42,7 +42,7 @@ pub fn at(unix_s: u64) -> SystemTime {
 
 /// A gateway running tenant-budget with `policy`, its clock at `unix_s`.
 pub fn gateway_at(policy: &Value, unix_s: u64) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string()).start_time(at(unix_s)))
+    Gateway::start(&plugin(), spec(&policy.to_string()).start_time(at(unix_s)))
         .unwrap_or_else(|e| panic!("tenant-budget refused the policy: {e:#}\npolicy: {policy}"))
 }
 
@@ -53,7 +53,7 @@ pub fn gateway(policy: &Value) -> Gateway {
 
 /// The error with which the plugin refuses `policy` at load (panics if it accepts it).
 pub fn load_error(policy: &Value) -> String {
-    match Gateway::start(&plugin(), PluginSpec::new(policy.to_string())) {
+    match Gateway::start(&plugin(), spec(&policy.to_string())) {
         Ok(_) => panic!("the policy was accepted: {policy}"),
         Err(e) => format!("{e:#}"),
     }
@@ -116,7 +116,8 @@ pub fn chat_body(stream: bool, include_usage: bool, max_tokens: Option<u64>) -> 
 /// Shared-data key of budget `n` (its position in `budgets`) of `level` `id` in the policy `gw`
 /// runs: counters are named by what they count, not by position, so the policy says which.
 pub fn store_key(gw: &Gateway, level: &str, id: &str, n: usize) -> String {
-    let policy = Policy::from_json(&gw.configuration()).unwrap_or_else(|e| panic!("the gateway's policy does not compile: {e}"));
+    let policy =
+        Policy::from_json(&super::policy_of(&gw.configuration(), "tenant_budget")).unwrap_or_else(|e| panic!("the gateway's policy does not compile: {e}"));
     let owned: Vec<&str> =
         policy.counters.iter().filter(|c| c.level.as_str() == level && c.owner == id && !c.per_identity).map(|c| c.store_key.as_str()).collect();
     owned.get(n).map(|k| k.to_string()).unwrap_or_else(|| panic!("{level} {id} has {} budgets, not a budget {n}", owned.len()))
@@ -179,4 +180,9 @@ pub fn rejections(key: &str, code: &str) -> String {
 /// `sluice.budget.charged_tokens_total` of key `key` in team `search`, org `acme`.
 pub fn charged_tokens(key: &str, model_version: &str) -> String {
     format!("sluice.budget.charged_tokens_total.key.{key}.team.search.org.acme.model_version.{model_version}")
+}
+
+/// A policy as the build under test reads it ([`super::section_spec`]).
+pub fn spec(policy: &str) -> PluginSpec {
+    super::section_spec("tenant_budget", policy)
 }

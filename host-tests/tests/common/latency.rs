@@ -52,7 +52,7 @@ pub const NS_PER_MS: u64 = 1_000_000;
 /// `cargo build --release --target wasm32-wasip1 -p sluice-latency-guard`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_latency_guard")).expect("sluice_latency_guard.wasm compiles")).clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm(super::build_stem("sluice_latency_guard"))).expect("the build compiles")).clone()
 }
 
 /// A policy with the three classes and versions `v1` (given, as its JSON object without `name`)
@@ -113,12 +113,12 @@ pub fn merge(target: &mut Value, patch: Value) {
 
 /// A gateway running the guard with `policy` (its clock at 2026-01-01T00:00:00Z).
 pub fn gateway(policy: &Value) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string())).unwrap_or_else(|e| panic!("latency-guard refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), spec(&policy.to_string())).unwrap_or_else(|e| panic!("latency-guard refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// The error a policy is refused with (panics if it is accepted).
 pub fn refusal(policy: &str) -> String {
-    match Gateway::start(&plugin(), PluginSpec::new(policy)) {
+    match Gateway::start(&plugin(), spec(policy)) {
         Ok(_) => panic!("latency-guard accepted {policy}"),
         Err(e) => format!("{e:#}"),
     }
@@ -497,4 +497,9 @@ pub fn in_flight(version: &str) -> String {
 pub fn transition_logs(gw: &Gateway, version: &str) -> Vec<String> {
     let prefix = format!("sluice latency-guard: breaker of {version} ");
     gw.logs_at_least(sluice_host::LogLevel::Warn).into_iter().filter(|l| l.starts_with(&prefix)).collect()
+}
+
+/// A policy as the build under test reads it ([`super::section_spec`]).
+pub fn spec(policy: &str) -> PluginSpec {
+    super::section_spec("latency_guard", policy)
 }

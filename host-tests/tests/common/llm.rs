@@ -32,28 +32,16 @@ pub fn config_with(extra: Value) -> String {
     config.to_string()
 }
 
-/// Which build these tests run: `sluice_llm_metrics.wasm` with its configuration as is, or, with
-/// `SLUICE_HARNESS_BUILD=sluice` (the test command runs the suite both ways), `sluice.wasm` with the
-/// same configuration as its `llm_metrics` section.
-fn one_filter() -> bool {
-    std::env::var("SLUICE_HARNESS_BUILD").is_ok_and(|v| v == "sluice")
-}
-
-/// The compiled llm-metrics plugin (compiled once per test binary; build it first with
+/// The compiled llm-metrics build (compiled once per test binary; build it first with
 /// `cargo build --release --target wasm32-wasip1 -p sluice-llm-metrics -p sluice`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    let stem = if one_filter() { "sluice" } else { "sluice_llm_metrics" };
-    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm(stem)).expect("the llm-metrics build compiles")).clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm(super::build_stem("sluice_llm_metrics"))).expect("the llm-metrics build compiles")).clone()
 }
 
 /// llm-metrics' configuration `config` as the build under test reads it.
 pub fn spec(config: &str) -> PluginSpec {
-    if !one_filter() {
-        return PluginSpec::new(config);
-    }
-    let section = if config.trim().is_empty() { "{}" } else { config };
-    PluginSpec::new(format!("{{\"llm_metrics\":{section}}}"))
+    super::section_spec("llm_metrics", config)
 }
 
 /// A fresh gateway running llm-metrics with `config`.

@@ -15,6 +15,52 @@ use std::time::Duration;
 
 use sluice_host::{Gateway, Plugin, PluginSpec};
 
+/// Which build the policy suites run: each policy's own `.wasm` with its policy as is, or, with
+/// `SLUICE_HARNESS_BUILD=sluice` (the test command runs the suites both ways), `sluice.wasm` with
+/// the same policy as its section: one engine, two builds, one behaviour.
+pub fn one_filter() -> bool {
+    std::env::var("SLUICE_HARNESS_BUILD").is_ok_and(|v| v == "sluice")
+}
+
+/// The `.wasm` stem of the build under test for the policy built as `single`.
+pub fn build_stem(single: &'static str) -> &'static str {
+    if one_filter() {
+        "sluice"
+    } else {
+        single
+    }
+}
+
+/// A policy's configuration `policy` as the build under test reads it: unwrapped, or as `section`
+/// of sluice.wasm's configuration (an empty policy is an empty section).
+pub fn section_spec(section: &str, policy: &str) -> PluginSpec {
+    if !one_filter() {
+        return PluginSpec::new(policy);
+    }
+    let policy = if policy.trim().is_empty() { "{}" } else { policy };
+    PluginSpec::new(format!("{{\"{section}\":{policy}}}"))
+}
+
+/// The policy a gateway of the build under test runs, from its configuration (`section`'s member
+/// for sluice.wasm).
+pub fn policy_of(configuration: &[u8], section: &str) -> Vec<u8> {
+    if !one_filter() {
+        return configuration.to_vec();
+    }
+    let whole: serde_json::Value = serde_json::from_slice(configuration).expect("sluice.wasm's configuration is JSON");
+    whole.get(section).map(|v| v.to_string().into_bytes()).unwrap_or_default()
+}
+
+/// What the build under test logs for a configuration that is not JSON at all: the policy's own
+/// words (`single`), or sluice.wasm's, whose section cannot be told apart in broken JSON.
+pub fn not_json_refusal(single: &str) -> String {
+    if one_filter() {
+        "sluice: configuration refused: configuration is not valid JSON".to_string()
+    } else {
+        single.to_string()
+    }
+}
+
 /// The configuration most tests use: a 100 ms tick.
 pub const CONFIG: &str = r#"{"tick_ms": 100}"#;
 

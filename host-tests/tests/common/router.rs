@@ -39,7 +39,7 @@ pub const CLIENT_OVERRIDE_HEADER: &str = "x-sluice-force-version";
 /// `cargo build --release --target wasm32-wasip1 -p sluice-model-router`).
 pub fn plugin() -> Plugin {
     static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm("sluice_model_router")).expect("sluice_model_router.wasm compiles")).clone()
+    PLUGIN.get_or_init(|| Plugin::load(workspace_wasm(super::build_stem("sluice_model_router"))).expect("the build compiles")).clone()
 }
 
 /// The demo policy, parsed (tests change fields of it).
@@ -73,18 +73,17 @@ pub fn split(w1: u64, w2: u64) -> Value {
 
 /// A gateway running model-router with `policy` (its clock at 2026-01-01T00:00:00Z).
 pub fn gateway(policy: &Value) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string())).unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), spec(&policy.to_string())).unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// A gateway running model-router with `policy`, its clock at `t`.
 pub fn gateway_at(policy: &Value, t: SystemTime) -> Gateway {
-    Gateway::start(&plugin(), PluginSpec::new(policy.to_string()).start_time(t))
-        .unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
+    Gateway::start(&plugin(), spec(&policy.to_string()).start_time(t)).unwrap_or_else(|e| panic!("model-router refused the policy: {e:#}\npolicy: {policy}"))
 }
 
 /// The error a policy is refused with (panics if it is accepted).
 pub fn refusal(policy: &str) -> String {
-    match Gateway::start(&plugin(), PluginSpec::new(policy)) {
+    match Gateway::start(&plugin(), spec(policy)) {
         Ok(_) => panic!("model-router accepted {policy}"),
         Err(e) => format!("{e:#}"),
     }
@@ -290,4 +289,9 @@ pub fn compare_side(metric: &str, primary: &str, shadow: &str, side: &str) -> St
 /// Every metric the plugin defined whose name starts with `prefix`.
 pub fn metrics_with_prefix(gw: &Gateway, prefix: &str) -> Vec<String> {
     gw.metric_names().into_iter().filter(|n| n.starts_with(prefix)).collect()
+}
+
+/// A policy as the build under test reads it ([`super::section_spec`]).
+pub fn spec(policy: &str) -> PluginSpec {
+    super::section_spec("model_router", policy)
 }

@@ -98,8 +98,10 @@ pub enum ConfigError {
     /// A single-policy build's own configuration error, as that policy words it.
     #[error("{0}")]
     Policy(String),
-    #[error("{section}.{problem}")]
-    Section { section: &'static str, problem: String },
+    /// A section's policy refused, in that policy's own words (operators grep for them), then
+    /// the section it came from.
+    #[error("{refusal}: {problem} (section `{section}`)", refusal = kind.refusal(), section = kind.section())]
+    Section { kind: SectionKind, problem: String },
 }
 
 /// A configuration with one section per policy (`sluice.wasm`).
@@ -117,11 +119,13 @@ pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
             None => return Err(ConfigError::UnknownSection(name)),
         }
     }
+    // In pipeline order, whatever order the JSON had.
+    found.sort_by_key(|(kind, _)| KINDS.iter().position(|k| k == kind));
     match found.len() {
         0 => Err(ConfigError::Empty),
         1 => {
             let (kind, section) = found.remove(0);
-            Policy::parse(kind, section.to_string().as_bytes()).map_err(|problem| ConfigError::Section { section: kind.section(), problem })
+            Policy::parse(kind, section.to_string().as_bytes()).map_err(|problem| ConfigError::Section { kind, problem })
         }
         _ => Err(ConfigError::SeveralSections(found.iter().map(|(k, _)| k.section()).collect::<Vec<_>>().join(", "))),
     }
@@ -161,18 +165,22 @@ mod tests {
 
     #[test]
     fn errors_name_the_section_and_the_field() {
-        assert_eq!(err(r#"{"llm_metrics":{"path_prefixes":["v1"]}}"#), "llm_metrics.path_prefixes[0]: must start with '/', got \"v1\"");
+        assert_eq!(
+            err(r#"{"llm_metrics":{"path_prefixes":["v1"]}}"#),
+            "sluice llm-metrics: configuration refused: path_prefixes[0]: must start with '/', got \"v1\" (section `llm_metrics`)"
+        );
         let unknown = err(r#"{"llm_metrics":{"path_prefix":[]}}"#);
-        assert!(unknown.starts_with("llm_metrics.") && unknown.contains("unknown field `path_prefix`"), "{unknown}");
-        assert!(err(r#"{"latency_guard":{"classes":7}}"#).starts_with("latency_guard."), "{}", err(r#"{"latency_guard":{"classes":7}}"#));
+        assert!(unknown.contains("unknown field `path_prefix`") && unknown.ends_with("(section `llm_metrics`)"), "{unknown}");
+        let guard = err(r#"{"latency_guard":{"classes":7}}"#);
+        assert!(guard.starts_with("sluice latency-guard: configuration refused: ") && guard.ends_with("(section `latency_guard`)"), "{guard}");
         assert_eq!(err(r#"{"llm_metric":{}}"#), "unknown section `llm_metric`: expected one of latency_guard, model_router, tenant_budget, llm_metrics");
         assert_eq!(err("{}"), "no policy section: name one of latency_guard, model_router, tenant_budget, llm_metrics");
         assert_eq!(err(""), err("{}"));
         assert!(err("[1]").starts_with("configuration must be a JSON object"));
         assert!(err("{nope").starts_with("configuration is not valid JSON"));
-        assert!(err(r#"{"model_router":{"models":3}}"#).starts_with("model_router."), "{}", err(r#"{"model_router":{"models":3}}"#));
-        assert!(err(r#"{"tenant_budget":{"mode":"sloppy"}}"#).starts_with("tenant_budget."), "{}", err(r#"{"tenant_budget":{"mode":"sloppy"}}"#));
-        assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections llm_metrics, latency_guard: one filter instance runs one section"));
+        assert!(err(r#"{"model_router":{"models":3}}"#).starts_with("model-router policy refused: "));
+        assert!(err(r#"{"tenant_budget":{"mode":"sloppy"}}"#).starts_with("tenant-budget policy refused: "));
+        assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections latency_guard, llm_metrics: one filter instance runs one section"));
     }
 
     #[test]

@@ -100,9 +100,11 @@ impl RootContext for Root {
         let policy = match parsed {
             Ok(policy) => policy,
             Err(e) => {
-                match self.shape {
-                    Shape::Sections => log::error!("sluice: configuration refused: {e}"),
-                    Shape::Only(kind) => log::error!("{}: {e}", kind.refusal()),
+                match (self.shape, &e) {
+                    // Worded by the policy itself, naming its section.
+                    (Shape::Sections, config::ConfigError::Section { .. }) => log::error!("{e}"),
+                    (Shape::Sections, _) => log::error!("sluice: configuration refused: {e}"),
+                    (Shape::Only(kind), _) => log::error!("{}: {e}", kind.refusal()),
                 }
                 return false;
             }
