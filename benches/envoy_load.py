@@ -20,6 +20,7 @@ touch every row alike.
 
 With --before DIR every configuration that loads sluice's plugins runs a second time with the `.wasm`
 files of DIR (an earlier build), in the same rounds, as "<name> (before)": before and after from one run.
+With --before-ref REF those rows render the templates of git revision REF (the earlier build's files).
 
 Usage: benches/envoy_load.py [--seconds N] [--rounds N] [--only budget,fleet] [--before DIR]   (needs: target/release/sluice-mock-server, the .wasm,
 Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
@@ -188,6 +189,8 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
+    ap.add_argument("--before-ref", default="", help="git revision whose envoy templates the (before) rows render "
+                    "(for a build whose files differ from today's, e.g. one .wasm per plugin)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations "
                     "whose name contains one of them (plus 'no filter', the baseline)")
     args = ap.parse_args()
@@ -232,7 +235,11 @@ def main():
                 if config is not None:
                     port, admin = free_port(), free_port()
                     path = Path(tmp) / "envoy.yaml"
-                    path.write_text(render(config.read_text(), {
+                    text = config.read_text()
+                    if name.endswith("(before)") and args.before_ref:
+                        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before_ref}:{config.relative_to(ROOT)}"],
+                                              capture_output=True, text=True, check=True).stdout
+                    path.write_text(render(text, {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "WASM_DIR": args.before if name.endswith("(before)") else str(WASM_DIR),
                         "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,

@@ -118,13 +118,30 @@ pub fn wasm_filter_index(filters: &[Value], name: &str) -> Result<usize> {
         .ok_or_else(|| anyhow!("no wasm filter {name} in the chain"))
 }
 
-/// Sets the plugin configuration (the `StringValue`) of wasm filter `name` in `filters`.
+/// Sets the plugin configuration (the `StringValue`) of wasm filter `name` in `filters` to the
+/// policy `json` (as its section when the filter runs sluice.wasm: [`as_configuration`]).
 pub fn set_plugin_config(filters: &mut [Value], name: &str, json: &str) -> Result<()> {
     let i = wasm_filter_index(filters, name)?;
     let filter = filters.get_mut(i).ok_or_else(|| anyhow!("no filter {i}"))?;
+    let typed = filter.get("typed_config").ok_or_else(|| anyhow!("filter {name} has no typed_config"))?;
+    let configuration = as_configuration(typed, json)?;
     let value = at(filter, &["typed_config", "config", "configuration", "value"])?;
-    *value = Value::String(json.to_string());
+    *value = Value::String(configuration);
     Ok(())
+}
+
+/// The configuration text for a policy `json` in a wasm filter's `typed_config`: the policy itself
+/// for a single-policy `.wasm`, or `{"<section>": policy}` for sluice.wasm, the section named by
+/// the filter's `root_id` (`sluice_tenant_budget` → `tenant_budget`).
+pub fn as_configuration(typed_config: &Value, json: &str) -> Result<String> {
+    let config = typed_config.get("config").ok_or_else(|| anyhow!("a wasm typed_config without config"))?;
+    let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
+    if !filename.ends_with("/sluice.wasm") && filename != "sluice.wasm" {
+        return Ok(json.to_string());
+    }
+    let root_id = config.get("root_id").and_then(Value::as_str).unwrap_or_default();
+    let section = root_id.strip_prefix("sluice_").ok_or_else(|| anyhow!("sluice.wasm filter with root_id {root_id:?}: which section?"))?;
+    Ok(format!("{{\"{section}\": {json}}}"))
 }
 
 /// A wasm filter entry for the test filter `sluice_e2e_trap.wasm` under `failure_policy`, in a VM
@@ -261,8 +278,9 @@ pub fn filter_to_ecds(filters: &mut [Value], name: &str, ecds: &XdsFile) -> Resu
 
 /// Sets the plugin configuration inside a wasm filter's `typed_config`.
 pub fn with_plugin_config(typed_config: &Value, json: &str) -> Result<Value> {
+    let configuration = as_configuration(typed_config, json)?;
     let mut t = typed_config.clone();
-    *at(&mut t, &["config", "configuration", "value"])? = Value::String(json.to_string());
+    *at(&mut t, &["config", "configuration", "value"])? = Value::String(configuration);
     Ok(t)
 }
 

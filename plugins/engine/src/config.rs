@@ -111,7 +111,11 @@ pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
         return Err(ConfigError::Empty);
     }
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
-    let serde_json::Value::Object(members) = value else { return Err(ConfigError::NotAnObject) };
+    if !value.is_object() {
+        return Err(ConfigError::NotAnObject);
+    }
+    // Each section as written: a policy's error positions (line, column) count from its section.
+    let members: std::collections::BTreeMap<String, &serde_json::value::RawValue> = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
     let mut found = Vec::new();
     for (name, section) in members {
         match SectionKind::from_section(&name) {
@@ -125,7 +129,7 @@ pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
         0 => Err(ConfigError::Empty),
         1 => {
             let (kind, section) = found.remove(0);
-            Policy::parse(kind, section.to_string().as_bytes()).map_err(|problem| ConfigError::Section { kind, problem })
+            Policy::parse(kind, section.get().as_bytes()).map_err(|problem| ConfigError::Section { kind, problem })
         }
         _ => Err(ConfigError::SeveralSections(found.iter().map(|(k, _)| k.section()).collect::<Vec<_>>().join(", "))),
     }
@@ -179,7 +183,11 @@ mod tests {
         assert!(err("[1]").starts_with("configuration must be a JSON object"));
         assert!(err("{nope").starts_with("configuration is not valid JSON"));
         assert!(err(r#"{"model_router":{"models":3}}"#).starts_with("model-router policy refused: "));
-        assert!(err(r#"{"tenant_budget":{"mode":"sloppy"}}"#).starts_with("tenant-budget policy refused: "));
+        assert_eq!(
+            err("{\"tenant_budget\": {\n  \"mode\": \"sloppy\"\n}}"),
+            "tenant-budget policy refused: tenant-budget policy is not valid JSON: mode: unknown variant `sloppy`, expected `strict` or `estimate` at line 2 column 18 (section `tenant_budget`)",
+            "positions count from the section as written"
+        );
         assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections latency_guard, llm_metrics: one filter instance runs one section"));
     }
 
