@@ -5,8 +5,10 @@
 //!
 //! `cargo run --release -p sluice-host --example profile [TOKENS] [REQUESTS]` (after `cargo xtask build`);
 //! with `PROFILE_COMMENTS=1` the events are keep-alive comments instead: the cost of framing alone.
+//! The shipped shape is profiled (`Chain::sluice_gateway`: the guard's `sluice.wasm` filter, then one
+//! with the three other sections); `PROFILE_SHAPE=four` profiles one filter per policy instead.
 
-use sluice_host::{Chain, Headers, FULL_GATEWAY};
+use sluice_host::{Chain, Headers, SLUICE_GATEWAY};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 
@@ -14,7 +16,9 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let tokens: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);
     let requests: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(200);
-    let chain = Chain::full_gateway()?;
+    let four = std::env::var("PROFILE_SHAPE").is_ok_and(|v| v == "four");
+    let chain = if four { Chain::full_gateway()? } else { Chain::sluice_gateway()? };
+    let names: Vec<&str> = if four { sluice_host::FULL_GATEWAY.iter().map(|(n, _)| *n).collect() } else { SLUICE_GATEWAY.iter().map(|(n, _)| *n).collect() };
     // Warm-up: label sets seen, metric ids defined, as in a gateway that has been running.
     run(&chain, tokens, 50, 0)?;
     for gw in chain.gateways() {
@@ -24,7 +28,7 @@ fn main() -> anyhow::Result<()> {
     println!("per request, {tokens} content event(s) each, mean of {requests} requests");
     println!("{:<22} {:<34} {:>8} {:>12} {:>10}", "plugin", "callback", "calls", "fuel", "hostcalls");
     let (mut all_fuel, mut all_hostcalls) = (0u64, 0u64);
-    for (gw, (name, _)) in chain.gateways().iter().zip(FULL_GATEWAY) {
+    for (gw, name) in chain.gateways().iter().zip(names) {
         let (mut fuel, mut hostcalls) = (0u64, 0u64);
         for (export, p) in gw.profile() {
             println!(

@@ -39,6 +39,13 @@ pub const FULL_GATEWAY: [(&str, &str); 4] = [
     ("sluice_llm_metrics", "llm-metrics.demo.json"),
 ];
 
+/// The full gateway as `sluice.wasm` filters ([`Chain::sluice_gateway`]): each filter's name and
+/// its sections, with the single-policy build whose example policy each section gets.
+pub const SLUICE_GATEWAY: [(&str, &[(&str, &str)]); 2] = [
+    ("sluice_latency_guard", &[("latency_guard", "sluice_latency_guard")]),
+    ("sluice", &[("model_router", "sluice_model_router"), ("tenant_budget", "sluice_tenant_budget"), ("llm_metrics", "sluice_llm_metrics")]),
+];
+
 /// A stream of a [`Chain`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId(pub u64);
@@ -133,6 +140,33 @@ impl Chain {
         for (plugin, (name, policy)) in plugins.iter().zip(FULL_GATEWAY) {
             let path = policies.join(policy);
             let config = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            filters.push((plugin, PluginSpec::new(config).name(name).root_id(name).vm_id("sluice").keep_logs_from(crate::LogLevel::Warn)));
+        }
+        Self::start(&filters)
+    }
+
+    /// The full gateway as two `sluice.wasm` filters: latency-guard's section alone in front (it
+    /// holds response headers), then one filter with model-router's, tenant-budget's and
+    /// llm-metrics' sections ([`SLUICE_GATEWAY`]), each with [`FULL_GATEWAY`]'s example policy.
+    pub fn sluice_gateway() -> Result<Self> {
+        static PLUGIN: OnceLock<Result<Plugin, String>> = OnceLock::new();
+        let plugin = PLUGIN
+            .get_or_init(|| Plugin::load(crate::workspace_wasm("sluice")).map_err(|e| format!("sluice: {e:#}")))
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
+        let read = |file: &str| {
+            let path = policies.join(file);
+            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+        };
+        let mut filters = Vec::with_capacity(SLUICE_GATEWAY.len());
+        for (name, sections) in SLUICE_GATEWAY {
+            let mut config = String::from("{");
+            for (i, (section, stem)) in sections.iter().enumerate() {
+                let file = FULL_GATEWAY.iter().find(|(s, _)| s == stem).map(|(_, f)| *f).context("a policy of the full gateway")?;
+                config.push_str(&format!("{}\"{section}\": {}", if i > 0 { ", " } else { "" }, read(file)?));
+            }
+            config.push('}');
             filters.push((plugin, PluginSpec::new(config).name(name).root_id(name).vm_id("sluice").keep_logs_from(crate::LogLevel::Warn)));
         }
         Self::start(&filters)

@@ -54,6 +54,11 @@ pub struct Root {
 }
 
 impl Root {
+    /// Whether the section ticks all the time (settlements to the Redis ledger).
+    pub fn needs_tick(&self) -> bool {
+        self.shared.as_ref().is_some_and(|sh| sh.borrow().budget.needs_tick())
+    }
+
     /// Sets the section up with its validated policy: the counters, the settlement tick.
     pub fn configure(policy: Policy) -> Option<Root> {
         if let Err(e) = policy.ensure_counters(&mut SharedData) {
@@ -63,7 +68,7 @@ impl Root {
         let node = host::property(&["node".into(), "id".into()]).unwrap_or_default();
         let budget = BudgetPolicy::new(policy, &node, host::now_ns());
         if budget.needs_tick() {
-            if let Err(status) = proxy_wasm::hostcalls::set_tick_period(Duration::from_millis(SETTLE_TICK_MS)) {
+            if let Err(status) = host::set_tick_period(Duration::from_millis(SETTLE_TICK_MS)) {
                 log::error!("tenant-budget: cannot set the settlement tick ({status:?}); Redis holds would only expire");
                 return None;
             }

@@ -91,10 +91,9 @@ pub enum ConfigError {
     #[error("no policy section: name one of {}", SECTIONS.join(", "))]
     Empty,
     #[error(
-        "sections {0}: one filter instance runs one section in this release; configure one sluice.wasm filter per section, in the order {order} (instances with the same vm_id share one VM)",
-        order = SECTIONS.join(", ")
+        "sections {0}: latency_guard runs in a filter instance of its own, in front of the others (it holds a stream's response headers until the first content token, which the sections behind it must see first)"
     )]
-    SeveralSections(String),
+    GuardWithOthers(String),
     /// A single-policy build's own configuration error, as that policy words it.
     #[error("{0}")]
     Policy(String),
@@ -104,8 +103,8 @@ pub enum ConfigError {
     Section { kind: SectionKind, problem: String },
 }
 
-/// A configuration with one section per policy (`sluice.wasm`).
-pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
+/// A configuration with one section per policy (`sluice.wasm`): the policies in pipeline order.
+pub fn parse_sections(bytes: &[u8]) -> Result<Vec<Policy>, ConfigError> {
     let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
     if text.trim().is_empty() {
         return Err(ConfigError::Empty);
@@ -125,14 +124,13 @@ pub fn parse_sections(bytes: &[u8]) -> Result<Policy, ConfigError> {
     }
     // In pipeline order, whatever order the JSON had.
     found.sort_by_key(|(kind, _)| KINDS.iter().position(|k| k == kind));
-    match found.len() {
-        0 => Err(ConfigError::Empty),
-        1 => {
-            let (kind, section) = found.remove(0);
-            Policy::parse(kind, section.get().as_bytes()).map_err(|problem| ConfigError::Section { kind, problem })
-        }
-        _ => Err(ConfigError::SeveralSections(found.iter().map(|(k, _)| k.section()).collect::<Vec<_>>().join(", "))),
+    if found.is_empty() {
+        return Err(ConfigError::Empty);
     }
+    if found.len() > 1 && found.iter().any(|(kind, _)| *kind == SectionKind::LatencyGuard) {
+        return Err(ConfigError::GuardWithOthers(found.iter().map(|(k, _)| k.section()).collect::<Vec<_>>().join(", ")));
+    }
+    found.into_iter().map(|(kind, section)| Policy::parse(kind, section.get().as_bytes()).map_err(|problem| ConfigError::Section { kind, problem })).collect()
 }
 
 /// A configuration that is one policy's alone, unwrapped (the single-policy builds).
@@ -155,16 +153,19 @@ mod tests {
     #[test]
     fn the_shipped_policies_are_sections_unchanged() {
         let metrics = include_str!("../../../policies/llm-metrics.demo.json");
-        match parse_sections(format!(r#"{{"llm_metrics":{metrics}}}"#).as_bytes()).unwrap() {
-            Policy::LlmMetrics(m) => assert_eq!(m.settings.prices.len(), 4),
+        match parse_sections(format!(r#"{{"llm_metrics":{metrics}}}"#).as_bytes()).unwrap().as_slice() {
+            [Policy::LlmMetrics(m)] => assert_eq!(m.settings.prices.len(), 4),
             other => panic!("{other:?}"),
         }
         let guard = include_str!("../../../policies/latency-guard.demo.json");
-        assert!(matches!(parse_sections(format!(r#"{{"latency_guard":{guard}}}"#).as_bytes()).unwrap(), Policy::LatencyGuard(_)));
+        assert!(matches!(parse_sections(format!(r#"{{"latency_guard":{guard}}}"#).as_bytes()).unwrap().as_slice(), [Policy::LatencyGuard(_)]));
         let router = include_str!("../../../policies/model-router.demo.json");
-        assert!(matches!(parse_sections(format!(r#"{{"model_router":{router}}}"#).as_bytes()).unwrap(), Policy::ModelRouter(_)));
+        assert!(matches!(parse_sections(format!(r#"{{"model_router":{router}}}"#).as_bytes()).unwrap().as_slice(), [Policy::ModelRouter(_)]));
         let budget = include_str!("../../../policies/tenant-budget.full.json");
-        assert!(matches!(parse_sections(format!(r#"{{"tenant_budget":{budget}}}"#).as_bytes()).unwrap(), Policy::TenantBudget(_)));
+        assert!(matches!(parse_sections(format!(r#"{{"tenant_budget":{budget}}}"#).as_bytes()).unwrap().as_slice(), [Policy::TenantBudget(_)]));
+        // Several sections, in pipeline order whatever the JSON's order.
+        let three = format!(r#"{{"llm_metrics":{metrics},"tenant_budget":{budget},"model_router":{router}}}"#);
+        assert!(matches!(parse_sections(three.as_bytes()).unwrap().as_slice(), [Policy::ModelRouter(_), Policy::TenantBudget(_), Policy::LlmMetrics(_)]));
     }
 
     #[test]
@@ -188,7 +189,8 @@ mod tests {
             "tenant-budget policy refused: tenant-budget policy is not valid JSON: mode: unknown variant `sloppy`, expected `strict` or `estimate` at line 2 column 18 (section `tenant_budget`)",
             "positions count from the section as written"
         );
-        assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#).starts_with("sections latency_guard, llm_metrics: one filter instance runs one section"));
+        assert!(err(r#"{"llm_metrics":{},"latency_guard":{}}"#)
+            .starts_with("sections latency_guard, llm_metrics: latency_guard runs in a filter instance of its own"));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! `vm_id` runs in one VM per worker, whatever its section (docs/architecture.md).
 
 mod budget;
+mod composite;
 pub mod config;
 mod guard;
 mod metrics;
@@ -19,6 +20,7 @@ use config::{Policy, SectionKind};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 use sluice_proxy_host as host;
+use std::time::Duration;
 
 /// How a build reads its configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +46,7 @@ macro_rules! entry_point {
         pub fn $name() {
             proxy_wasm::set_log_level(LogLevel::Info);
             host::install_panic_hook($shape.name());
-            proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shape: $shape, section: None }) });
+            proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shape: $shape, sections: Vec::new(), tick_floor: None }) });
         }
     };
 }
@@ -76,17 +78,29 @@ entry_point!(
 );
 
 /// The filter instance's root: parses the configuration once, then hands every root event to the
-/// configured section's root.
+/// configured sections' roots, in pipeline order.
 struct Root {
     shape: Shape,
-    section: Option<Box<dyn RootContext>>,
+    sections: Vec<Box<dyn RootContext>>,
+    /// The tick some section always needs, while the instance runs several ([`composite`]).
+    tick_floor: Option<Duration>,
+}
+
+impl Root {
+    /// Runs `event` on every section's root, with the instance's tick floor in force.
+    fn each(&mut self, mut event: impl FnMut(&mut dyn RootContext)) {
+        host::composite::set_tick_floor(self.tick_floor);
+        for section in &mut self.sections {
+            event(section.as_mut());
+        }
+        host::composite::set_tick_floor(None);
+    }
 }
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, trailers: usize) {
-        if let Some(section) = self.section.as_mut() {
-            section.on_http_call_response(token, headers, body_size, trailers);
-        }
+        // Each section ignores the tokens it did not dispatch.
+        self.each(|section| section.on_http_call_response(token, headers, body_size, trailers));
     }
 }
 
@@ -95,10 +109,10 @@ impl RootContext for Root {
         let Some(bytes) = host::plugin_configuration() else { return false };
         let parsed = match self.shape {
             Shape::Sections => config::parse_sections(&bytes),
-            Shape::Only(kind) => config::parse_only(kind, &bytes),
+            Shape::Only(kind) => config::parse_only(kind, &bytes).map(|policy| vec![policy]),
         };
-        let policy = match parsed {
-            Ok(policy) => policy,
+        let policies = match parsed {
+            Ok(policies) => policies,
             Err(e) => {
                 match (self.shape, &e) {
                     // Worded by the policy itself, naming its section.
@@ -109,29 +123,46 @@ impl RootContext for Root {
                 return false;
             }
         };
-        self.section = match policy {
-            Policy::LatencyGuard(p) => guard::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
-            Policy::ModelRouter(p) => Some(Box::new(router::Root::configure(*p))),
-            Policy::TenantBudget(p) => budget::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
-            Policy::LlmMetrics(p) => Some(Box::new(metrics::Root::configure(*p))),
-        };
-        self.section.is_some()
+        let mut sections: Vec<Box<dyn RootContext>> = Vec::with_capacity(policies.len());
+        let mut tick_floor = None;
+        for policy in policies {
+            let section: Option<Box<dyn RootContext>> = match policy {
+                Policy::LatencyGuard(p) => guard::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
+                Policy::ModelRouter(p) => Some(Box::new(router::Root::configure(*p))),
+                Policy::TenantBudget(p) => budget::Root::configure(*p).map(|r| {
+                    if r.needs_tick() {
+                        tick_floor = Some(Duration::from_millis(sluice_core::flow::budget::SETTLE_TICK_MS));
+                    }
+                    Box::new(r) as Box<dyn RootContext>
+                }),
+                Policy::LlmMetrics(p) => Some(Box::new(metrics::Root::configure(*p))),
+            };
+            let Some(section) = section else { return false };
+            sections.push(section);
+        }
+        // One section sets its own tick as it always has; several share the instance's.
+        self.tick_floor = if sections.len() > 1 { tick_floor } else { None };
+        self.sections = sections;
+        true
     }
 
     fn on_tick(&mut self) {
-        if let Some(section) = self.section.as_mut() {
-            section.on_tick();
-        }
+        self.each(|section| section.on_tick());
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        if let Some(section) = self.section.as_mut() {
-            section.on_queue_ready(queue_id);
-        }
+        self.each(|section| section.on_queue_ready(queue_id));
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        self.section.as_ref()?.create_http_context(context_id)
+        match self.sections.as_slice() {
+            [] => None,
+            [only] => only.create_http_context(context_id),
+            several => {
+                let children = several.iter().filter_map(|s| s.create_http_context(context_id)).collect();
+                Some(Box::new(composite::Composite::new(children, self.tick_floor)))
+            }
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -59,7 +59,7 @@ impl RootContext for Root {
             let mut sh = shared.borrow_mut();
             // Every waiting job is sent now: the tick stops until the next one is queued.
             if sh.tick_armed {
-                match proxy_wasm::hostcalls::set_tick_period(Duration::ZERO) {
+                match host::set_tick_period(Duration::ZERO) {
                     Ok(()) => sh.tick_armed = false,
                     Err(status) => log::debug!("stopping the shadow tick failed: {status:?}"),
                 }
@@ -133,7 +133,7 @@ impl HttpContext for Stream {
             let verdict = flow.on_request_body(&mut sh.router, &mut host::LiveView, body_size, end_of_stream, &mut sh.effects);
             // A queued shadow starts the root's tick if it is stopped.
             if sh.router.queued() > queued && !sh.tick_armed {
-                match proxy_wasm::hostcalls::set_tick_period(SHADOW_TICK) {
+                match host::set_tick_period(SHADOW_TICK) {
                     Ok(()) => sh.tick_armed = true,
                     Err(status) => log::warn!("setting the shadow tick failed: {status:?}"),
                 }

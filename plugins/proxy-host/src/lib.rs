@@ -62,8 +62,9 @@ pub fn body(buffer: BufferType, size: usize) -> Vec<u8> {
 
 /// Appends bytes at the end of the current response body chunk.
 pub fn append_response_body(current_size: usize, bytes: &[u8]) {
-    if let Err(status) = hostcalls::set_buffer(BufferType::HttpResponseBody, current_size, 0, bytes) {
-        log::warn!("appending to the response body failed: {status:?}");
+    match hostcalls::set_buffer(BufferType::HttpResponseBody, current_size, 0, bytes) {
+        Ok(()) => composite::body_edited(current_size.saturating_add(bytes.len())),
+        Err(status) => log::warn!("appending to the response body failed: {status:?}"),
     }
 }
 
@@ -155,8 +156,9 @@ impl Metrics {
 
 /// Replaces bytes `[0, size)` of the current body chunk (the whole chunk when `size` is its length).
 pub fn replace_body(buffer: BufferType, size: usize, bytes: &[u8]) {
-    if let Err(status) = hostcalls::set_buffer(buffer, 0, size, bytes) {
-        log::warn!("replacing a body chunk failed: {status:?}");
+    match hostcalls::set_buffer(buffer, 0, size, bytes) {
+        Ok(()) => composite::body_edited(bytes.len()),
+        Err(status) => log::warn!("replacing a body chunk failed: {status:?}"),
     }
 }
 
@@ -164,7 +166,10 @@ pub fn replace_body(buffer: BufferType, size: usize, bytes: &[u8]) {
 /// old bytes checks this).
 pub fn try_replace_body(buffer: BufferType, size: usize, bytes: &[u8]) -> bool {
     match hostcalls::set_buffer(buffer, 0, size, bytes) {
-        Ok(()) => true,
+        Ok(()) => {
+            composite::body_edited(bytes.len());
+            true
+        }
         Err(status) => {
             log::warn!("replacing a body failed: {status:?}");
             false
@@ -240,8 +245,73 @@ pub fn local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) {
 
 /// Lets a paused request continue upstream.
 pub fn resume_request() {
+    if composite::defer_resume() {
+        return;
+    }
     if let Err(status) = hostcalls::resume_http_request() {
         log::warn!("resuming the request failed: {status:?}");
+    }
+}
+
+/// Sets the root's tick period, never below what the filter instance's other sections need
+/// ([`composite::set_tick_floor`]): a section that stops its tick does not stop theirs.
+pub fn set_tick_period(period: std::time::Duration) -> Result<(), proxy_wasm::types::Status> {
+    let period = match composite::tick_floor() {
+        Some(floor) if period.is_zero() || period > floor => floor,
+        _ => period,
+    };
+    hostcalls::set_tick_period(period)
+}
+
+/// What a filter instance running several sections needs from the hostcalls its sections make:
+/// one VM is single-threaded, so these are per-VM cells the instance sets around its calls.
+pub mod composite {
+    use std::cell::Cell;
+    use std::time::Duration;
+
+    thread_local! {
+        static BODY_LEN: Cell<Option<usize>> = const { Cell::new(None) };
+        static DEFERRING: Cell<bool> = const { Cell::new(false) };
+        static RESUME_WANTED: Cell<bool> = const { Cell::new(false) };
+        static TICK_FLOOR: Cell<Option<Duration>> = const { Cell::new(None) };
+    }
+
+    /// A body chunk was replaced or grown to `len` bytes: the next section reads that many.
+    pub(crate) fn body_edited(len: usize) {
+        BODY_LEN.with(|c| c.set(Some(len)));
+    }
+
+    /// The current chunk's length if a section changed it since the last call.
+    pub fn take_body_len() -> Option<usize> {
+        BODY_LEN.with(Cell::take)
+    }
+
+    /// While set, a section's request to resume the request is recorded instead of made: the
+    /// instance first runs its later sections on the event that was paused.
+    pub fn set_deferring(on: bool) {
+        DEFERRING.with(|c| c.set(on));
+    }
+
+    /// Whether a section asked to resume the request while deferring (cleared by reading).
+    pub fn take_resume_wanted() -> bool {
+        RESUME_WANTED.with(Cell::take)
+    }
+
+    pub(crate) fn defer_resume() -> bool {
+        let deferring = DEFERRING.with(Cell::get);
+        if deferring {
+            RESUME_WANTED.with(|c| c.set(true));
+        }
+        deferring
+    }
+
+    /// The shortest tick some section of the instance always needs (`None`: none does).
+    pub fn set_tick_floor(floor: Option<Duration>) {
+        TICK_FLOOR.with(|c| c.set(floor));
+    }
+
+    pub(crate) fn tick_floor() -> Option<Duration> {
+        TICK_FLOOR.with(Cell::get)
     }
 }
 
@@ -463,7 +533,7 @@ pub fn apply(effects: &mut sluice_core::flow::Effects, metrics: &mut Metrics, bo
                 reset_stream();
             }
             Effect::SetTickPeriod { ms } => {
-                if let Err(status) = hostcalls::set_tick_period(std::time::Duration::from_millis(ms)) {
+                if let Err(status) = set_tick_period(std::time::Duration::from_millis(ms)) {
                     log::warn!("cannot change the tick period: {status:?}");
                 }
             }
