@@ -112,36 +112,91 @@ pub fn static_listener(bootstrap: &mut Value) -> Result<&mut Value> {
 
 /// The index of the wasm filter whose plugin is `name` (`sluice_tenant_budget`, …).
 pub fn wasm_filter_index(filters: &[Value], name: &str) -> Result<usize> {
+    let named = |f: &Value| f.get("typed_config").and_then(|t| t.get("config")).and_then(|c| c.get("name")).and_then(Value::as_str) == Some(name);
+    if let Some(i) = filters.iter().position(named) {
+        return Ok(i);
+    }
+    // A policy that shares a sluice.wasm filter with others: the filter whose sections include it.
+    let section = name.strip_prefix("sluice_").unwrap_or(name);
     filters
         .iter()
-        .position(|f| f.get("typed_config").and_then(|t| t.get("config")).and_then(|c| c.get("name")).and_then(Value::as_str) == Some(name))
+        .position(|f| f.get("typed_config").and_then(|t| sections(t).ok()).is_some_and(|s| s.iter().any(|(k, _)| k == section)))
         .ok_or_else(|| anyhow!("no wasm filter {name} in the chain"))
 }
 
 /// Sets the plugin configuration (the `StringValue`) of wasm filter `name` in `filters` to the
-/// policy `json` (as its section when the filter runs sluice.wasm: [`as_configuration`]).
+/// policy `json`: as its section when the filter runs sluice.wasm ([`configuration_with`]).
 pub fn set_plugin_config(filters: &mut [Value], name: &str, json: &str) -> Result<()> {
     let i = wasm_filter_index(filters, name)?;
     let filter = filters.get_mut(i).ok_or_else(|| anyhow!("no filter {i}"))?;
     let typed = filter.get("typed_config").ok_or_else(|| anyhow!("filter {name} has no typed_config"))?;
-    let configuration = as_configuration(typed, json)?;
+    let configuration = configuration_with(typed, name, json)?;
     let value = at(filter, &["typed_config", "config", "configuration", "value"])?;
     *value = Value::String(configuration);
     Ok(())
 }
 
-/// The configuration text for a policy `json` in a wasm filter's `typed_config`: the policy itself
-/// for a single-policy `.wasm`, or `{"<section>": policy}` for sluice.wasm, the section named by
-/// the filter's `root_id` (`sluice_tenant_budget` → `tenant_budget`).
-pub fn as_configuration(typed_config: &Value, json: &str) -> Result<String> {
+/// The members of a sluice.wasm filter's configuration, each value as written — JSON, or a
+/// template placeholder a test fills later (empty for another `.wasm`).
+fn sections(typed_config: &Value) -> Result<Vec<(String, String)>> {
+    let config = typed_config.get("config").ok_or_else(|| anyhow!("a wasm typed_config without config"))?;
+    let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
+    if !filename.ends_with("/sluice.wasm") && filename != "sluice.wasm" {
+        return Ok(Vec::new());
+    }
+    let text = ["configuration", "value"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or("{}");
+    split_members(text).ok_or_else(|| anyhow!("a sluice.wasm configuration that is not an object of sections: {text}"))
+}
+
+/// `{"a": X, "b": Y}` → `[("a", "X"), ("b", "Y")]`, the values as written: split at the
+/// object's own commas (outside strings and nested brackets), so `{{NAME}}` counts as a value.
+fn split_members(text: &str) -> Option<Vec<(String, String)>> {
+    let inner = text.trim().strip_prefix('{')?.strip_suffix('}')?;
+    let (mut members, mut depth, mut in_string, mut escaped, mut start) = (Vec::new(), 0i32, false, false, 0usize);
+    let mut push = |part: &str| -> Option<()> {
+        let (key, value) = part.split_once(':')?;
+        let key = key.trim().strip_prefix('"')?.strip_suffix('"')?.to_string();
+        members.push((key, value.trim().to_string()));
+        Some(())
+    };
+    for (i, c) in inner.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            '{' | '[' if !in_string => depth += 1,
+            '}' | ']' if !in_string => depth -= 1,
+            ',' if !in_string && depth == 0 => {
+                push(inner.get(start..i)?)?;
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    let last = inner.get(start..)?;
+    if !last.trim().is_empty() {
+        push(last)?;
+    }
+    Some(members)
+}
+
+/// The configuration text of a wasm filter's `typed_config` with the policy `json` of `name`
+/// (`sluice_tenant_budget`): the policy itself for a single-policy `.wasm`; for sluice.wasm, its
+/// sections with that one (`tenant_budget`) replaced by `json` as written (which may be broken on
+/// purpose), the others kept.
+pub fn configuration_with(typed_config: &Value, name: &str, json: &str) -> Result<String> {
     let config = typed_config.get("config").ok_or_else(|| anyhow!("a wasm typed_config without config"))?;
     let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
     if !filename.ends_with("/sluice.wasm") && filename != "sluice.wasm" {
         return Ok(json.to_string());
     }
-    let root_id = config.get("root_id").and_then(Value::as_str).unwrap_or_default();
-    let section = root_id.strip_prefix("sluice_").ok_or_else(|| anyhow!("sluice.wasm filter with root_id {root_id:?}: which section?"))?;
-    Ok(format!("{{\"{section}\": {json}}}"))
+    let section = name.strip_prefix("sluice_").ok_or_else(|| anyhow!("{name}: which sluice.wasm section?"))?;
+    let members: Vec<String> =
+        sections(typed_config)?.into_iter().map(|(k, v)| if k == section { format!("\"{k}\": {json}") } else { format!("\"{k}\": {v}") }).collect();
+    if !members.iter().any(|m| m.starts_with(&format!("\"{section}\""))) {
+        bail!("the sluice.wasm filter has no {section} section");
+    }
+    Ok(format!("{{{}}}", members.join(", ")))
 }
 
 /// A wasm filter entry for the test filter `sluice_e2e_trap.wasm` under `failure_policy`, in a VM
@@ -276,9 +331,10 @@ pub fn filter_to_ecds(filters: &mut [Value], name: &str, ecds: &XdsFile) -> Resu
     Ok(typed)
 }
 
-/// Sets the plugin configuration inside a wasm filter's `typed_config`.
-pub fn with_plugin_config(typed_config: &Value, json: &str) -> Result<Value> {
-    let configuration = as_configuration(typed_config, json)?;
+/// Sets the policy `json` of `name` (`sluice_tenant_budget`) inside a wasm filter's
+/// `typed_config` ([`configuration_with`]).
+pub fn with_plugin_config(typed_config: &Value, name: &str, json: &str) -> Result<Value> {
+    let configuration = configuration_with(typed_config, name, json)?;
     let mut t = typed_config.clone();
     *at(&mut t, &["config", "configuration", "value"])? = Value::String(configuration);
     Ok(t)
@@ -429,5 +485,26 @@ impl EnvoyProcess {
 impl Drop for EnvoyProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::split_members;
+
+    #[test]
+    fn sections_split_at_the_objects_own_commas_placeholders_included() {
+        let text = r#"{"model_router": {"a": [1, {"b": "x,}"}]}, "tenant_budget": {{BUDGET_CONFIG}}, "llm_metrics": {"s": "q\"uote"}}"#;
+        let members = split_members(text).unwrap();
+        assert_eq!(
+            members,
+            [
+                ("model_router".to_string(), r#"{"a": [1, {"b": "x,}"}]}"#.to_string()),
+                ("tenant_budget".to_string(), "{{BUDGET_CONFIG}}".to_string()),
+                ("llm_metrics".to_string(), r#"{"s": "q\"uote"}"#.to_string()),
+            ]
+        );
+        assert_eq!(split_members("not an object"), None);
     }
 }

@@ -387,7 +387,7 @@ fn a_policy_pushed_by_ecds_leaves_streams_in_flight_on_theirs_and_keeps_the_budg
     wait_heads(&mock, &["ecds-flight-0", "ecds-flight-1"]);
     let vms_before = vms(&envoy);
     let reloads = envoy.stat(ECDS_RELOADS).unwrap().unwrap_or(0);
-    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, &small_budget(5, 90_000, 32)).unwrap()).unwrap();
+    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, "sluice_tenant_budget", &small_budget(5, 90_000, 32)).unwrap()).unwrap();
     envoy.wait_stat(ECDS_RELOADS, reloads + 1, Duration::from_secs(10)).unwrap();
     c.that(in_flight.iter().all(|s| !s.is_finished()), "the ECDS update landed after the streams ended".into());
     let vms_after = vms(&envoy);
@@ -420,7 +420,7 @@ fn a_policy_pushed_by_ecds_leaves_streams_in_flight_on_theirs_and_keeps_the_budg
     // A broken policy: refused with the plugin's message; the previous one keeps serving.
     let fails = envoy.stat(ECDS_FAILS).unwrap().unwrap_or(0);
     let broken = edit(&small_budget(5, 90_000, 32), |v| v["orgs"][0]["teams"][0]["keys"][0]["budgets"][1]["tokens"] = json!(-3));
-    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, &broken).unwrap()).unwrap();
+    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, "sluice_tenant_budget", &broken).unwrap()).unwrap();
     envoy.wait_stat(ECDS_FAILS, fails + 1, Duration::from_secs(10)).unwrap();
     let stderr = envoy.stderr_text();
     let refusal = stderr.lines().find(|l| l.contains("tenant-budget policy refused")).unwrap_or_default().to_string();
@@ -819,7 +819,11 @@ fn a_budget_whose_measure_changes_starts_from_zero() {
     }
     // k1 spends 2 of its 5 requests a month before the update.
     let k1_before = admitted_until_refused(&envoy, "measure-k1-before", 2);
-    ecds.publish_extension("sluice_tenant_budget", with_plugin_config(&typed, &policy(json!([{ "window": "month", "requests": 10 }]))).unwrap()).unwrap();
+    ecds.publish_extension(
+        "sluice_tenant_budget",
+        with_plugin_config(&typed, "sluice_tenant_budget", &policy(json!([{ "window": "month", "requests": 10 }]))).unwrap(),
+    )
+    .unwrap();
     envoy.wait_stat(ECDS_RELOADS, 2, Duration::from_secs(10)).unwrap();
     let mut c = Checks::default();
     // k2: exactly its 10 requests, then a refusal that counts requests only.

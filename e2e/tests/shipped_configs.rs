@@ -109,7 +109,7 @@ fn a_rendered_file_with_a_broken_policy_inlined_fails_validation_with_the_plugin
             "BUDGET_CONFIG",
             r#""mode": "sloppy""#,
             policy("tenant-budget.example.json").replace(r#""mode": "strict""#, r#""mode": "sloppy""#),
-            ["sloppy", "Unable to create Wasm plugin sluice_tenant_budget"],
+            ["sloppy", "Unable to create Wasm plugin sluice"],
         ),
     ];
     let dir = scratch("broken");
