@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What the full chain costs Envoy in memory and VMs, side by side in one run: Envoy with no filter,
-the full gateway as shipped (four sluice.wasm filters with one vm_id: one VM per worker), the same
-file with a vm_id per filter (four VMs per worker: the same code, the sharing undone), and, with
---before DIR REF, the full gateway of git revision REF with the .wasm files of DIR (an earlier
-build: four different modules, four VMs per worker).
+with the trivial wasm filter (what any wasm filter costs), the full gateway as shipped (two
+sluice.wasm filters with one vm_id: one VM per worker), the same file with a vm_id per filter (the
+same code, the sharing undone), and, with --before DIR REF, the full gateway of git revision REF
+with the .wasm files of DIR (an earlier build, e.g. four different modules, four VMs per worker).
 
 For each configuration: Envoy --concurrency 4 (loopback only) starts, serves WARM streamed chat
 requests (so every worker has built its VMs' contexts), then idles a second; then its resident
@@ -93,8 +93,9 @@ def main():
     full = (ROOT / "envoy/templates/full-gateway.yaml").read_text()
     configs = [
         ("no filter", (ROOT / "envoy/bench/none.yaml").read_text(), load.WASM_DIR),
-        ("full chain: sluice.wasm ×4, one vm_id", full, load.WASM_DIR),
-        ("full chain: sluice.wasm ×4, four vm_ids", separate_vms(full), load.WASM_DIR),
+        ("trivial wasm filter", (ROOT / "envoy/bench/floor.yaml").read_text(), load.WASM_DIR),
+        ("full chain as shipped (one vm_id)", full, load.WASM_DIR),
+        ("full chain, a vm_id per filter", separate_vms(full), load.WASM_DIR),
     ]
     if args.before:
         old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before[1]}:envoy/templates/full-gateway.yaml"],

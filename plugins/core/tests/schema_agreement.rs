@@ -178,3 +178,32 @@ fn tenant_budget_schema_rules_match_the_code() {
     }
     assert_none("tenant-budget rules", &problems);
 }
+
+/// `policies/sluice.schema.json` takes what sluice.wasm takes (plugins/engine/src/config.rs): the
+/// shipped filters' sections, any subset of the three that share a filter, the guard alone; and
+/// refuses the guard with another section, an unknown member, no member and a broken section.
+#[test]
+fn the_sluice_schema_takes_the_sections_sluice_wasm_takes() {
+    let validator = schema_check::validator("sluice.schema.json");
+    let policy = |file: &str| read_json(&schema_check::policies_dir().join(file));
+    let (guard, router, budget, metrics) =
+        (policy("latency-guard.demo.json"), policy("model-router.demo.json"), policy("tenant-budget.full.json"), policy("llm-metrics.demo.json"));
+    let accepted = [
+        serde_json::json!({"latency_guard": guard}),
+        serde_json::json!({"model_router": router, "tenant_budget": budget, "llm_metrics": metrics}),
+        serde_json::json!({"tenant_budget": budget, "llm_metrics": metrics}),
+        serde_json::json!({"llm_metrics": {}}),
+    ];
+    for config in &accepted {
+        assert_none("a configuration sluice.wasm takes", &violations(&validator, config));
+    }
+    let refused = [
+        serde_json::json!({"latency_guard": guard, "llm_metrics": metrics}),
+        serde_json::json!({"tenant_budgets": budget}),
+        serde_json::json!({}),
+        serde_json::json!({"llm_metrics": {"path_prefixes": []}}),
+    ];
+    for config in &refused {
+        assert!(!violations(&validator, config).is_empty(), "the schema takes what sluice.wasm refuses: {config}");
+    }
+}
