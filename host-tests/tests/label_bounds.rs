@@ -1019,7 +1019,7 @@ fn budget_policy() -> Value {
     })
 }
 
-/// tenant-budget's metric families (plugins/tenant-budget/src/lib.rs), their labels drawn from
+/// tenant-budget's metric families (plugins/core/src/flow/budget/mod.rs), their labels drawn from
 /// `policy`: key paths, budget counters and their codes.
 fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
     let mut keys = Vec::new();

@@ -183,13 +183,27 @@ fn misspelled_fields_bad_enums_and_malformed_digests_are_refused() {
     }
 }
 
-/// The failure policy Envoy's shipped full gateway gives a plugin (`failure_policy`).
-fn gateway_failure_policy(root_id: &str) -> String {
-    let text = std::fs::read_to_string(root().join("envoy/rendered/full-gateway.yaml")).unwrap();
-    let at = text.find(&format!("root_id: {root_id}")).unwrap();
-    let rest = &text[at..];
-    let line = rest.lines().find(|l| l.trim_start().starts_with("failure_policy:")).unwrap();
-    line.split(':').nth(1).unwrap().trim().to_string()
+/// The failure policy of the shipped full gateway's filter that runs plugin `root_id`, and the
+/// plugins that filter runs: one under Istio (a WasmPlugin each), several where sluice.wasm runs
+/// sections together.
+fn gateway_failure_policy(root_id: &str) -> (String, Vec<String>) {
+    let filter = gateway_http_filters()
+        .into_iter()
+        .find(|f| wasm_policies(f).iter().any(|p| p == root_id))
+        .unwrap_or_else(|| panic!("no filter of the full gateway runs {root_id}"));
+    (filter["typed_config"]["config"]["failure_policy"].as_str().unwrap().to_string(), wasm_policies(&filter))
+}
+
+/// The plugins a gateway wasm filter runs, as Istio names them (`sluice_<policy>`): its root id, or
+/// for sluice.wasm with several sections, each section in pipeline order.
+fn wasm_policies(filter: &Value) -> Vec<String> {
+    let config = &filter["typed_config"]["config"];
+    let Some(root_id) = config["root_id"].as_str() else { return Vec::new() };
+    if root_id != "sluice" {
+        return vec![root_id.to_string()];
+    }
+    let sections: Value = serde_json::from_str(config["configuration"]["value"].as_str().unwrap()).unwrap();
+    ["latency_guard", "model_router", "tenant_budget", "llm_metrics"].iter().filter(|s| sections.get(**s).is_some()).map(|s| format!("sluice_{s}")).collect()
 }
 
 #[test]
@@ -201,14 +215,19 @@ fn the_chain_order_failure_strategies_and_policies_are_those_of_the_envoy_gatewa
     let order: Vec<&str> = plugins.iter().map(|d| d["spec"]["pluginName"].as_str().unwrap()).collect();
     assert_eq!(order, ["sluice_latency_guard", "sluice_model_router", "sluice_tenant_budget", "sluice_llm_metrics"]);
     let gateway = sluice_envoy_render::gateway("full-gateway").unwrap();
+    let istio_strategy = |name: &str| {
+        let doc = plugins.iter().find(|d| d["spec"]["pluginName"] == name).unwrap();
+        match doc["spec"]["failStrategy"].as_str().unwrap() {
+            "FAIL_CLOSE" => "FAIL_CLOSED".to_string(),
+            other => other.to_string(),
+        }
+    };
     for doc in &plugins {
         let root_id = doc["spec"]["pluginName"].as_str().unwrap();
-        let envoy = gateway_failure_policy(root_id);
-        let istio = match doc["spec"]["failStrategy"].as_str().unwrap() {
-            "FAIL_CLOSE" => "FAIL_CLOSED",
-            other => other,
-        };
-        assert_eq!(istio, envoy, "{root_id}: failStrategy against the Envoy gateway's failure_policy");
+        let (envoy, together) = gateway_failure_policy(root_id);
+        // A filter running several sections fails closed when one of its plugins does alone.
+        let strictest = if together.iter().any(|p| istio_strategy(p) == "FAIL_CLOSED") { "FAIL_CLOSED".to_string() } else { istio_strategy(root_id) };
+        assert_eq!(strictest, envoy, "{root_id} (in a filter with {together:?}): failStrategy against the Envoy gateway's failure_policy");
         let plugin = PLUGINS.iter().find(|p| p.root_id == root_id).unwrap();
         let file = gateway.policies.iter().find(|(p, _)| *p == plugin.policy_placeholder).unwrap().1;
         let policy: Value = serde_json::from_str(&std::fs::read_to_string(root().join("policies").join(file)).unwrap()).unwrap();
@@ -258,11 +277,12 @@ const ROUTER: &str = "envoy.filters.http.router";
 fn comparable(filters: &[Value]) -> Vec<Value> {
     filters
         .iter()
-        .map(|f| match f["name"].as_str() {
-            Some(ROUTER) => json!({ "router": ROUTER }),
-            _ if f.get("wasm").is_some() => json!({ "wasm": f["wasm"] }),
-            Some("envoy.filters.http.wasm") => json!({ "wasm": f["typed_config"]["config"]["root_id"] }),
-            _ => f.clone(),
+        .flat_map(|f| match f["name"].as_str() {
+            Some(ROUTER) => vec![json!({ "router": ROUTER })],
+            _ if f.get("wasm").is_some() => vec![json!({ "wasm": f["wasm"] })],
+            // One gateway filter of several sections is, in Istio, a WasmPlugin per section.
+            Some("envoy.filters.http.wasm") => wasm_policies(f).into_iter().map(|p| json!({ "wasm": p })).collect(),
+            _ => vec![f.clone()],
         })
         .collect()
 }
