@@ -18,6 +18,27 @@ pub struct HeaderPairs {
 }
 
 impl HeaderPairs {
+    /// `pairs` in the ABI's layout, as `proxy_get_header_map_pairs` returns them: what [`parse`]
+    /// reads, for hosts that hold a request in memory (the harness, the native drivers of the
+    /// flows) and for tests.
+    ///
+    /// [`parse`]: HeaderPairs::parse
+    pub fn serialize<V: AsRef<[u8]>>(pairs: &[(&str, V)]) -> Vec<u8> {
+        let size = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+        let mut out = size(pairs.len()).to_vec();
+        for (name, value) in pairs {
+            out.extend_from_slice(&size(name.len()));
+            out.extend_from_slice(&size(value.as_ref().len()));
+        }
+        for (name, value) in pairs {
+            out.extend_from_slice(name.as_bytes());
+            out.push(0);
+            out.extend_from_slice(value.as_ref());
+            out.push(0);
+        }
+        out
+    }
+
     /// Reads `serialized`; `None` when the bytes do not follow the layout (nothing is guessed).
     pub fn parse(serialized: Vec<u8>) -> Option<HeaderPairs> {
         if serialized.is_empty() {
@@ -91,18 +112,7 @@ mod tests {
     use super::HeaderPairs;
 
     fn serialise(pairs: &[(&str, &[u8])]) -> Vec<u8> {
-        let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
-        for (name, value) in pairs {
-            out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-            out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        }
-        for (name, value) in pairs {
-            out.extend_from_slice(name.as_bytes());
-            out.push(0);
-            out.extend_from_slice(value);
-            out.push(0);
-        }
-        out
+        HeaderPairs::serialize(pairs)
     }
 
     #[test]

@@ -166,18 +166,7 @@ proptest! {
 
 /// A header map serialised as `proxy_get_header_map_pairs` returns it.
 fn serialise(pairs: &[(&str, &str)]) -> Vec<u8> {
-    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
-    for (n, v) in pairs {
-        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (n, v) in pairs {
-        out.extend_from_slice(n.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v.as_bytes());
-        out.push(0);
-    }
-    out
+    sluice_core::headers::HeaderPairs::serialize(pairs)
 }
 
 #[test]

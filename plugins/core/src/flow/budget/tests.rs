@@ -39,18 +39,7 @@ fn minute_tokens(limit: u64) -> Value {
 
 /// A header map as the host serialises it.
 fn headers(pairs: &[(&str, &str)]) -> HeaderPairs {
-    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
-    for (name, value) in pairs {
-        out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-    }
-    for (name, value) in pairs {
-        out.extend_from_slice(name.as_bytes());
-        out.push(0);
-        out.extend_from_slice(value.as_bytes());
-        out.push(0);
-    }
-    HeaderPairs::parse(out).unwrap()
+    HeaderPairs::parse(HeaderPairs::serialize(pairs)).unwrap()
 }
 
 fn chat_headers() -> HeaderPairs {
