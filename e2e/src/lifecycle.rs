@@ -140,12 +140,17 @@ pub fn set_plugin_config(filters: &mut [Value], name: &str, json: &str) -> Resul
 /// template placeholder a test fills later (empty for another `.wasm`).
 fn sections(typed_config: &Value) -> Result<Vec<(String, String)>> {
     let config = typed_config.get("config").ok_or_else(|| anyhow!("a wasm typed_config without config"))?;
-    let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
-    if !filename.ends_with("/sluice.wasm") && filename != "sluice.wasm" {
+    if !runs_sluice_wasm(config) {
         return Ok(Vec::new());
     }
     let text = ["configuration", "value"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or("{}");
     split_members(text).ok_or_else(|| anyhow!("a sluice.wasm configuration that is not an object of sections: {text}"))
+}
+
+/// Whether a wasm filter's `config` loads sluice.wasm (whose configuration is made of sections).
+fn runs_sluice_wasm(config: &Value) -> bool {
+    let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
+    filename == "sluice.wasm" || filename.ends_with("/sluice.wasm")
 }
 
 /// `{"a": X, "b": Y}` → `[("a", "X"), ("b", "Y")]`, the values as written: split at the
@@ -186,8 +191,7 @@ fn split_members(text: &str) -> Option<Vec<(String, String)>> {
 /// purpose), the others kept.
 pub fn configuration_with(typed_config: &Value, name: &str, json: &str) -> Result<String> {
     let config = typed_config.get("config").ok_or_else(|| anyhow!("a wasm typed_config without config"))?;
-    let filename = ["vm_config", "code", "local", "filename"].iter().try_fold(config, |v, k| v.get(*k)).and_then(Value::as_str).unwrap_or_default();
-    if !filename.ends_with("/sluice.wasm") && filename != "sluice.wasm" {
+    if !runs_sluice_wasm(config) {
         return Ok(json.to_string());
     }
     let section = name.strip_prefix("sluice_").ok_or_else(|| anyhow!("{name}: which sluice.wasm section?"))?;

@@ -46,6 +46,12 @@ pub const SLUICE_GATEWAY: [(&str, &[(&str, &str)]); 2] = [
     ("sluice", &[("model_router", "sluice_model_router"), ("tenant_budget", "sluice_tenant_budget"), ("llm_metrics", "sluice_llm_metrics")]),
 ];
 
+/// The example policy `file` of `policies/`, as its text.
+fn example_policy(file: &str) -> Result<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies").join(file);
+    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
+
 /// A stream of a [`Chain`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId(pub u64);
@@ -135,11 +141,9 @@ impl Chain {
             .get_or_init(|| FULL_GATEWAY.iter().map(|(name, _)| Plugin::load(crate::workspace_wasm(name)).map_err(|e| format!("{name}: {e:#}"))).collect())
             .as_ref()
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
         let mut filters = Vec::with_capacity(FULL_GATEWAY.len());
         for (plugin, (name, policy)) in plugins.iter().zip(FULL_GATEWAY) {
-            let path = policies.join(policy);
-            let config = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let config = example_policy(policy)?;
             filters.push((plugin, PluginSpec::new(config).name(name).root_id(name).vm_id("sluice").keep_logs_from(crate::LogLevel::Warn)));
         }
         Self::start(&filters)
@@ -154,17 +158,12 @@ impl Chain {
             .get_or_init(|| Plugin::load(crate::workspace_wasm("sluice")).map_err(|e| format!("sluice: {e:#}")))
             .as_ref()
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let policies = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
-        let read = |file: &str| {
-            let path = policies.join(file);
-            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
-        };
         let mut filters = Vec::with_capacity(SLUICE_GATEWAY.len());
         for (name, sections) in SLUICE_GATEWAY {
             let mut config = String::from("{");
             for (i, (section, stem)) in sections.iter().enumerate() {
                 let file = FULL_GATEWAY.iter().find(|(s, _)| s == stem).map(|(_, f)| *f).context("a policy of the full gateway")?;
-                config.push_str(&format!("{}\"{section}\": {}", if i > 0 { ", " } else { "" }, read(file)?));
+                config.push_str(&format!("{}\"{section}\": {}", if i > 0 { ", " } else { "" }, example_policy(file)?));
             }
             config.push('}');
             filters.push((plugin, PluginSpec::new(config).name(name).root_id(name).vm_id("sluice").keep_logs_from(crate::LogLevel::Warn)));

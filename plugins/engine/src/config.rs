@@ -18,8 +18,10 @@ pub enum SectionKind {
 
 /// Every section, in pipeline order (request side).
 pub const KINDS: [SectionKind; 4] = [SectionKind::LatencyGuard, SectionKind::ModelRouter, SectionKind::TenantBudget, SectionKind::LlmMetrics];
-/// Their member names, for messages.
-const SECTIONS: &[&str] = &["latency_guard", "model_router", "tenant_budget", "llm_metrics"];
+/// Every section's member name, in pipeline order, for messages.
+fn section_names() -> String {
+    KINDS.map(SectionKind::section).join(", ")
+}
 
 impl SectionKind {
     /// The section's member name in `sluice.wasm`'s configuration.
@@ -84,11 +86,11 @@ impl Policy {
 pub enum ConfigError {
     #[error("configuration is not valid JSON: {0}")]
     Json(String),
-    #[error("configuration must be a JSON object with one member per policy section ({})", SECTIONS.join(", "))]
+    #[error("configuration must be a JSON object with one member per policy section ({})", section_names())]
     NotAnObject,
-    #[error("unknown section `{0}`: expected one of {known}", known = SECTIONS.join(", "))]
+    #[error("unknown section `{0}`: expected one of {known}", known = section_names())]
     UnknownSection(String),
-    #[error("no policy section: name one of {}", SECTIONS.join(", "))]
+    #[error("no policy section: name one of {}", section_names())]
     Empty,
     #[error(
         "sections {0}: latency_guard runs in a filter instance of its own, in front of the others (it holds a stream's response headers until the first content token, which the sections behind it must see first)"

@@ -60,11 +60,11 @@ pub fn body(buffer: BufferType, size: usize) -> Vec<u8> {
     }
 }
 
-/// Appends bytes at the end of the current response body chunk.
-pub fn append_response_body(current_size: usize, bytes: &[u8]) {
-    match hostcalls::set_buffer(BufferType::HttpResponseBody, current_size, 0, bytes) {
+/// Appends bytes at the end of the current body chunk of `buffer` (`current_size` bytes long).
+pub fn append_body(buffer: BufferType, current_size: usize, bytes: &[u8]) {
+    match hostcalls::set_buffer(buffer, current_size, 0, bytes) {
         Ok(()) => composite::body_edited(current_size.saturating_add(bytes.len())),
-        Err(status) => log::warn!("appending to the response body failed: {status:?}"),
+        Err(status) => log::warn!("appending to a body chunk failed: {status:?}"),
     }
 }
 
@@ -505,14 +505,7 @@ pub fn apply(effects: &mut sluice_core::flow::Effects, metrics: &mut Metrics, bo
             Effect::SetState { key, value } => set_property(&key, &value),
             Effect::SetHeader { dir, name, value } => set_header(header_map(dir), &name, value.as_deref()),
             Effect::ReplaceBody { dir, bytes } => replace_body(body_buffer(dir), body_size, &bytes),
-            Effect::AppendBody { dir, bytes } => match dir {
-                sluice_core::flow::Dir::Response => append_response_body(body_size, &bytes),
-                sluice_core::flow::Dir::Request => {
-                    if let Err(status) = hostcalls::set_buffer(BufferType::HttpRequestBody, body_size, 0, &bytes) {
-                        log::warn!("appending to the request body failed: {status:?}");
-                    }
-                }
-            },
+            Effect::AppendBody { dir, bytes } => append_body(body_buffer(dir), body_size, &bytes),
             Effect::MarkReply(reply) => mark_gateway_reply(reply),
             Effect::LocalReply { status, headers, body } => {
                 let pairs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
