@@ -14,6 +14,7 @@
 //! - [`request`]: model, stream flags, limits and a prompt-size estimate from a request body.
 //! - [`usage`]: token usage, normalised across OpenAI and Anthropic.
 //! - [`response`]: streaming and non-streaming response inspection (content, usage, errors).
+//! - [`observation`]: one response observer shared by the policies that read the same stream.
 //! - [`price`]: validated price table, glob lookup and integer micro-USD cost.
 //! - [`reply`]: error bodies of replies sluice sends itself, in the API's own error shape.
 //! - [`report`]: what a finished request becomes: labelled metric samples and the access-log stamp.
@@ -37,6 +38,7 @@ pub mod headers;
 pub mod identity;
 pub mod latency;
 pub mod metrics;
+pub mod observation;
 pub mod price;
 pub mod reply;
 pub mod report;
@@ -47,6 +49,7 @@ pub mod routing;
 pub(crate) mod scan;
 pub mod sse;
 pub mod store;
+pub mod text;
 pub mod timing;
 pub mod usage;
 

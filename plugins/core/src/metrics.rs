@@ -149,7 +149,7 @@ impl RequestSeries {
 }
 
 fn per_request(metric: &str, s: &RequestSeries) -> String {
-    format!("sluice.{metric}{}", s.0)
+    crate::text::join(&["sluice.", metric, &s.0])
 }
 
 /// The `status` label: the status class, `none` when no response headers were seen.
@@ -168,7 +168,7 @@ pub fn status_class(status: u16) -> &'static str {
 /// through [`finish_label`], so an upstream's reason cannot mint a series.
 pub fn requests_total(s: &RequestSeries, status: u16, finish_reason: Option<&str>, usage_reported: bool) -> String {
     let usage = if usage_reported { "reported" } else { "estimated" };
-    format!("sluice.requests_total{}.status.{}.finish.{}.usage.{usage}", s.0, status_class(status), finish_label(finish_reason))
+    crate::text::join(&["sluice.requests_total", &s.0, ".status.", status_class(status), ".finish.", finish_label(finish_reason), ".usage.", usage])
 }
 
 /// `sluice.ttft_ms{six}` (histogram, ms).
@@ -238,12 +238,12 @@ pub fn upstream_errors_total(s: &RequestSeries) -> String {
 
 /// `sluice.gateway_replies_total{six,reason}`: `reason` is `refused` or `deadline`.
 pub fn gateway_replies_total(s: &RequestSeries, end: GatewayEnd) -> String {
-    format!("sluice.gateway_replies_total{}.reason.{}", s.0, end.as_str())
+    crate::text::join(&["sluice.gateway_replies_total", &s.0, ".reason.", end.as_str()])
 }
 
 /// `sluice.in_flight{model_version}` (gauge); `model_version` from the plugin's [`crate::report::LabelBound`].
 pub fn in_flight(model_version: &str) -> String {
-    format!("sluice.in_flight.model_version.{model_version}")
+    crate::text::join(&["sluice.in_flight.model_version.", model_version])
 }
 
 /// Why llm-metrics passed a request body without inspecting it.
@@ -268,17 +268,17 @@ pub fn request_body_uninspected_total(reason: UninspectedReason) -> &'static str
 
 /// A budget counter's labels: `.<level>.<owner>.window.<window>.unit.<measure>`.
 fn counter_labels(spec: &CounterSpec) -> String {
-    format!(".{}.{}.window.{}.unit.{}", spec.level.as_str(), spec.owner, spec.window.as_str(), spec.limit.measure())
+    crate::text::join(&[".", spec.level.as_str(), ".", &spec.owner, ".window.", spec.window.as_str(), ".unit.", spec.limit.measure()])
 }
 
 /// `sluice.budget.remaining{org|team|key,window,unit}` (gauge): limit − used − reserved.
 pub fn budget_remaining(spec: &CounterSpec) -> String {
-    format!("sluice.budget.remaining{}", counter_labels(spec))
+    crate::text::join(&["sluice.budget.remaining", &counter_labels(spec)])
 }
 
 /// `sluice.budget.soft_limit_crossings_total{org|team|key,window,unit}`.
 pub fn budget_soft_limit_crossings_total(spec: &CounterSpec) -> String {
-    format!("sluice.budget.soft_limit_crossings_total{}", counter_labels(spec))
+    crate::text::join(&["sluice.budget.soft_limit_crossings_total", &counter_labels(spec)])
 }
 
 /// Who a settlement charged: `.key.<key>.team.<team>.org.<org>.model_version.<mv>`, rendered once
@@ -288,33 +288,33 @@ pub struct ChargeSeries(String);
 
 impl ChargeSeries {
     pub fn new(key: &str, team: &str, org: &str, model_version: &str) -> Self {
-        ChargeSeries(format!(".key.{key}.team.{team}.org.{org}.model_version.{model_version}"))
+        ChargeSeries(crate::text::join(&[".key.", key, ".team.", team, ".org.", org, ".model_version.", model_version]))
     }
 }
 
 /// `sluice.budget.charged_tokens_total{key,team,org,model_version}`.
 pub fn budget_charged_tokens_total(s: &ChargeSeries) -> String {
-    format!("sluice.budget.charged_tokens_total{}", s.0)
+    crate::text::join(&["sluice.budget.charged_tokens_total", &s.0])
 }
 
 /// `sluice.budget.charged_micro_usd_total{key,team,org,model_version}`.
 pub fn budget_charged_micro_usd_total(s: &ChargeSeries) -> String {
-    format!("sluice.budget.charged_micro_usd_total{}", s.0)
+    crate::text::join(&["sluice.budget.charged_micro_usd_total", &s.0])
 }
 
 /// `sluice.budget.rejections_total{key,reason}`; `reason` is the refusal code, sanitized.
 pub fn budget_rejections_total(key: &str, reason: &str) -> String {
-    format!("sluice.budget.rejections_total.key.{key}.reason.{reason}")
+    crate::text::join(&["sluice.budget.rejections_total.key.", key, ".reason.", reason])
 }
 
 /// `sluice.budget.clamps_total{key}`.
 pub fn budget_clamps_total(key: &str) -> String {
-    format!("sluice.budget.clamps_total.key.{key}")
+    crate::text::join(&["sluice.budget.clamps_total.key.", key])
 }
 
 /// `sluice.budget.overestimate_tokens{key}` (histogram, tokens): reserved − charged.
 pub fn budget_overestimate_tokens(key: &str) -> String {
-    format!("sluice.budget.overestimate_tokens.key.{key}")
+    crate::text::join(&["sluice.budget.overestimate_tokens.key.", key])
 }
 
 /// A call to the Redis ledger.
@@ -387,7 +387,7 @@ pub const fn budget_ledger_settlements_dropped_total() -> &'static str {
 
 /// `sluice.router.requests_total{model,version,reason}`; `model` is the policy's model entry.
 pub fn router_requests_total(model: &str, version: &str, reason: Reason) -> String {
-    format!("sluice.router.requests_total.model.{model}.version.{version}.reason.{}", reason.as_str())
+    crate::text::join(&["sluice.router.requests_total.model.", model, ".version.", version, ".reason.", reason.as_str()])
 }
 
 /// Why a request was not routed.
@@ -406,7 +406,7 @@ pub fn router_unrouted_total(why: Unrouted<'_>) -> Cow<'static, str> {
     match why {
         Unrouted::NoModel => Cow::Borrowed("sluice.router.unrouted_total.reason.no_model"),
         Unrouted::UnknownModel => Cow::Borrowed("sluice.router.unrouted_total.reason.unknown_model"),
-        Unrouted::NoVersion { model } => Cow::Owned(format!("sluice.router.unrouted_total.reason.no_version.model.{model}")),
+        Unrouted::NoVersion { model } => Cow::Owned(crate::text::join(&["sluice.router.unrouted_total.reason.no_version.model.", model])),
     }
 }
 
@@ -417,7 +417,7 @@ pub struct ShadowPair(String);
 
 impl ShadowPair {
     pub fn new(primary: &str, shadow: &str) -> Self {
-        ShadowPair(format!(".primary.{primary}.shadow.{shadow}"))
+        ShadowPair(crate::text::join(&[".primary.", primary, ".shadow.", shadow]))
     }
 }
 
@@ -447,7 +447,7 @@ impl ShadowResult {
 
 /// `sluice.router.shadow_total{primary,shadow,result}`.
 pub fn router_shadow_total(pair: &ShadowPair, result: ShadowResult) -> String {
-    format!("sluice.router.shadow_total{}.result.{}", pair.0, result.as_str())
+    crate::text::join(&["sluice.router.shadow_total", &pair.0, ".result.", result.as_str()])
 }
 
 /// One side of a shadow comparison.
@@ -468,33 +468,33 @@ impl Side {
 
 /// `sluice.router.compare_duration_ms{primary,shadow,side}` (histogram, ms).
 pub fn router_compare_duration_ms(pair: &ShadowPair, side: Side) -> String {
-    format!("sluice.router.compare_duration_ms{}.side.{}", pair.0, side.as_str())
+    crate::text::join(&["sluice.router.compare_duration_ms", &pair.0, ".side.", side.as_str()])
 }
 
 /// `sluice.router.compare_ttft_ms{primary,shadow,side="primary"}` (histogram, ms): the shadow's
 /// TTFT is not observable (a callout's answer arrives whole).
 pub fn router_compare_ttft_ms(pair: &ShadowPair) -> String {
-    format!("sluice.router.compare_ttft_ms{}.side.primary", pair.0)
+    crate::text::join(&["sluice.router.compare_ttft_ms", &pair.0, ".side.primary"])
 }
 
 /// `sluice.router.compare_output_tokens{primary,shadow,side}` (histogram, tokens).
 pub fn router_compare_output_tokens(pair: &ShadowPair, side: Side) -> String {
-    format!("sluice.router.compare_output_tokens{}.side.{}", pair.0, side.as_str())
+    crate::text::join(&["sluice.router.compare_output_tokens", &pair.0, ".side.", side.as_str()])
 }
 
 /// `sluice.router.compare_errors_total{primary,shadow,side}`.
 pub fn router_compare_errors_total(pair: &ShadowPair, side: Side) -> String {
-    format!("sluice.router.compare_errors_total{}.side.{}", pair.0, side.as_str())
+    crate::text::join(&["sluice.router.compare_errors_total", &pair.0, ".side.", side.as_str()])
 }
 
 /// `sluice.router.compare_total{primary,shadow,finish_agree}`.
 pub fn router_compare_total(pair: &ShadowPair, finish_agree: bool) -> String {
-    format!("sluice.router.compare_total{}.finish_agree.{finish_agree}", pair.0)
+    crate::text::join(&["sluice.router.compare_total", &pair.0, ".finish_agree.", if finish_agree { "true" } else { "false" }])
 }
 
 /// `sluice.router.compare_similarity_per_mille{primary,shadow}` (histogram, ‰).
 pub fn router_compare_similarity_per_mille(pair: &ShadowPair) -> String {
-    format!("sluice.router.compare_similarity_per_mille{}", pair.0)
+    crate::text::join(&["sluice.router.compare_similarity_per_mille", &pair.0])
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -504,12 +504,12 @@ pub fn router_compare_similarity_per_mille(pair: &ShadowPair) -> String {
 /// `client_disconnect`, `ttft`, `total` ([`crate::latency::deadline::DeadlineKind::as_str`]) or a
 /// gateway end ([`GatewayEnd::as_str`]).
 pub fn latency_requests_total(version: &str, class: &str, outcome: &'static str) -> String {
-    format!("sluice.latency.requests_total.version.{version}.class.{class}.outcome.{outcome}")
+    crate::text::join(&["sluice.latency.requests_total.version.", version, ".class.", class, ".outcome.", outcome])
 }
 
 /// `sluice.latency.deadline_total{version,kind,action}`.
 pub fn latency_deadline_total(version: &str, fired: Fired) -> String {
-    format!("sluice.latency.deadline_total.version.{version}.kind.{}.action.{}", fired.kind().as_str(), fired.action())
+    crate::text::join(&["sluice.latency.deadline_total.version.", version, ".kind.", fired.kind().as_str(), ".action.", fired.action()])
 }
 
 /// Why the guard shed a request.
@@ -530,35 +530,35 @@ impl ShedReason {
 
 /// `sluice.latency.shed_total{version,priority,reason}`.
 pub fn latency_shed_total(version: &str, priority: Priority, reason: ShedReason) -> String {
-    format!("sluice.latency.shed_total.version.{version}.priority.{}.reason.{}", priority.as_str(), reason.as_str())
+    crate::text::join(&["sluice.latency.shed_total.version.", version, ".priority.", priority.as_str(), ".reason.", reason.as_str()])
 }
 
 /// `sluice.latency.fallback_unavailable_total{version,priority}`.
 pub fn latency_fallback_unavailable_total(version: &str, priority: Priority) -> String {
-    format!("sluice.latency.fallback_unavailable_total.version.{version}.priority.{}", priority.as_str())
+    crate::text::join(&["sluice.latency.fallback_unavailable_total.version.", version, ".priority.", priority.as_str()])
 }
 
 /// `sluice.latency.probes_total{version}`.
 pub fn latency_probes_total(version: &str) -> String {
-    format!("sluice.latency.probes_total.version.{version}")
+    crate::text::join(&["sluice.latency.probes_total.version.", version])
 }
 
 /// `sluice.latency.output_capped_total{version}`.
 pub fn latency_output_capped_total(version: &str) -> String {
-    format!("sluice.latency.output_capped_total.version.{version}")
+    crate::text::join(&["sluice.latency.output_capped_total.version.", version])
 }
 
 /// `sluice.latency.breaker_transitions_total{version,to}`.
 pub fn latency_breaker_transitions_total(version: &str, to: State) -> String {
-    format!("sluice.latency.breaker_transitions_total.version.{version}.to.{}", to.as_str())
+    crate::text::join(&["sluice.latency.breaker_transitions_total.version.", version, ".to.", to.as_str()])
 }
 
 /// `sluice.latency.breaker_state{version}` (gauge: 0 closed, 1 open, 2 half-open).
 pub fn latency_breaker_state(version: &str) -> String {
-    format!("sluice.latency.breaker_state.version.{version}")
+    crate::text::join(&["sluice.latency.breaker_state.version.", version])
 }
 
 /// `sluice.latency.in_flight{version}` (gauge).
 pub fn latency_in_flight(version: &str) -> String {
-    format!("sluice.latency.in_flight.version.{version}")
+    crate::text::join(&["sluice.latency.in_flight.version.", version])
 }

@@ -5,7 +5,6 @@
 use crate::response::ResponseSummary;
 use crate::timing::StreamTiming;
 use std::collections::BTreeSet;
-use std::fmt::Write as _;
 
 /// Prefix of every sluice metric name as the plugin defines it (Envoy stores it under `wasmcustom.`).
 pub const METRIC_PREFIX: &str = "sluice";
@@ -76,7 +75,20 @@ pub struct Labels {
 impl Labels {
     /// `.model_version.v2.tenant.acme.api.chat_completions.ctx.1k.turn.first.stream.true`
     pub fn suffix(&self) -> String {
-        format!(".model_version.{}.tenant.{}.api.{}.ctx.{}.turn.{}.stream.{}", self.model_version, self.tenant, self.api, self.ctx, self.turn, self.stream)
+        crate::text::join(&[
+            ".model_version.",
+            &self.model_version,
+            ".tenant.",
+            &self.tenant,
+            ".api.",
+            &self.api,
+            ".ctx.",
+            &self.ctx,
+            ".turn.",
+            &self.turn,
+            ".stream.",
+            &self.stream,
+        ])
     }
 }
 
@@ -309,50 +321,66 @@ impl RequestRecord {
     /// The access-log stamp: one JSON object, stable field names (see docs/access-log.md).
     /// Absent figures are `null`, never a made-up zero.
     pub fn stamp_json(&self) -> String {
+        // Written piece by piece: `write!` per field costs several times as much in wasm.
         let mut s = String::with_capacity(512);
-        s.push('{');
         let l = &self.labels;
-        let _ = write!(
-            s,
-            "\"api\":\"{}\",\"model_version\":\"{}\",\"tenant\":\"{}\",\"ctx\":\"{}\",\"turn\":\"{}\",\"stream\":{},",
-            l.api, l.model_version, l.tenant, l.ctx, l.turn, self.streaming
-        );
-        let _ = write!(s, "\"model\":{},", json_opt_str(self.request_model.as_deref()));
-        let _ = write!(s, "\"response_model\":{},", json_opt_str(self.response.response_model.as_deref()));
-        let _ = write!(s, "\"status\":{},\"outcome\":\"{}\",", self.status, self.outcome.as_str());
-        let _ = write!(s, "\"ttft_us\":{},", json_opt_u64(self.ttft_ns().map(|v| v / NS_PER_US)));
-        let _ = write!(s, "\"tpot_us\":{},", json_opt_u64(self.tpot_ns().map(|v| v / NS_PER_US)));
-        let _ = write!(s, "\"decode_tokens_per_s\":{},", json_opt_u64(self.decode_tokens_per_s()));
-        let _ = write!(s, "\"duration_us\":{},", self.duration_ns() / NS_PER_US);
+        let text = |s: &mut String, name: &str, value: &str| {
+            s.push_str(name);
+            s.push_str(value);
+        };
+        text(&mut s, "{\"api\":\"", &l.api);
+        text(&mut s, "\",\"model_version\":\"", &l.model_version);
+        text(&mut s, "\",\"tenant\":\"", &l.tenant);
+        text(&mut s, "\",\"ctx\":\"", &l.ctx);
+        text(&mut s, "\",\"turn\":\"", &l.turn);
+        s.push_str(if self.streaming { "\",\"stream\":true," } else { "\",\"stream\":false," });
+        json_opt_str(&mut s, "\"model\":", self.request_model.as_deref());
+        json_opt_str(&mut s, ",\"response_model\":", self.response.response_model.as_deref());
+        json_u64(&mut s, ",\"status\":", u64::from(self.status));
+        text(&mut s, ",\"outcome\":\"", self.outcome.as_str());
+        s.push('"');
+        json_opt_u64(&mut s, ",\"ttft_us\":", self.ttft_ns().map(|v| v / NS_PER_US));
+        json_opt_u64(&mut s, ",\"tpot_us\":", self.tpot_ns().map(|v| v / NS_PER_US));
+        json_opt_u64(&mut s, ",\"decode_tokens_per_s\":", self.decode_tokens_per_s());
+        json_u64(&mut s, ",\"duration_us\":", self.duration_ns() / NS_PER_US);
         let u = &self.response.usage;
-        let _ = write!(
-            s,
-            "\"input_tokens\":{},\"output_tokens\":{},\"cached_input_tokens\":{},\"cache_creation_input_tokens\":{},\"reasoning_tokens\":{},",
-            self.input_tokens(),
-            self.output_tokens(),
-            u.cached_input_tokens,
-            u.cache_creation_input_tokens,
-            u.reasoning_tokens
-        );
-        let _ = write!(s, "\"usage\":\"{}\",", if self.response.usage_reported { "reported" } else { "estimated" });
-        let _ = write!(s, "\"content_chunks\":{},", self.response.content_chunks);
-        let _ = write!(s, "\"cost_micro_usd\":{},", json_opt_u64(self.cost_micro_usd));
-        let _ = write!(s, "\"finish_reason\":{},", json_opt_str(self.response.finish_reason.as_deref()));
-        let _ = write!(s, "\"upstream_error\":{}", json_opt_str(self.response.upstream_error.as_deref()));
+        json_u64(&mut s, ",\"input_tokens\":", self.input_tokens());
+        json_u64(&mut s, ",\"output_tokens\":", self.output_tokens());
+        json_u64(&mut s, ",\"cached_input_tokens\":", u.cached_input_tokens);
+        json_u64(&mut s, ",\"cache_creation_input_tokens\":", u.cache_creation_input_tokens);
+        json_u64(&mut s, ",\"reasoning_tokens\":", u.reasoning_tokens);
+        s.push_str(if self.response.usage_reported { ",\"usage\":\"reported\"" } else { ",\"usage\":\"estimated\"" });
+        json_u64(&mut s, ",\"content_chunks\":", self.response.content_chunks);
+        json_opt_u64(&mut s, ",\"cost_micro_usd\":", self.cost_micro_usd);
+        json_opt_str(&mut s, ",\"finish_reason\":", self.response.finish_reason.as_deref());
+        json_opt_str(&mut s, ",\"upstream_error\":", self.response.upstream_error.as_deref());
         s.push('}');
         s
     }
 }
 
-fn json_opt_u64(v: Option<u64>) -> String {
-    v.map(|v| v.to_string()).unwrap_or_else(|| "null".into())
+fn json_u64(s: &mut String, name: &str, v: u64) {
+    s.push_str(name);
+    crate::text::push_u64(s, v);
 }
 
-fn json_opt_str(v: Option<&str>) -> String {
+/// Absent figures are `null`.
+fn json_opt_u64(s: &mut String, name: &str, v: Option<u64>) {
     match v {
-        // serde_json escapes quotes, control characters and the rest correctly.
-        Some(v) => serde_json::to_string(v).unwrap_or_else(|_| "null".into()),
-        None => "null".into(),
+        Some(v) => json_u64(s, name, v),
+        None => {
+            s.push_str(name);
+            s.push_str("null");
+        }
+    }
+}
+
+fn json_opt_str(s: &mut String, name: &str, v: Option<&str>) {
+    s.push_str(name);
+    match v {
+        // Escaped as serde_json escapes: quotes, backslashes, control characters.
+        Some(v) => crate::text::push_json_string(s, v),
+        None => s.push_str("null"),
     }
 }
 

@@ -97,7 +97,17 @@ const SIX: &[(&str, &str)] = &[("model_version", "v2"), ("tenant", "acme"), ("ap
 const SIX_NAME: &str = ".model_version.v2.tenant.acme.api.chat_completions.ctx.1k.turn.first.stream.true";
 
 fn spec(level: Level, owner: &str, window: Window, limit: Limit) -> CounterSpec {
-    CounterSpec { store_key: "k".into(), level, owner: owner.into(), window, limit, soft_limit: None, code: "c".into(), per_identity: false }
+    CounterSpec {
+        store_key: "k".into(),
+        remote_name: "k".into(),
+        level,
+        owner: owner.into(),
+        window,
+        limit,
+        soft_limit: None,
+        code: "c".into(),
+        per_identity: false,
+    }
 }
 
 fn cases() -> Vec<Case> {

@@ -9,7 +9,10 @@
 //!   answer lets it continue (its resume is deferred until the later sections have seen the
 //!   event, then made once);
 //! - a section that replaces or grows a body chunk hands the next section the new length;
-//! - every section's tick keeps the period the others need ([`sluice_proxy_host::set_tick_period`]).
+//! - every section's tick keeps the period the others need ([`sluice_proxy_host::set_tick_period`]);
+//! - the stream's [`host::stream::Slot`] is lent for every callback: a body chunk is fetched once
+//!   for all sections, and the sections (and the other sluice filters of this VM on the stream)
+//!   read the response through one shared observer.
 //!
 //! It relies on what the sections do with request bodies: one that reads a chunk and continues
 //! (llm-metrics) must come after every section that pauses to buffer (model-router when it
@@ -36,16 +39,26 @@ pub struct Composite {
     /// The paused section's position and the event it paused.
     paused: Option<(usize, RequestEvent)>,
     tick_floor: Option<Duration>,
+    slot: host::stream::Slot,
 }
 
 impl Composite {
-    pub fn new(children: Vec<Box<dyn HttpContext>>, tick_floor: Option<Duration>) -> Composite {
-        Composite { children, paused: None, tick_floor }
+    pub fn new(children: Vec<Box<dyn HttpContext>>, tick_floor: Option<Duration>, context_id: u32) -> Composite {
+        Composite { children, paused: None, tick_floor, slot: host::stream::Slot::new(context_id) }
+    }
+
+    /// Runs `callback` with the stream's slot lent and the instance's tick floor set.
+    fn lent<R>(&mut self, callback: impl FnOnce(&mut Self) -> R) -> R {
+        let outer = host::stream::enter(&mut self.slot);
+        host::composite::set_tick_floor(self.tick_floor);
+        let result = callback(self);
+        host::composite::set_tick_floor(None);
+        host::stream::leave(&mut self.slot, outer);
+        result
     }
 
     /// Runs `event` through the sections from position `from` until one pauses it.
     fn run_request(&mut self, from: usize, mut event: RequestEvent) -> Action {
-        host::composite::set_tick_floor(self.tick_floor);
         let mut action = Action::Continue;
         self.paused = None;
         for (i, child) in self.children.iter_mut().enumerate().skip(from) {
@@ -61,25 +74,24 @@ impl Composite {
                 break;
             }
         }
-        host::composite::set_tick_floor(None);
         action
     }
 
     /// Runs a response event through the sections in reverse order until one pauses it.
     fn run_response(&mut self, mut body_size: usize, mut event: impl FnMut(&mut dyn HttpContext, usize) -> Action) -> Action {
-        host::composite::set_tick_floor(self.tick_floor);
-        let mut action = Action::Continue;
-        for child in self.children.iter_mut().rev() {
-            action = event(child.as_mut(), body_size);
-            if let Some(len) = host::composite::take_body_len() {
-                body_size = len;
+        self.lent(|this| {
+            let mut action = Action::Continue;
+            for child in this.children.iter_mut().rev() {
+                action = event(child.as_mut(), body_size);
+                if let Some(len) = host::composite::take_body_len() {
+                    body_size = len;
+                }
+                if action != Action::Continue {
+                    break;
+                }
             }
-            if action != Action::Continue {
-                break;
-            }
-        }
-        host::composite::set_tick_floor(None);
-        action
+            action
+        })
     }
 }
 
@@ -87,26 +99,27 @@ impl Context for Composite {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, num_trailers: usize) {
         // A section answered by its callout may continue the request: not before the sections
         // after it have seen the event it paused.
-        host::composite::set_deferring(true);
-        host::composite::set_tick_floor(self.tick_floor);
-        for child in &mut self.children {
-            child.on_http_call_response(token, num_headers, body_size, num_trailers);
-        }
-        host::composite::set_tick_floor(None);
-        host::composite::set_deferring(false);
-        if !host::composite::take_resume_wanted() {
-            return;
-        }
-        let continued = match self.paused.take() {
-            Some((i, RequestEvent::Body { body_size, end_of_stream })) => {
-                // The section may have replaced the buffered body while answering.
-                let body_size = host::composite::take_body_len().unwrap_or(body_size);
-                self.run_request(i + 1, RequestEvent::Body { body_size, end_of_stream })
+        let continued = self.lent(|this| {
+            host::composite::set_deferring(true);
+            for child in &mut this.children {
+                child.on_http_call_response(token, num_headers, body_size, num_trailers);
             }
-            Some((i, event)) => self.run_request(i + 1, event),
-            None => Action::Continue,
-        };
-        if continued == Action::Continue {
+            host::composite::set_deferring(false);
+            if !host::composite::take_resume_wanted() {
+                return false;
+            }
+            let action = match this.paused.take() {
+                Some((i, RequestEvent::Body { body_size, end_of_stream })) => {
+                    // The section may have replaced the buffered body while answering.
+                    let body_size = host::composite::take_body_len().unwrap_or(body_size);
+                    this.run_request(i + 1, RequestEvent::Body { body_size, end_of_stream })
+                }
+                Some((i, event)) => this.run_request(i + 1, event),
+                None => Action::Continue,
+            };
+            action == Action::Continue
+        });
+        if continued {
             host::resume_request();
         }
     }
@@ -114,12 +127,12 @@ impl Context for Composite {
 
 impl HttpContext for Composite {
     fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        self.run_request(0, RequestEvent::Headers { num_headers, end_of_stream })
+        self.lent(|this| this.run_request(0, RequestEvent::Headers { num_headers, end_of_stream }))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let _ = host::composite::take_body_len();
-        self.run_request(0, RequestEvent::Body { body_size, end_of_stream })
+        self.lent(|this| this.run_request(0, RequestEvent::Body { body_size, end_of_stream }))
     }
 
     fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
@@ -136,10 +149,11 @@ impl HttpContext for Composite {
     }
 
     fn on_log(&mut self) {
-        host::composite::set_tick_floor(self.tick_floor);
-        for child in self.children.iter_mut().rev() {
-            child.on_log();
-        }
-        host::composite::set_tick_floor(None);
+        self.lent(|this| {
+            for child in this.children.iter_mut().rev() {
+                child.on_log();
+            }
+        });
+        self.slot.end();
     }
 }

@@ -155,14 +155,13 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        match self.sections.as_slice() {
-            [] => None,
-            [only] => only.create_http_context(context_id),
-            several => {
-                let children = several.iter().filter_map(|s| s.create_http_context(context_id)).collect();
-                Some(Box::new(composite::Composite::new(children, self.tick_floor)))
-            }
+        // One section too runs in a composite: it lends the stream's slot (the body read once, the
+        // shared response observer) for every callback.
+        let children: Vec<Box<dyn HttpContext>> = self.sections.iter().filter_map(|s| s.create_http_context(context_id)).collect();
+        if children.is_empty() {
+            return None;
         }
+        Some(Box::new(composite::Composite::new(children, self.tick_floor, context_id)))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -6,7 +6,10 @@
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 pub use sluice_core::headers::HeaderPairs;
+
+pub mod stream;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::time::UNIX_EPOCH;
 
 /// Host time in nanoseconds since the Unix epoch. Time only ever comes from the host, so the
@@ -92,7 +95,32 @@ pub fn set_property(key: &str, value: &[u8]) {
 pub struct Metrics {
     /// One map per metric kind, keyed by name: a lookup borrows the name (no allocation per
     /// sample on the hot path; a name is copied once, when first defined).
-    ids: [HashMap<String, u32>; 3],
+    ids: [HashMap<String, u32, BuildHasherDefault<NameHasher>>; 3],
+}
+
+/// Multiply-rotate hashing of metric names, eight bytes a step. Every sample hashes its name; std's
+/// SipHash, keyed against collision flooding, costs several times more in wasm, and these names are
+/// built from bounded label sets (a client cannot choose them), so flooding is no concern here.
+#[derive(Default)]
+pub struct NameHasher(u64);
+
+impl std::hash::Hasher for NameHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let mut words = bytes.chunks_exact(8);
+        for word in words.by_ref() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(word);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(w)).wrapping_mul(K);
+        }
+        for &b in words.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// The map of `kind`; `None` for a kind the SDK may add later (then the sample is dropped).
@@ -278,6 +306,7 @@ pub mod composite {
 
     /// A body chunk was replaced or grown to `len` bytes: the next section reads that many.
     pub(crate) fn body_edited(len: usize) {
+        crate::stream::body_changed();
         BODY_LEN.with(|c| c.set(Some(len)));
     }
 
@@ -433,7 +462,7 @@ impl sluice_core::flow::View for LiveView {
         header(MapType::HttpResponseHeaders, name)
     }
     fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> Vec<u8> {
-        body(body_buffer(dir), size)
+        stream::body(body_buffer(dir), size)
     }
     fn property(&mut self, path: &[String]) -> Option<String> {
         property(path)
@@ -443,6 +472,9 @@ impl sluice_core::flow::View for LiveView {
     }
     fn unended_outcome(&mut self) -> sluice_core::report::Outcome {
         interrupted_outcome()
+    }
+    fn response_observer(&mut self, kind: sluice_core::api::ApiKind) -> sluice_core::observation::Observer {
+        stream::observer(kind)
     }
 }
 
@@ -475,6 +507,9 @@ impl sluice_core::flow::View for RequestHeadersView {
     }
     fn unended_outcome(&mut self) -> sluice_core::report::Outcome {
         LiveView.unended_outcome()
+    }
+    fn response_observer(&mut self, kind: sluice_core::api::ApiKind) -> sluice_core::observation::Observer {
+        LiveView.response_observer(kind)
     }
 }
 

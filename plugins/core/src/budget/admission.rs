@@ -178,7 +178,7 @@ impl Policy {
         let node = self.keys.get(key).ok_or_else(|| AdmitError::Store(format!("no key #{key}")))?;
         let output = demand.reserved_output_tokens();
         let cost = self.cost(demand.model.as_deref(), demand.input_tokens, output);
-        let identity = demand.identity.clone().unwrap_or_else(|| identities::identity_hash(ANONYMOUS));
+        let identity = demand.identity.clone().unwrap_or_else(anonymous_hash);
         let mut holds = Vec::with_capacity(node.counters.len());
         for &index in &node.counters {
             let Some(spec) = self.counters.get(index) else { continue };
@@ -344,21 +344,25 @@ pub(super) struct Plan {
     pub(super) org: String,
 }
 
+/// The identity hash of requests that carry none, computed once.
+fn anonymous_hash() -> String {
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| identities::identity_hash(ANONYMOUS)).clone()
+}
+
 fn local_key(spec: &CounterSpec, identity: &str) -> String {
     if spec.per_identity {
-        format!("{}{}{identity}", spec.store_key, identities::IDENTITY_SEPARATOR)
+        let mut sep = [0u8; 4];
+        crate::text::join(&[&spec.store_key, identities::IDENTITY_SEPARATOR.encode_utf8(&mut sep), identity])
     } else {
         spec.store_key.clone()
     }
 }
 
 fn remote_key(spec: &CounterSpec, identity: &str, window_id: u64) -> String {
-    let name = super::policy::counter_name(spec.level, &spec.owner, &spec.window, &spec.limit, spec.per_identity, ':');
-    if spec.per_identity {
-        format!("{name}:{identity}:w{window_id}")
-    } else {
-        format!("{name}:w{window_id}")
-    }
+    let mut key = if spec.per_identity { crate::text::join(&[&spec.remote_name, ":", identity, ":w"]) } else { crate::text::join(&[&spec.remote_name, ":w"]) };
+    crate::text::push_u64(&mut key, window_id);
+    key
 }
 
 /// Gives back leases already taken when a later counter refuses.

@@ -468,9 +468,11 @@ pub const STORE_PREFIX: &str = "sluice/tenant-budget/";
 /// compile), so no separator, `#` or brace appears inside one; the longest (a 64-byte team id, both weights
 /// at their maximum, per identity) is 157 bytes, so its Redis key stays under the ledger's 256.
 pub fn counter_name(level: Level, owner: &str, window: &Window, limit: &Limit, per_identity: bool, sep: char) -> String {
-    let mut name = format!("{}{sep}{owner}{sep}{}{sep}{}", level.as_str(), window.key_part(), limit.key_part());
+    let mut buf = [0u8; 4];
+    let sep: &str = sep.encode_utf8(&mut buf);
+    let mut name = crate::text::join(&[level.as_str(), sep, owner, sep, &window.key_part(), sep, &limit.key_part()]);
     if per_identity {
-        name.push(sep);
+        name.push_str(sep);
         name.push_str("per_identity");
     }
     name
@@ -482,6 +484,9 @@ pub struct CounterSpec {
     /// Shared-data key: [`STORE_PREFIX`] and the [`counter_name`] joined by `/`, e.g.
     /// `sluice/tenant-budget/key/k2/month_day1/requests`.
     pub store_key: String,
+    /// The Redis ledger's name of the counter, without its window ([`counter_name`] joined by `:`),
+    /// made once here rather than for every request.
+    pub remote_name: String,
     pub level: Level,
     pub owner: String,
     pub window: Window,
@@ -772,6 +777,7 @@ fn compile_budgets(
         let index = counters.len();
         counters.push(CounterSpec {
             store_key: format!("{STORE_PREFIX}{}", counter_name(level, owner, &window, &limit, per_identity, '/')),
+            remote_name: counter_name(level, owner, &window, &limit, per_identity, ':'),
             level,
             owner: owner.to_string(),
             window,

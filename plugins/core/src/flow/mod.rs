@@ -15,7 +15,9 @@ pub mod guard;
 pub mod metrics;
 pub mod router;
 
+use crate::api::ApiKind;
 use crate::contract::GatewayReply;
+use crate::observation::Observer;
 use crate::report::Outcome;
 
 /// Which side of the exchange a header map or body belongs to.
@@ -48,6 +50,12 @@ pub trait View {
     /// How a request that never saw its last response chunk ended (Envoy's response code details
     /// and flags, [`Outcome::of_unended`]).
     fn unended_outcome(&mut self) -> Outcome;
+    /// The observer a policy reads this stream's response with. A host running several policies on
+    /// one stream hands each a reader of one shared observer ([`crate::observation`]), so the
+    /// stream is framed and scanned once; alone, a policy observes it itself.
+    fn response_observer(&mut self, kind: ApiKind) -> Observer {
+        Observer::own(kind)
+    }
 }
 
 /// Log levels of [`Effect::Log`] (core has no logger).

@@ -231,17 +231,17 @@ pub struct VersionPolicy {
 impl VersionPolicy {
     /// Shared-data key of the version's rolling window.
     pub fn window_key(&self) -> String {
-        format!("sluice/latency-guard/window/{}", self.name)
+        crate::text::join(&["sluice/latency-guard/window/", &self.name])
     }
 
     /// Shared-data key of the version's breaker state.
     pub fn breaker_key(&self) -> String {
-        format!("sluice/latency-guard/breaker/{}", self.name)
+        crate::text::join(&["sluice/latency-guard/breaker/", &self.name])
     }
 
     /// Shared-data key of the version's in-flight counter.
     pub fn in_flight_key(&self) -> String {
-        format!("sluice/latency-guard/in-flight/{}", self.name)
+        crate::text::join(&["sluice/latency-guard/in-flight/", &self.name])
     }
 }
 

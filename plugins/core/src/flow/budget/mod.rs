@@ -29,10 +29,11 @@ use crate::contract::{GatewayEnd, GatewayReply};
 use crate::headers::HeaderPairs;
 use crate::identity::{api_key_from_headers, jwt_payload_claim, sha256_hex};
 use crate::metrics::{self, LedgerCall, LedgerFallback, LedgerResult};
+use crate::observation::Observer;
 use crate::reply::error_body;
 use crate::report::{sanitize_label, LabelBound, Outcome};
 use crate::request::{inspect_request_with_kind, RequestInfo};
-use crate::response::{inspect_response_body, StreamObserver};
+use crate::response::inspect_response_body;
 use crate::rewrite::{rewrite_request, UsageChunkStripper};
 use crate::sse::DEFAULT_MAX_EVENT_BYTES;
 use crate::store::SharedStore;
@@ -249,7 +250,7 @@ enum ResponseBody {
     /// headers say it streams).
     Collected(Vec<u8>),
     /// A stream, observed event by event; the usage sluice asked for is stripped when `stripper`.
-    Observed { observer: Box<StreamObserver>, stripper: Option<UsageChunkStripper> },
+    Observed { observer: Observer, stripper: Option<UsageChunkStripper> },
 }
 
 /// The Redis ledger is deciding; the request body is held meanwhile.
@@ -462,7 +463,7 @@ impl BudgetFlow {
         let streaming = view.response_header("content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
         if streaming {
             let stripper = a.injected_usage.then(|| UsageChunkStripper::new(DEFAULT_MAX_EVENT_BYTES));
-            a.response = ResponseBody::Observed { observer: Box::new(StreamObserver::new(*kind)), stripper };
+            a.response = ResponseBody::Observed { observer: view.response_observer(*kind), stripper };
         }
         let mut set = |name: String, value: String| fx.push(Effect::SetHeader { dir: Dir::Response, name, value: Some(value) });
         for (name, value) in rate_headers(&policy.policy, &a.admission, now) {
@@ -494,9 +495,10 @@ impl BudgetFlow {
     ) {
         let Some(b) = self.budgeted.as_mut() else { return };
         let Phase::Admitted(a) = &mut b.phase else { return };
-        let chunk = view.body(Dir::Response, size);
         match &mut a.response {
             ResponseBody::Observed { observer, stripper } => {
+                // A reader behind a shared observer reads the chunk only to strip it.
+                let chunk = if stripper.is_some() || observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
                 observer.push(&chunk);
                 if end_of_stream {
                     observer.finish();
@@ -512,6 +514,7 @@ impl BudgetFlow {
                 }
             }
             ResponseBody::Collected(body) => {
+                let chunk = view.body(Dir::Response, size);
                 if body.len() + chunk.len() <= MAX_RESPONSE_BODY_BYTES {
                     body.extend_from_slice(&chunk);
                 }
@@ -973,9 +976,11 @@ pub fn rate_headers(policy: &Policy, admission: &Admission, now: u64) -> Vec<(St
     let mut out = Vec::new();
     for (unit, entry) in ["tokens", "requests", "micro-usd"].iter().zip(tightest) {
         if let Some((limit, remaining, reset)) = entry {
-            out.push((format!("x-ratelimit-limit-{unit}"), limit.to_string()));
-            out.push((format!("x-ratelimit-remaining-{unit}"), remaining.to_string()));
-            out.push((format!("x-ratelimit-reset-{unit}"), format!("{reset}s")));
+            let mut reset_text = crate::text::u64_text(reset);
+            reset_text.push('s');
+            out.push((crate::text::join(&["x-ratelimit-limit-", unit]), crate::text::u64_text(limit)));
+            out.push((crate::text::join(&["x-ratelimit-remaining-", unit]), crate::text::u64_text(remaining)));
+            out.push((crate::text::join(&["x-ratelimit-reset-", unit]), reset_text));
         }
     }
     out

@@ -40,7 +40,7 @@ fn name(out: &mut String, name: &str) {
 fn number(out: &mut String, field: &str, value: Option<u64>) {
     if let Some(v) = value {
         name(out, field);
-        out.push_str(&v.to_string());
+        crate::text::push_u64(out, v);
     }
 }
 
@@ -51,25 +51,7 @@ fn text(out: &mut String, field: &str, value: Option<&str>) {
     }
 }
 
-/// A JSON string as serde_json writes it: `"` and `\` escaped, control characters as their short
-/// escape or `\u00XX`, everything else (non-ASCII included) as is.
-fn escape(out: &mut String, value: &str) {
-    out.push('"');
-    for c in value.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
+use crate::text::push_json_string as escape;
 
 impl Stamp {
     pub fn to_json(&self) -> String {

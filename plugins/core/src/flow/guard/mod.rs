@@ -28,10 +28,10 @@ use crate::latency::{
     self, breaker, window, Admission, Breaker, BreakerPolicy, LatencyPolicy, OpenAction, Priority, State, StreamWatch, TenantSource, Transition, VersionPolicy,
 };
 use crate::metrics::{self, ShedReason};
+use crate::observation::Observer;
 use crate::reply::error_body;
 use crate::report::{sanitize_label, Outcome};
 use crate::request::inspect_request_with_kind;
-use crate::response::StreamObserver;
 use crate::rewrite::rewrite_request;
 use crate::store::{self, SharedStore, Updated};
 use crate::timing::StreamTiming;
@@ -430,7 +430,7 @@ struct Guarded {
     clamp_to: Option<u64>,
     status: u16,
     /// The response's event stream, observed (`None`: not an event stream, or no headers yet).
-    observer: Option<Box<StreamObserver>>,
+    observer: Option<Observer>,
     timing: StreamTiming,
     response: Response,
 }
@@ -597,7 +597,7 @@ impl GuardFlow {
         let content_type = view.response_header("content-type").unwrap_or_default();
         let streaming = content_type.to_ascii_lowercase().starts_with("text/event-stream");
         if streaming {
-            g.observer = Some(Box::new(StreamObserver::new(g.kind)));
+            g.observer = Some(view.response_observer(g.kind));
         }
         let Some(w) = root.watched.get_mut(&self.id) else { return Verdict::Continue };
         let steps = w.machine.on_response_headers(g.status, streaming, end_of_stream, || first_token_mark(view));
@@ -629,7 +629,7 @@ impl GuardFlow {
         // Reads the chunk (unless the machine drops it); whether it carried content.
         let mut observe = || {
             let Some(observer) = g.observer.as_mut() else { return false };
-            let chunk = view.body(Dir::Response, size);
+            let chunk = if observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
             let mut outcome = observer.push(&chunk);
             if end_of_stream {
                 let last = observer.finish();
@@ -826,12 +826,28 @@ fn refusal_stamp(g: &Guarded, version: &str, outcome: &str) -> String {
 
 /// The stamp of an admitted request; `status` is what the client got (the gateway's own reply when
 /// one was sent, else the upstream's).
+/// The stamp as text, in the bytes a `serde_json` map of these fields writes (sorted keys,
+/// compact), without building one per request.
 fn stamp(g: &Guarded, a: &Admitted, outcome: &str, status: u16, ttft_us: Option<u64>) -> String {
-    let stamp = serde_json::json!({
-        "version": a.version, "class": g.class, "priority": g.priority.as_str(), "probe": a.probe,
-        "outcome": outcome, "status": status, "ttft_ms": ttft_us.map(|v| v / 1000),
-    });
-    stamp.to_string()
+    use crate::text::{push_json_string, push_u64};
+    let mut out = String::with_capacity(128);
+    out.push_str("{\"class\":");
+    push_json_string(&mut out, &g.class);
+    out.push_str(",\"outcome\":");
+    push_json_string(&mut out, outcome);
+    out.push_str(",\"priority\":");
+    push_json_string(&mut out, g.priority.as_str());
+    out.push_str(if a.probe { ",\"probe\":true,\"status\":" } else { ",\"probe\":false,\"status\":" });
+    push_u64(&mut out, u64::from(status));
+    out.push_str(",\"ttft_ms\":");
+    match ttft_us {
+        Some(us) => push_u64(&mut out, us / 1000),
+        None => out.push_str("null"),
+    }
+    out.push_str(",\"version\":");
+    push_json_string(&mut out, &a.version);
+    out.push('}');
+    out
 }
 
 enum InFlight {

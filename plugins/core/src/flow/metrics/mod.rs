@@ -17,9 +17,10 @@ use super::{Dir, Effect, Effects, View};
 use crate::api::ApiKind;
 use crate::contract::{FirstTokenMark, FIRST_TOKEN_PROPERTY};
 use crate::metrics::{self, UninspectedReason};
+use crate::observation::Observer;
 use crate::report::{LabelBound, Labels, MetricKind, Outcome, RequestRecord, OTHER};
 use crate::request::{inspect_request, ContextBucket, RequestInfo};
-use crate::response::{inspect_response_body, StreamObserver};
+use crate::response::inspect_response_body;
 use crate::sse::StreamTail;
 use crate::timing::StreamTiming;
 use config::{Settings, TenantSource};
@@ -60,7 +61,7 @@ enum RequestBody {
 #[derive(Debug)]
 enum ResponseBody {
     /// A stream, observed event by event; `tail` knows whether it ended on an event boundary.
-    Observed(Box<StreamObserver>, StreamTail),
+    Observed(Observer, StreamTail),
     /// A whole answer, collected up to its cap.
     Collected(Vec<u8>),
     /// Encoded, too large, or a stream that cannot be read: reported without its body.
@@ -174,7 +175,7 @@ impl MetricsFlow {
                 // latency-guard (in front) holds the response until the first content token: it
                 // reads this mark, "0" while waiting (an empty value reads back as absent).
                 fx.set_state(FIRST_TOKEN_PROPERTY, FirstTokenMark::WAITING);
-                ResponseBody::Observed(Box::new(StreamObserver::new(m.kind)), StreamTail::default())
+                ResponseBody::Observed(view.response_observer(m.kind), StreamTail::default())
             }
             (false, false) => ResponseBody::Collected(Vec::new()),
         };
@@ -194,8 +195,13 @@ impl MetricsFlow {
         let cap = policy.settings.max_response_body_bytes;
         match &mut m.response {
             ResponseBody::Observed(observer, tail) => {
-                let chunk = view.body(Dir::Response, size);
-                tail.push(&chunk);
+                // Only the summary comment needs the tail; a reader behind a shared observer
+                // needs no bytes at all.
+                let comment = policy.settings.stream_summary_comment;
+                let chunk = if comment || observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
+                if comment {
+                    tail.push(&chunk);
+                }
                 let mut seen = observer.push(&chunk);
                 if end_of_stream {
                     seen.content_events = seen.content_events.saturating_add(observer.finish().content_events);

@@ -20,8 +20,9 @@ use super::{Dir, Effect, Effects, LogLevel, Verdict, View};
 use crate::api::ApiKind;
 use crate::contract::{self, GatewayEnd, AVOID_PROPERTY, CLIENT_FORBIDDEN_HEADERS, ROUTE_PROPERTY, SHADOW_HEADER};
 use crate::metrics::{self, ShadowPair, ShadowResult, Unrouted};
+use crate::observation::Observer;
 use crate::report::sanitize_label;
-use crate::response::{inspect_response_body, ResponseSummary, StreamObserver};
+use crate::response::{inspect_response_body, ResponseSummary};
 use crate::rewrite::set_top_level_string;
 use crate::routing::similarity::{jaccard_per_mille, response_text};
 use crate::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
@@ -309,7 +310,7 @@ impl Shadowing {
 enum Primary {
     /// Its answer, captured: a stream is observed event by event and only a text prefix kept; a
     /// whole body is kept (bounded) to read its figures at the end.
-    Capturing { observer: Option<Box<StreamObserver>>, captured: Vec<u8> },
+    Capturing { observer: Option<Observer>, captured: Vec<u8> },
     /// Handed over for comparison.
     Offered,
 }
@@ -543,7 +544,7 @@ impl RouterFlow {
         }
         r.status = view.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         if view.response_header("content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream")) {
-            *observer = Some(Box::new(StreamObserver::new(r.kind)));
+            *observer = Some(view.response_observer(r.kind));
         }
     }
 

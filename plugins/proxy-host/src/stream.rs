@@ -1,0 +1,150 @@
+//! What a filter instance knows of its current stream while one of its callbacks runs: the body
+//! chunk already read (so the sections of one filter fetch it once), and which shared response
+//! observer ([`sluice_core::observation`]) the stream's readers in this VM use.
+//!
+//! The instance keeps a [`Slot`] per stream and lends it for each callback ([`enter`] … [`leave`]);
+//! lending nests, so a callback the proxy runs inside another (a resumed stream) sees its own.
+
+use proxy_wasm::types::BufferType;
+use sluice_core::api::ApiKind;
+use sluice_core::contract::OBSERVATION_PROPERTY;
+use sluice_core::observation::{Observer, SharedResponse};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// Where the stream's shared observer is, once asked.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Shared {
+    #[default]
+    Unresolved,
+    /// In this VM's registry under this key (the creating instance's context id).
+    At(u32),
+    /// Another VM's, or none can be made: this instance's readers observe alone.
+    Alone,
+}
+
+/// One filter instance's per-stream state.
+#[derive(Debug, Default)]
+pub struct Slot {
+    context_id: u32,
+    shared: Shared,
+    /// This instance made the stream's shared observer (and forgets it at the stream's end).
+    created: bool,
+    /// The current callback's body chunk, as read.
+    body: Option<(BufferType, usize, Vec<u8>)>,
+}
+
+impl Slot {
+    pub fn new(context_id: u32) -> Slot {
+        Slot { context_id, shared: Shared::Unresolved, created: false, body: None }
+    }
+
+    /// The stream ended: its shared observer takes no new readers (the ones holding it keep it).
+    pub fn end(&mut self) {
+        if std::mem::take(&mut self.created) {
+            REGISTRY.with(|r| r.borrow_mut().remove(&self.context_id));
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Slot>> = const { RefCell::new(None) };
+    static REGISTRY: RefCell<HashMap<u32, Rc<RefCell<SharedResponse>>>> = RefCell::new(HashMap::new());
+    static VM_TOKEN: RefCell<Option<Option<String>>> = const { RefCell::new(None) };
+}
+
+/// Lends `slot` for a callback; returns what was lent before (an outer callback's), for [`leave`].
+pub fn enter(slot: &mut Slot) -> Option<Slot> {
+    let lent = std::mem::take(slot);
+    CURRENT.with(|c| c.borrow_mut().replace(lent))
+}
+
+/// Takes the slot back after the callback (the body chunk read is forgotten) and restores `outer`.
+pub fn leave(slot: &mut Slot, outer: Option<Slot>) {
+    if let Some(mut lent) = CURRENT.with(|c| std::mem::replace(&mut *c.borrow_mut(), outer)) {
+        lent.body = None;
+        *slot = lent;
+    }
+}
+
+/// The chunk's bytes, read once per callback when a slot is lent.
+pub(crate) fn body(buffer: BufferType, size: usize) -> Vec<u8> {
+    let cached =
+        CURRENT.with(|c| c.borrow().as_ref().and_then(|s| s.body.as_ref().filter(|(b, n, _)| *b == buffer && *n == size).map(|(_, _, bytes)| bytes.clone())));
+    if let Some(bytes) = cached {
+        return bytes;
+    }
+    let bytes = crate::body(buffer, size);
+    CURRENT.with(|c| {
+        if let Some(slot) = c.borrow_mut().as_mut() {
+            slot.body = Some((buffer, size, bytes.clone()));
+        }
+    });
+    bytes
+}
+
+/// A body was edited: what was read of it is stale.
+pub(crate) fn body_changed() {
+    CURRENT.with(|c| {
+        if let Some(slot) = c.borrow_mut().as_mut() {
+            slot.body = None;
+        }
+    });
+}
+
+/// This VM's name among the VMs that may share a stream's filter state: its `vm_id` and a number
+/// no other VM with that id got. `None` when shared data cannot give one.
+fn vm_token() -> Option<String> {
+    VM_TOKEN.with(|t| {
+        t.borrow_mut()
+            .get_or_insert_with(|| {
+                let n = sluice_core::store::counter_add(&mut crate::SharedData, "sluice/vm-sequence", 1).ok()?;
+                let vm_id = crate::property(&["plugin_vm_id".to_string()]).unwrap_or_default();
+                Some(format!("{vm_id}#{n}"))
+            })
+            .clone()
+    })
+}
+
+/// A reader of the stream's shared observer for `kind`, made by the first reader to ask; its own
+/// observer outside a lent slot, for another VM's stream, or for another API kind.
+pub(crate) fn observer(kind: ApiKind) -> Observer {
+    let resolved = CURRENT.with(|c| {
+        let mut c = c.borrow_mut();
+        let slot = c.as_mut()?;
+        if slot.shared == Shared::Unresolved {
+            slot.shared = resolve(slot.context_id, kind, &mut slot.created);
+        }
+        match slot.shared {
+            Shared::At(key) => REGISTRY.with(|r| r.borrow().get(&key).cloned()),
+            Shared::Unresolved | Shared::Alone => None,
+        }
+    });
+    match resolved {
+        Some(shared) if shared.try_borrow().is_ok_and(|s| s.kind() == kind) => Observer::join(&shared),
+        _ => Observer::own(kind),
+    }
+}
+
+/// Finds the stream's shared observer through its filter state, or makes it.
+fn resolve(context_id: u32, kind: ApiKind, created: &mut bool) -> Shared {
+    let Some(token) = vm_token() else { return Shared::Alone };
+    if let Some(address) = crate::property(&[OBSERVATION_PROPERTY.to_string()]) {
+        let Some((their_token, key)) = address.rsplit_once(' ') else { return Shared::Alone };
+        return match key.parse::<u32>() {
+            Ok(key) if their_token == token && REGISTRY.with(|r| r.borrow().contains_key(&key)) => Shared::At(key),
+            _ => Shared::Alone,
+        };
+    }
+    REGISTRY.with(|r| r.borrow_mut().insert(context_id, SharedResponse::new(kind)));
+    *created = true;
+    crate::set_property(OBSERVATION_PROPERTY, format!("{token} {context_id}").as_bytes());
+    Shared::At(context_id)
+}
