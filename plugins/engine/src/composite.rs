@@ -44,7 +44,8 @@ pub struct Composite {
 
 impl Composite {
     pub fn new(children: Vec<Box<dyn HttpContext>>, tick_floor: Option<Duration>, context_id: u32) -> Composite {
-        Composite { children, paused: None, tick_floor, slot: host::stream::Slot::new(context_id) }
+        let slot = host::stream::Slot::new(context_id, children.len());
+        Composite { children, paused: None, tick_floor, slot }
     }
 
     /// Runs `callback` with the stream's slot lent and the instance's tick floor set.

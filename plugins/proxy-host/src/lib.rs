@@ -12,16 +12,16 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::time::UNIX_EPOCH;
 
-/// Host time in nanoseconds since the Unix epoch. Time only ever comes from the host, so the
-/// wasmtime harness can run a virtual clock.
+/// Host time in nanoseconds since the Unix epoch (one read per callback of a filter: see
+/// [`stream`]). Time only ever comes from the host, so the wasmtime harness can run a virtual clock.
 pub fn now_ns() -> u64 {
-    match hostcalls::get_current_time() {
+    stream::now_ns(|| match hostcalls::get_current_time() {
         Ok(t) => t.duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)).unwrap_or(0),
         Err(status) => {
             log::warn!("proxy_get_current_time_nanoseconds failed: {status:?}");
             0
         }
-    }
+    })
 }
 
 /// The plugin configuration (Envoy `configuration`, Istio `pluginConfig`); `None`, logged, when the

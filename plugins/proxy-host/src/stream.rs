@@ -1,5 +1,5 @@
 //! What a filter instance knows of its current stream while one of its callbacks runs: the body
-//! chunk already read (so the sections of one filter fetch it once), and which shared response
+//! chunk already read and the host time (so the sections of one filter ask once), and which shared response
 //! observer ([`sluice_core::observation`]) the stream's readers in this VM use.
 //!
 //! The instance keeps a [`Slot`] per stream and lends it for each callback ([`enter`] … [`leave`]);
@@ -31,13 +31,18 @@ pub struct Slot {
     shared: Shared,
     /// This instance made the stream's shared observer (and forgets it at the stream's end).
     created: bool,
+    /// Several sections read each chunk: keep what the first read.
+    keep_body: bool,
     /// The current callback's body chunk, as read.
     body: Option<(BufferType, usize, Vec<u8>)>,
+    /// The host time read in the current callback: one event is one instant for every section.
+    now_ns: Option<u64>,
 }
 
 impl Slot {
-    pub fn new(context_id: u32) -> Slot {
-        Slot { context_id, shared: Shared::Unresolved, created: false, body: None }
+    /// The slot of a filter instance running `sections` sections on stream `context_id`.
+    pub fn new(context_id: u32, sections: usize) -> Slot {
+        Slot { context_id, shared: Shared::Unresolved, created: false, keep_body: sections > 1, body: None, now_ns: None }
     }
 
     /// The stream ended: its shared observer takes no new readers (the ones holding it keep it).
@@ -70,6 +75,7 @@ pub fn enter(slot: &mut Slot) -> Option<Slot> {
 pub fn leave(slot: &mut Slot, outer: Option<Slot>) {
     if let Some(mut lent) = CURRENT.with(|c| std::mem::replace(&mut *c.borrow_mut(), outer)) {
         lent.body = None;
+        lent.now_ns = None;
         *slot = lent;
     }
 }
@@ -83,11 +89,25 @@ pub(crate) fn body(buffer: BufferType, size: usize) -> Vec<u8> {
     }
     let bytes = crate::body(buffer, size);
     CURRENT.with(|c| {
-        if let Some(slot) = c.borrow_mut().as_mut() {
+        if let Some(slot) = c.borrow_mut().as_mut().filter(|s| s.keep_body) {
             slot.body = Some((buffer, size, bytes.clone()));
         }
     });
     bytes
+}
+
+/// The host time, read once per callback when a slot is lent.
+pub(crate) fn now_ns(read: impl FnOnce() -> u64) -> u64 {
+    if let Some(now) = CURRENT.with(|c| c.borrow().as_ref().and_then(|s| s.now_ns)) {
+        return now;
+    }
+    let now = read();
+    CURRENT.with(|c| {
+        if let Some(slot) = c.borrow_mut().as_mut() {
+            slot.now_ns = Some(now);
+        }
+    });
+    now
 }
 
 /// A body was edited: what was read of it is stale.
