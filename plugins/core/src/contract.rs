@@ -12,9 +12,9 @@ pub const FIRST_TOKEN_PROPERTY: &str = "sluice_first_token";
 /// latency-guard → llm-metrics, on a stream the guard holds: `<context id> <queue name> <vm id>`,
 /// the per-VM shared queue llm-metrics wakes the guard through at the first token; [`ReleaseAddress`].
 pub const RELEASE_PROPERTY: &str = "sluice_latency_release";
-/// Whichever sluice filter first reads a stream's response → the others in its VM:
-/// `<vm token> <key>`, where the stream's shared response observer is kept
-/// ([`crate::observation`]); a filter of another VM (another token) observes on its own.
+/// latency-guard → the sluice filters behind it in its VM: `<vm token> <key>`, where the stream's
+/// shared response observer is kept ([`crate::observation`]); a filter of another VM (another
+/// token) shares only among its own sections.
 pub const OBSERVATION_PROPERTY: &str = "sluice_observation";
 /// latency-guard → model-router: versions to avoid and their fallbacks, `v1>v2,v3>`;
 /// [`encode_avoid_list`], [`decode_avoid_list`].

@@ -48,7 +48,8 @@ impl Totals {
     }
 }
 
-/// One response's observer, shared by the readers of one stream.
+/// One response's observer, shared by the readers of one stream. It parses the API kind of its
+/// first reader; a reader of another kind keeps its own.
 #[derive(Debug)]
 pub struct SharedResponse {
     observer: StreamObserver,
@@ -58,28 +59,26 @@ pub struct SharedResponse {
     finished: bool,
 }
 
-impl SharedResponse {
-    pub fn new(kind: ApiKind) -> Rc<RefCell<SharedResponse>> {
-        Rc::new(RefCell::new(SharedResponse { observer: StreamObserver::new(kind), bytes: 0, totals: Totals::default(), finished: false }))
-    }
+/// A stream's place for a shared observer, made before anyone knows the API kind (a policy in
+/// front announces it at the request), filled by the first reader.
+pub type SharedSlot = Rc<RefCell<Option<SharedResponse>>>;
 
-    /// The API kind its observer parses (a reader of another kind keeps its own).
-    pub fn kind(&self) -> ApiKind {
-        self.observer.kind()
-    }
+/// An empty [`SharedSlot`].
+pub fn shared_slot() -> SharedSlot {
+    Rc::new(RefCell::new(None))
 }
 
 /// One policy's reader of a [`SharedResponse`].
 #[derive(Debug, Clone)]
 pub struct Reader {
-    shared: Rc<RefCell<SharedResponse>>,
+    shared: SharedSlot,
     bytes: u64,
     seen: Totals,
 }
 
 impl Reader {
     fn at_front(&self) -> bool {
-        self.shared.try_borrow().is_ok_and(|s| s.bytes == self.bytes)
+        self.shared.try_borrow().is_ok_and(|s| s.as_ref().is_some_and(|s| s.bytes == self.bytes))
     }
 }
 
@@ -103,10 +102,16 @@ impl Observer {
         Observer::Own(Box::new(StreamObserver::new(kind)))
     }
 
-    /// A reader of `shared` from where it is now (a stream's readers join at its response headers).
-    pub fn join(shared: &Rc<RefCell<SharedResponse>>) -> Observer {
-        let (bytes, seen) = shared.try_borrow().map(|s| (s.bytes, s.totals)).unwrap_or_default();
-        Observer::Shared(Reader { shared: Rc::clone(shared), bytes, seen })
+    /// A reader of the stream's shared observer for `kind`, from where it is now (a stream's readers
+    /// join at its response headers); the first reader makes the observer. A reader of another kind
+    /// than the observer's gets its own.
+    pub fn join(shared: &SharedSlot, kind: ApiKind) -> Observer {
+        let Ok(mut slot) = shared.try_borrow_mut() else { return Observer::own(kind) };
+        let s = slot.get_or_insert_with(|| SharedResponse { observer: StreamObserver::new(kind), bytes: 0, totals: Totals::default(), finished: false });
+        if s.observer.kind() != kind {
+            return Observer::own(kind);
+        }
+        Observer::Shared(Reader { shared: Rc::clone(shared), bytes: s.bytes, seen: s.totals })
     }
 
     /// Whether [`Self::push`] reads the chunk it is given; when not, a caller that needs the bytes
@@ -123,13 +128,14 @@ impl Observer {
         match self {
             Observer::Own(o) => o.push(chunk),
             Observer::Shared(Reader { shared, bytes, seen }) => {
-                let Ok(mut shared) = shared.try_borrow_mut() else { return ChunkOutcome::default() };
+                let Ok(mut slot) = shared.try_borrow_mut() else { return ChunkOutcome::default() };
+                let Some(shared) = slot.as_mut() else { return ChunkOutcome::default() };
                 if shared.bytes == *bytes {
                     let out = shared.observer.push(chunk);
                     shared.bytes = shared.bytes.saturating_add(chunk.len() as u64);
                     shared.totals.add(out);
                 }
-                catch_up(&shared, bytes, seen)
+                catch_up(shared, bytes, seen)
             }
         }
     }
@@ -140,13 +146,14 @@ impl Observer {
         match self {
             Observer::Own(o) => o.finish(),
             Observer::Shared(Reader { shared, bytes, seen }) => {
-                let Ok(mut shared) = shared.try_borrow_mut() else { return ChunkOutcome::default() };
+                let Ok(mut slot) = shared.try_borrow_mut() else { return ChunkOutcome::default() };
+                let Some(shared) = slot.as_mut() else { return ChunkOutcome::default() };
                 if !shared.finished {
                     shared.finished = true;
                     let out = shared.observer.finish();
                     shared.totals.add(out);
                 }
-                catch_up(&shared, bytes, seen)
+                catch_up(shared, bytes, seen)
             }
         }
     }
@@ -155,7 +162,7 @@ impl Observer {
     pub fn summary(&self) -> ResponseSummary {
         match self {
             Observer::Own(o) => o.summary(),
-            Observer::Shared(r) => r.shared.try_borrow().map(|s| s.observer.summary()).unwrap_or_default(),
+            Observer::Shared(r) => r.shared.try_borrow().ok().and_then(|s| s.as_ref().map(|s| s.observer.summary())).unwrap_or_default(),
         }
     }
 }
@@ -172,8 +179,8 @@ mod tests {
 
     #[test]
     fn readers_in_pipeline_order_each_see_every_chunk_once() {
-        let shared = SharedResponse::new(ApiKind::ChatCompletions);
-        let (mut front, mut behind) = (Observer::join(&shared), Observer::join(&shared));
+        let shared = shared_slot();
+        let (mut front, mut behind) = (Observer::join(&shared, ApiKind::ChatCompletions), Observer::join(&shared, ApiKind::ChatCompletions));
         let mut own = Observer::own(ApiKind::ChatCompletions);
         for text in [chunk("a"), chunk("bb"), USAGE_AND_DONE.to_string()] {
             assert!(front.reads_chunk());
@@ -192,8 +199,8 @@ mod tests {
 
     #[test]
     fn a_reader_handed_merged_chunks_late_counts_them_all_then() {
-        let shared = SharedResponse::new(ApiKind::ChatCompletions);
-        let (mut front, mut held) = (Observer::join(&shared), Observer::join(&shared));
+        let shared = shared_slot();
+        let (mut front, mut held) = (Observer::join(&shared, ApiKind::ChatCompletions), Observer::join(&shared, ApiKind::ChatCompletions));
         assert_eq!(front.push(chunk("a").as_bytes()).content_events, 1);
         assert_eq!(front.push(chunk("b").as_bytes()).content_events, 1);
         // A proxy that held the response hands the second reader both chunks as one.
@@ -205,8 +212,8 @@ mod tests {
 
     #[test]
     fn a_front_that_stops_reading_leaves_the_next_reader_in_front() {
-        let shared = SharedResponse::new(ApiKind::ChatCompletions);
-        let (mut first, mut second) = (Observer::join(&shared), Observer::join(&shared));
+        let shared = shared_slot();
+        let (mut first, mut second) = (Observer::join(&shared, ApiKind::ChatCompletions), Observer::join(&shared, ApiKind::ChatCompletions));
         first.push(chunk("a").as_bytes());
         second.push(chunk("a").as_bytes());
         drop(first);
@@ -216,11 +223,22 @@ mod tests {
     }
 
     #[test]
+    fn a_reader_of_another_kind_observes_on_its_own() {
+        let shared = shared_slot();
+        let mut chat = Observer::join(&shared, ApiKind::ChatCompletions);
+        let mut anthropic = Observer::join(&shared, ApiKind::AnthropicMessages);
+        assert!(matches!(anthropic, Observer::Own(_)));
+        chat.push(chunk("a").as_bytes());
+        assert!(anthropic.reads_chunk());
+        assert_eq!(anthropic.push(chunk("a").as_bytes()).content_events, 0, "an OpenAI chunk carries no Anthropic content");
+    }
+
+    #[test]
     fn a_reader_joining_later_starts_where_the_stream_is() {
-        let shared = SharedResponse::new(ApiKind::ChatCompletions);
-        let mut first = Observer::join(&shared);
+        let shared = shared_slot();
+        let mut first = Observer::join(&shared, ApiKind::ChatCompletions);
         first.push(chunk("a").as_bytes());
-        let mut late = Observer::join(&shared);
+        let mut late = Observer::join(&shared, ApiKind::ChatCompletions);
         assert!(late.reads_chunk());
         assert_eq!(first.push(chunk("b").as_bytes()).content_events, 1);
         assert_eq!(late.push(b"").content_events, 1, "only what came after it joined");

@@ -85,8 +85,45 @@ pub fn inspect_request(kind: ApiKind, body: &[u8]) -> Result<RequestInfo, Reques
     inspect_request_with_kind(kind, body).map(|(_, info)| info)
 }
 
-/// Like [`inspect_request`], also returning the kind after [`refine_kind`].
-pub fn inspect_request_with_kind(kind: ApiKind, body: &[u8]) -> Result<(ApiKind, RequestInfo), RequestError> {
+/// Bodies up to this size are remembered by [`inspect_request_with_kind`].
+const REMEMBERED_BODY_BYTES: usize = 64 * 1024;
+
+type Inspected = Result<(ApiKind, RequestInfo), RequestError>;
+
+thread_local! {
+    /// The last body inspected and what it gave: the policies of one VM that read the same request
+    /// (latency-guard, then tenant-budget, in front of everything that rewrites it) parse it once.
+    static LAST_INSPECTED: std::cell::RefCell<Option<(ApiKind, Vec<u8>, Inspected)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Like [`inspect_request`], also returning the kind after [`refine_kind`]. The same bytes for the
+/// same kind right after give the same answer without a second parse.
+pub fn inspect_request_with_kind(kind: ApiKind, body: &[u8]) -> Inspected {
+    if body.len() > REMEMBERED_BODY_BYTES {
+        return inspect_uncached(kind, body);
+    }
+    let hit = LAST_INSPECTED.with(|last| last.borrow().as_ref().filter(|(k, b, _)| *k == kind && b.as_slice() == body).map(|(_, _, r)| r.clone()));
+    if let Some(inspected) = hit {
+        return inspected;
+    }
+    let inspected = inspect_uncached(kind, body);
+    LAST_INSPECTED.with(|last| {
+        let mut last = last.borrow_mut();
+        match last.as_mut() {
+            // The allocation of the last body is reused.
+            Some((k, b, r)) => {
+                *k = kind;
+                b.clear();
+                b.extend_from_slice(body);
+                *r = inspected.clone();
+            }
+            None => *last = Some((kind, body.to_vec(), inspected.clone())),
+        }
+    });
+    inspected
+}
+
+fn inspect_uncached(kind: ApiKind, body: &[u8]) -> Inspected {
     let v: Value = serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
     if !v.is_object() {
         return Err(RequestError::NotObject);

@@ -154,7 +154,7 @@ impl StreamObserver {
                     }
                 }
             }
-            _ => framer.push(rest, &mut |ev| state.on_event(ev, &mut out)),
+            _ => framer.push_borrowed(rest, &mut |ev| state.on_event(ev, &mut out)),
         }
         out
     }
@@ -172,7 +172,7 @@ impl StreamObserver {
                     }
                 }
             }
-            _ => framer.finish(&mut |ev| state.on_event(ev, &mut out)),
+            _ => framer.finish_borrowed(&mut |ev| state.on_event(ev, &mut out)),
         }
         out
     }
@@ -287,7 +287,7 @@ fn set_string(slot: &mut Option<String>, value: &str) {
 }
 
 impl State {
-    fn on_event(&mut self, ev: SseEvent, out: &mut ChunkOutcome) {
+    fn on_event(&mut self, ev: &SseEvent, out: &mut ChunkOutcome) {
         let data = ev.data.trim();
         if data.is_empty() {
             return;

@@ -74,6 +74,12 @@ impl SseFramer {
     /// followed by LF at the start of the next (one line end, not two). Non-UTF-8 bytes are replaced
     /// with U+FFFD.
     pub fn push(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+        self.push_borrowed(chunk, &mut |ev: &mut SseEvent| on_event(std::mem::take(ev)));
+    }
+
+    /// [`Self::push`] for a receiver that only reads each event: the framer keeps its buffer, so the
+    /// hot path allocates nothing per event.
+    pub fn push_borrowed(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(&mut SseEvent)) {
         let mut rest = chunk;
         if self.pending_cr {
             if let Some((&first, tail)) = rest.split_first() {
@@ -104,6 +110,11 @@ impl SseFramer {
     /// End of stream: dispatch a pending event that had data but no terminating blank line (lenient,
     /// since servers do this), then reset for reuse.
     pub fn finish(&mut self, on_event: &mut dyn FnMut(SseEvent)) {
+        self.finish_borrowed(&mut |ev: &mut SseEvent| on_event(std::mem::take(ev)));
+    }
+
+    /// [`Self::finish`] for a receiver that only reads the event.
+    pub fn finish_borrowed(&mut self, on_event: &mut dyn FnMut(&mut SseEvent)) {
         if !self.skipping_line && !self.line.is_empty() {
             let line = std::mem::take(&mut self.line);
             self.process_line(&line, on_event);
@@ -161,7 +172,7 @@ impl SseFramer {
         self.line.extend_from_slice(rest);
     }
 
-    fn complete_line(&mut self, tail: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+    fn complete_line(&mut self, tail: &[u8], on_event: &mut dyn FnMut(&mut SseEvent)) {
         if self.skipping_line {
             // The line was non-empty and belongs to a discarded event.
             self.skipping_line = false;
@@ -186,7 +197,7 @@ impl SseFramer {
         self.line = line;
     }
 
-    fn process_line(&mut self, line: &[u8], on_event: &mut dyn FnMut(SseEvent)) {
+    fn process_line(&mut self, line: &[u8], on_event: &mut dyn FnMut(&mut SseEvent)) {
         let mut line = line;
         if self.at_stream_start {
             self.at_stream_start = false;
@@ -247,11 +258,15 @@ impl SseFramer {
         }
     }
 
-    fn dispatch(&mut self, on_event: &mut dyn FnMut(SseEvent)) {
+    /// Hands the event over; a receiver that only borrows it leaves its buffer to be reused.
+    fn dispatch(&mut self, on_event: &mut dyn FnMut(&mut SseEvent)) {
         let event = self.event_type.take();
         if self.has_data {
             self.has_data = false;
-            on_event(SseEvent { event, data: std::mem::take(&mut self.data) });
+            let mut ev = SseEvent { event, data: std::mem::take(&mut self.data) };
+            on_event(&mut ev);
+            ev.data.clear();
+            self.data = ev.data;
         }
     }
 

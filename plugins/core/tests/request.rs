@@ -306,3 +306,19 @@ fn tool_definitions_are_flagged() {
     let without = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": null});
     assert!(!inspect(ApiKind::ChatCompletions, without).has_tools);
 }
+
+#[test]
+fn a_body_inspected_again_gives_the_same_answer_and_another_body_its_own() {
+    let a = br#"{"model":"a","messages":[{"role":"user","content":"hello"}]}"#;
+    let b = br#"{"model":"b","messages":[{"role":"user","content":"hellu"}]}"#;
+    let first = inspect_request_with_kind(ApiKind::ChatCompletions, a).unwrap();
+    assert_eq!(inspect_request_with_kind(ApiKind::ChatCompletions, a).unwrap(), first);
+    // Same length, other bytes: not the remembered answer.
+    let other = inspect_request_with_kind(ApiKind::ChatCompletions, b).unwrap();
+    assert_eq!(other.1.model.as_deref(), Some("b"));
+    // Same bytes, another kind: inspected for that kind.
+    let (kind, _) = inspect_request_with_kind(ApiKind::Completions, b).unwrap();
+    assert_eq!(kind, ApiKind::ChatCompletions, "a chat body posted to completions is refined, not taken from memory");
+    assert!(inspect_request_with_kind(ApiKind::ChatCompletions, b"{\"model\":").is_err());
+    assert_eq!(inspect_request_with_kind(ApiKind::ChatCompletions, a).unwrap(), first);
+}

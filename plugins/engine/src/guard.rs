@@ -134,7 +134,13 @@ impl Context for Guard {}
 impl HttpContext for Guard {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         let now = host::now_ns();
-        self.with(0, move |flow, root, fx| flow.on_request_headers(root, &mut host::LiveView, &mut host::SharedData, end_of_stream, now, fx))
+        let action = self.with(0, move |flow, root, fx| flow.on_request_headers(root, &mut host::LiveView, &mut host::SharedData, end_of_stream, now, fx));
+        if self.flow.is_guarded() {
+            // The filters behind read the response before the guard does: they find the observer
+            // the guard will read through ([`host::stream`]).
+            host::stream::announce();
+        }
+        action
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

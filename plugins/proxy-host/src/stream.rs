@@ -8,10 +8,9 @@
 use proxy_wasm::types::BufferType;
 use sluice_core::api::ApiKind;
 use sluice_core::contract::OBSERVATION_PROPERTY;
-use sluice_core::observation::{Observer, SharedResponse};
+use sluice_core::observation::{shared_slot, Observer, SharedSlot};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
 
 /// Where the stream's shared observer is, once asked.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -31,8 +30,9 @@ pub struct Slot {
     shared: Shared,
     /// This instance made the stream's shared observer (and forgets it at the stream's end).
     created: bool,
-    /// Several sections read each chunk: keep what the first read.
-    keep_body: bool,
+    /// The filter runs several sections: they share the body chunk read and, with no filter in
+    /// front having announced one, a response observer of their own.
+    several: bool,
     /// The current callback's body chunk, as read.
     body: Option<(BufferType, usize, Vec<u8>)>,
     /// The host time read in the current callback: one event is one instant for every section.
@@ -42,7 +42,7 @@ pub struct Slot {
 impl Slot {
     /// The slot of a filter instance running `sections` sections on stream `context_id`.
     pub fn new(context_id: u32, sections: usize) -> Slot {
-        Slot { context_id, shared: Shared::Unresolved, created: false, keep_body: sections > 1, body: None, now_ns: None }
+        Slot { context_id, shared: Shared::Unresolved, created: false, several: sections > 1, body: None, now_ns: None }
     }
 
     /// The stream ended: its shared observer takes no new readers (the ones holding it keep it).
@@ -61,7 +61,7 @@ impl Drop for Slot {
 
 thread_local! {
     static CURRENT: RefCell<Option<Slot>> = const { RefCell::new(None) };
-    static REGISTRY: RefCell<HashMap<u32, Rc<RefCell<SharedResponse>>>> = RefCell::new(HashMap::new());
+    static REGISTRY: RefCell<HashMap<u32, SharedSlot>> = RefCell::new(HashMap::new());
     static VM_TOKEN: RefCell<Option<Option<String>>> = const { RefCell::new(None) };
 }
 
@@ -89,7 +89,7 @@ pub(crate) fn body(buffer: BufferType, size: usize) -> Vec<u8> {
     }
     let bytes = crate::body(buffer, size);
     CURRENT.with(|c| {
-        if let Some(slot) = c.borrow_mut().as_mut().filter(|s| s.keep_body) {
+        if let Some(slot) = c.borrow_mut().as_mut().filter(|s| s.several) {
             slot.body = Some((buffer, size, bytes.clone()));
         }
     });
@@ -133,14 +133,37 @@ fn vm_token() -> Option<String> {
     })
 }
 
-/// A reader of the stream's shared observer for `kind`, made by the first reader to ask; its own
-/// observer outside a lent slot, for another VM's stream, or for another API kind.
+/// Makes the stream's shared observer and says where it is (filter state [`OBSERVATION_PROPERTY`]),
+/// for the filters behind this one in this VM: a filter in front of the readers (latency-guard)
+/// calls this at the request, before any of them asks. Nothing outside a lent slot or when shared
+/// data cannot name this VM.
+pub fn announce() {
+    CURRENT.with(|c| {
+        let mut c = c.borrow_mut();
+        let Some(slot) = c.as_mut() else { return };
+        if slot.shared != Shared::Unresolved {
+            return;
+        }
+        let Some(token) = vm_token() else {
+            slot.shared = Shared::Alone;
+            return;
+        };
+        REGISTRY.with(|r| r.borrow_mut().insert(slot.context_id, shared_slot()));
+        slot.created = true;
+        slot.shared = Shared::At(slot.context_id);
+        crate::set_property(OBSERVATION_PROPERTY, format!("{token} {}", slot.context_id).as_bytes());
+    });
+}
+
+/// A reader of the stream's shared observer for `kind`: the one a filter in front announced, else
+/// one for this filter's sections when it has several; its own observer outside a lent slot, for
+/// another VM's stream, for a filter of one section alone on the stream, or for another API kind.
 pub(crate) fn observer(kind: ApiKind) -> Observer {
     let resolved = CURRENT.with(|c| {
         let mut c = c.borrow_mut();
         let slot = c.as_mut()?;
         if slot.shared == Shared::Unresolved {
-            slot.shared = resolve(slot.context_id, kind, &mut slot.created);
+            slot.shared = resolve(slot);
         }
         match slot.shared {
             Shared::At(key) => REGISTRY.with(|r| r.borrow().get(&key).cloned()),
@@ -148,23 +171,28 @@ pub(crate) fn observer(kind: ApiKind) -> Observer {
         }
     });
     match resolved {
-        Some(shared) if shared.try_borrow().is_ok_and(|s| s.kind() == kind) => Observer::join(&shared),
-        _ => Observer::own(kind),
+        Some(shared) => Observer::join(&shared, kind),
+        None => Observer::own(kind),
     }
 }
 
-/// Finds the stream's shared observer through its filter state, or makes it.
-fn resolve(context_id: u32, kind: ApiKind, created: &mut bool) -> Shared {
-    let Some(token) = vm_token() else { return Shared::Alone };
+/// Finds the stream's shared observer through its filter state, or makes one for this filter's
+/// sections (a filter of one section then observes alone).
+fn resolve(slot: &mut Slot) -> Shared {
     if let Some(address) = crate::property(&[OBSERVATION_PROPERTY.to_string()]) {
-        let Some((their_token, key)) = address.rsplit_once(' ') else { return Shared::Alone };
-        return match key.parse::<u32>() {
-            Ok(key) if their_token == token && REGISTRY.with(|r| r.borrow().contains_key(&key)) => Shared::At(key),
-            _ => Shared::Alone,
+        let ours = |(their_token, key): (&str, &str)| {
+            let key = key.parse::<u32>().ok()?;
+            (vm_token()? == their_token && REGISTRY.with(|r| r.borrow().contains_key(&key))).then_some(key)
         };
+        if let Some(key) = address.rsplit_once(' ').and_then(ours) {
+            return Shared::At(key);
+        }
+        // Another VM's (or a stale) announcement: this filter's sections share among themselves.
     }
-    REGISTRY.with(|r| r.borrow_mut().insert(context_id, SharedResponse::new(kind)));
-    *created = true;
-    crate::set_property(OBSERVATION_PROPERTY, format!("{token} {context_id}").as_bytes());
-    Shared::At(context_id)
+    if !slot.several {
+        return Shared::Alone;
+    }
+    REGISTRY.with(|r| r.borrow_mut().insert(slot.context_id, shared_slot()));
+    slot.created = true;
+    Shared::At(slot.context_id)
 }
