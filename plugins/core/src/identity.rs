@@ -22,13 +22,10 @@ pub const MAX_API_KEY_BYTES: usize = 1024;
 /// Lowercase hex SHA-256 of `data` (policies store API keys only by this hash).
 pub fn sha256_hex(data: &[u8]) -> String {
     // Every budgeted request hashes its key: digits from a table, not `write!` (32 formatter calls).
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let digest = Sha256::digest(data);
     let mut out = String::with_capacity(64);
     for b in digest {
-        for nibble in [b >> 4, b & 0x0f] {
-            out.push(char::from(HEX.get(usize::from(nibble)).copied().unwrap_or(b'0')));
-        }
+        crate::text::push_hex_byte(&mut out, b);
     }
     out
 }

@@ -31,6 +31,14 @@ pub fn push_u64(out: &mut String, mut n: u64) {
     }
 }
 
+/// Appends the two lowercase hex digits of `b`.
+pub fn push_hex_byte(out: &mut String, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for nibble in [b >> 4, b & 0x0f] {
+        out.push(char::from(HEX.get(usize::from(nibble)).copied().unwrap_or(b'0')));
+    }
+}
+
 /// The decimal digits of `n`.
 pub fn u64_text(n: u64) -> String {
     let mut out = String::with_capacity(20);
@@ -52,11 +60,8 @@ pub fn push_json_string(out: &mut String, value: &str) {
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
             c if u32::from(c) < 0x20 => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
                 out.push_str("\\u00");
-                for nibble in [u32::from(c) >> 4, u32::from(c) & 0x0f] {
-                    out.push(char::from(HEX.get(nibble as usize).copied().unwrap_or(b'0')));
-                }
+                push_hex_byte(out, u8::try_from(u32::from(c)).unwrap_or(0));
             }
             c => out.push(c),
         }

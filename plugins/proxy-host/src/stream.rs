@@ -148,9 +148,7 @@ pub fn announce() {
             slot.shared = Shared::Alone;
             return;
         };
-        REGISTRY.with(|r| r.borrow_mut().insert(slot.context_id, shared_slot()));
-        slot.created = true;
-        slot.shared = Shared::At(slot.context_id);
+        slot.shared = keep_new(slot);
         crate::set_property(OBSERVATION_PROPERTY, format!("{token} {}", slot.context_id).as_bytes());
     });
 }
@@ -192,6 +190,12 @@ fn resolve(slot: &mut Slot) -> Shared {
     if !slot.several {
         return Shared::Alone;
     }
+    keep_new(slot)
+}
+
+/// A new, empty place for the stream's shared observer, kept under this instance's context id
+/// until the stream ends ([`Slot::end`]).
+fn keep_new(slot: &mut Slot) -> Shared {
     REGISTRY.with(|r| r.borrow_mut().insert(slot.context_id, shared_slot()));
     slot.created = true;
     Shared::At(slot.context_id)
