@@ -311,6 +311,22 @@ impl UsageChunkStripper {
         out
     }
 
+    /// [`Self::push`], answering `None` when the bytes to send are the chunk itself, unchanged.
+    ///
+    /// Most chunks are whole content events naming no `usage`, between events: those are passed
+    /// without framing or copying them (one scan of the chunk).
+    pub fn push_changed(&mut self, chunk: &[u8]) -> Option<Vec<u8>> {
+        let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
+        if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") && !may_name_usage_or_cr(chunk) {
+            // Whole events ended by LF line ends only, none over the cap, none naming `usage`:
+            // every one is kept as it is, and the stripper ends between events again.
+            self.at_stream_start = false;
+            return None;
+        }
+        let out = self.push(chunk);
+        (out != chunk).then_some(out)
+    }
+
     /// End of stream: returns whatever is held back, unmodified (an event without its blank line is
     /// not complete), and resets the stripper for reuse (counters are kept).
     pub fn finish(&mut self) -> Vec<u8> {
@@ -488,6 +504,16 @@ fn may_name_usage(event: &[u8]) -> bool {
         i = i.saturating_add(1);
     }
     false
+}
+
+/// [`may_name_usage`], or a CR anywhere (whose line ends need the framing of [`UsageChunkStripper::push`]).
+fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
+    bytes.iter().enumerate().any(|(i, &b)| match b {
+        b'\r' => true,
+        b'u' => bytes.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage"),
+        b'\\' => bytes.get(i.saturating_add(1)) == Some(&b'u'),
+        _ => false,
+    })
 }
 
 /// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.

@@ -615,3 +615,46 @@ fn set_top_level_string_keeps_every_other_byte() {
     assert!(set_top_level_string(b"[1]", "model", "m").is_err());
     assert!(set_top_level_string(b"{", "model", "m").is_err());
 }
+
+// A chunk passed unchanged by `push_changed` is what `push` would send: the same bytes and the
+// same counters, however the stream is cut (the fast path takes whole LF-ended events without
+// `usage`; everything else goes through the framing).
+proptest! {
+    #[test]
+    fn push_changed_sends_what_push_sends(
+        events in proptest::collection::vec(prop_oneof![
+            Just("data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n".to_string()),
+            Just("data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}],\"usage\":null}\n\n".to_string()),
+            Just("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n".to_string()),
+            Just("data: {\"choices\":[{\"delta\":{\"content\":\"\\u00e9\"}}]}\r\n\r\n".to_string()),
+            Just(": keep-alive\n\n".to_string()),
+            Just("data: [DONE]\n\n".to_string()),
+            "[a-z ]{0,40}".prop_map(|t| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{t}\"}}}}]}}\n\n")),
+        ], 0..12),
+        cuts in proptest::collection::vec(0usize..400, 0..6),
+        cap in prop_oneof![Just(CAP), Just(48usize)],
+    ) {
+        let stream = events.concat();
+        let bytes = stream.as_bytes();
+        let mut points: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
+        points.push(0);
+        points.push(bytes.len());
+        points.sort_unstable();
+        let chunks: Vec<&[u8]> = points.windows(2).map(|w| &bytes[w[0]..w[1]]).collect();
+
+        let (want, plain) = strip_in(&chunks, cap);
+        let mut fast = UsageChunkStripper::new(cap);
+        let mut got = Vec::new();
+        for c in &chunks {
+            match fast.push_changed(c) {
+                Some(out) => got.extend(out),
+                None => got.extend_from_slice(c),
+            }
+        }
+        got.extend(fast.finish());
+        prop_assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+        prop_assert_eq!(fast.removed_usage_events(), plain.removed_usage_events());
+        prop_assert_eq!(fast.stripped_usage_members(), plain.stripped_usage_members());
+        prop_assert_eq!(fast.overflowed_events(), plain.overflowed_events());
+    }
+}

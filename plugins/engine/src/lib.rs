@@ -9,6 +9,9 @@
 //! engine configured with the policy unwrapped). Every instance of `sluice.wasm` that has the same
 //! `vm_id` runs in one VM per worker, whatever its section (docs/architecture.md).
 
+// The allocator is only installed in the wasm build; natively its tests drive it.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+mod blocks;
 mod budget;
 mod composite;
 pub mod config;
@@ -21,6 +24,10 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 use sluice_proxy_host as host;
 use std::time::Duration;
+
+#[cfg(target_arch = "wasm32")]
+#[global_allocator]
+static ALLOCATOR: blocks::Blocks = blocks::Blocks::new();
 
 /// How a build reads its configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -504,12 +504,14 @@ impl BudgetFlow {
                     observer.finish();
                 }
                 if let Some(stripper) = stripper {
-                    let mut out = stripper.push(&chunk);
-                    if end_of_stream {
-                        out.extend_from_slice(&stripper.finish());
-                    }
-                    if out != chunk {
-                        fx.push(Effect::ReplaceBody { dir: Dir::Response, bytes: out });
+                    let changed = stripper.push_changed(&chunk);
+                    let held = if end_of_stream { stripper.finish() } else { Vec::new() };
+                    if changed.is_some() || !held.is_empty() {
+                        let mut out = changed.unwrap_or_else(|| chunk.clone());
+                        out.extend_from_slice(&held);
+                        if out != chunk {
+                            fx.push(Effect::ReplaceBody { dir: Dir::Response, bytes: out });
+                        }
                     }
                 }
             }
