@@ -138,6 +138,7 @@ struct RunArgs {
 enum FormatArg {
     Azure,
     Ragpulse,
+    Mooncake,
     Generic,
     AccessLog,
 }
@@ -240,6 +241,7 @@ fn reader_options(args: &TraceArgs) -> ReaderOptions {
         format: args.format.map(|f| match f {
             FormatArg::Azure => TraceFormat::Azure,
             FormatArg::Ragpulse => TraceFormat::RagPulse,
+            FormatArg::Mooncake => TraceFormat::Mooncake,
             FormatArg::Generic => TraceFormat::Generic,
             FormatArg::AccessLog => TraceFormat::AccessLog,
         }),
@@ -261,6 +263,8 @@ fn default_wasm_dir() -> PathBuf {
 
 /// What one simulated run leaves in `out`.
 struct RunOutput {
+    /// The scenario's `name` (its file's stem when it has none): the report's title.
+    name: String,
     verdicts: Vec<Verdict>,
     summary: Option<Summary>,
 }
@@ -372,7 +376,7 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
             out.display()
         );
     }
-    Ok(RunOutput { verdicts: kept, summary })
+    Ok(RunOutput { name: scenario.name.clone(), verdicts: kept, summary })
 }
 
 /// The first request (so the trace's origin is known before the clock starts).
@@ -388,17 +392,32 @@ fn next_request<R: BufRead>(reader: &mut TraceReader<R>, path: &Path, fail_on_ma
 }
 
 fn run_compare(args: &TraceArgs, a: &Path, b: &Path, out: &Path, run: &RunArgs, fail_on_difference: bool) -> Result<u8, Failure> {
-    let ra = run_one(args, a, &out.join("a"), &RunArgs { no_report: false, ..clone_run(run) })?;
-    let rb = run_one(args, b, &out.join("b"), &RunArgs { no_report: false, ..clone_run(run) })?;
+    // The two scenarios replay on a thread each: neither shares anything with the other.
+    let (ra, rb) = std::thread::scope(|scope| {
+        let side_a = scope.spawn(|| run_one(args, a, &out.join("a"), &RunArgs { no_report: false, ..clone_run(run) }));
+        let rb = run_one(args, b, &out.join("b"), &RunArgs { no_report: false, ..clone_run(run) });
+        let ra = side_a.join().unwrap_or_else(|_| Err(fail(exit::USAGE, anyhow::anyhow!("the replay of {} stopped with a panic", a.display()))));
+        (ra, rb)
+    });
+    let (ra, rb) = (ra?, rb?);
     let comparison = compare(&ra.verdicts, &rb.verdicts);
     write_json(&out.join("compare.json"), &comparison)?;
-    let name = |p: &Path| p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let (title_a, title_b) = side_titles(&ra.name, a, &rb.name, b);
     if let (Some(sa), Some(sb)) = (&ra.summary, &rb.summary) {
-        write_text(&out.join("compare.html"), &render_compare_html("sluice-sim compare", &name(a), &name(b), sa, sb, &comparison))?;
+        write_text(&out.join("compare.html"), &render_compare_html("sluice-sim compare", &title_a, &title_b, sa, sb, &comparison))?;
     }
     let differing = comparison.differences.len();
     eprintln!("sluice-sim: {} of {} requests get a different verdict; compare.html in {}", differing, ra.verdicts.len(), out.display());
     Ok(if fail_on_difference && differing > 0 { exit::DIFFERENT } else { exit::OK })
+}
+
+/// Each side is titled by its scenario's `name`; two scenarios of one name also show their files.
+fn side_titles(name_a: &str, a: &Path, name_b: &str, b: &Path) -> (String, String) {
+    if name_a != name_b {
+        return (name_a.to_string(), name_b.to_string());
+    }
+    let file = |p: &Path| p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    (format!("{name_a} ({})", file(a)), format!("{name_b} ({})", file(b)))
 }
 
 fn clone_run(run: &RunArgs) -> RunArgs {

@@ -371,6 +371,7 @@ fn chat_body_bytes(prompt: u64, max_tokens: u64) -> u64 {
 
 fn budget_scenario(dir: &Path, name: &str, tokens: u64) -> String {
     let s = json!({
+        "name": format!("{name}'s budget"),
         "plugins": {
             "tenant_budget": {
                 "mode": "strict",
@@ -407,7 +408,10 @@ fn compare_lists_exactly_the_requests_a_budget_change_refuses() {
     let vb = outputs(&out_dir.join("b"), 6);
     assert!(va.iter().all(|v| v.decision == Decision::Admitted));
     assert_eq!(vb.iter().filter(|v| v.decision == Decision::Refused).count(), 3);
-    assert!(out_dir.join("compare.html").exists());
+    // Each side is titled by its scenario's name, not its file's stem.
+    let page = std::fs::read_to_string(out_dir.join("compare.html")).unwrap();
+    assert!(page.contains("today&#39;s budget") || page.contains("today's budget"), "{page}");
+    assert!(page.contains("proposal&#39;s budget") || page.contains("proposal's budget"));
 
     let c = json_file(&out_dir.join("compare.json"));
     assert_eq!((c["a_requests"].as_u64(), c["b_requests"].as_u64(), c["paired"].as_u64(), c["agree"].as_u64()), (Some(6), Some(6), Some(6), Some(3)), "{c:#}");

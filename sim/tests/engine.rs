@@ -50,6 +50,7 @@ fn request(line: u64, t_ms: u64, tenant: &str, prompt: u64, max_tokens: u64, out
         stream: Some(true),
         status: None,
         outcome: None,
+        prefix_blocks: Vec::new(),
     }
 }
 

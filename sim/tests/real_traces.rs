@@ -103,6 +103,48 @@ fn ragpulse_rows_3700_to_3900_across_the_week_boundary() {
     assert_eq!(users.len(), 117);
 }
 
+const MOONCAKE: &str = "mooncake/conversation_trace.first-200.jsonl";
+
+#[test]
+fn mooncake_first_200_rows_in_milliseconds() {
+    let r = read(MOONCAKE, ReaderOptions::default());
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(r.format, Some(TraceFormat::Mooncake));
+    assert_eq!(r.stats, TraceStats { lines: 200, records: 200, ..TraceStats::default() });
+    assert_eq!(r.origin, Some((Clock::Relative, 0)));
+    let q = &r.requests;
+    // Milliseconds: line 100 is at 33,000 ms, the last at 72,000 ms (not 33,000 s and 72,000 s).
+    assert_eq!((q[99].line, q[99].arrival_ns), (100, 33 * S));
+    assert_eq!((q[199].line, q[199].arrival_ns), (200, 72 * S));
+    assert_eq!(sum(q, |r| r.prompt_tokens), 2_782_179);
+    assert_eq!(sum(q, |r| r.output_tokens), 71_379);
+    // The prefix-cache block ids stay on the record, in order.
+    assert_eq!(q.iter().map(|r| r.prefix_blocks.len()).sum::<usize>(), 5_537);
+    assert_eq!(q[0].prefix_blocks, (0..14).collect::<Vec<u64>>());
+    assert!(q.iter().all(|r| r.prefix_blocks.first() == Some(&0) && r.user.is_none() && r.api == ApiKind::ChatCompletions));
+}
+
+#[test]
+fn a_line_that_could_be_ragpulse_or_mooncake_is_refused_not_guessed() {
+    // Neither's marks: a numeric timestamp, no hash_ids, no session_id.
+    let both = r#"{"timestamp": 3000, "input_length": 10, "output_length": 2}"#;
+    let mut reader = TraceReader::new(both.as_bytes(), ReaderOptions::default());
+    let e = reader.next().unwrap().unwrap_err();
+    assert!(e.is_fatal());
+    let text = e.to_string();
+    for needle in ["RAGPulse", "Mooncake", "--format ragpulse", "--format mooncake", "seconds", "milliseconds"] {
+        assert!(text.contains(needle), "{needle} in {text}");
+    }
+    assert!(reader.next().is_none(), "an unknown format ends the trace");
+    // Told which, it reads the unit that format has.
+    for (format, arrival) in [(TraceFormat::RagPulse, 3_000 * S), (TraceFormat::Mooncake, 3 * S)] {
+        let text = format!("{{\"timestamp\": 0, \"input_length\": 1}}\n{both}\n");
+        let got: Vec<u64> =
+            TraceReader::new(text.as_bytes(), ReaderOptions { format: Some(format), ..ReaderOptions::default() }).map(|r| r.unwrap().arrival_ns).collect();
+        assert_eq!(got, [0, arrival], "{format}");
+    }
+}
+
 #[test]
 fn ragpulse_restart_after_the_last_arrival() {
     let r = read(RAGPULSE, ReaderOptions { restart: RestartRule::AfterLast, ..ReaderOptions::default() });
@@ -201,6 +243,7 @@ fn access_log_of_the_demo_gateway() {
         stream: Some(true),
         status: Some(200),
         outcome: Some(Outcome::Completed),
+        prefix_blocks: Vec::new(),
     };
     assert_eq!(q[0], want);
 }
@@ -265,6 +308,7 @@ fn generic_examples_of_the_docs() {
         stream: Some(true),
         status: None,
         outcome: None,
+        prefix_blocks: Vec::new(),
     };
     assert_eq!(q[0], first);
     assert_eq!((q[2].status, q[2].outcome), (Some(200), Some(Outcome::Completed)));
@@ -283,6 +327,13 @@ fn detection() {
         ("TIMESTAMP,ContextTokens,GeneratedTokens", Ok(TraceFormat::Azure)),
         ("\u{feff}timestamp , contexttokens,generatedtokens", Ok(TraceFormat::Azure)),
         (r#"{"timestamp": "82", "input_length": 3112, "output_length": 192, "hash_ids": {}, "session_id": "s"}"#, Ok(TraceFormat::RagPulse)),
+        (r#"{"timestamp": 82, "input_length": 1, "session_id": "s"}"#, Ok(TraceFormat::RagPulse)),
+        (r#"{"timestamp": "82", "input_length": 1}"#, Ok(TraceFormat::RagPulse)),
+        (r#"{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47]}"#, Ok(TraceFormat::Mooncake)),
+        (r#"{"timestamp": 0, "input_length": 1, "hash_ids": []}"#, Ok(TraceFormat::Mooncake)),
+        (r#"{"timestamp": 0, "input_length": 1}"#, Err("neither's marks")),
+        (r#"{"timestamp": 0, "input_length": 1, "hash_ids": [1], "session_id": "s"}"#, Err("marks of both")),
+        (r#"{"timestamp": "0", "input_length": 1, "hash_ids": [1]}"#, Err("marks of both")),
         (r#"{"t_ms": 0, "prompt_tokens": 1}"#, Ok(TraceFormat::Generic)),
         (r#"{"time": "2025-03-01T09:00:00Z", "prompt_tokens": 1}"#, Ok(TraceFormat::Generic)),
         (r#"{"start_time": "2026-12-01T04:10:07.707Z", "path": "/v1/messages", "sluice": null}"#, Ok(TraceFormat::AccessLog)),
@@ -311,6 +362,7 @@ fn detection() {
     for (name, format) in [
         ("azure-2023-conv/azure-2023-conv.first-2000.csv", TraceFormat::Azure),
         (RAGPULSE, TraceFormat::RagPulse),
+        (MOONCAKE, TraceFormat::Mooncake),
         ("generic/example.jsonl", TraceFormat::Generic),
         ("generic/example-time.jsonl", TraceFormat::Generic),
         ("access-log/fleet-e2e.log", TraceFormat::AccessLog),

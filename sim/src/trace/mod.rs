@@ -1,8 +1,8 @@
 //! Trace readers: request arrivals from a trace file, one [`TraceRequest`] per line, streamed.
 //!
-//! Four formats ([`TraceFormat`]), chosen explicitly or detected from the first non-blank line:
-//! the Azure LLM inference trace CSV, RAGPulse JSONL, sluice's generic JSONL, and sluice's own JSON
-//! access log. docs/simulator.md defines the generic format and every rule below.
+//! Five formats ([`TraceFormat`]), chosen explicitly or detected from the first non-blank line:
+//! the Azure LLM inference trace CSV, RAGPulse JSONL, Mooncake JSONL, sluice's generic JSONL, and
+//! sluice's own JSON access log. A first line that could be two formats is refused, never guessed. docs/simulator.md defines the generic format and every rule below.
 //!
 //! - **Streaming, bounded memory.** [`TraceReader`] reads one line at a time into one buffer whose
 //!   capacity never exceeds [`ReaderOptions::max_line_bytes`] (a longer line is an error, not a
@@ -39,6 +39,7 @@ mod azure;
 mod generic;
 mod json;
 mod line;
+mod mooncake;
 mod ragpulse;
 mod time;
 
@@ -88,6 +89,9 @@ pub struct TraceRequest {
     pub status: Option<u16>,
     /// How the request ended when the trace was recorded (access log, generic `outcome`).
     pub outcome: Option<Outcome>,
+    /// The prompt's prefix-cache block ids, in order (Mooncake `hash_ids`); empty when the trace
+    /// does not give them.
+    pub prefix_blocks: Vec<u64>,
 }
 
 impl TraceRequest {
@@ -106,6 +110,7 @@ impl TraceRequest {
             stream: None,
             status: None,
             outcome: None,
+            prefix_blocks: Vec::new(),
         }
     }
 }
@@ -117,6 +122,8 @@ pub enum TraceFormat {
     Azure,
     /// RAGPulse JSONL: `timestamp` (relative seconds), `input_length`, `output_length`, `session_id`.
     RagPulse,
+    /// Mooncake JSONL: `timestamp` (relative milliseconds), `input_length`, `output_length`, `hash_ids`.
+    Mooncake,
     /// sluice's generic JSONL (docs/simulator.md).
     Generic,
     /// sluice's JSON access log, with the plugins' stamps.
@@ -124,13 +131,14 @@ pub enum TraceFormat {
 }
 
 impl TraceFormat {
-    pub const ALL: [TraceFormat; 4] = [TraceFormat::Azure, TraceFormat::RagPulse, TraceFormat::Generic, TraceFormat::AccessLog];
+    pub const ALL: [TraceFormat; 5] = [TraceFormat::Azure, TraceFormat::RagPulse, TraceFormat::Mooncake, TraceFormat::Generic, TraceFormat::AccessLog];
 
-    /// `azure`, `ragpulse`, `generic`, `access-log`.
+    /// `azure`, `ragpulse`, `mooncake`, `generic`, `access-log`.
     pub fn as_str(self) -> &'static str {
         match self {
             TraceFormat::Azure => "azure",
             TraceFormat::RagPulse => "ragpulse",
+            TraceFormat::Mooncake => "mooncake",
             TraceFormat::Generic => "generic",
             TraceFormat::AccessLog => "access-log",
         }
@@ -144,9 +152,13 @@ impl TraceFormat {
     /// The format of a trace whose first non-blank line is `line`, if it is recognisable.
     ///
     /// A CSV header naming `TIMESTAMP`, `ContextTokens` and `GeneratedTokens` is Azure. A JSON
-    /// object with `timestamp` and `input_length` is RAGPulse; with `prompt_tokens` and `t_ms` or
-    /// `time`, generic; with `start_time` or `start_epoch` and one of `sluice`, `budget`, `path`,
-    /// an access log.
+    /// object with `timestamp` and `input_length` is RAGPulse or Mooncake, which differ in the unit
+    /// of `timestamp` (seconds, milliseconds), so they are told apart by what only one of them has:
+    /// RAGPulse a `session_id`, `hash_ids` as an object of prompt parts, or a `timestamp` given as a
+    /// string; Mooncake `hash_ids` as an array. A line with marks of both
+    /// or of neither is refused, naming both and `--format` (a wrong guess would replay the trace
+    /// 1,000 times too fast or too slow). With `prompt_tokens` and `t_ms` or `time`, generic; with
+    /// `start_time` or `start_epoch` and one of `sluice`, `budget`, `path`, an access log.
     pub fn detect(line: &str) -> Result<TraceFormat, String> {
         let line = line.strip_prefix('\u{feff}').unwrap_or(line).trim();
         if !line.starts_with('{') {
@@ -156,10 +168,29 @@ impl TraceFormat {
                 Err("the first line is neither a JSON object nor an Azure CSV header (`TIMESTAMP,ContextTokens,GeneratedTokens`)".into())
             };
         }
+        /// Only the JSON type of a field, whatever its value.
+        enum Shape {
+            String,
+            Array,
+            Object,
+            Other,
+        }
+        impl<'de> serde::Deserialize<'de> for Shape {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                Ok(match serde_json::Value::deserialize(d)? {
+                    serde_json::Value::String(_) => Shape::String,
+                    serde_json::Value::Array(_) => Shape::Array,
+                    serde_json::Value::Object(_) => Shape::Object,
+                    serde_json::Value::Null | serde_json::Value::Bool(_) | serde_json::Value::Number(_) => Shape::Other,
+                })
+            }
+        }
         #[derive(serde::Deserialize)]
         struct Probe {
-            timestamp: Option<serde::de::IgnoredAny>,
+            timestamp: Option<Shape>,
             input_length: Option<serde::de::IgnoredAny>,
+            hash_ids: Option<Shape>,
+            session_id: Option<serde::de::IgnoredAny>,
             prompt_tokens: Option<serde::de::IgnoredAny>,
             t_ms: Option<serde::de::IgnoredAny>,
             time: Option<serde::de::IgnoredAny>,
@@ -170,14 +201,29 @@ impl TraceFormat {
             path: Option<serde::de::IgnoredAny>,
         }
         let p: Probe = serde_json::from_str(line).map_err(|e| format!("the first line is not a JSON object: {e}"))?;
-        if p.timestamp.is_some() && p.input_length.is_some() {
-            Ok(TraceFormat::RagPulse)
-        } else if p.prompt_tokens.is_some() && (p.t_ms.is_some() || p.time.is_some()) {
+        if let (Some(timestamp), Some(_)) = (&p.timestamp, &p.input_length) {
+            let ragpulse = p.session_id.is_some() || matches!(p.hash_ids, Some(Shape::Object)) || matches!(timestamp, Shape::String);
+            let mooncake = matches!(p.hash_ids, Some(Shape::Array));
+            return match (ragpulse, mooncake) {
+                (true, false) => Ok(TraceFormat::RagPulse),
+                (false, true) => Ok(TraceFormat::Mooncake),
+                (both, _) => Err(format!(
+                    "the first line has `timestamp` and `input_length`, as both RAGPulse (`timestamp` in seconds) and Mooncake \
+                     (`timestamp` in milliseconds) do, and {}: choose with `--format ragpulse` or `--format mooncake`",
+                    if both {
+                        "marks of both (RAGPulse: `session_id`, `hash_ids` as an object or a string `timestamp`; Mooncake: `hash_ids` as an array)"
+                    } else {
+                        "neither's marks (RAGPulse: `session_id`, `hash_ids` as an object or a string `timestamp`; Mooncake: `hash_ids` as an array)"
+                    }
+                )),
+            };
+        }
+        if p.prompt_tokens.is_some() && (p.t_ms.is_some() || p.time.is_some()) {
             Ok(TraceFormat::Generic)
         } else if (p.start_time.is_some() || p.start_epoch.is_some()) && (p.sluice.is_some() || p.budget.is_some() || p.path.is_some()) {
             Ok(TraceFormat::AccessLog)
         } else {
-            Err("the first line's fields match no format: RAGPulse has `timestamp` and `input_length`; generic JSONL `prompt_tokens` and `t_ms` or `time`; \
+            Err("the first line's fields match no format: RAGPulse and Mooncake have `timestamp` and `input_length`; generic JSONL `prompt_tokens` and `t_ms` or `time`; \
                  an access log `start_time` and `sluice`, `budget` or `path`"
                 .into())
         }
@@ -523,6 +569,7 @@ impl<R: BufRead> TraceReader<R> {
                 Some(columns) => azure::parse(text, columns),
             },
             TraceFormat::RagPulse => ragpulse::parse(text),
+            TraceFormat::Mooncake => mooncake::parse(text),
             TraceFormat::Generic => generic::parse(text),
             TraceFormat::AccessLog => match access_log::parse(text) {
                 Ok(Some(parsed)) => Ok(parsed),
