@@ -63,41 +63,25 @@ impl Blocks {
 
     /// # Safety
     /// Single-threaded use only (see the type's note).
+    #[inline]
     unsafe fn take(&self, class: usize) -> *mut u8 {
         // SAFETY: single-threaded, and no reference into `classes` outlives this call.
         let Some(slot) = (unsafe { (*self.classes.get()).get_mut(class) }) else {
             return ptr::null_mut();
         };
-        if !slot.free.is_null() {
-            let block = slot.free;
-            // SAFETY: a block on the free list was ours, is at least 16 bytes and 16-aligned, and
-            // holds the next link written by `give`.
-            slot.free = unsafe { block.cast::<*mut u8>().read() };
-            return block;
+        if slot.free.is_null() {
+            return carve(slot, class_bytes(class));
         }
-        let size = class_bytes(class);
-        if (slot.end as usize).saturating_sub(slot.next as usize) < size {
-            let chunk = CHUNK_BYTES.max(size);
-            let Ok(layout) = Layout::from_size_align(chunk, size) else {
-                return ptr::null_mut();
-            };
-            // SAFETY: the layout has a non-zero size.
-            let fresh = unsafe { System.alloc(layout) };
-            if fresh.is_null() {
-                return ptr::null_mut();
-            }
-            slot.next = fresh;
-            // SAFETY: `chunk` bytes were allocated at `fresh`.
-            slot.end = unsafe { fresh.add(chunk) };
-        }
-        let block = slot.next;
-        // SAFETY: at least `size` bytes remain before `end`.
-        slot.next = unsafe { block.add(size) };
+        let block = slot.free;
+        // SAFETY: a block on the free list was ours, is at least 16 bytes and 16-aligned, and
+        // holds the next link written by `give`.
+        slot.free = unsafe { block.cast::<*mut u8>().read() };
         block
     }
 
     /// # Safety
     /// `block` came from `take(class)` and is not used again; single-threaded use only.
+    #[inline]
     unsafe fn give(&self, class: usize, block: *mut u8) {
         // SAFETY: as for `take`.
         let Some(slot) = (unsafe { (*self.classes.get()).get_mut(class) }) else {
@@ -109,16 +93,42 @@ impl Blocks {
     }
 }
 
+/// A new block of `size` bytes from the class's chunk, taking a new chunk when it is used up.
+fn carve(slot: &mut Class, size: usize) -> *mut u8 {
+    if (slot.end as usize).saturating_sub(slot.next as usize) < size {
+        let chunk = CHUNK_BYTES.max(size);
+        let Ok(layout) = Layout::from_size_align(chunk, size) else {
+            return ptr::null_mut();
+        };
+        // SAFETY: the layout has a non-zero size.
+        let fresh = unsafe { System.alloc(layout) };
+        if fresh.is_null() {
+            return ptr::null_mut();
+        }
+        slot.next = fresh;
+        // SAFETY: `chunk` bytes were allocated at `fresh`.
+        slot.end = unsafe { fresh.add(chunk) };
+    }
+    let block = slot.next;
+    // SAFETY: at least `size` bytes remain before `end`.
+    slot.next = unsafe { block.add(size) };
+    block
+}
+
 impl Default for Blocks {
     fn default() -> Self {
         Self::new()
     }
 }
 
+// The three entry points are kept out of line: inlined into every allocation site (LTO), they
+// made sluice.wasm 17 % larger (1.46 MB against 1.25) for 3 % less fuel.
+//
 // SAFETY: every block handed out is at least `layout.size()` bytes, aligned to its class size,
 // which is at least `layout.align()`; a block is reused only after `dealloc` gave it back, and the
 // class is recomputed from the same layout Rust passes to `dealloc`.
 unsafe impl GlobalAlloc for Blocks {
+    #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match class_of(layout) {
             // SAFETY: single-threaded (see the type's note).
@@ -128,6 +138,7 @@ unsafe impl GlobalAlloc for Blocks {
         }
     }
 
+    #[inline(never)]
     unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
         match class_of(layout) {
             // SAFETY: `block` was allocated with this layout, so from this class.
@@ -137,6 +148,7 @@ unsafe impl GlobalAlloc for Blocks {
         }
     }
 
+    #[inline(never)]
     unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let Ok(new_layout) = Layout::from_size_align(new_size, layout.align()) else {
             return ptr::null_mut();
