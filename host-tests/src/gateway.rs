@@ -16,7 +16,7 @@ use crate::headers::Headers;
 use crate::hostcalls;
 use crate::hostcalls::callouts::{GrpcCall, HttpCall, HttpReply, Timeout};
 use crate::hostcalls::clock::{VirtualClock, DEFAULT_EPOCH_NS};
-use crate::hostcalls::metrics::Value;
+use crate::hostcalls::metrics::{GaugeChange, Value};
 use crate::hostcalls::properties::Properties;
 use crate::hostcalls::queues::Queues;
 use crate::hostcalls::shared_data::SharedData;
@@ -102,6 +102,7 @@ pub struct PluginSpec {
     log_level: LogLevel,
     keep_logs_from: LogLevel,
     echo_logs: bool,
+    watch_gauges: Option<String>,
     start_ns: u64,
     properties: Vec<(Vec<u8>, Vec<u8>)>,
 }
@@ -118,6 +119,7 @@ impl PluginSpec {
             log_level: LogLevel::Trace,
             keep_logs_from: LogLevel::Trace,
             echo_logs: true,
+            watch_gauges: None,
             start_ns: DEFAULT_EPOCH_NS,
             properties: Vec::new(),
         }
@@ -165,6 +167,13 @@ impl PluginSpec {
     /// (default: keep everything). Long runs use it so that the log does not grow with traffic.
     pub fn keep_logs_from(mut self, level: LogLevel) -> Self {
         self.keep_logs_from = level;
+        self
+    }
+
+    /// Keeps every change of value of the gauges whose names start with `prefix`, with its time
+    /// ([`Gateway::gauge_changes`]): a plugin's state changes as values, not log text.
+    pub fn watch_gauges(mut self, prefix: &str) -> Self {
+        self.watch_gauges = Some(prefix.to_owned());
         self
     }
 
@@ -466,6 +475,11 @@ impl Gateway {
         })
     }
 
+    /// The changes of the gauges watched with [`PluginSpec::watch_gauges`], in order.
+    pub fn gauge_changes(&self) -> Vec<GaugeChange> {
+        self.state(|s| s.metrics.gauge_changes().to_vec())
+    }
+
     /// Every sample recorded in histogram `name`, in order, if defined.
     pub fn histogram(&self, name: &str) -> Option<Vec<u64>> {
         self.state(|s| match s.metrics.find(MetricType::Histogram, name) {
@@ -696,6 +710,9 @@ pub(crate) fn host_state(spec: PluginSpec, process: Option<&Process>) -> HostSta
     let mut state = HostState::new(wasi, stderr, clock, info);
     state.keep_logs_from = spec.keep_logs_from;
     state.echo_logs = spec.echo_logs;
+    if let Some(prefix) = &spec.watch_gauges {
+        state.metrics.watch_gauges(prefix);
+    }
     if let Some(process) = process {
         state.vm = process.next_vm;
         state.shared_data = process.shared_data.clone();

@@ -43,6 +43,7 @@ pub use gateway::{CallProfile, Gateway, Plugin, PluginSpec};
 pub use headers::Headers;
 pub use hostcalls::callouts::{GrpcCall, GrpcKind, HttpCall, HttpReply};
 pub use hostcalls::clock::DEFAULT_EPOCH_NS;
+pub use hostcalls::metrics::GaugeChange;
 pub use state::{LocalReply, LogLine};
 pub use stream::Stream;
 

@@ -12,7 +12,8 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
-use sluice_host::{Chain, ChainEvent, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_core::latency::breaker::State as BreakerState;
+use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
 
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
@@ -124,7 +125,7 @@ impl<'a> Engine<'a> {
         for (kind, policy) in &scenario.plugins {
             let plugin = plugins.compiled.get(kind).with_context(|| format!("{} was not loaded", kind.name()))?;
             let name = kind.wasm_name();
-            let spec = PluginSpec::new(policy.as_str())
+            let mut spec = PluginSpec::new(policy.as_str())
                 .name(name)
                 .root_id(name)
                 .vm_id("sluice")
@@ -132,6 +133,10 @@ impl<'a> Engine<'a> {
                 .keep_logs_from(LogLevel::Warn)
                 .echo_logs(false)
                 .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
+            if *kind == PluginKind::LatencyGuard {
+                // Breaker transitions, as the state gauge Envoy exports changes.
+                spec = spec.watch_gauges(BREAKER_GAUGE_PREFIX);
+            }
             specs.push((plugin, spec));
             kinds.push(*kind);
         }
@@ -195,14 +200,11 @@ impl<'a> Engine<'a> {
         self.result.span_ms = (self.last_event_ns.saturating_sub(self.start_ns)) as f64 / 1e6;
         self.result.transitions.clear();
         for (kind, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
-            for line in gateway.logs() {
-                if *kind == PluginKind::LatencyGuard {
-                    if let Some(t) = transition(&line.message, line.at_ns.saturating_sub(self.start_ns) as f64 / 1e6) {
-                        self.result.transitions.push(t);
-                    }
-                }
-                self.result.warnings.push(line.message);
+            if *kind == PluginKind::LatencyGuard {
+                let t_ms = |at_ns: u64| at_ns.saturating_sub(self.start_ns) as f64 / 1e6;
+                self.result.transitions.extend(gateway.gauge_changes().iter().filter_map(|c| transition(c, t_ms(c.at_ns))));
             }
+            self.result.warnings.extend(gateway.logs().into_iter().map(|line| line.message));
         }
         Ok(self.result)
     }
@@ -685,14 +687,14 @@ fn pick_tenant(traffic: &crate::scenario::Traffic, draw: u64) -> Option<String> 
     traffic.tenants.last().map(|t| t.name.clone())
 }
 
-/// A breaker transition from latency-guard's log line
-/// `sluice latency-guard: breaker of <version> <from> → <to>: <why>`.
-fn transition(message: &str, t_ms: f64) -> Option<Transition> {
-    let rest = message.strip_prefix("sluice latency-guard: breaker of ")?;
-    let (head, _why) = rest.split_once(": ")?;
-    let (left, to) = head.split_once(" → ")?;
-    let (version, from) = left.rsplit_once(' ')?;
-    Some(Transition { t_ms, version: version.to_string(), from: from.to_string(), to: to.to_string() })
+/// latency-guard's breaker state gauge, one per version: `<prefix><version>`.
+const BREAKER_GAUGE_PREFIX: &str = "sluice.latency.breaker_state.version.";
+
+/// A breaker transition: a change of latency-guard's state gauge (0 closed, 1 open, 2 half-open).
+fn transition(change: &GaugeChange, t_ms: f64) -> Option<Transition> {
+    let version = change.name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
+    let state = |code: i64| u8::try_from(code).ok().and_then(BreakerState::from_code).map(|s| s.as_str().to_string());
+    Some(Transition { t_ms, version: version.to_string(), from: state(change.from)?, to: state(change.to)? })
 }
 
 /// SplitMix64 of (seed, n): a reproducible draw per request, whatever order requests run in.

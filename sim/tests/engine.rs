@@ -329,7 +329,7 @@ fn a_slow_incident_opens_the_breaker_and_moves_traffic_to_the_fallback() {
     // opens the breaker.
     let opened: Vec<_> = result.transitions.iter().filter(|t| t.version == "v1" && t.from == "closed" && t.to == "open").collect();
     assert!(!opened.is_empty(), "no closed → open transition: {:?}", result.transitions);
-    // The transition's time is the guard's own (its log line), not the next state sample's.
+    // The transition's time is the guard's own (when its state gauge changed), not the next state sample's.
     assert_eq!(opened[0].t_ms, 11_140.0, "{:?}", result.transitions);
     // Open for 10 s, then half-open at the guard's next 100 ms look at its open breakers.
     let half_open = result.transitions.iter().find(|t| t.version == "v1" && t.from == "open" && t.to == "half_open").expect("open → half_open");

@@ -56,7 +56,8 @@ impl State {
         }
     }
 
-    fn from_code(code: u8) -> Option<State> {
+    /// The state a gauge value stands for ([`State::code`]).
+    pub fn from_code(code: u8) -> Option<State> {
         match code {
             0 => Some(State::Closed),
             1 => Some(State::Open),
