@@ -5,7 +5,8 @@
 //! the mock's ledger and `/stats/prometheus`:
 //!
 //! - a stream through all four plugins: every stamp names the same version, and the budget charges
-//!   exactly the tokens llm-metrics measured (and the mock reported);
+//!   exactly the tokens llm-metrics measured (and the mock reported); and one stream of each API
+//!   kind (chat completions, completions, responses, Anthropic messages), stamped alike;
 //! - a request over its key's budget: 429 in OpenAI's error shape, no upstream request;
 //! - a stream stalled past the guard's TTFT deadline: 504, and every stamp and the request counter
 //!   say so (status 504 / `5xx`, outcome `deadline`, nothing charged, no client disconnect);
@@ -123,6 +124,63 @@ fn a_stream_through_all_four_plugins_is_stamped_alike_by_each() {
         Err(e) => c.that(false, format!("{e:#}")),
     }
     c.done(&format!("access log: {}", s.line));
+}
+
+/// One streamed request of each API kind (OpenAI chat completions, completions and responses,
+/// Anthropic messages), all for `llama-3-70b`: each is routed, guarded, charged and measured, and
+/// the four stamps agree on the version, the API and the tokens (which are what the mock reported).
+#[test]
+fn a_stream_of_each_api_kind_through_all_four_plugins_is_stamped_alike_by_each() {
+    let Some(gw) = start() else { return };
+    let cases = [
+        ("/v1/chat/completions", "chat_completions", chat(true, "Hello, chat")),
+        (
+            "/v1/completions",
+            "completions",
+            json!({"model": "llama-3-70b", "stream": true, "stream_options": {"include_usage": true}, "prompt": "Hello, completions"}).to_string(),
+        ),
+        ("/v1/responses", "responses", json!({"model": "llama-3-70b", "stream": true, "input": "Hello, responses"}).to_string()),
+        (
+            "/v1/messages",
+            "messages",
+            json!({"model": "llama-3-70b", "stream": true, "max_tokens": 100, "messages": [{"role": "user", "content": "Hello, messages"}]}).to_string(),
+        ),
+    ];
+    let mut c = Checks::default();
+    for (path, api, body) in &cases {
+        let id = format!("full-api-{api}");
+        let h = [("x-sluice-tenant", "acme"), ("x-request-id", id.as_str())];
+        let resp = post_stream(gw.envoy.listen_addr(), path, &h, body).unwrap().collect().unwrap();
+        if resp.status != 200 || !resp.complete {
+            c.that(false, format!("{api}: status {} complete {}: {}", resp.status, resp.complete, resp.text()));
+            continue;
+        }
+        let s = stamps(&gw, &id);
+        let version = s.route["version"].as_str().unwrap_or_default().to_string();
+        c.that(version == "v1" || version == "v2", format!("{api}: route stamp names no version: {}", s.route));
+        c.eq(&format!("{api}: served by"), &json!(resp.header("x-mock-served-by")), json!(format!("llama-{version}")));
+        c.eq(&format!("{api}: latency.version"), &s.latency["version"], json!(version));
+        c.eq(&format!("{api}: latency.outcome"), &s.latency["outcome"], json!("ok"));
+        c.eq(&format!("{api}: llm.api"), &s.llm["api"], json!(api));
+        c.eq(&format!("{api}: llm.stream"), &s.llm["stream"], json!(true));
+        c.eq(&format!("{api}: llm.model_version"), &s.llm["model_version"], json!(version));
+        c.eq(&format!("{api}: llm.outcome"), &s.llm["outcome"], json!("completed"));
+        c.eq(&format!("{api}: llm.usage"), &s.llm["usage"], json!("reported"));
+        c.eq(&format!("{api}: budget.decision"), &s.budget["decision"], json!("admitted"));
+        c.eq(&format!("{api}: budget.outcome"), &s.budget["outcome"], json!("completed"));
+        c.eq(&format!("{api}: budget.input_tokens = llm.input_tokens"), &s.budget["input_tokens"], s.llm["input_tokens"].clone());
+        c.eq(&format!("{api}: budget.output_tokens = llm.output_tokens"), &s.budget["output_tokens"], s.llm["output_tokens"].clone());
+        c.eq(&format!("{api}: budget.charged_micro_usd = llm.cost_micro_usd"), &s.budget["charged_micro_usd"], s.llm["cost_micro_usd"].clone());
+        let served = if version == "v2" { &gw.v2 } else { &gw.v1 };
+        match served.requests().unwrap().into_iter().find(|r| r.request_id == id) {
+            Some(r) => {
+                c.eq(&format!("{api}: llm.input_tokens = mock prompt_tokens"), &s.llm["input_tokens"], json!(r.prompt_tokens));
+                c.eq(&format!("{api}: llm.output_tokens = mock completion_tokens"), &s.llm["output_tokens"], json!(r.completion_tokens));
+            }
+            None => c.that(false, format!("{api}: the {version} mock has no record of {id}")),
+        }
+    }
+    c.done("one stream per API kind");
 }
 
 #[test]

