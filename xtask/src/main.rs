@@ -749,6 +749,19 @@ fn up_command(root: &Path, command: fn(&Path, &mut Children) -> Result<()>, what
     }
 }
 
+/// Envoy as the demo runs it: two workers, warnings only, its own shared-memory `base_id` (so
+/// several run side by side) and access logs flushed every 200 ms (the walkthrough reads them).
+fn demo_envoy(root: &Path, config: &Path, base_id: usize) -> Command {
+    let mut envoy = Command::new(envoy_bin(root));
+    envoy
+        .arg("-c")
+        .arg(config)
+        .args(["--concurrency", "2", "--log-level", "warn", "--base-id"])
+        .arg(base_id.to_string())
+        .args(["--file-flush-interval-msec", "200"]);
+    envoy
+}
+
 fn up(root: &Path, children: &mut Children) -> Result<()> {
     let run_dir = root.join(".run/demo");
     std::fs::create_dir_all(&run_dir)?;
@@ -767,19 +780,7 @@ fn up(root: &Path, children: &mut Children) -> Result<()> {
     let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text), ("WASM_DIR", &wasm_dir)], &[])?;
     let config_path = run_dir.join("envoy.yaml");
     std::fs::write(&config_path, config)?;
-    children.spawn(
-        "Envoy",
-        Command::new(envoy_bin(root)).arg("-c").arg(&config_path).args([
-            "--concurrency",
-            "2",
-            "--log-level",
-            "warn",
-            "--base-id",
-            "18",
-            "--file-flush-interval-msec",
-            "200",
-        ]),
-    )?;
+    children.spawn("Envoy", &mut demo_envoy(root, &config_path, 18))?;
     children.wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
 
     let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
@@ -922,19 +923,7 @@ fn up_fleet(root: &Path, children: &mut Children) -> Result<()> {
             [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
         let config_path = run_dir.join(format!("envoy-{listen}.yaml"));
         std::fs::write(&config_path, gateway.render_with(root, &vars, &[])?)?;
-        children.spawn(
-            &format!("the Envoy on :{listen}"),
-            Command::new(envoy_bin(root)).arg("-c").arg(&config_path).args([
-                "--concurrency",
-                "2",
-                "--log-level",
-                "warn",
-                "--base-id",
-                &(28 + n).to_string(),
-                "--file-flush-interval-msec",
-                "200",
-            ]),
-        )?;
+        children.spawn(&format!("the Envoy on :{listen}"), &mut demo_envoy(root, &config_path, 28 + n))?;
         logs.push(access_log);
     }
     for port in [LISTEN_PORT, LISTEN_PORT + 1] {

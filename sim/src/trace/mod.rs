@@ -427,6 +427,21 @@ pub(crate) struct Parsed {
     pub(crate) request: TraceRequest,
 }
 
+/// A record of the length traces (RAGPulse, Mooncake): a relative `timestamp` in the format's unit
+/// (already nanoseconds here) and `input_length` required, `output_length` optional; the format
+/// adds what else it knows to the request.
+pub(crate) fn length_record(timestamp_ns: Option<i128>, input_length: Option<u64>, output_length: Option<u64>) -> Result<Parsed, Fault> {
+    const TIMESTAMP: &str = "timestamp";
+    let at_ns = timestamp_ns.ok_or_else(|| Fault::field(TIMESTAMP, Problem::Missing))?;
+    let prompt = input_length.ok_or_else(|| Fault::field("input_length", Problem::Missing))?;
+    Ok(Parsed {
+        clock: Clock::Relative,
+        at_ns,
+        time_field: TIMESTAMP,
+        request: TraceRequest { prompt_tokens: Some(prompt), output_tokens: output_length, ..TraceRequest::new(ApiKind::ChatCompletions) },
+    })
+}
+
 /// A count of tokens: decimal digits only.
 pub(crate) fn parse_count(s: &str) -> Result<u64, Problem> {
     if s.is_empty() {

@@ -6,10 +6,8 @@
 //! model. No user or tenant: every request is anonymous unless the scenario assigns one.
 
 use super::json::{self, Millis};
-use super::{ApiKind, Clock, Fault, Parsed, Problem, TraceRequest};
+use super::{length_record, Fault, Parsed};
 use serde::Deserialize;
-
-pub(crate) const TIMESTAMP: &str = "timestamp";
 
 #[derive(Deserialize)]
 struct Line {
@@ -21,17 +19,7 @@ struct Line {
 
 pub(crate) fn parse(line: &str) -> Result<Parsed, Fault> {
     let l: Line = json::object(line, None)?;
-    let at = l.timestamp.ok_or_else(|| Fault::field(TIMESTAMP, Problem::Missing))?;
-    let prompt = l.input_length.ok_or_else(|| Fault::field("input_length", Problem::Missing))?;
-    Ok(Parsed {
-        clock: Clock::Relative,
-        at_ns: at.0,
-        time_field: TIMESTAMP,
-        request: TraceRequest {
-            prompt_tokens: Some(prompt),
-            output_tokens: l.output_length,
-            prefix_blocks: l.hash_ids.unwrap_or_default(),
-            ..TraceRequest::new(ApiKind::ChatCompletions)
-        },
-    })
+    let mut parsed = length_record(l.timestamp.map(|t| t.0), l.input_length, l.output_length)?;
+    parsed.request.prefix_blocks = l.hash_ids.unwrap_or_default();
+    Ok(parsed)
 }

@@ -7,11 +7,9 @@
 //! [`RestartRule`](super::RestartRule).
 
 use super::json::{self, Seconds};
-use super::{ApiKind, Clock, Fault, Parsed, Problem, TraceRequest};
+use super::{length_record, Fault, Parsed};
 use serde::Deserialize;
 use std::borrow::Cow;
-
-pub(crate) const TIMESTAMP: &str = "timestamp";
 
 #[derive(Deserialize)]
 struct Line<'a> {
@@ -24,17 +22,7 @@ struct Line<'a> {
 
 pub(crate) fn parse(line: &str) -> Result<Parsed, Fault> {
     let l: Line = json::object(line, None)?;
-    let at = l.timestamp.ok_or_else(|| Fault::field(TIMESTAMP, Problem::Missing))?;
-    let prompt = l.input_length.ok_or_else(|| Fault::field("input_length", Problem::Missing))?;
-    Ok(Parsed {
-        clock: Clock::Relative,
-        at_ns: at.0,
-        time_field: TIMESTAMP,
-        request: TraceRequest {
-            user: l.session_id.map(Cow::into_owned),
-            prompt_tokens: Some(prompt),
-            output_tokens: l.output_length,
-            ..TraceRequest::new(ApiKind::ChatCompletions)
-        },
-    })
+    let mut parsed = length_record(l.timestamp.map(|t| t.0), l.input_length, l.output_length)?;
+    parsed.request.user = l.session_id.map(Cow::into_owned);
+    Ok(parsed)
 }
