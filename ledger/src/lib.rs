@@ -17,7 +17,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub listen: SocketAddr,
-    pub redis_url: String,
+    pub redis: store::RedisTarget,
     pub prefix: String,
     pub redis_timeout: Duration,
     pub threads: usize,
@@ -27,7 +27,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 18090)),
-            redis_url: "redis://127.0.0.1:6379/".into(),
+            redis: store::RedisTarget::Single("redis://127.0.0.1:6379/".into()),
             prefix: "sluice".into(),
             redis_timeout: Duration::from_millis(200),
             threads: 1,
@@ -35,11 +35,13 @@ impl Default for Config {
     }
 }
 
-pub const USAGE: &str =
-    "usage: sluice-ledger [--listen 127.0.0.1:18090] [--redis redis://127.0.0.1:6379/] [--prefix sluice] [--redis-timeout-ms 200] [--threads 1]
+pub const USAGE: &str = "usage: sluice-ledger [--listen 127.0.0.1:18090] [--redis redis://127.0.0.1:6379/ | --redis-cluster URL,URL,...] [--prefix sluice]
+                    [--redis-timeout-ms 200] [--threads 1]
 
   --listen ADDR           address:port to serve HTTP/1.1 on
-  --redis URL             redis://[user:password@]host:port/db (the primary)
+  --redis URL             redis://[user:password@]host:port/db (one primary)
+  --redis-cluster URLS    a Redis Cluster: comma-separated seed nodes, redis://[user:password@]host:port
+                          (any of them gives the slot map; list several); not with --redis
   --prefix P              first part of every Redis key (no braces, spaces or control characters)
   --redis-timeout-ms MS   bound of one Redis call, connecting included; past it the request gets 503
   --threads N             tokio worker threads";
@@ -48,6 +50,7 @@ impl Config {
     /// Parses the arguments after the program name; `Err` holds the message to print.
     pub fn from_args<I: IntoIterator<Item = String>>(args: I) -> Result<Config, String> {
         let mut config = Config::default();
+        let (mut single, mut cluster) = (false, false);
         let mut args = args.into_iter();
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
@@ -63,7 +66,18 @@ impl Config {
             };
             match name.as_str() {
                 "--listen" => config.listen = value.parse().map_err(|e| format!("--listen {value:?}: {e}"))?,
-                "--redis" => config.redis_url = value,
+                "--redis" => {
+                    single = true;
+                    config.redis = store::RedisTarget::Single(value);
+                }
+                "--redis-cluster" => {
+                    cluster = true;
+                    let seeds: Vec<String> = value.split(',').map(|s| s.trim().to_string()).collect();
+                    if seeds.iter().any(|s| s.is_empty()) {
+                        return Err(format!("--redis-cluster {:?}: comma-separated redis:// URLs of seed nodes, none empty", store::redact(&value)));
+                    }
+                    config.redis = store::RedisTarget::Cluster(seeds);
+                }
                 "--prefix" => {
                     if value.is_empty() || value.len() > 64 || value.chars().any(|c| c.is_control() || c.is_whitespace() || c == '{' || c == '}') {
                         return Err(format!("--prefix {value:?}: 1 to 64 characters, no braces, spaces or control characters"));
@@ -87,6 +101,9 @@ impl Config {
                 _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
             }
         }
+        if single && cluster {
+            return Err("--redis and --redis-cluster exclude each other: --redis URL for one primary, --redis-cluster URL,URL,... for a Redis Cluster".into());
+        }
         Ok(config)
     }
 }
@@ -100,7 +117,7 @@ pub struct Ledger {
 impl Ledger {
     pub fn new(config: &Config) -> Result<Ledger, String> {
         let metrics = Arc::new(metrics::Metrics::default());
-        let store = store::Store::new(&config.redis_url, &config.prefix, config.redis_timeout, metrics.clone())?;
+        let store = store::Store::new(&config.redis, &config.prefix, config.redis_timeout, metrics.clone())?;
         Ok(Ledger { store, metrics })
     }
 }
@@ -111,7 +128,7 @@ pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>
     let ledger = Arc::new(Ledger::new(&config)?);
     let listener = tokio::net::TcpListener::bind(config.listen).await.map_err(|e| format!("--listen {}: {e}", config.listen))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    eprintln!("sluice-ledger: listening on http://{local}, redis {}, prefix {:?}", store::redact(&config.redis_url), config.prefix);
+    eprintln!("sluice-ledger: listening on http://{local}, redis {}, prefix {:?}", config.redis.redacted(), config.prefix);
     let _ = ledger.store.ping().await;
     http::serve(listener, ledger, shutdown).await;
     Ok(())
@@ -175,7 +192,7 @@ mod tests {
             c,
             Ok(Config {
                 listen: "0.0.0.0:9".parse().unwrap_or(Config::default().listen),
-                redis_url: "redis://r:1/".into(),
+                redis: store::RedisTarget::Single("redis://r:1/".into()),
                 prefix: "p".into(),
                 redis_timeout: Duration::from_millis(50),
                 threads: 4
@@ -184,5 +201,12 @@ mod tests {
         for bad in [&["--threads", "0"][..], &["--prefix", "a{b}"], &["--prefix", ""], &["--redis-timeout-ms", "x"], &["--listen"], &["--what", "1"]] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+        let c = parse(&["--redis-cluster", "redis://a:1,redis://b:2/"]).map(|c| c.redis);
+        assert_eq!(c, Ok(store::RedisTarget::Cluster(vec!["redis://a:1".into(), "redis://b:2/".into()])));
+        for bad in [&["--redis", "redis://a:1/", "--redis-cluster", "redis://b:2"][..], &["--redis-cluster", "redis://b:2", "--redis", "redis://a:1/"]] {
+            let e = parse(bad).err().unwrap_or_default();
+            assert!(e.starts_with("--redis and --redis-cluster exclude each other"), "{bad:?}: {e}");
+        }
+        assert!(parse(&["--redis-cluster", "redis://a:1,,redis://b:2"]).is_err_and(|e| e.contains("none empty")));
     }
 }

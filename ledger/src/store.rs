@@ -1,16 +1,27 @@
-//! Redis: one multiplexed connection per instance, re-made after a failure, and the two scripts.
+//! Redis: one connection per instance, re-made after a failure, and the two scripts.
 //!
-//! Every call is bounded by the Redis timeout (connecting included). A connection that fails or
-//! times out is dropped and the next call connects again (at most one attempt per
-//! [`RECONNECT_INTERVAL`], shared by all concurrent calls), so a restarted or failed-over Redis is
-//! picked up without restarting the service. A call that failed on a connection made before it is
-//! tried once more on a fresh one within the same deadline: both scripts are idempotent per id, so
-//! a retry of a script that did run answers `replayed` / `already_settled` and changes nothing.
+//! The connection is either one multiplexed connection to a primary ([`RedisTarget::Single`]) or
+//! the redis crate's cluster connection ([`RedisTarget::Cluster`]: one multiplexed connection per
+//! node, the slot map, `MOVED` / `ASK` followed and the map refreshed by the crate). Both run the
+//! same scripts through the same [`Store::call`]; every key of one call carries the request's hash
+//! tag, so a call is routed to the one primary that owns its slot.
+//!
+//! Every call is bounded by the Redis timeout (connecting included). A connection that fails is
+//! dropped and the next call connects again (at most one attempt per [`RECONNECT_INTERVAL`],
+//! shared by all concurrent calls), so a restarted or failed-over Redis is picked up without
+//! restarting the service. A call that failed on a connection made before it is tried once more on
+//! a fresh one within the same deadline: both scripts are idempotent per id, so a retry of a script
+//! that did run answers `replayed` / `already_settled` and changes nothing. A single connection
+//! that timed out is dropped too (a hung server); a cluster connection is kept (one slow node does
+//! not make the other shards' connections bad; the crate's own per-request timeout and retries
+//! handle that node).
 
 use crate::api::{CounterState, ReserveOutcome, ReserveRequest, SettleOutcome, SettleRequest};
 use crate::metrics::Metrics;
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, RedisError, Script, Value};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script, Value};
 use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +35,71 @@ pub const RECONNECT_INTERVAL: Duration = Duration::from_millis(100);
 const COMMON_LUA: &str = include_str!("lua/common.lua");
 const RESERVE_LUA: &str = include_str!("lua/reserve.lua");
 const SETTLE_LUA: &str = include_str!("lua/settle.lua");
+
+/// Where the counters are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One primary: `redis://[user:password@]host:port/db`.
+    Single(String),
+    /// A Redis Cluster, reached through these seed nodes (any reachable one gives the slot map).
+    Cluster(Vec<String>),
+}
+
+impl RedisTarget {
+    /// The target without passwords, for messages and logs.
+    pub fn redacted(&self) -> String {
+        match self {
+            RedisTarget::Single(url) => redact(url),
+            RedisTarget::Cluster(seeds) => format!("cluster {}", seeds.iter().map(|s| redact(s)).collect::<Vec<_>>().join(",")),
+        }
+    }
+}
+
+/// How the store makes a connection.
+enum Connector {
+    Single { client: Client, config: AsyncConnectionConfig },
+    Cluster(ClusterClient),
+}
+
+impl Connector {
+    async fn connect(&self) -> Result<Connection, RedisError> {
+        match self {
+            Connector::Single { client, config } => client.get_multiplexed_async_connection_with_config(config).await.map(Connection::Single),
+            Connector::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
+        }
+    }
+}
+
+/// One connection to a primary, or the cluster connection (which routes each command by its keys'
+/// slot); both are cheap clones of one shared connection.
+#[derive(Clone)]
+pub enum Connection {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(&'a mut self, pipeline: &'a Pipeline, offset: usize, count: usize) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
 
 /// Why a call did not give an answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,13 +120,12 @@ const UP: u8 = 1;
 const DOWN: u8 = 2;
 
 pub struct Store {
-    client: Client,
-    config: AsyncConnectionConfig,
+    connector: Connector,
     /// Where Redis is, for the logs (no credentials).
     address: String,
     prefix: String,
     timeout: Duration,
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    current: Mutex<Option<(u64, Connection)>>,
     connecting: tokio::sync::Mutex<Connecting>,
     state: AtomicU8,
     reserve: Script,
@@ -66,14 +141,20 @@ enum Failure {
 }
 
 impl Store {
-    pub fn new(redis_url: &str, prefix: &str, timeout: Duration, metrics: Arc<Metrics>) -> Result<Store, String> {
-        let client = Client::open(redis_url).map_err(|e| format!("--redis {:?}: {e}", redact(redis_url)))?;
-        let address = client.get_connection_info().addr().to_string();
+    pub fn new(target: &RedisTarget, prefix: &str, timeout: Duration, metrics: Arc<Metrics>) -> Result<Store, String> {
+        let (connector, address) = match target {
+            RedisTarget::Single(url) => {
+                let client = Client::open(url.as_str()).map_err(|e| format!("--redis {:?}: {e}", redact(url)))?;
+                let address = client.get_connection_info().addr().to_string();
+                // The deadline of every call (below) covers the response; the connection's own
+                // response timeout would only duplicate it.
+                let config = AsyncConnectionConfig::new().set_connection_timeout(Some(timeout)).set_response_timeout(None);
+                (Connector::Single { client, config }, address)
+            }
+            RedisTarget::Cluster(seeds) => (Connector::Cluster(cluster_client(seeds, timeout)?), target.redacted()),
+        };
         Ok(Store {
-            client,
-            // The deadline of every call (below) covers the response; the connection's own response
-            // timeout would only duplicate it.
-            config: AsyncConnectionConfig::new().set_connection_timeout(Some(timeout)).set_response_timeout(None),
+            connector,
             address,
             prefix: prefix.to_string(),
             timeout,
@@ -91,12 +172,16 @@ impl Store {
         format!("{}:{{{tag}}}:", self.prefix)
     }
 
-    fn cached(&self) -> Option<(u64, MultiplexedConnection)> {
+    fn cluster(&self) -> bool {
+        matches!(self.connector, Connector::Cluster(_))
+    }
+
+    fn cached(&self) -> Option<(u64, Connection)> {
         self.current.lock().ok().and_then(|slot| slot.clone())
     }
 
     /// The current connection, or a new one. `fresh` is true when this call made it.
-    async fn connection(&self) -> Result<(u64, MultiplexedConnection, bool), RedisError> {
+    async fn connection(&self) -> Result<(u64, Connection, bool), RedisError> {
         if let Some((generation, conn)) = self.cached() {
             return Ok((generation, conn, false));
         }
@@ -109,7 +194,7 @@ impl Store {
                 return Err(error.clone());
             }
         }
-        match self.client.get_multiplexed_async_connection_with_config(&self.config).await {
+        match self.connector.connect().await {
             Ok(conn) => {
                 connecting.generation += 1;
                 connecting.last_failure = None;
@@ -150,7 +235,7 @@ impl Store {
     /// Runs `op` on a connection within the timeout, classifying what went wrong.
     async fn call<T, F, Fut>(&self, op: F) -> Result<T, StoreError>
     where
-        F: Fn(MultiplexedConnection) -> Fut,
+        F: Fn(Connection) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
         let mut used: Option<u64> = None;
@@ -184,8 +269,9 @@ impl Store {
                 Ok(v)
             }
             Err(Failure::Timeout) => {
-                // A hung connection (a paused server, a silent network) is replaced, not waited on.
-                if let Some(generation) = used {
+                // A hung connection (a paused server, a silent network) is replaced, not waited on;
+                // the cluster connection times out and reconnects each node itself.
+                if let Some(generation) = used.filter(|_| !self.cluster()) {
                     self.discard(generation);
                 }
                 self.metrics.redis_error("timeout");
@@ -336,6 +422,34 @@ impl Reply {
         Ok(out)
     }
 }
+
+/// The crate's cluster client, bounded like the single connection: connecting to a node and each
+/// request within `timeout`, retries (after a `MOVED`, a node's connection lost, `TRYAGAIN`, …) a
+/// few milliseconds apart so that they fit in it, and the whole call — redirections and slot-map
+/// refreshes included — within `timeout` too.
+fn cluster_client(seeds: &[String], timeout: Duration) -> Result<ClusterClient, String> {
+    let mut nodes = Vec::with_capacity(seeds.len());
+    for seed in seeds {
+        let info = seed.as_str().into_connection_info().map_err(|e| format!("--redis-cluster {:?}: {e}", redact(seed)))?;
+        if info.redis_settings().db() != 0 {
+            return Err(format!("--redis-cluster {:?}: a Redis Cluster has only database 0", redact(seed)));
+        }
+        nodes.push(info);
+    }
+    ClusterClientBuilder::new(nodes)
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        .overall_response_timeout(Some(timeout))
+        .retries(CLUSTER_RETRIES)
+        .min_retry_wait(2)
+        .max_retry_wait(50)
+        .retry_wait_formula(5, 2)
+        .build()
+        .map_err(|e| format!("--redis-cluster: {e}"))
+}
+
+/// Retries of one call by the cluster client (each a few ms apart, all within the call's timeout).
+const CLUSTER_RETRIES: u32 = 16;
 
 /// The connection is unusable: refused, reset, closed, timed out, or the client says so.
 fn is_connection_error(e: &RedisError) -> bool {

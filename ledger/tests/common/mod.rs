@@ -1,5 +1,6 @@
 //! Test support: a real redis-server on a free loopback port in a temporary directory (killed on
-//! drop), a small blocking HTTP/1.1 client, and a sluice-ledger served in-process.
+//! drop), a real Redis Cluster ([`cluster::Cluster`]), a small blocking HTTP/1.1 client, and a
+//! sluice-ledger served in-process.
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -11,11 +12,21 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod cluster;
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 static DIRS: AtomicU32 = AtomicU32::new(0);
+
+/// A new empty directory under the system's temporary directory, unique to this process and call.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{name}-{}-{}", std::process::id(), DIRS.fetch_add(1, Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
 
 /// A redis-server of Debian's package (`cargo xtask setup` installs it); a test fails, not skips,
 /// without it.
@@ -39,9 +50,7 @@ impl Redis {
     }
 
     fn start_with(persistent: bool) -> Redis {
-        let dir = std::env::temp_dir().join(format!("sluice-ledger-test-{}-{}", std::process::id(), DIRS.fetch_add(1, Ordering::Relaxed)));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = temp_dir("sluice-ledger-test");
         let mut redis = Redis { port: free_port(), dir, persistent, child: None };
         redis.launch();
         redis
@@ -161,14 +170,17 @@ pub fn ledger(redis: &Redis, prefix: &str) -> sluice_ledger::Running {
 }
 
 pub fn ledger_with_timeout(redis: &Redis, prefix: &str, timeout: Duration) -> sluice_ledger::Running {
-    sluice_ledger::spawn(sluice_ledger::Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        redis_url: redis.url(),
-        prefix: prefix.into(),
-        redis_timeout: timeout,
-        threads: 1,
-    })
-    .unwrap()
+    ledger_on(sluice_ledger::store::RedisTarget::Single(redis.url()), prefix, timeout)
+}
+
+/// A sluice-ledger on a free port in front of a Redis Cluster, through all of its nodes as seeds.
+pub fn cluster_ledger(cluster: &cluster::Cluster, prefix: &str, timeout: Duration) -> sluice_ledger::Running {
+    ledger_on(sluice_ledger::store::RedisTarget::Cluster(cluster.seeds()), prefix, timeout)
+}
+
+pub fn ledger_on(redis: sluice_ledger::store::RedisTarget, prefix: &str, timeout: Duration) -> sluice_ledger::Running {
+    sluice_ledger::spawn(sluice_ledger::Config { listen: "127.0.0.1:0".parse().unwrap(), redis, prefix: prefix.into(), redis_timeout: timeout, threads: 1 })
+        .unwrap()
 }
 
 /// A blocking HTTP/1.1 client keeping one connection alive.
