@@ -111,25 +111,39 @@ fn fleet_template_without_buffer() -> String {
 
 /// Starts an Envoy on `template` (the fleet gateway's placeholders) in front of `mock`, calling the
 /// ledger service on `ledger_port`, with tenant-budget's `policy`.
-fn fleet_envoy_from(template: &str, mock: &MockServer, ledger_port: u16, policy: &str) -> Envoy {
+/// The node id fleet Envoy `n` runs with (`--service-node`).
+fn node_id(n: usize) -> String {
+    format!("fleet-{n}")
+}
+
+/// What every hold id of the Envoy named `node` starts with (docs/ledger.md, "the hold's name").
+fn hold_prefix(node: &str) -> String {
+    sluice_core::identity::sha256_hex(node.as_bytes()).get(..8).unwrap_or_default().to_string()
+}
+
+fn fleet_envoy_from(template: &str, mock: &MockServer, ledger_port: u16, policy: &str, node: &str) -> Envoy {
     let upstream = mock.port().to_string();
     let ledger = ledger_port.to_string();
     let budget = yaml_string_body(policy);
     let metrics = yaml_string_body(&metrics_config());
-    Envoy::start(
+    Envoy::start_with_args(
         template,
         &[("UPSTREAM_PORT", upstream.as_str()), ("LEDGER_PORT", ledger.as_str()), ("BUDGET_CONFIG", budget.as_str()), ("PLUGIN_CONFIG", metrics.as_str())],
+        &["--service-node", node],
     )
     .unwrap()
 }
 
-/// `policies.len()` fleet-gateway Envoys, started two at a time (V8 compiles the plugins).
+/// `policies.len()` fleet-gateway Envoys, started two at a time (V8 compiles the plugins); Envoy
+/// `n` has node id [`node_id`]`(n)`.
 fn fleet_envoys(mock: &MockServer, ledger_port: u16, policies: &[&str]) -> Vec<Envoy> {
     let template = fleet_template();
     let mut out = Vec::new();
-    for pair in policies.chunks(2) {
+    for (pair_index, pair) in policies.chunks(2).enumerate() {
         let started: Vec<Envoy> = std::thread::scope(|s| {
-            let handles: Vec<_> = pair.iter().map(|p| s.spawn(|| fleet_envoy_from(&template, mock, ledger_port, p))).collect();
+            let template = &template;
+            let handles: Vec<_> =
+                pair.iter().enumerate().map(|(i, p)| s.spawn(move || fleet_envoy_from(template, mock, ledger_port, p, &node_id(2 * pair_index + i)))).collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         out.extend(started);
@@ -334,6 +348,13 @@ fn check_run(
         let ledger_field = stamp_str(r.stamp, "ledger");
         if redis_mode && ledger_field != "redis" {
             failures.add(&check("ledger"), format!("{}: admitted by ledger {ledger_field:?}, not redis: {}", p.id, r.stamp));
+        }
+        // A hold in Redis names the Envoy that made it.
+        let hold = stamp_str(r.stamp, "ledger_hold");
+        let want = hold_prefix(&node_id(r.log.envoy));
+        if redis_mode && !hold.starts_with(&want) {
+            failures
+                .add(&check("hold id"), format!("{}: hold {hold:?} on Envoy {} (node {}) does not start with {want}", p.id, r.log.envoy, node_id(r.log.envoy)));
         }
         for (bi, c) in tally.check_admitted(&r, failures).charges {
             per_envoy[r.log.envoy][bi].push(c);
@@ -894,6 +915,22 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         );
         holds(&redis, "acme")
     });
+    // A request refused while the ledger was down never reached it (Envoy could not connect):
+    // it queues no release, so the outage leaves no `released` marker per refused request. Only
+    // calls in flight at the kill (one per client thread at most) and the stalled one may.
+    let outage_requests = steady.iter().filter(|r| r.phase_sent == 1 && r.phase_done == 1).count();
+    let released = redis
+        .keys(&format!("{PREFIX}:{{acme}}:s:*"))
+        .unwrap()
+        .iter()
+        .filter(|k| redis.command(&["GET", k]).ok().and_then(|v| v.text()).as_deref() == Some("released"))
+        .count();
+    let may_have_run = 6 + 4 + 1 + 1;
+    failures.that("(b) outage releases", released <= may_have_run, || {
+        format!(
+            "{released} released markers after an outage that refused {outage_requests} requests (at most {may_have_run} calls may have reached the ledger)"
+        )
+    });
     let dropped = metric_sum(&refs, "sluice_budget_ledger_settlements_dropped_total", &[]);
     failures.that("(b) no usage lost", dropped == 0.0, || format!("{dropped} settlements dropped"));
     failures.that("(b) expiry", !orphans.is_empty(), || "the killed Envoy's hold is not in Redis".into());
@@ -987,6 +1024,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
         orphans.len()
     );
     let _ = writeln!(out, "  after expiry: used {used_after} = {used_before_expiry} + {orphaned_k} (holds, charged at their reservation) + {sweeper_charge} (the sweeping request); reserved {reserved_after}; late settles answered {}", Value::Array(late_settles));
+    let _ = writeln!(out, "  requests refused or served locally during the outage: {outage_requests}; released markers left in Redis: {released}");
     println!("{out}");
     failures.verdict(&format!("ledger stderr:\n{}", ledger.stderr_tail(10))).unwrap();
 }
@@ -1291,7 +1329,7 @@ fn e_refused_requests_reach_no_upstream_not_even_their_headers() {
     let open = [("x-sluice-key", "open")];
     {
         let mock = MockServer::start(&["--tokens", "4"]).unwrap();
-        let envoy = fleet_envoy_from(&fleet_template(), &mock, ledger.port(), &redis_policy);
+        let envoy = fleet_envoy_from(&fleet_template(), &mock, ledger.port(), &redis_policy, &node_id(0));
         run_cases("fleet", &envoy, &[&mock], Some(&open), &tight, &over);
         // The ledger down (on_failure deny): 503, and nothing upstream either.
         ledger.kill();
@@ -1300,7 +1338,7 @@ fn e_refused_requests_reach_no_upstream_not_even_their_headers() {
     }
     {
         let mock = MockServer::start(&["--tokens", "4"]).unwrap();
-        let envoy = fleet_envoy_from(&fleet_template_without_buffer(), &mock, ledger.port(), &redis_policy);
+        let envoy = fleet_envoy_from(&fleet_template_without_buffer(), &mock, ledger.port(), &redis_policy, &node_id(0));
         run_cases("fleet without buffer", &envoy, &[&mock], Some(&open), &tight, &over);
     }
     {

@@ -237,3 +237,30 @@ fn a_streamed_request_in_redis_mode_gets_include_usage_and_is_settled_from_repor
     assert_eq!(Some(charged), stamp(&c.stream)["charged_tokens"].as_u64());
     assert_eq!(stamp(&c.stream)["usage"], json!("reported"));
 }
+
+/// The hold id a gateway whose properties are `properties` sends to the ledger.
+fn first_hold_id(properties: &[(&[&str], &str)]) -> String {
+    let mut s = spec(&redis_policy("deny").to_string()).start_time(at(MAR31_235950));
+    for (path, value) in properties {
+        s = s.property(path, value.as_bytes().to_vec());
+    }
+    let gw = Gateway::start(&plugin(), s).expect("the policy loads");
+    let _c = Call::start(&gw, &key_headers(chat::PATH, "search-prod"), &chat_body(false, false, Some(100)));
+    let reserve = calls_to(&gw, "/v1/reserve");
+    body_of(&reserve[0])["id"].as_str().expect("id").to_string()
+}
+
+#[test]
+fn hold_ids_start_with_the_hash_of_the_node_id_where_envoy_exposes_it() {
+    let prefix = |node: &str| sluice_core::identity::sha256_hex(node.as_bytes())[..8].to_string();
+    // Envoy 1.40: `xds.node.id` (its `node.id` answers nothing); older releases: `node.id`.
+    let xds = first_hold_id(&[(&["xds", "node", "id"], "edge-1")]);
+    assert!(xds.starts_with(&prefix("edge-1")), "{xds}");
+    let legacy = first_hold_id(&[(&["node", "id"], "edge-2")]);
+    assert!(legacy.starts_with(&prefix("edge-2")), "{legacy}");
+    let both = first_hold_id(&[(&["xds", "node", "id"], "edge-3"), (&["node", "id"], "other")]);
+    assert!(both.starts_with(&prefix("edge-3")), "{both}");
+    // No node id at all: still unique per VM, with the hash of the empty id.
+    let none = first_hold_id(&[]);
+    assert!(none.starts_with(&prefix("")), "{none}");
+}

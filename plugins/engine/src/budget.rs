@@ -65,8 +65,12 @@ impl Root {
             log::warn!("creating budget counters failed: {e}");
         }
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
-        let node = host::property(&["node".into(), "id".into()]).unwrap_or_default();
+        // Envoy 1.40 answers the node under the `xds` attributes (`node.id` finds nothing there).
+        let node = host::property(&["xds".into(), "node".into(), "id".into()]).or_else(|| host::property(&["node".into(), "id".into()])).unwrap_or_default();
         let budget = BudgetPolicy::new(policy, &node, host::now_ns());
+        if budget.needs_tick() {
+            log::info!("tenant-budget: Redis hold ids of this proxy start with {} (node id {node:?})", budget.hold_prefix());
+        }
         if budget.needs_tick() {
             if let Err(status) = host::set_tick_period(Duration::from_millis(SETTLE_TICK_MS)) {
                 log::error!("tenant-budget: cannot set the settlement tick ({status:?}); Redis holds would only expire");

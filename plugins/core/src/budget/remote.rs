@@ -12,6 +12,75 @@ const NS_PER_S: u64 = 1_000_000_000;
 /// Amounts and limits cross to the ledger's Lua scripts, whose numbers are exact only up to 2⁵³.
 pub const MAX_EXACT: u64 = 1 << 53;
 
+/// What a ledger callout that brought no usable answer says about the call. Envoy's own replies
+/// (it could not connect, the call timed out) are plain text; `sluice-ledger`'s are JSON.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallFailure {
+    pub kind: FailureKind,
+    /// What happened, for the log: names who answered and why.
+    pub why: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Envoy never sent the call: no connection could be made (refused, connect timeout), no
+    /// healthy host, or the cluster's circuit breaker. Nothing can have run in Redis.
+    NotSent,
+    /// Sent and not answered in time (Envoy's 504, or no reply at all): it may still run.
+    TimedOut,
+    /// The service answered an error, or the connection broke after the call went out.
+    Failed,
+}
+
+/// The reset reasons Envoy names in its 503 when the request never reached the upstream.
+const NOT_SENT_RESETS: [&str; 4] = ["remote connection failure", "local connection failure", "connection timeout", "overflow"];
+/// How much of an answer a log line quotes.
+const QUOTED_BYTES: usize = 240;
+
+/// Classifies a callout answer that is not a ledger answer (`status` 0: no reply at all).
+pub fn call_failure(status: u16, body: &[u8]) -> CallFailure {
+    let full = String::from_utf8_lossy(body);
+    let full = full.trim();
+    let text = quoted(full);
+    let (kind, why) = if status == 0 {
+        (FailureKind::TimedOut, "no answer from sluice-ledger (the call timed out or was reset)".to_string())
+    } else if let Ok(error) = serde_json::from_slice::<ServiceError>(body) {
+        (FailureKind::Failed, format!("sluice-ledger answered HTTP {status} {}: {}", error.error, error.message))
+    } else if status == 504 && full == "upstream request timeout" {
+        (FailureKind::TimedOut, "sluice-ledger did not answer within timeout_ms (Envoy: upstream request timeout)".to_string())
+    } else if status == 503 && (full == "no healthy upstream" || reset_reason(full).is_some_and(|r| NOT_SENT_RESETS.contains(&r))) {
+        (FailureKind::NotSent, format!("Envoy could not reach sluice-ledger ({text})"))
+    } else if full.is_empty() {
+        (FailureKind::Failed, format!("HTTP {status} with no body"))
+    } else {
+        (FailureKind::Failed, format!("HTTP {status}: {text}"))
+    };
+    CallFailure { kind, why }
+}
+
+/// At most [`QUOTED_BYTES`] of `text`, cut at a character boundary.
+fn quoted(text: &str) -> &str {
+    let mut end = text.len().min(QUOTED_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.get(..end).unwrap_or_default()
+}
+
+/// The reset reason of Envoy's "upstream connect error or disconnect/reset before headers" reply.
+fn reset_reason(text: &str) -> Option<&str> {
+    let rest = text.strip_prefix("upstream connect error or disconnect/reset before headers. reset reason: ")?;
+    Some(rest.split(',').next().unwrap_or(rest).trim())
+}
+
+/// The error body `sluice-ledger` answers with.
+#[derive(Deserialize)]
+struct ServiceError {
+    error: String,
+    #[serde(default)]
+    message: String,
+}
+
 /// A reservation sent to the Redis ledger, waiting for its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingReserve {
@@ -83,7 +152,7 @@ impl Policy {
     /// the answer is not one (then the ledger's failure policy applies).
     pub fn remote_admission(&self, pending: &PendingReserve, status: u16, reply: &[u8]) -> Result<Admission, AdmitError> {
         if status != 200 {
-            return Err(AdmitError::Store(format!("sluice-ledger answered HTTP {status}")));
+            return Err(AdmitError::Store(call_failure(status, reply).why));
         }
         let reply: ReserveReply = serde_json::from_slice(reply).map_err(|e| AdmitError::Store(format!("sluice-ledger answer unreadable: {e}")))?;
         let holds = &pending.plan.holds;

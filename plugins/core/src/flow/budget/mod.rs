@@ -23,7 +23,7 @@ use crate::api::ApiKind;
 use crate::budget::identities::identity_hash;
 use crate::budget::ledger::Counter;
 use crate::budget::policy::{CounterSpec, JwtConfig, LedgerConfig, LedgerFailure, LedgerMode, Limit, Mode};
-use crate::budget::remote::PendingReserve;
+use crate::budget::remote::{call_failure, FailureKind, PendingReserve};
 use crate::budget::{Admission, AdmitError, Demand, Policy, Settlement};
 use crate::contract::{GatewayEnd, GatewayReply};
 use crate::headers::HeaderPairs;
@@ -114,6 +114,11 @@ impl BudgetPolicy {
         BudgetPolicy { policy, model_versions, vm_nonce, settle_queue: VecDeque::new(), settle_calls: BTreeMap::new(), ledger_ok: None }
     }
 
+    /// What every hold id of this proxy starts with: the first 8 hex digits of its node id's SHA-256.
+    pub fn hold_prefix(&self) -> &str {
+        self.vm_nonce.get(..8).unwrap_or_default()
+    }
+
     /// Whether settlements go to the Redis ledger (the host then ticks every [`SETTLE_TICK_MS`]).
     pub fn needs_tick(&self) -> bool {
         self.policy.ledger.mode == LedgerMode::Redis
@@ -134,7 +139,7 @@ impl BudgetPolicy {
         } else if ok {
             fx.log(LogLevel::Warn, "tenant-budget: the Redis ledger answers again");
         } else {
-            fx.log(LogLevel::Warn, format!("tenant-budget: the Redis ledger is failing ({why}); on_failure = {:?}", self.policy.ledger.on_failure));
+            fx.log(LogLevel::Warn, format!("tenant-budget: the Redis ledger is failing: {why}; on_failure = {:?}", self.policy.ledger.on_failure));
         }
         self.ledger_ok = Some(ok);
         fx.push(Effect::GaugeSet { name: metrics::budget_ledger_up().to_string(), value: u64::from(ok) });
@@ -221,9 +226,10 @@ impl BudgetPolicy {
         let done = status == 200 && serde_json::from_slice::<serde_json::Value>(answer).is_ok_and(|v| v.get("settled").is_some());
         // A 400 is final: the ledger judged the settlement itself malformed, a retry cannot fix it.
         let rejected = status == 400;
+        let failure = (!done).then(|| call_failure(status, answer));
         let result = if done {
             LedgerResult::Ok
-        } else if status == 0 {
+        } else if failure.as_ref().is_some_and(|f| f.kind == FailureKind::TimedOut) {
             LedgerResult::Timeout
         } else if rejected {
             LedgerResult::Rejected
@@ -237,7 +243,8 @@ impl BudgetPolicy {
         } else if rejected {
             fx.log(LogLevel::Error, format!("tenant-budget: the Redis ledger rejected a settlement: {}", String::from_utf8_lossy(answer)));
         } else {
-            self.ledger_health(false, &format!("settle answered HTTP {status}"), fx);
+            let why = failure.map_or_else(String::new, |f| f.why);
+            self.ledger_health(false, &format!("settle: {why}"), fx);
             self.retry_settlement(job, now, fx);
         }
     }
@@ -423,9 +430,10 @@ impl BudgetFlow {
         let Phase::Reserving(reserving) = std::mem::replace(&mut b.phase, Phase::Holding) else { return Verdict::Pause };
         let Reserving { pending, started, body, clamped_retry, .. } = *reserving;
         let result = policy.policy.remote_admission(&pending, status, answer);
+        let failure = (status != 200).then(|| call_failure(status, answer).kind);
         let outcome = match &result {
             Ok(_) | Err(AdmitError::Exceeded(_)) => LedgerResult::Ok,
-            Err(_) if status == 0 => LedgerResult::Timeout,
+            Err(_) if failure == Some(FailureKind::TimedOut) => LedgerResult::Timeout,
             Err(_) => LedgerResult::Error,
         };
         fx.count(metrics::budget_ledger_calls_total(LedgerCall::Reserve, outcome), 1);
@@ -442,7 +450,10 @@ impl BudgetFlow {
             Err(AdmitError::Store(e)) => {
                 // The reservation may still run in Redis after this (a stall past the timeout): release
                 // it, a second later; the ledger's tombstone stops a reservation arriving after that.
-                policy.queue_release(&pending, now, fx);
+                // One Envoy never sent holds nothing, and its release would only add to an outage.
+                if failure != Some(FailureKind::NotSent) {
+                    policy.queue_release(&pending, now, fx);
+                }
                 b.ledger_failed(policy, store, host, &e, &pending, body, now, fx)
             }
             Ok(mut admission) => {

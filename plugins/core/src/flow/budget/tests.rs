@@ -411,6 +411,8 @@ fn redis(on_failure: &str) -> Value {
 
 const RESERVE_OK: &str = "sluice.budget.ledger_calls_total.call.reserve.result.ok";
 const RESERVE_LATENCY: &str = "sluice.budget.ledger_latency_ms.call.reserve";
+const RESERVE_ERROR: &str = "sluice.budget.ledger_calls_total.call.reserve.result.error";
+const RESERVE_TIMEOUT: &str = "sluice.budget.ledger_calls_total.call.reserve.result.timeout";
 
 /// A Redis-mode request sent to the ledger; returns its hold id.
 fn reserving(w: &mut World) -> String {
@@ -475,7 +477,10 @@ fn the_ledgers_admission_admits_and_its_settlement_is_queued_for_the_tick() {
         [
             count("sluice.budget.ledger_calls_total.call.settle.result.error", 1),
             record("sluice.budget.ledger_latency_ms.call.settle", 0),
-            Effect::Log { level: LogLevel::Warn, message: "tenant-budget: the Redis ledger is failing (settle answered HTTP 502); on_failure = Deny".into() },
+            Effect::Log {
+                level: LogLevel::Warn,
+                message: "tenant-budget: the Redis ledger is failing: settle: HTTP 502 with no body; on_failure = Deny".into()
+            },
             gauge("sluice.budget.ledger_up", 0),
         ]
     );
@@ -509,7 +514,9 @@ fn the_ledgers_refusal_is_a_429_naming_the_refusing_budget() {
 fn a_ledger_that_does_not_answer_is_handled_by_its_failure_policy() {
     let failing = |on_failure: &str| Effect::Log {
         level: LogLevel::Warn,
-        message: format!("tenant-budget: the Redis ledger is failing (sluice-ledger answered HTTP 0); on_failure = {on_failure}"),
+        message: format!(
+            "tenant-budget: the Redis ledger is failing: no answer from sluice-ledger (the call timed out or was reset); on_failure = {on_failure}"
+        ),
     };
     let timed_out = [count("sluice.budget.ledger_calls_total.call.reserve.result.timeout", 1), record(RESERVE_LATENCY, 250)];
 
@@ -563,7 +570,7 @@ fn a_ledger_that_does_not_answer_is_handled_by_its_failure_policy() {
         [
             Effect::Log {
                 level: LogLevel::Warn,
-                message: "tenant-budget: the Redis ledger is failing (reserve callout not started: BadArgument); on_failure = Local".into()
+                message: "tenant-budget: the Redis ledger is failing: reserve callout not started: BadArgument; on_failure = Local".into()
             },
             gauge("sluice.budget.ledger_up", 0),
             count("sluice.budget.ledger_fallback_total.action.local", 1),
@@ -572,6 +579,74 @@ fn a_ledger_that_does_not_answer_is_handled_by_its_failure_policy() {
         ]
     );
     assert_eq!(w.counter(CODE).reserved(), 88);
+}
+
+/// Envoy's own answers to a callout it could not deliver, as Envoy 1.40 words them.
+const ENVOY_REFUSED: &[u8] = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused";
+const ENVOY_TIMEOUT: &[u8] = b"upstream request timeout";
+
+impl World {
+    fn reserve_answer_bytes(&mut self, status: u16, answer: &[u8], at: u64) -> (Verdict, Vec<Effect>) {
+        let v = self.flow.on_reserve_answer(&mut self.policy, &mut self.store, &mut self.host, status, answer, at, &mut self.fx);
+        (v, self.take())
+    }
+}
+
+#[test]
+fn a_reservation_envoy_never_sent_queues_no_release_and_the_warning_says_envoy_could_not_connect() {
+    for body in [ENVOY_REFUSED, b"no healthy upstream".as_slice(), b"upstream connect error or disconnect/reset before headers. reset reason: overflow"] {
+        let mut w = World::new(&redis("deny"));
+        reserving(&mut w);
+        let (v, fx) = w.reserve_answer_bytes(503, body, NOW + 1_000_000);
+        assert_eq!(v, Verdict::Pause);
+        let text = String::from_utf8_lossy(body);
+        let warning = format!("tenant-budget: the Redis ledger is failing: Envoy could not reach sluice-ledger ({text}); on_failure = Deny");
+        assert!(fx.contains(&Effect::Log { level: LogLevel::Warn, message: warning }), "{fx:?}");
+        assert!(fx.contains(&count(RESERVE_ERROR, 1)), "{fx:?}");
+        assert_eq!(w.policy.queued_settlements(), 0, "nothing reached Redis for {text:?}: nothing to release");
+    }
+}
+
+#[test]
+fn a_reservation_that_may_have_run_is_released_whoever_answered() {
+    // The service's own 503 (Redis timed out: the script may still run), a connection that broke
+    // after the call went out, and Envoy's timeout: each may leave a hold behind.
+    let service = json!({"error": "redis_unavailable", "message": "redis 127.0.0.1:6379: timed out"}).to_string();
+    let cases: [(u16, &[u8], &str, &str); 3] = [
+        (503, service.as_bytes(), RESERVE_ERROR, "sluice-ledger answered HTTP 503 redis_unavailable: redis 127.0.0.1:6379: timed out"),
+        (
+            503,
+            b"upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+            RESERVE_ERROR,
+            "HTTP 503: upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+        ),
+        (504, ENVOY_TIMEOUT, RESERVE_TIMEOUT, "sluice-ledger did not answer within timeout_ms (Envoy: upstream request timeout)"),
+    ];
+    for (status, body, metric, why) in cases {
+        let mut w = World::new(&redis("deny"));
+        let id = reserving(&mut w);
+        let (_, fx) = w.reserve_answer_bytes(status, body, NOW + 1_000_000);
+        let warning = format!("tenant-budget: the Redis ledger is failing: {why}; on_failure = Deny");
+        assert!(fx.contains(&Effect::Log { level: LogLevel::Warn, message: warning }), "{fx:?}");
+        assert!(fx.contains(&count(metric, 1)), "{fx:?}");
+        assert_eq!(w.policy.queued_settlements(), 1, "{why}");
+        w.policy.on_tick(&mut w.host, NOW + 2 * NS, &mut w.fx);
+        assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), json!({"id": id, "tag": "acme", "charges": [0]})));
+    }
+}
+
+#[test]
+fn a_settlement_envoy_could_not_deliver_is_retried_and_logged_as_such() {
+    let mut w = World::new(&redis("deny"));
+    w.policy.settle_queue.push_back(SettleJob { body: b"{}".to_vec(), attempts: 0, not_before_ns: NOW });
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    let token = w.host.calls.len() as u32;
+    w.policy.on_settle_answer(token, 503, ENVOY_REFUSED, NOW, &mut w.fx);
+    let fx = w.take();
+    let text = String::from_utf8_lossy(ENVOY_REFUSED);
+    let warning = format!("tenant-budget: the Redis ledger is failing: settle: Envoy could not reach sluice-ledger ({text}); on_failure = Deny");
+    assert!(fx.contains(&Effect::Log { level: LogLevel::Warn, message: warning }), "{fx:?}");
+    assert_eq!(w.policy.queued_settlements(), 1, "back in the queue");
 }
 
 #[test]
