@@ -129,3 +129,126 @@ fn orgs_on_every_primary_get_the_answers_of_one_redis() {
         by_primary.iter().map(|(p, o)| (*p, o.len())).collect::<Vec<_>>()
     );
 }
+
+/// Runs one reserve (and its settle when admitted) for `org`; `(status of the reserve, charged)`.
+fn pair(http: &mut Http, id: &str, org: &str, limit: u64, amount: u64) -> (u16, Option<u64>) {
+    let r = http.post("/v1/reserve", &reserve(id, org, &[("org", limit, amount)]).to_string());
+    if r.status != 200 || r.json()["admitted"] != json!(true) {
+        return (r.status, None);
+    }
+    let charge = amount - amount / 4;
+    loop {
+        let s = http.post("/v1/settle", &settle(id, org, &[charge]).to_string());
+        if s.status == 200 {
+            let reason = &s.json()["reason"];
+            assert!(s.json()["settled"] == json!(true) || *reason == json!("already_settled"), "{id}: {}", s.body);
+            return (200, Some(charge));
+        }
+        assert_eq!(s.status, 503, "{}", s.body);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_slot_moved_between_primaries_is_followed() {
+    let cluster = Cluster::start(1000);
+    let service = cluster_ledger(&cluster, "t", Duration::from_millis(300));
+    let org = "moving";
+    let slot = cluster.keyslot(&format!("t:{{{org}}}:holds"));
+    let src = cluster.primary_of_slot(slot);
+    let dst = cluster.shards().iter().map(|s| s.primary).find(|p| *p != src).unwrap();
+    let (src_id, dst_id) = (cluster.node(src).id(), cluster.node(dst).id());
+    let mut http = Http::new(service.addr);
+    let mut charged = 0u64;
+    for i in 0..5 {
+        charged += pair(&mut http, &format!("before{i}"), org, 1_000_000, 40).1.unwrap();
+    }
+    assert_eq!(http.ok("/v1/reserve", &reserve("open", org, &[("org", 1_000_000, 100)]))["admitted"], json!(true));
+
+    // Meanwhile, another client keeps reserving and settling for the same org.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (background, moved) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut http = Http::new(service.addr);
+            let (mut ok, mut unavailable, mut charged) = (0u64, 0u64, 0u64);
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i += 1;
+                match pair(&mut http, &format!("bg{i}"), org, 1_000_000, 8) {
+                    (200, c) => {
+                        ok += 1;
+                        charged += c.unwrap_or(0);
+                    }
+                    (503, _) => unavailable += 1,
+                    (status, _) => panic!("reserve answered {status}"),
+                }
+            }
+            (ok, unavailable, charged)
+        });
+        // A panic below must not leave the other client running (the scope would wait forever).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        // The slot's keys go one by one from src to dst (MIGRATING / IMPORTING), then dst owns it.
+        let setslot = |port: u16, state: &str, id: &str| {
+            let _: () = cluster.node(port).query(&["CLUSTER", "SETSLOT", &slot.to_string(), state, id]);
+        };
+        setslot(dst, "IMPORTING", &src_id);
+        setslot(src, "MIGRATING", &dst_id);
+        let mut keys_moved = 0;
+        loop {
+            let keys: Vec<String> = cluster.node(src).query(&["CLUSTER", "GETKEYSINSLOT", &slot.to_string(), "10"]);
+            if keys.is_empty() {
+                break;
+            }
+            for key in keys {
+                let dst_port = dst.to_string();
+                let _: redis::Value = cluster.node(src).query(&["MIGRATE", "127.0.0.1", &dst_port, &key, "0", "5000"]);
+                keys_moved += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        // Every key is on dst, the slot still MIGRATING on src: src answers ASK. Measured: the
+        // script then times out on dst (503); it is not required to pass before the slot is dst's.
+        let asked = http.post("/v1/settle", &settle("open", org, &[90]).to_string());
+        let ask_status = asked.status;
+        if ask_status == 200 {
+            assert_eq!(asked.json()["settled"], json!(true), "{}", asked.body);
+        }
+        for port in [dst, src] {
+            setslot(port, "NODE", &dst_id);
+        }
+        for port in cluster.shards().iter().map(|s| s.primary).filter(|p| *p != src && *p != dst) {
+            setslot(port, "NODE", &dst_id);
+        }
+        let took = started.elapsed();
+        // Now src answers MOVED for the slot, followed to dst; the other client kept going.
+        if ask_status != 200 {
+            let moved = http.ok("/v1/settle", &settle("open", org, &[90]));
+            assert!(moved["settled"] == json!(true) || moved["reason"] == json!("already_settled"), "{moved}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (load.join().unwrap(), (keys_moved, took, ask_status))
+    });
+    assert_eq!(cluster.primary_of_slot(slot), dst);
+    for i in 0..5 {
+        charged += pair(&mut http, &format!("after{i}"), org, 1_000_000, 40).1.unwrap();
+    }
+    let (ok, unavailable, bg_charged) = background;
+    let key = format!("t:{{{org}}}:c:org");
+    // Read from dst itself: the counter and its hold index moved there whole.
+    assert_eq!(cluster.counter(&key), Some((charged + 90 + bg_charged, 0)));
+    assert_eq!(cluster.node(src).query::<u64>(&["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()]), 0);
+    assert!(ok > 0, "the other client got nothing through");
+    println!(
+        "slot {slot} moved {src} → {dst}: {} keys in {:?}; a settle during ASK answered {}; the other client {ok} pairs answered, {unavailable} reserves 503 (while the keys were split)",
+        moved.0, moved.1, moved.2
+    );
+}
