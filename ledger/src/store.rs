@@ -456,9 +456,14 @@ fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || e.is_unrecoverable_error()
 }
 
-/// Redis answered but cannot take the call now; the same call may pass later.
+/// Redis answered but cannot take the call now; the same call may pass later. `MOVED` / `ASK`
+/// reach here only when the cluster client could not complete a redirection within the call's
+/// retries (during a fail-over a replica redirects to its primary until it is promoted itself).
 fn is_unavailable(e: &RedisError) -> bool {
-    matches!(e.code(), Some("LOADING" | "BUSY" | "OOM" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "MISCONF" | "NOREPLICAS" | "NOSCRIPT"))
+    matches!(
+        e.code(),
+        Some("LOADING" | "BUSY" | "OOM" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "MISCONF" | "NOREPLICAS" | "NOSCRIPT" | "MOVED" | "ASK")
+    )
 }
 
 /// A Redis URL without its password, for messages.

@@ -252,3 +252,186 @@ fn a_slot_moved_between_primaries_is_followed() {
         moved.0, moved.1, moved.2
     );
 }
+
+/// What one client saw.
+#[derive(Default)]
+struct Seen {
+    /// `(sent, answered, status)` of every reserve and settle, relative to the test's start.
+    calls: Vec<(Duration, Duration, u16)>,
+    /// Charges of settles answered `settled` or `already_settled`, by hold id.
+    charged: BTreeMap<String, u64>,
+    /// Admitted reserves whose settle answered `unknown`: the reserve was lost.
+    lost_reserves: Vec<(String, u64)>,
+    refused: u64,
+}
+
+fn post(http: &mut Http, seen: &mut Seen, t0: Instant, path: &str, body: &Value) -> common::Reply {
+    let sent = t0.elapsed();
+    let r = http.post(path, &body.to_string());
+    seen.calls.push((sent, t0.elapsed(), r.status));
+    assert!(r.status == 200 || r.status == 503, "{path}: {} {}", r.status, r.body);
+    r
+}
+
+/// Sends a settle until it is answered (as tenant-budget's queue does); its answer.
+fn settle_until_answered(http: &mut Http, seen: &mut Seen, t0: Instant, id: &str, org: &str, charges: &[u64]) -> Value {
+    loop {
+        let r = post(http, seen, t0, "/v1/settle", &settle(id, org, charges));
+        if r.status == 200 {
+            return r.json();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_primary_killed_under_load_fails_over_to_its_replica() {
+    const CLIENTS: usize = 8;
+    let mut cluster = Cluster::start(1000);
+    let service = cluster_ledger(&cluster, "t", Duration::from_millis(200));
+    let org = "budget";
+    let holds = format!("t:{{{org}}}:holds");
+    let victim = cluster.primary_of(&holds);
+    let shard = cluster.shards().into_iter().find(|s| s.primary == victim).unwrap();
+    let replica = shard.replicas[0];
+
+    // The cost of waiting for the replica after each write, measured on the victim: a counter
+    // increment alone, then with `WAIT 1 100` after it (one round trip each, sequential).
+    let mut conn = cluster.node(victim).conn();
+    let key = format!("t:{{{org}}}:waitprobe");
+    let timed = |conn: &mut redis::Connection, wait: bool| {
+        let started = Instant::now();
+        for _ in 0..500 {
+            let mut p = redis::pipe();
+            p.cmd("HINCRBY").arg(&key).arg("n").arg(1);
+            if wait {
+                p.cmd("WAIT").arg(1).arg(100);
+            }
+            let _: redis::Value = p.query(conn).unwrap();
+        }
+        started.elapsed() / 500
+    };
+    let (plain, waited) = (timed(&mut conn, false), timed(&mut conn, true));
+    let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+
+    // Warm-up: how much the clients charge per second, to size the budget so that it runs out
+    // after the fail-over.
+    let t0 = Instant::now();
+    let run = |seconds: f64, counter: &str, limit: u64, kill_at: Option<Duration>, cluster: &mut Cluster| -> (Vec<Seen>, Option<Duration>) {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let killed = std::sync::Mutex::new(None);
+        let seen = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..CLIENTS)
+                .map(|c| {
+                    let (stop, service) = (&stop, &service);
+                    s.spawn(move || {
+                        let mut http = Http::new(service.addr);
+                        let mut seen = Seen::default();
+                        let mut seed = c as u64 + 11;
+                        let mut i = 0;
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            i += 1;
+                            let id = format!("{counter}-{c}-{i}");
+                            let amount = 20 + next(&mut seed) % 41;
+                            let own = format!("key:{c}");
+                            let r = post(&mut http, &mut seen, t0, "/v1/reserve", &reserve(&id, org, &[(counter, limit, amount), (&own, 1 << 50, amount)]));
+                            if r.status == 503 {
+                                // Perhaps held, perhaps not: released (a settle of nothing).
+                                settle_until_answered(&mut http, &mut seen, t0, &id, org, &[0, 0]);
+                                std::thread::sleep(Duration::from_millis(5));
+                                continue;
+                            }
+                            let answer = r.json();
+                            if answer["admitted"] != json!(true) {
+                                assert_eq!(answer["refused"], json!(0), "{answer}");
+                                seen.refused += 1;
+                                std::thread::sleep(Duration::from_millis(2));
+                                continue;
+                            }
+                            let charge = amount - amount / 4;
+                            let done = settle_until_answered(&mut http, &mut seen, t0, &id, org, &[charge, charge]);
+                            if done["settled"] == json!(true) || done["reason"] == json!("already_settled") {
+                                seen.charged.insert(id, charge);
+                            } else {
+                                assert_eq!(done["reason"], json!("unknown"), "{id}: {done}");
+                                seen.lost_reserves.push((id, charge));
+                            }
+                        }
+                        seen
+                    })
+                })
+                .collect();
+            struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            let _stop = Stop(&stop);
+            let started = Instant::now();
+            if let Some(at) = kill_at {
+                std::thread::sleep(at);
+                // The replica has never loaded the scripts: the first call after the promotion
+                // gets NOSCRIPT there.
+                let _: () = cluster.node(replica).query(&["SCRIPT", "FLUSH"]);
+                assert_eq!(scripts_loaded(cluster.node(replica)), [false, false]);
+                cluster.kill(victim);
+                *killed.lock().unwrap() = Some(t0.elapsed());
+            }
+            std::thread::sleep(Duration::from_secs_f64(seconds).saturating_sub(started.elapsed()));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<Seen>>()
+        });
+        (seen, killed.into_inner().unwrap())
+    };
+    let (warm, _) = run(1.0, "warm", 1 << 50, None, &mut cluster);
+    let warm_charged: u64 = warm.iter().flat_map(|s| s.charged.values()).sum();
+    let rate = warm_charged as f64 / 1.0;
+    let limit = (rate * 2.0) as u64;
+
+    let (seen, killed) = run(9.0, "budget", limit, Some(Duration::from_millis(1000)), &mut cluster);
+    let killed = killed.unwrap();
+
+    // The replica took over its slots, and has the scripts now (loaded after NOSCRIPT).
+    let slot = cluster.keyslot(&holds);
+    assert_eq!(cluster.primary_of_slot(slot), replica, "{:?}", cluster.shards());
+    assert_eq!(scripts_loaded(cluster.node(replica)), [true, true]);
+
+    let calls: Vec<(Duration, Duration, u16)> = {
+        let mut all: Vec<_> = seen.iter().flat_map(|s| s.calls.iter().copied()).collect();
+        all.sort();
+        all
+    };
+    let unavailable: Vec<&(Duration, Duration, u16)> = calls.iter().filter(|c| c.2 == 503).collect();
+    let first_ok_after = calls.iter().find(|c| c.0 > killed && c.2 == 200).map(|c| c.1).expect("no call succeeded after the kill");
+    let last_503 = unavailable.last().map(|c| c.1).unwrap_or(killed);
+    let window = first_ok_after.saturating_sub(killed);
+    assert!(calls.iter().filter(|c| c.0 > last_503 && c.2 == 200).count() > 10, "calls did not succeed again after the fail-over");
+
+    // Budget exactness: what the clients were told was charged, against the counter on the new
+    // primary. A settle the old primary acknowledged but never replicated comes back as an open
+    // hold; a reserve it acknowledged but never replicated answers `unknown` at its settle.
+    let charged: BTreeMap<&String, u64> = seen.iter().flat_map(|s| s.charged.iter().map(|(k, v)| (k, *v))).collect();
+    let client_total: u64 = charged.values().sum();
+    let lost_reserves: Vec<&(String, u64)> = seen.iter().flat_map(|s| s.lost_reserves.iter()).collect();
+    let open: Vec<String> = cluster.query_key(&holds, &["ZRANGE", &holds, "0", "-1"]);
+    let lost_settles: u64 = open.iter().filter_map(|id| charged.get(id)).sum();
+    let (used, reserved) = cluster.counter(&format!("t:{{{org}}}:c:budget")).unwrap();
+    let refused: u64 = seen.iter().map(|s| s.refused).sum();
+    println!(
+        "fail-over: primary {victim} killed at {killed:?}; replica {replica} answering {window:?} later (503s from {:?} to {:?}, {} calls answered 503); \
+         {} settled pairs, {refused} refused; budget limit {limit}: used {used}, reserved {reserved}, Σ charged by clients {client_total}; \
+         lost: {} reserves ({} charged units), {} settles ({lost_settles} units); WAIT 1 per write: {plain:?} → {waited:?} per call",
+        unavailable.first().map(|c| c.1.saturating_sub(killed)),
+        last_503.saturating_sub(killed),
+        unavailable.len(),
+        charged.len(),
+        lost_reserves.len(),
+        lost_reserves.iter().map(|r| r.1).sum::<u64>(),
+        open.len(),
+    );
+    assert!(used + reserved <= limit, "used {used} + reserved {reserved} above the limit {limit}");
+    assert!(refused > 0, "the budget was never exhausted: the limit {limit} was not reached");
+    assert_eq!(used + lost_settles, client_total, "the counter against what the clients were told");
+    assert!(window < Duration::from_secs(10), "{window:?}");
+}

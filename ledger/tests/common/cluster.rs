@@ -137,8 +137,8 @@ impl Cluster {
         cluster
     }
 
-    /// Until every live node says `cluster_state:ok` and sees three shards each with a primary and
-    /// (while both live) its replica in sync.
+    /// Until every live node says `cluster_state:ok` and the slot map shows three shards, each with
+    /// a primary and a replica in sync.
     pub fn wait_healthy(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
@@ -147,7 +147,8 @@ impl Cluster {
             if let Some(shards) = shards {
                 let synced = shards.len() == 3
                     && shards.iter().all(|s| {
-                        s.replicas.iter().all(|r| self.node(*r).info_field("replication", "master_link_status").as_deref() == Some("up"))
+                        !s.replicas.is_empty()
+                            && s.replicas.iter().all(|r| self.node(*r).info_field("replication", "master_link_status").as_deref() == Some("up"))
                     });
                 if synced {
                     return;
