@@ -76,6 +76,9 @@ impl Config {
                     if seeds.iter().any(|s| s.is_empty()) {
                         return Err(format!("--redis-cluster {:?}: comma-separated redis:// URLs of seed nodes, none empty", store::redact(&value)));
                     }
+                    for seed in &seeds {
+                        store::seed_node(seed)?;
+                    }
                     config.redis = store::RedisTarget::Cluster(seeds);
                 }
                 "--prefix" => {
@@ -208,5 +211,11 @@ mod tests {
             assert!(e.starts_with("--redis and --redis-cluster exclude each other"), "{bad:?}: {e}");
         }
         assert!(parse(&["--redis-cluster", "redis://a:1,,redis://b:2"]).is_err_and(|e| e.contains("none empty")));
+        assert!(
+            parse(&["--redis-cluster", "redis://a:1/2"]).is_err_and(|e| e.contains("only database 0")),
+            "{:?}",
+            parse(&["--redis-cluster", "redis://a:1/2"])
+        );
+        assert!(parse(&["--redis-cluster", "http://a:1"]).is_err_and(|e| e.starts_with("--redis-cluster \"http://a:1\"")));
     }
 }

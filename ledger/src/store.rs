@@ -428,14 +428,7 @@ impl Reply {
 /// few milliseconds apart so that they fit in it, and the whole call — redirections and slot-map
 /// refreshes included — within `timeout` too.
 fn cluster_client(seeds: &[String], timeout: Duration) -> Result<ClusterClient, String> {
-    let mut nodes = Vec::with_capacity(seeds.len());
-    for seed in seeds {
-        let info = seed.as_str().into_connection_info().map_err(|e| format!("--redis-cluster {:?}: {e}", redact(seed)))?;
-        if info.redis_settings().db() != 0 {
-            return Err(format!("--redis-cluster {:?}: a Redis Cluster has only database 0", redact(seed)));
-        }
-        nodes.push(info);
-    }
+    let nodes = seeds.iter().map(|s| seed_node(s)).collect::<Result<Vec<_>, String>>()?;
     ClusterClientBuilder::new(nodes)
         .connection_timeout(timeout)
         .response_timeout(timeout)
@@ -446,6 +439,16 @@ fn cluster_client(seeds: &[String], timeout: Duration) -> Result<ClusterClient, 
         .retry_wait_formula(5, 2)
         .build()
         .map_err(|e| format!("--redis-cluster: {e}"))
+}
+
+/// One seed node of `--redis-cluster`: a `redis://` URL whose database, if any, is 0 (the only one
+/// a Redis Cluster has).
+pub fn seed_node(seed: &str) -> Result<redis::ConnectionInfo, String> {
+    let info = seed.into_connection_info().map_err(|e| format!("--redis-cluster {:?}: {e}", redact(seed)))?;
+    if info.redis_settings().db() != 0 {
+        return Err(format!("--redis-cluster {:?}: a Redis Cluster has only database 0", redact(seed)));
+    }
+    Ok(info)
 }
 
 /// Retries of one call by the cluster client (each a few ms apart, all within the call's timeout).

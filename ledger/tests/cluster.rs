@@ -9,7 +9,7 @@ mod common;
 use common::cluster::Cluster;
 use common::{cluster_ledger, ledger, metric, Http, Redis};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 const FAR: u64 = 4_000_000_000; // expire_at_s far ahead (2096)
@@ -77,15 +77,15 @@ fn orgs_on_every_primary_get_the_answers_of_one_redis() {
             let answer = same("/v1/reserve", reserve(&id, org, &[("org", 300, amount), (&key, 150, amount)]));
             calls += 1;
             if answer["admitted"] == json!(true) {
-                if next(&mut seed) % 3 == 0 {
+                if next(&mut seed).is_multiple_of(3) {
                     assert_eq!(same("/v1/reserve", reserve(&id, org, &[("org", 300, amount), (&key, 150, amount)]))["replayed"], json!(true));
                 }
                 let charge = amount - next(&mut seed) % 10;
-                if next(&mut seed) % 5 == 0 {
+                if next(&mut seed).is_multiple_of(5) {
                     same("/v1/settle", settle(&id, org, &[charge])); // 400 charges_mismatch
                 }
                 assert_eq!(same("/v1/settle", settle(&id, org, &[charge, charge]))["settled"], json!(true));
-                if next(&mut seed) % 4 == 0 {
+                if next(&mut seed).is_multiple_of(4) {
                     assert_eq!(same("/v1/settle", settle(&id, org, &[charge, charge]))["reason"], json!("already_settled"));
                 }
                 calls += 2;
@@ -118,7 +118,10 @@ fn orgs_on_every_primary_get_the_answers_of_one_redis() {
         assert_eq!(scripts_loaded(cluster.node(*primary)), [true, true], "primary {primary}");
     }
     let (mc, ms) = (c.get("/metrics").body, s.get("/metrics").body);
-    for line in ms.lines().filter(|l| l.starts_with("sluice_ledger_requests_total{endpoint=\"reserve\"") || l.starts_with("sluice_ledger_requests_total{endpoint=\"settle\"")) {
+    for line in ms
+        .lines()
+        .filter(|l| l.starts_with("sluice_ledger_requests_total{endpoint=\"reserve\"") || l.starts_with("sluice_ledger_requests_total{endpoint=\"settle\""))
+    {
         let series = line.rsplit_once(' ').unwrap().0;
         assert_eq!(metric(&mc, series), metric(&ms, series), "{series}");
     }
@@ -434,4 +437,51 @@ fn a_primary_killed_under_load_fails_over_to_its_replica() {
     assert!(refused > 0, "the budget was never exhausted: the limit {limit} was not reached");
     assert_eq!(used + lost_settles, client_total, "the counter against what the clients were told");
     assert!(window < Duration::from_secs(10), "{window:?}");
+}
+
+/// The built binary with `--redis-cluster`, and the flags it refuses.
+#[test]
+fn the_binary_serves_a_cluster_and_refuses_both_targets() {
+    let cluster = Cluster::start(1000);
+    let port = common::free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice-ledger"))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--redis-cluster", &cluster.seeds()[..2].join(","), "--prefix", "p"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "sluice-ledger exited");
+        assert!(Instant::now() < deadline, "sluice-ledger did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _guard = Kill(child);
+    let mut http = Http::new(format!("127.0.0.1:{port}").parse().unwrap());
+    assert_eq!(http.get("/healthz").status, 200);
+    // Two seeds are enough to reach every primary: one org per shard.
+    let orgs: Vec<String> = (0..30).map(|i| format!("o{i}")).collect();
+    let mut primaries = BTreeMap::new();
+    for org in &orgs {
+        primaries.entry(cluster.primary_of(&format!("p:{{{org}}}:holds"))).or_insert(org);
+    }
+    assert_eq!(primaries.len(), 3);
+    for org in primaries.values() {
+        assert_eq!(http.ok("/v1/reserve", &reserve("r", org, &[("k", 10, 4)]))["admitted"], json!(true));
+        assert_eq!(cluster.counter(&format!("p:{{{org}}}:c:k")), Some((0, 4)));
+    }
+    for (args, message) in [
+        (&["--redis", "redis://127.0.0.1:1/", "--redis-cluster", "redis://127.0.0.1:2"][..], "--redis and --redis-cluster exclude each other"),
+        (&["--redis-cluster", "redis://127.0.0.1:2/3"], "only database 0"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice-ledger")).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(message), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
 }
