@@ -5,7 +5,11 @@
 //! ```sh
 //! cargo bench -p sluice-ledger --bench throughput                      # 1, 8 and 32 clients, 3 s each
 //! cargo bench -p sluice-ledger --bench throughput -- --clients 16 --seconds 5
+//! cargo bench -p sluice-ledger --bench throughput -- --cluster         # a local 3+3 Redis Cluster
 //! ```
+//!
+//! With `--cluster` the service runs with `--redis-cluster` in front of a local Redis Cluster (three
+//! primaries, three replicas); every pair is for the same org, so one primary serves it all.
 //!
 //! Everything (clients, service, Redis) shares the machine's cores, so the figures are a floor for
 //! the service itself; the summary says how many cores there were.
@@ -96,10 +100,19 @@ fn main() {
     };
     let seconds: f64 = value("--seconds").and_then(|s| s.parse().ok()).unwrap_or(3.0);
 
-    let redis = common::Redis::start();
-    let service = common::ledger_with_timeout(&redis, "sluice", Duration::from_millis(1000));
+    let cluster_mode = args.iter().any(|a| a == "--cluster");
+    let (_redis, _cluster, service) = if cluster_mode {
+        let cluster = common::cluster::Cluster::start(1000);
+        let service = common::cluster_ledger(&cluster, "sluice", Duration::from_millis(1000));
+        (None, Some(cluster), service)
+    } else {
+        let redis = common::Redis::start();
+        let service = common::ledger_with_timeout(&redis, "sluice", Duration::from_millis(1000));
+        (Some(redis), None, service)
+    };
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    println!("sluice-ledger bench: one service thread, local redis-server, {cores} cores shared by clients, service and Redis");
+    let store = if cluster_mode { "a local Redis Cluster (3 primaries + 3 replicas)" } else { "local redis-server" };
+    println!("sluice-ledger bench: one service thread, {store}, {cores} cores shared by clients, service and Redis");
     for n in clients {
         run(service.addr, n.max(1), seconds);
     }
