@@ -309,9 +309,19 @@ impl Store {
         }
     }
 
-    /// `PING`.
+    /// One primary: `PING`. A cluster: `CLUSTER INFO` of one node, which must say
+    /// `cluster_state:ok` (every slot served by a reachable primary, as the cluster sees it).
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.call(|mut conn| async move { redis::cmd("PING").query_async::<String>(&mut conn).await.map(|_| ()) }).await
+        if !self.cluster() {
+            return self.call(|mut conn| async move { redis::cmd("PING").query_async::<String>(&mut conn).await.map(|_| ()) }).await;
+        }
+        let info = self.call(|mut conn| async move { redis::cmd("CLUSTER").arg("INFO").query_async::<String>(&mut conn).await }).await?;
+        let state = info.lines().find_map(|l| l.strip_prefix("cluster_state:")).map(str::trim).unwrap_or("missing");
+        if state == "ok" {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable(format!("redis {}: cluster_state:{state}", self.address)))
+        }
     }
 
     pub async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {

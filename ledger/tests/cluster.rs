@@ -299,6 +299,9 @@ fn settle_until_answered(http: &mut Http, seen: &mut Seen, t0: Instant, id: &str
     }
 }
 
+/// What the clients saw, when the primary was killed, and when `/healthz` went 503 and 200 again.
+type Run = (Vec<Seen>, Option<Duration>, (Option<Duration>, Option<Duration>));
+
 #[test]
 fn a_primary_killed_under_load_fails_over_to_its_replica() {
     const CLIENTS: usize = 8;
@@ -332,9 +335,10 @@ fn a_primary_killed_under_load_fails_over_to_its_replica() {
     // Warm-up: how much the clients charge per second, to size the budget so that it runs out
     // after the fail-over.
     let t0 = Instant::now();
-    let run = |seconds: f64, counter: &str, limit: u64, kill_at: Option<Duration>, cluster: &mut Cluster| -> (Vec<Seen>, Option<Duration>) {
+    let run = |seconds: f64, counter: &str, limit: u64, kill_at: Option<Duration>, cluster: &mut Cluster| -> Run {
         let stop = std::sync::atomic::AtomicBool::new(false);
         let killed = std::sync::Mutex::new(None);
+        let health = std::sync::Mutex::new((None, None));
         let seen = std::thread::scope(|s| {
             let handles: Vec<_> = (0..CLIENTS)
                 .map(|c| {
@@ -392,20 +396,34 @@ fn a_primary_killed_under_load_fails_over_to_its_replica() {
                 assert_eq!(scripts_loaded(cluster.node(replica)), [false, false]);
                 cluster.kill(victim);
                 *killed.lock().unwrap() = Some(t0.elapsed());
+                // /healthz pings every primary: 503 while the shard has none, 200 again after.
+                let mut probe = Http::new(service.addr);
+                let deadline = Instant::now() + Duration::from_secs(8);
+                let (mut down, mut up) = (None, None);
+                while up.is_none() && Instant::now() < deadline {
+                    match (probe.get("/healthz").status, down) {
+                        (503, None) => down = Some(t0.elapsed()),
+                        (200, Some(_)) => up = Some(t0.elapsed()),
+                        _ => {}
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                *health.lock().unwrap() = (down, up);
             }
             std::thread::sleep(Duration::from_secs_f64(seconds).saturating_sub(started.elapsed()));
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<Seen>>()
         });
-        (seen, killed.into_inner().unwrap())
+        (seen, killed.into_inner().unwrap(), health.into_inner().unwrap())
     };
-    let (warm, _) = run(1.0, "warm", 1 << 50, None, &mut cluster);
+    let (warm, _, _) = run(1.0, "warm", 1 << 50, None, &mut cluster);
     let warm_charged: u64 = warm.iter().flat_map(|s| s.charged.values()).sum();
     let rate = warm_charged as f64 / 1.0;
     let limit = (rate * 2.0) as u64;
 
-    let (seen, killed) = run(9.0, "budget", limit, Some(Duration::from_millis(1000)), &mut cluster);
+    let (seen, killed, (health_down, health_up)) = run(9.0, "budget", limit, Some(Duration::from_millis(1000)), &mut cluster);
     let killed = killed.unwrap();
+    let (health_down, health_up) = (health_down.expect("/healthz never answered 503"), health_up.expect("/healthz never answered 200 again"));
 
     // The replica took over its slots, and has the scripts now (loaded after NOSCRIPT).
     let slot = cluster.keyslot(&holds);
@@ -434,12 +452,14 @@ fn a_primary_killed_under_load_fails_over_to_its_replica() {
     let (used, reserved) = cluster.counter(&format!("t:{{{org}}}:c:budget")).unwrap();
     let refused: u64 = seen.iter().map(|s| s.refused).sum();
     println!(
-        "fail-over: primary {victim} killed at {killed:?}; replica {replica} answering {window:?} later (503s from {:?} to {:?}, {} calls answered 503); \
+        "fail-over: primary {victim} killed at {killed:?}; replica {replica} answering {window:?} later (503s from {:?} to {:?}, {} calls answered 503; /healthz 503 from {:?} to {:?}); \
          {} settled pairs, {refused} refused; budget limit {limit}: used {used}, reserved {reserved}, Σ charged by clients {client_total}; \
          lost: {} reserves ({} charged units), {} settles ({lost_settles} units); WAIT 1 per write: {plain:?} → {waited:?} per call",
         unavailable.first().map(|c| c.1.saturating_sub(killed)),
         last_503.saturating_sub(killed),
         unavailable.len(),
+        health_down.saturating_sub(killed),
+        health_up.saturating_sub(killed),
         charged.len(),
         lost_reserves.len(),
         lost_reserves.iter().map(|r| r.1).sum::<u64>(),
