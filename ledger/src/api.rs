@@ -268,6 +268,8 @@ mod tests {
             (&GOOD.replace("1234", "-1"), "malformed_json"),
             (&GOOD.replace("1234", "1.5"), "malformed_json"),
             (&GOOD.replace("1234", "18446744073709551616"), "malformed_json"),
+            (&GOOD.replace("1234", "1e3"), "malformed_json"),
+            (&GOOD.replace("1234", "1e300"), "malformed_json"),
             (&GOOD.replace("\"hold_ttl_s\"", "\"extra\":1,\"hold_ttl_s\""), "malformed_json"),
             (&GOOD.replace("1234", "9007199254740993"), "invalid_field"),
             (&GOOD.replace("5000", "9007199254740993"), "invalid_field"),

@@ -923,7 +923,11 @@ fn up_fleet(root: &Path, children: &mut Children) -> Result<()> {
             [("LISTEN_PORT", listen_text.as_str()), ("ADMIN_PORT", admin_text.as_str()), ("ACCESS_LOG", access_log.as_str()), ("WASM_DIR", wasm_dir.as_str())];
         let config_path = run_dir.join(format!("envoy-{listen}.yaml"));
         std::fs::write(&config_path, gateway.render_with(root, &vars, &[])?)?;
-        children.spawn(&format!("the Envoy on :{listen}"), &mut demo_envoy(root, &config_path, 28 + n))?;
+        // Each Envoy its own node id: tenant-budget's hold ids start with its hash, so a hold in
+        // Redis names the Envoy that made it.
+        let mut envoy = demo_envoy(root, &config_path, 28 + n);
+        envoy.args(["--service-node", &format!("envoy-{listen}")]);
+        children.spawn(&format!("the Envoy on :{listen}"), &mut envoy)?;
         logs.push(access_log);
     }
     for port in [LISTEN_PORT, LISTEN_PORT + 1] {
