@@ -94,6 +94,9 @@ pub const FAMILIES: &[Family] = &[
     family("sluice.gateway_replies_total", Counter, &["model_version", "tenant", "api", "ctx", "turn", "stream", "reason"], "requests", LlmMetrics),
     family("sluice.in_flight", Gauge, &["model_version"], "requests", LlmMetrics),
     family("sluice.request_body_uninspected_total", Counter, &["reason"], "requests", LlmMetrics),
+    family("sluice.quality.repetition_per_mille", Histogram, &["model_version"], "per_mille", LlmMetrics),
+    family("sluice.quality.output_tokens", Histogram, &["model_version", "finish"], "tokens", LlmMetrics),
+    family("sluice.quality.degenerate_answers_total", Counter, &["model_version", "reason"], "requests", LlmMetrics),
     // tenant-budget
     family("sluice.budget.remaining", Gauge, &["org|team|key", "window", "unit"], "budget_unit", TenantBudget),
     family("sluice.budget.charged_tokens_total", Counter, &["key", "team", "org", "model_version"], "tokens", TenantBudget),
@@ -239,6 +242,40 @@ pub fn upstream_errors_total(s: &RequestSeries) -> String {
 /// `sluice.gateway_replies_total{six,reason}`: `reason` is `refused` or `deadline`.
 pub fn gateway_replies_total(s: &RequestSeries, end: GatewayEnd) -> String {
     crate::text::join(&["sluice.gateway_replies_total", &s.0, ".reason.", end.as_str()])
+}
+
+/// Why an answer counts as degenerate in `sluice.quality.degenerate_answers_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Degenerate {
+    /// A completed 2xx answer with no content at all.
+    Empty,
+    /// A completed 2xx answer cut at its token limit (`length`, `max_tokens`, `max_output_tokens`).
+    Truncated,
+}
+
+impl Degenerate {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Degenerate::Empty => "empty",
+            Degenerate::Truncated => "truncated",
+        }
+    }
+}
+
+/// `sluice.quality.repetition_per_mille{model_version}` (histogram, ‰ of repeated word trigrams).
+pub fn quality_repetition_per_mille(model_version: &str) -> String {
+    crate::text::join(&["sluice.quality.repetition_per_mille.model_version.", model_version])
+}
+
+/// `sluice.quality.output_tokens{model_version,finish}` (histogram, tokens); `finish` from
+/// [`crate::report::finish_label`].
+pub fn quality_output_tokens(model_version: &str, finish: &str) -> String {
+    crate::text::join(&["sluice.quality.output_tokens.model_version.", model_version, ".finish.", finish])
+}
+
+/// `sluice.quality.degenerate_answers_total{model_version,reason}`.
+pub fn quality_degenerate_answers_total(model_version: &str, why: Degenerate) -> String {
+    crate::text::join(&["sluice.quality.degenerate_answers_total.model_version.", model_version, ".reason.", why.as_str()])
 }
 
 /// `sluice.in_flight{model_version}` (gauge); `model_version` from the plugin's [`crate::report::LabelBound`].

@@ -184,6 +184,9 @@ pub const KNOWN_FINISH_REASONS: &[&str] = &[
     "max_output_tokens",
 ];
 
+/// Finish reasons that mean the answer hit its token limit (OpenAI, Anthropic, Responses).
+pub const TRUNCATED_FINISH: &[&str] = &["length", "max_tokens", "max_output_tokens"];
+
 /// The `finish` label of a finish reason: a documented reason, `none`, or `other`.
 pub fn finish_label(reason: Option<&str>) -> &'static str {
     match reason {
@@ -315,7 +318,27 @@ impl RequestRecord {
             Outcome::Refused => push(MetricKind::Counter, metrics::gateway_replies_total(&series, crate::contract::GatewayEnd::Refused), 1),
             Outcome::Deadline => push(MetricKind::Counter, metrics::gateway_replies_total(&series, crate::contract::GatewayEnd::Deadline), 1),
         }
+        if self.judges_quality() {
+            let version = &self.labels.model_version;
+            let finish = finish_label(self.response.finish_reason.as_deref());
+            push(MetricKind::Histogram, metrics::quality_output_tokens(version, finish), output);
+            if let Some(r) = self.response.repetition {
+                push(MetricKind::Histogram, metrics::quality_repetition_per_mille(version), r.per_mille);
+            }
+            if self.response.content_chunks == 0 {
+                push(MetricKind::Counter, metrics::quality_degenerate_answers_total(version, metrics::Degenerate::Empty), 1);
+            }
+            if TRUNCATED_FINISH.contains(&finish) {
+                push(MetricKind::Counter, metrics::quality_degenerate_answers_total(version, metrics::Degenerate::Truncated), 1);
+            }
+        }
         out
+    }
+
+    /// Whether the answer is the model's whole answer, so that what it wrote can be judged: a 2xx
+    /// that completed. Refusals, deadlines, upstream errors and streams the client left are not.
+    pub fn judges_quality(&self) -> bool {
+        (200..300).contains(&self.status) && self.outcome == Outcome::Completed
     }
 
     /// The access-log stamp: one JSON object, stable field names (see docs/access-log.md).
@@ -354,6 +377,7 @@ impl RequestRecord {
         json_opt_u64(&mut s, ",\"cost_micro_usd\":", self.cost_micro_usd);
         json_opt_str(&mut s, ",\"finish_reason\":", self.response.finish_reason.as_deref());
         json_opt_str(&mut s, ",\"upstream_error\":", self.response.upstream_error.as_deref());
+        json_opt_u64(&mut s, ",\"repetition_per_mille\":", self.response.repetition.map(|r| r.per_mille));
         s.push('}');
         s
     }

@@ -13,6 +13,7 @@
 
 use crate::api::ApiKind;
 use crate::json::{chars, error_message, json_chars, nonempty_str_at, str_at, truncate_utf8};
+use crate::quality::{Repetition, RepetitionFigure};
 use crate::sse::{SseEvent, SseFramer, DEFAULT_MAX_EVENT_BYTES};
 use crate::usage::{AnthropicUsage, Usage};
 use serde_json::Value;
@@ -50,6 +51,9 @@ pub struct ResponseSummary {
     /// The terminal event was seen: `[DONE]`, `message_stop`, `response.completed` / `.failed` /
     /// `.incomplete`, or a complete non-error JSON body.
     pub done: bool,
+    /// How much of the visible answer repeats itself ([`crate::quality`]); `None` for an answer
+    /// too short to say, and for tool calls and reasoning, which are not read for it.
+    pub repetition: Option<RepetitionFigure>,
 }
 
 /// What one [`StreamObserver::push`] (or `finish`) saw in its chunk.
@@ -96,6 +100,8 @@ struct State {
     anthropic_usage: AnthropicUsage,
     anthropic_output_reported: bool,
     json_overflowed: u64,
+    /// The visible answer's text (content, completions text, output text, Anthropic text), as read.
+    repetition: Repetition,
 }
 
 impl StreamObserver {
@@ -117,6 +123,7 @@ impl StreamObserver {
                 anthropic_usage: AnthropicUsage::default(),
                 anthropic_output_reported: false,
                 json_overflowed: 0,
+                repetition: Repetition::default(),
             },
         }
     }
@@ -174,6 +181,7 @@ impl StreamObserver {
             }
             _ => framer.finish_borrowed(&mut |ev| state.on_event(ev, &mut out)),
         }
+        state.repetition.finish();
         out
     }
 
@@ -181,6 +189,7 @@ impl StreamObserver {
     pub fn summary(&self) -> ResponseSummary {
         let st = &self.state;
         let mut s = st.summary.clone();
+        s.repetition = st.repetition.figure();
         s.overflowed_events = self.framer.overflowed_events().saturating_add(st.json_overflowed);
         if let Some(u) = st.openai_usage {
             s.usage = u;
@@ -237,6 +246,7 @@ pub fn inspect_response_body(kind: ApiKind, body: &[u8]) -> ResponseSummary {
         Ok(v) if v.is_object() => obs.state.on_body(&v, &mut out),
         _ => obs.state.summary.malformed_events = 1,
     }
+    obs.state.repetition.finish();
     obs.summary()
 }
 
@@ -264,6 +274,27 @@ fn content_chars(v: &Value) -> u64 {
             })
             .fold(0u64, u64::saturating_add),
         _ => 0,
+    }
+}
+
+/// Feeds the visible text of a `content` value (a string, or an array of text parts: OpenAI's
+/// `text`, the Responses API's `output_text`) to the repetition measure. Parts are separate words.
+fn feed_content(repetition: &mut Repetition, v: &Value) {
+    match v {
+        Value::String(s) => repetition.push_text(s),
+        Value::Array(parts) => {
+            for p in parts {
+                let text = match p {
+                    Value::String(s) => Some(s.as_str()),
+                    _ => str_at(p, "text"),
+                };
+                if let Some(t) = text {
+                    repetition.push_text(t);
+                    repetition.push_text(" ");
+                }
+            }
+        }
+        _ => {}
     }
 }
 
@@ -345,6 +376,9 @@ impl State {
         if chunk.has_content {
             self.content(chunk.content_chars, out);
         }
+        if let Some(text) = chunk.visible_text {
+            text.feed(&mut self.repetition);
+        }
         if let Some(u) = chunk.usage.and_then(|raw| serde_json::from_slice::<Value>(raw).ok()).as_ref().and_then(Usage::from_openai) {
             self.openai_usage = Some(u);
             out.usage_seen = true;
@@ -363,6 +397,9 @@ impl State {
             Some("content_block_delta") => {
                 if let Some(t) = ev.delta_text.filter(|t| !t.is_empty()) {
                     self.content(t.chars(), out);
+                    if ev.delta_is_text {
+                        t.feed(&mut self.repetition);
+                    }
                 }
                 true
             }
@@ -421,6 +458,9 @@ impl State {
                     has_content |= c > 0;
                     n = n.saturating_add(c);
                 }
+                if let Some(content) = delta.get("content") {
+                    feed_content(&mut self.repetition, content);
+                }
                 for key in ["tool_calls", "function_call"] {
                     let calls = delta.get(key);
                     let nonempty = match calls {
@@ -437,6 +477,7 @@ impl State {
             if let Some(t) = nonempty_str_at(choice, "text") {
                 has_content = true;
                 n = n.saturating_add(chars(t));
+                self.repetition.push_text(t);
             }
             if let Some(r) = nonempty_str_at(choice, "finish_reason") {
                 set_string(&mut self.summary.finish_reason, r);
@@ -452,6 +493,9 @@ impl State {
         if RESPONSES_CONTENT_DELTAS.contains(&ty) {
             if let Some(d) = nonempty_str_at(v, "delta") {
                 self.content(chars(d), out);
+                if ty == "response.output_text.delta" {
+                    self.repetition.push_text(d);
+                }
             }
             return;
         }
@@ -501,6 +545,7 @@ impl State {
                 let text = v.get("content_block").and_then(|b| nonempty_str_at(b, "text"));
                 if let Some(t) = text {
                     self.content(chars(t), out);
+                    self.repetition.push_text(t);
                 }
             }
             "content_block_delta" => {
@@ -513,6 +558,9 @@ impl State {
                 };
                 if let Some(t) = nonempty_str_at(delta, key) {
                     self.content(chars(t), out);
+                    if key == "text" {
+                        self.repetition.push_text(t);
+                    }
                 }
             }
             "message_delta" => {
@@ -554,6 +602,9 @@ impl State {
                         for key in ["content", "reasoning_content", "reasoning", "refusal"] {
                             add(m.get(key).map_or(0, content_chars));
                         }
+                        if let Some(content) = m.get("content") {
+                            feed_content(&mut self.repetition, content);
+                        }
                         for key in ["tool_calls", "function_call"] {
                             if let Some(calls) = m.get(key) {
                                 let c = tool_call_chars(calls);
@@ -563,6 +614,7 @@ impl State {
                     }
                     if let Some(t) = str_at(choice, "text") {
                         add(chars(t));
+                        self.repetition.push_text(t);
                     }
                     if let Some(r) = nonempty_str_at(choice, "finish_reason") {
                         set_string(&mut self.summary.finish_reason, r);
@@ -575,6 +627,11 @@ impl State {
                     for key in ["content", "summary"] {
                         add(item.get(key).map_or(0, content_chars));
                     }
+                    if str_at(item, "type") == Some("message") {
+                        if let Some(content) = item.get("content") {
+                            feed_content(&mut self.repetition, content);
+                        }
+                    }
                     for key in ["name", "arguments", "input"] {
                         add(str_at(item, key).map_or(0, chars));
                     }
@@ -585,7 +642,12 @@ impl State {
                 self.set_model(v);
                 for block in v.get("content").and_then(Value::as_array).into_iter().flatten() {
                     match str_at(block, "type") {
-                        Some("text") => add(str_at(block, "text").map_or(0, chars)),
+                        Some("text") => {
+                            let text = str_at(block, "text").unwrap_or_default();
+                            add(chars(text));
+                            self.repetition.push_text(text);
+                            self.repetition.push_text(" ");
+                        }
                         Some("thinking") => add(str_at(block, "thinking").map_or(0, chars)),
                         Some("tool_use") => {
                             add(str_at(block, "name").map_or(0, chars));
@@ -635,12 +697,14 @@ mod fast {
         pub finish_reason: Option<RawStr<'a>>,
         pub has_content: bool,
         pub content_chars: u64,
+        /// The first choice's visible text: `delta.content` or `text` (not reasoning, refusal or tool calls).
+        pub visible_text: Option<RawStr<'a>>,
         /// The raw `usage` value, when not null.
         pub usage: Option<&'a [u8]>,
     }
 
     pub(super) fn openai_chunk(data: &str) -> Option<OpenAiChunk<'_>> {
-        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, usage: None };
+        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, visible_text: None, usage: None };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;
         sc.object(|sc, key| {
@@ -684,6 +748,7 @@ mod fast {
                 if let Some(t) = sc.opt_string().ok()?.filter(|t| !t.is_empty()) {
                     chunk.has_content = true;
                     chunk.content_chars = chunk.content_chars.saturating_add(t.chars());
+                    chunk.visible_text.get_or_insert(t);
                 }
             } else if key.is("finish_reason") {
                 first_time(&mut seen, 4)?;
@@ -707,6 +772,9 @@ mod fast {
                     let c = t.chars();
                     chunk.has_content |= c > 0;
                     chunk.content_chars = chunk.content_chars.saturating_add(c);
+                    if bit == 0 && c > 0 {
+                        chunk.visible_text.get_or_insert(t);
+                    }
                 }
             } else if key.is("tool_calls") || key.is("function_call") {
                 first_time(&mut seen, if key.is("tool_calls") { 16 } else { 32 })?;
@@ -736,10 +804,12 @@ mod fast {
         /// `delta.text` / `.partial_json` / `.thinking` for a `text_delta` / `input_json_delta` /
         /// `thinking_delta`; `None` for any other delta.
         pub delta_text: Option<RawStr<'a>>,
+        /// The delta is a `text_delta` (visible text, read for repetition).
+        pub delta_is_text: bool,
     }
 
     pub(super) fn anthropic_event(data: &str) -> Option<AnthropicEvent<'_>> {
-        let mut ev = AnthropicEvent { ty: None, delta_text: None };
+        let mut ev = AnthropicEvent { ty: None, delta_text: None, delta_is_text: false };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;
         sc.object(|sc, key| {
@@ -749,7 +819,7 @@ mod fast {
             } else if key.is("delta") {
                 first_time(&mut seen, 2)?;
                 if !sc.null() {
-                    ev.delta_text = anthropic_delta(sc)?;
+                    (ev.delta_text, ev.delta_is_text) = anthropic_delta(sc)?;
                 }
             } else if key.is("error") {
                 first_time(&mut seen, 4)?;
@@ -766,7 +836,7 @@ mod fast {
         sc.at_end().then_some(ev)
     }
 
-    fn anthropic_delta<'a>(sc: &mut Scanner<'a>) -> Option<Option<RawStr<'a>>> {
+    fn anthropic_delta<'a>(sc: &mut Scanner<'a>) -> Option<(Option<RawStr<'a>>, bool)> {
         let mut seen = 0u32;
         let mut ty = None;
         let mut texts: [Option<RawStr<'a>>; 3] = [None, None, None];
@@ -790,9 +860,9 @@ mod fast {
             Some("text_delta") => 0,
             Some("input_json_delta") => 1,
             Some("thinking_delta") => 2,
-            _ => return Some(None),
+            _ => return Some((None, false)),
         };
-        Some(texts.get(at).copied().flatten())
+        Some((texts.get(at).copied().flatten(), at == 0))
     }
 }
 

@@ -38,6 +38,15 @@ impl<'a> RawStr<'a> {
         n
     }
 
+    /// Hands the string to the repetition measure, decoding escapes only if it has any.
+    pub(crate) fn feed(&self, repetition: &mut crate::quality::Repetition) {
+        if self.escaped {
+            repetition.push_json_escaped(self.inner);
+        } else {
+            repetition.push_bytes(self.inner);
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.inner.is_empty()
     }

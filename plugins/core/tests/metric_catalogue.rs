@@ -211,6 +211,30 @@ fn cases() -> Vec<Case> {
         ),
         case("sluice.in_flight", m::in_flight("v2"), "sluice.in_flight.model_version.v2", &[("model_version", "v2")]),
         case(
+            "sluice.quality.repetition_per_mille",
+            m::quality_repetition_per_mille("v2"),
+            "sluice.quality.repetition_per_mille.model_version.v2",
+            &[("model_version", "v2")],
+        ),
+        case(
+            "sluice.quality.output_tokens",
+            m::quality_output_tokens("v2", "length"),
+            "sluice.quality.output_tokens.model_version.v2.finish.length",
+            &[("model_version", "v2"), ("finish", "length")],
+        ),
+        case(
+            "sluice.quality.degenerate_answers_total",
+            m::quality_degenerate_answers_total("v2", m::Degenerate::Empty),
+            "sluice.quality.degenerate_answers_total.model_version.v2.reason.empty",
+            &[("model_version", "v2"), ("reason", "empty")],
+        ),
+        case(
+            "sluice.quality.degenerate_answers_total",
+            m::quality_degenerate_answers_total("v2", m::Degenerate::Truncated),
+            "sluice.quality.degenerate_answers_total.model_version.v2.reason.truncated",
+            &[("model_version", "v2"), ("reason", "truncated")],
+        ),
+        case(
             "sluice.request_body_uninspected_total",
             m::request_body_uninspected_total(m::UninspectedReason::Malformed),
             "sluice.request_body_uninspected_total.reason.malformed",

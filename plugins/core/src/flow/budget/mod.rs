@@ -311,6 +311,9 @@ struct Budgeted {
     status: u16,
     phase: Phase,
     stamp: Stamp,
+    /// Envoy traces this request ([`crate::span::traced`]), and the decision its span was last given.
+    traced: bool,
+    span_decision: Option<&'static str>,
 }
 
 /// One stream's budget; `None` inside for traffic on paths that are not an LLM API.
@@ -355,6 +358,8 @@ impl BudgetFlow {
             status: 0,
             phase: Phase::Holding,
             stamp: Stamp::default(),
+            traced: crate::span::traced(headers.text("x-request-id").as_deref()),
+            span_decision: None,
         }));
         let Some(key) = key else {
             b.reject(policy, 401, "authentication_error", "unknown_key", "the request's API key or tenant is not in the budget policy", None, fx);
@@ -564,8 +569,15 @@ impl BudgetFlow {
 }
 
 impl Budgeted {
-    fn write_stamp(&self, policy: &BudgetPolicy, fx: &mut Effects) {
+    fn write_stamp(&mut self, policy: &BudgetPolicy, fx: &mut Effects) {
         fx.set_state(&policy.policy.filter_state_key, self.stamp.to_json());
+        // The span gets the decision once (settling stamps the same decision again).
+        if self.traced && self.stamp.decision != self.span_decision {
+            if let Some(decision) = self.stamp.decision {
+                crate::span::budget(decision, self.stamp.reject_code.as_deref(), fx);
+            }
+            self.span_decision = self.stamp.decision;
+        }
     }
 
     fn finish_observer(&mut self) {

@@ -75,6 +75,8 @@ struct Watch {
     /// Shared, not copied: effects are translated with it while the watch list is borrowed.
     version: Rc<str>,
     machine: StreamWatch,
+    /// Envoy traces the request: a deadline's outcome goes on its span ([`crate::span`]).
+    traced: bool,
 }
 
 /// The guard's per-VM state (a VM is single-threaded; one per worker).
@@ -197,7 +199,7 @@ impl GuardRoot {
     /// headers are held.
     fn translate(&mut self, id: u32, now: u64, steps: &deadline::Effects, store: &mut dyn SharedStore, fx: &mut Effects) -> Verdict {
         let Some(w) = self.watched.get(&id) else { return Verdict::Continue };
-        let (api, version) = (w.kind, Rc::clone(&w.version));
+        let (api, version, traced) = (w.kind, Rc::clone(&w.version), w.traced);
         let mut verdict = Verdict::Continue;
         for step in steps {
             match *step {
@@ -230,6 +232,10 @@ impl GuardRoot {
                     // Envoy resets the upstream request.
                     let body = deadline::reply_504_body(api, kind, &version, deadline_ms);
                     let headers = [("content-type", "application/json"), ("x-sluice-deadline", kind.as_str()), ("x-sluice-refused-by", "latency-guard")];
+                    // The outcome the stamp gives at on_log (the deadline's kind), on the span now.
+                    if traced {
+                        crate::span::guard_outcome(kind.as_str(), fx);
+                    }
                     local_reply(fx, GatewayEnd::Deadline, 504, &headers, body);
                 }
                 deadline::Effect::MarkReply(reply) => fx.push(Effect::MarkReply(reply)),
@@ -433,6 +439,8 @@ struct Guarded {
     observer: Option<Observer>,
     timing: StreamTiming,
     response: Response,
+    /// Envoy traces the request: its class and a refusal's outcome go on its span ([`crate::span`]).
+    traced: bool,
 }
 
 /// One stream's guard; `None` inside for requests that are no LLM API call.
@@ -475,6 +483,10 @@ impl GuardFlow {
         let (class, priority) = root.policy.classify(tenant.as_deref().map(str::trim).filter(|t| !t.is_empty()));
         let class = class.to_string();
         let request_id = view.request_header("x-request-id").unwrap_or_default();
+        let traced = crate::span::traced(Some(&request_id));
+        if traced {
+            crate::span::guard_class(&class, fx);
+        }
         let draw = breaker::probe_draw(&request_id, self.id);
         // Which versions this request must not be sent to: blocked by their breaker, and failing
         // over is what this class does. model-router reads the list when it picks the version.
@@ -506,6 +518,7 @@ impl GuardFlow {
             observer: None,
             timing: StreamTiming::new(now),
             response: Response::Open,
+            traced,
         }));
         if end_of_stream {
             // No body: decide now (there is no later request event).
@@ -754,6 +767,11 @@ impl GuardFlow {
                         );
                         refuse(fx, g.kind, retry, &message, "breaker_open");
                         fx.set_state(STAMP_PROPERTY, refusal_stamp(g, &vp.name, "shed_breaker_open"));
+                        // On the span now: the stamp's own outcome comes at on_log, after Envoy
+                        // finished the span.
+                        if g.traced {
+                            crate::span::guard_outcome("shed_breaker_open", fx);
+                        }
                         g.phase = Phase::Refused;
                         return Verdict::Pause;
                     }
@@ -785,6 +803,9 @@ impl GuardFlow {
                     );
                     refuse(fx, g.kind, 1, &message, "in_flight_limit");
                     fx.set_state(STAMP_PROPERTY, refusal_stamp(g, &vp.name, "shed_in_flight"));
+                    if g.traced {
+                        crate::span::guard_outcome("shed_in_flight", fx);
+                    }
                     g.phase = Phase::Refused;
                     return Verdict::Pause;
                 }
@@ -800,7 +821,7 @@ impl GuardFlow {
             fx.count(metrics::latency_probes_total(&version_label), 1);
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
-        let watch = Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine };
+        let watch = Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine, traced: g.traced };
         root.watched.insert(self.id, watch);
         root.schedule(now, fx);
         Verdict::Continue

@@ -88,6 +88,8 @@ struct Measured {
     streaming: bool,
     response: ResponseBody,
     timing: StreamTiming,
+    /// Envoy traces this request: its span attributes are written (`crate::span`).
+    traced: bool,
 }
 
 /// One stream's measurement; `None` inside for traffic the configuration does not measure.
@@ -140,6 +142,7 @@ impl MetricsFlow {
             // Until response headers say otherwise (a body without them is kept as a whole answer).
             response: ResponseBody::Collected(Vec::new()),
             timing: StreamTiming::new(now),
+            traced: crate::span::traced(view.request_header("x-request-id").as_deref()),
         });
         if m.model_version_header.is_some() {
             m.enter_in_flight(policy, fx);
@@ -324,6 +327,7 @@ impl Measured {
     /// Parses the request body once it is complete (or counts why it was not), then counts the
     /// request in flight. Idempotent.
     fn finish_request_body(&mut self, policy: &mut MetricsPolicy, fx: &mut Effects) {
+        let first = !matches!(self.request_body, RequestBody::Done);
         match std::mem::replace(&mut self.request_body, RequestBody::Done) {
             RequestBody::Collecting(body) if !body.is_empty() => match inspect_request(self.kind, &body) {
                 Ok(info) => self.request = Some(info),
@@ -342,6 +346,10 @@ impl Measured {
             RequestBody::Collecting(_) | RequestBody::Done => {}
         }
         self.enter_in_flight(policy, fx);
+        if first && self.traced {
+            let version = self.in_flight_label.as_deref().unwrap_or(OTHER);
+            crate::span::llm_request(self.kind, self.request.as_ref(), version, &self.tenant_label, fx);
+        }
     }
 
     fn report(&mut self, policy: &MetricsPolicy, view: &mut dyn View, now: u64, outcome: Outcome, fx: &mut Effects) {
@@ -413,6 +421,9 @@ impl Measured {
             });
         }
         fx.set_state(&policy.settings.filter_state_key, record.stamp_json());
+        if self.traced {
+            crate::span::llm_response(record, fx);
+        }
     }
 }
 

@@ -26,6 +26,7 @@ use crate::response::{inspect_response_body, ResponseSummary};
 use crate::rewrite::set_top_level_string;
 use crate::routing::similarity::{jaccard_per_mille, response_text};
 use crate::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
+use crate::span;
 use crate::store::{self, SharedStore};
 use crate::timing::StreamTiming;
 use std::collections::{BTreeMap, VecDeque};
@@ -87,6 +88,12 @@ impl Side {
     }
 }
 
+/// The W3C trace-context headers a shadow copies from its primary's request when it leaves: by
+/// then Envoy's router has written its own span's context into them (measured in Envoy 1.40: the
+/// request's `traceparent` names the gateway span once the request went upstream), so the shadow
+/// is a child of the primary's gateway span.
+pub const TRACE_HEADERS: &[&str] = &["traceparent", "tracestate"];
+
 /// A shadow request waiting for the root's tick.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShadowJob {
@@ -94,6 +101,12 @@ pub struct ShadowJob {
     pub cluster: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// The primary's stream (its host context id): when the shadow leaves, the root reads the
+    /// trace context Envoy's tracer has written into the primary's request headers by then, so the
+    /// shadow joins the primary's trace (see [`TRACE_HEADERS`]).
+    pub stream: u32,
+    /// The primary is traced: the shadow gets its trace context.
+    pub traced: bool,
     request_id: String,
     kind: ApiKind,
     primary_version: String,
@@ -331,6 +344,8 @@ struct Routed {
     primary: Primary,
     status: u16,
     timing: StreamTiming,
+    /// Envoy traces this request: the decision goes on its span too (`crate::span`).
+    traced: bool,
 }
 
 /// One stream's routing; `None` inside for requests that are not routed (not an LLM API, no or an
@@ -401,6 +416,7 @@ impl RouterFlow {
         // Envoy sets x-request-id unless configured not to; without one, a per-stream id keeps
         // sampling and comparisons apart.
         let request_id = view.request_header("x-request-id").filter(|id| !id.is_empty()).unwrap_or_else(|| format!("sluice-{now}-{}", self.context_id));
+        let traced = span::traced(Some(&request_id));
         let key = sticky_key(policy, view);
         let forced = policy.override_property().and_then(|p| view.property(p));
         // Versions whose cluster recently had no healthy upstream (marked by any worker).
@@ -473,6 +489,7 @@ impl RouterFlow {
             primary: Primary::Capturing { observer: None, captured: Vec::new() },
             status: 0,
             timing: StreamTiming::new(now),
+            traced,
         });
         routed.stamp(fx);
         self.routed = Some(routed);
@@ -519,6 +536,8 @@ impl RouterFlow {
                     ("x-request-id".into(), r.request_id.clone()),
                 ],
                 body: shadow_body,
+                stream: self.context_id,
+                traced: r.traced,
                 request_id: r.request_id.clone(),
                 kind: r.kind,
                 primary_version: r.decision.version.clone(),
@@ -531,6 +550,9 @@ impl RouterFlow {
         }
         if matches!(r.shadow, Shadowing::Off) {
             r.stamp(fx);
+            if r.traced {
+                span::clear(span::SHADOW, fx);
+            }
         }
         Verdict::Continue
     }
@@ -629,6 +651,9 @@ impl Routed {
         push_json_str(&mut s, &d.version);
         s.push('}');
         fx.set_state(ROUTE_PROPERTY, s);
+        if self.traced {
+            span::route(d.reason.as_str(), self.shadow.version(), fx);
+        }
     }
 
     /// A filter behind the router (tenant-budget) refused the request: its shadow must not reach the
@@ -646,6 +671,9 @@ impl Routed {
             fx.count(metrics::router_shadow_total(&pair, ShadowResult::Refused), 1);
             self.shadow = Shadowing::Off;
             self.stamp(fx);
+            if self.traced {
+                span::clear(span::SHADOW, fx);
+            }
         }
     }
 
