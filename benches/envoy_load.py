@@ -27,6 +27,7 @@ Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them
 """
 
 import argparse
+import http.server
 import json
 import os
 import re
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +68,10 @@ CONFIGS = [
     # All four plugins: json_to_metadata, latency-guard, model-router (50/50), tenant-budget (the
     # bench policy), llm-metrics, Envoy's buffer filter.
     ("full chain", ROOT / "envoy/templates/full-gateway.yaml"),
+    # The same with tracing on (`cargo xtask render --otlp`): Envoy's OpenTelemetry tracer, every
+    # request sampled, sluice's span attributes as custom tags, spans exported over OTLP/HTTP to a
+    # sink on loopback that answers 200 and drops them.
+    ("full chain, traced 100 %", ROOT / "envoy/templates/full-gateway.yaml"),
     # The fleet gateway (tenant-budget, buffer filter, llm-metrics) with the same budget policy:
     # counters in this process's shared data, then in Redis through one sluice-ledger instance
     # (one tokio thread) — the cost of a fleet-wide budget, side by side.
@@ -110,10 +116,31 @@ def yaml_string_body(text):
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
+# Block placeholders a template may leave without a value (tracing, off unless given): as in
+# sluice_envoy_render, a line that is only `{{NAME}}` takes the value's lines at its indentation.
+OPTIONAL_BLOCKS = ("TRACING", "TRACING_CLUSTER")
+
+
 def render(template, vars_):
+    lines = []
+    for line in template.splitlines(keepends=True):
+        m = re.fullmatch(r"( *)\{\{([A-Z0-9_]+)\}\}\s*", line)
+        if m and (m.group(2) in vars_ or m.group(2) in OPTIONAL_BLOCKS):
+            lines += [m.group(1) + l + "\n" for l in vars_.get(m.group(2), "").splitlines() if l.strip()]
+        else:
+            lines.append(line)
+    template = "".join(lines)
     for k, v in vars_.items():
         template = template.replace("{{%s}}" % k, v)
     return template
+
+
+def tracing_vars(gateway, collector_port):
+    """The TRACING and TRACING_CLUSTER values of `gateway`, exporting to 127.0.0.1:collector_port, as
+    `cargo xtask render --otlp` writes them (one implementation: the renderer's)."""
+    out = subprocess.run(["cargo", "xtask", "render", gateway, "--otlp", f"127.0.0.1:{collector_port}", "--vars"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
 
 
 WRK_SCRIPT = """
@@ -129,12 +156,27 @@ request_count = 0
 request = function()
   -- A distinct request id and tenant per request: shadow sampling and the split hash on them.
   request_count = request_count + 1
-  wrk.headers["x-request-id"] = "bench-" .. request_count
+  -- A UUID, as Envoy's own ids are: Envoy traces only a request whose id can carry its decision.
+  wrk.headers["x-request-id"] = string.format("%%08x-0000-4000-8000-%%012x", request_count, request_count)
   wrk.headers["x-sluice-tenant"] = "tenant-" .. (request_count %% 1000)
   return wrk.format()
 end
 wrk.body = '{"model":"llama-3-70b","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello."}]}'
 """
+
+
+class OtlpSink(http.server.BaseHTTPRequestHandler):
+    """Takes an OTLP/HTTP export and drops it (the traced row measures Envoy's side only)."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -213,6 +255,9 @@ def main():
         ledger = subprocess.Popen([str(LEDGER), "--listen", f"127.0.0.1:{ledger_port}",
                                    "--redis", f"redis://127.0.0.1:{redis_port}/", "--threads", "1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OtlpSink)
+        threading.Thread(target=sink.serve_forever, daemon=True).start()
+        traced_vars = tracing_vars("full-gateway", sink.server_address[1])
         extproc_port = free_port()
         extproc = subprocess.Popen([str(EXTPROC), f"127.0.0.1:{extproc_port}"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL) if EXTPROC.exists() else None
@@ -247,7 +292,8 @@ def main():
                         "LEDGER_PORT": str(ledger_port), "EXTPROC_PORT": str(extproc_port),
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
-                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": ""}))
+                        "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": "",
+                        **(traced_vars if "traced" in name else {})}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

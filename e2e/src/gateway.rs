@@ -81,6 +81,11 @@ pub fn full_gateway_policy(placeholder: &str) -> Result<String> {
 /// `--served-by`), with the example policies of `cargo xtask render` except those `policies`
 /// replace (placeholder, JSON).
 pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Result<FullGateway> {
+    start_full_gateway_with(mock_args, policies, &[])
+}
+
+/// [`start_full_gateway`] with more placeholder values (e.g. `TRACING`), which take precedence.
+pub fn start_full_gateway_with(mock_args: &[&str], policies: &[(&str, &str)], substitutions: &[(&str, &str)]) -> Result<FullGateway> {
     let mock = |served_by: &str| {
         let mut args = vec!["--served-by", served_by];
         args.extend_from_slice(mock_args);
@@ -98,6 +103,7 @@ pub fn start_full_gateway(mock_args: &[&str], policies: &[(&str, &str)]) -> Resu
     }
     let mut vars: Vec<(&str, &str)> = vec![("UPSTREAM_PORT", ports[0].as_str()), ("UPSTREAM_PORT_V2", ports[1].as_str()), ("SHADOW_PORT", ports[2].as_str())];
     vars.extend(configs.iter().map(|(p, c)| (*p, c.as_str())));
+    vars.extend_from_slice(substitutions);
     let envoy = Envoy::start(&shipped("envoy/templates/full-gateway.yaml"), &vars)?;
     Ok(FullGateway { envoy, v1, v2, shadow })
 }

@@ -24,6 +24,7 @@ pub mod istio;
 pub mod ledger;
 pub mod lifecycle;
 pub mod mock;
+pub mod otlp;
 mod process;
 pub mod prometheus;
 pub mod prometheus_server;

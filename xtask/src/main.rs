@@ -8,7 +8,7 @@
 //!   or SIGTERM stops it and everything it started, with exit status 0.
 //! - `cargo xtask up --fleet` — two Envoys sharing budgets through Redis and the ledger service.
 //! - `cargo xtask sim ARGS…` — `sluice-sim ARGS…`, built (with the plugins it loads) on first use.
-//! - `cargo xtask render <gateway> [--out FILE] | --all` — a runnable Envoy file from a template
+//! - `cargo xtask render <gateway> [--out FILE] [--otlp HOST:PORT] | --all` — a runnable Envoy file from a template
 //!   (`envoy/rendered/<gateway>.yaml` by default): demo ports, example policies inlined.
 //! - `cargo xtask test`  — every test: lint, unit, property, harness, Envoy end to end (on the
 //!   1.40 line, then the shipped gateways and the full chain on the oldest release of each older
@@ -673,14 +673,18 @@ fn ensure_debian_packages(needed: &[(&str, &str)]) -> Result<()> {
 
 fn render_usage() -> String {
     let names: Vec<&str> = GATEWAYS.iter().map(|g| g.name).collect();
-    format!("usage: cargo xtask render <gateway> [--out FILE|-] | cargo xtask render --all\n  gateways: {}", names.join(", "))
+    format!("usage: cargo xtask render <gateway> [--out FILE|-] [--otlp HOST:PORT] | cargo xtask render --all\n  gateways: {}", names.join(", "))
 }
 
 /// `render <gateway> [--out FILE|-]` writes `envoy/rendered/<gateway>.yaml` (or FILE, or standard
-/// output for `-`); `render --all` writes every gateway there and removes rendered files whose
+/// output for `-`), with tracing to an OTLP/HTTP collector when `--otlp HOST:PORT` is given;
+/// `--otlp HOST:PORT --vars` prints only the tracing placeholders' values as JSON; `render --all`
+/// writes every gateway there (tracing off) and removes rendered files whose
 /// template is gone.
 fn render_command(root: &Path, args: &[String]) -> Result<()> {
     let mut out: Option<String> = None;
+    let mut tracing: Option<sluice_envoy_render::Tracing> = None;
+    let mut vars_only = false;
     let mut names: Vec<&str> = Vec::new();
     let mut all = false;
     let mut it = args.iter();
@@ -688,13 +692,15 @@ fn render_command(root: &Path, args: &[String]) -> Result<()> {
         match a.as_str() {
             "--all" => all = true,
             "--out" => out = Some(it.next().with_context(render_usage)?.clone()),
+            "--vars" => vars_only = true,
+            "--otlp" => tracing = Some(sluice_envoy_render::Tracing::parse(it.next().with_context(render_usage)?)?),
             other if other.starts_with('-') => bail!("unknown option {other}\n{}", render_usage()),
             other => names.push(other),
         }
     }
     if all {
-        if !names.is_empty() || out.is_some() {
-            bail!("--all takes no gateway and no --out\n{}", render_usage());
+        if !names.is_empty() || out.is_some() || tracing.is_some() {
+            bail!("--all takes no gateway, no --out and no --otlp (the committed files trace nothing)\n{}", render_usage());
         }
         let dir = root.join("envoy/rendered");
         std::fs::create_dir_all(&dir)?;
@@ -713,18 +719,36 @@ fn render_command(root: &Path, args: &[String]) -> Result<()> {
     }
     let [name] = names.as_slice() else { bail!("{}", render_usage()) };
     let gw = sluice_envoy_render::gateway(name).with_context(|| format!("no gateway {name:?}\n{}", render_usage()))?;
+    if vars_only {
+        // The placeholder values alone, as JSON (benches/envoy_load.py renders with them).
+        let t = tracing.context("--vars prints the values --otlp gives: name a collector")?;
+        let vars = t.vars(&gw.sections());
+        let object: serde_json::Map<String, serde_json::Value> = vars.into_iter().map(|(n, v)| (n.to_string(), v.into())).collect();
+        println!("{}", serde_json::Value::Object(object));
+        return Ok(());
+    }
+    if tracing.is_some() && out.is_none() {
+        bail!("--otlp writes to --out FILE or - (envoy/rendered/ keeps the files without tracing)\n{}", render_usage());
+    }
+    let text = match &tracing {
+        Some(t) => gw.render_traced(root, t)?,
+        None => gw.render(root)?,
+    };
     match out.as_deref() {
         Some("-") => {
-            print!("{}", gw.render(root)?);
+            print!("{text}");
             Ok(())
         }
-        Some(file) => write_rendered(root, gw, Path::new(file)),
-        None => write_rendered(root, gw, &root.join(gw.rendered_path())),
+        Some(file) => write_text(gw, &text, Path::new(file)),
+        None => write_text(gw, &text, &root.join(gw.rendered_path())),
     }
 }
 
 fn write_rendered(root: &Path, gw: &Gateway, path: &Path) -> Result<()> {
-    let text = gw.render(root)?;
+    write_text(gw, &gw.render(root)?, path)
+}
+
+fn write_text(gw: &Gateway, text: &str, path: &Path) -> Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }

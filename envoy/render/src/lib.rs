@@ -140,6 +140,98 @@ pub fn gateway(name: &str) -> Option<&'static Gateway> {
     GATEWAYS.iter().find(|g| g.name == stem || g.name.strip_suffix("-gateway") == Some(stem))
 }
 
+/// The span attributes sluice's sections write as filter state `sluice_span.<name>`, with the section
+/// that writes each: `sluice_core::span::ATTRIBUTES` (this crate stays dependency-free; the
+/// end-to-end tracing test checks the two lists are equal).
+pub const SPAN_ATTRIBUTES: &[(&str, &str)] = &[
+    ("gen_ai.operation.name", "llm_metrics"),
+    ("gen_ai.provider.name", "llm_metrics"),
+    ("gen_ai.request.model", "llm_metrics"),
+    ("gen_ai.request.max_tokens", "llm_metrics"),
+    ("sluice.api", "llm_metrics"),
+    ("sluice.model_version", "llm_metrics"),
+    ("sluice.tenant", "llm_metrics"),
+    ("gen_ai.response.model", "llm_metrics"),
+    ("gen_ai.usage.input_tokens", "llm_metrics"),
+    ("gen_ai.usage.output_tokens", "llm_metrics"),
+    ("gen_ai.response.finish_reasons", "llm_metrics"),
+    ("gen_ai.response.time_to_first_chunk", "llm_metrics"),
+    ("sluice.tpot_us", "llm_metrics"),
+    ("sluice.cost_micro_usd", "llm_metrics"),
+    ("sluice.outcome", "llm_metrics"),
+    ("sluice.route.reason", "model_router"),
+    ("sluice.shadow", "model_router"),
+    ("sluice.budget.decision", "tenant_budget"),
+    ("sluice.budget.code", "tenant_budget"),
+    ("sluice.guard.class", "latency_guard"),
+    ("sluice.guard.outcome", "latency_guard"),
+];
+
+/// The collector cluster the tracing block exports to.
+pub const OTLP_CLUSTER: &str = "sluice_otlp_collector";
+
+/// Where a gateway's spans go: an OpenTelemetry collector's OTLP/HTTP receiver.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tracing {
+    /// Host name or address of the collector (`127.0.0.1`, `otel-collector.observability`).
+    pub host: String,
+    /// Its OTLP/HTTP port (the collector's default is 4318).
+    pub port: u16,
+    /// Share of requests traced, in percent (Envoy's `random_sampling`); a client's
+    /// `x-client-trace-id` or a sampled `traceparent` is traced as Envoy decides for those.
+    pub sampling_percent: f64,
+}
+
+impl Tracing {
+    /// `HOST:PORT` with sampling at 100 %.
+    pub fn parse(collector: &str) -> Result<Tracing, Error> {
+        let (host, port) = collector.rsplit_once(':').ok_or_else(|| Error(format!("collector {collector:?} is not HOST:PORT")))?;
+        let port = port.parse().map_err(|_| Error(format!("collector {collector:?}: {port:?} is not a port")))?;
+        if host.is_empty() {
+            return Err(Error(format!("collector {collector:?} has no host")));
+        }
+        Ok(Tracing { host: host.to_string(), port, sampling_percent: 100.0 })
+    }
+
+    /// The values of a template's `{{TRACING}}` (the connection manager's `tracing`, with a custom
+    /// tag per span attribute the gateway's `sections` write) and `{{TRACING_CLUSTER}}` (the
+    /// collector's cluster) placeholders.
+    pub fn vars(&self, sections: &[&str]) -> [(&'static str, String); 2] {
+        let mut t = String::new();
+        t.push_str("# OpenTelemetry: a span per request, exported over OTLP/HTTP (docs/tracing.md).\n");
+        t.push_str("tracing:\n");
+        t.push_str(&format!("  random_sampling: {{ value: {} }}\n", self.sampling_percent));
+        t.push_str("  provider:\n    name: envoy.tracers.opentelemetry\n    typed_config:\n");
+        t.push_str("      \"@type\": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig\n");
+        t.push_str("      service_name: sluice-gateway\n");
+        t.push_str("      http_service:\n        http_uri:\n");
+        t.push_str(&format!("          uri: \"http://{}:{}/v1/traces\"\n", self.host, self.port));
+        t.push_str(&format!("          cluster: {OTLP_CLUSTER}\n          timeout: 2s\n"));
+        t.push_str("  # Each is a value a sluice section writes while the request runs (docs/tracing.md).\n");
+        t.push_str("  custom_tags:\n");
+        for (name, _) in SPAN_ATTRIBUTES.iter().filter(|(_, section)| sections.contains(section)) {
+            t.push_str(&format!("  - tag: {name}\n    value: \"%FILTER_STATE(wasm.sluice_span.{name}:PLAIN)%\"\n"));
+        }
+        let cluster = format!(
+            "- name: {OTLP_CLUSTER}\n  type: STRICT_DNS\n  connect_timeout: 1s\n  load_assignment:\n    cluster_name: {OTLP_CLUSTER}\n    \
+             endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }} }}] }}]\n",
+            self.host, self.port
+        );
+        [("TRACING", t), ("TRACING_CLUSTER", cluster)]
+    }
+}
+
+/// The sluice section a policy placeholder of the templates fills.
+pub fn section_of(placeholder: &str) -> Option<&'static str> {
+    match placeholder {
+        "LATENCY_CONFIG" => Some("latency_guard"),
+        "ROUTER_CONFIG" => Some("model_router"),
+        "BUDGET_CONFIG" => Some("tenant_budget"),
+        "PLUGIN_CONFIG" => Some("llm_metrics"),
+        _ => None,
+    }
+}
+
 /// A template, policy or path that could not be rendered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Error(pub String);
@@ -158,6 +250,11 @@ fn read(root: &Path, relative: &str) -> Result<String, Error> {
 }
 
 impl Gateway {
+    /// The sluice sections the gateway runs (`llm_metrics`, …), in its filters' order.
+    pub fn sections(&self) -> Vec<&'static str> {
+        self.policies.iter().filter_map(|(placeholder, _)| section_of(placeholder)).collect()
+    }
+
     /// `envoy/templates/<name>.yaml`, relative to the repository root.
     pub fn template_path(&self) -> String {
         format!("envoy/templates/{}.yaml", self.name)
@@ -186,6 +283,15 @@ impl Gateway {
     /// run it, then the template with every placeholder filled. `root` is the repository root.
     pub fn render(&self, root: &Path) -> Result<String, Error> {
         let body = self.render_with(root, &[], &[])?;
+        Ok(format!("{}{body}", self.header()))
+    }
+
+    /// [`Gateway::render`] with tracing on: Envoy's OpenTelemetry tracer exporting to `tracing`'s
+    /// collector, a custom tag for each span attribute of the gateway's sections.
+    pub fn render_traced(&self, root: &Path, tracing: &Tracing) -> Result<String, Error> {
+        let vars = tracing.vars(&self.sections());
+        let refs: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let body = self.render_with(root, &refs, &[])?;
         Ok(format!("{}{body}", self.header()))
     }
 
@@ -260,14 +366,27 @@ impl Gateway {
 }
 
 /// Fills a template: a line `<indent>value: "{{NAME}}"` with `NAME` a policy becomes a literal
-/// block scalar holding the policy verbatim; every other `{{NAME}}` (upper-case letters, digits,
-/// `_`) is replaced by its var, or by its policy escaped for a double-quoted YAML string. One pass:
-/// a value is never scanned for placeholders itself. A placeholder without a value is an error
-/// naming every such placeholder.
+/// block scalar holding the policy verbatim; a line that is only `<indent>{{NAME}}` takes its var's
+/// lines, each indented as the placeholder was, or nothing for an empty var (and for the optional
+/// blocks, [`OPTIONAL_BLOCKS`], nothing when no var is given); every other `{{NAME}}` (upper-case
+/// letters, digits, `_`) is replaced by its var, or by its policy escaped for a double-quoted YAML
+/// string. One pass: a value is never scanned for placeholders itself. A placeholder without a
+/// value is an error naming every such placeholder.
 pub fn render_template(template: &str, vars: &[(&str, &str)], policies: &[(&str, &str)]) -> Result<String, Error> {
     let mut out = String::with_capacity(template.len() + policies.iter().map(|(_, p)| p.len() * 2).sum::<usize>());
     let mut missing: Vec<String> = Vec::new();
     for line in template.split_inclusive('\n') {
+        if let Some((indent, name)) = block_line(line) {
+            let value = vars.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+            if value.is_some() || OPTIONAL_BLOCKS.contains(&name) {
+                for block_line in value.unwrap_or_default().lines().filter(|l| !l.trim().is_empty()) {
+                    out.push_str(indent);
+                    out.push_str(block_line);
+                    out.push('\n');
+                }
+                continue;
+            }
+        }
         if let Some((indent, text)) = block_value_line(line, policies) {
             out.push_str(&indent);
             out.push_str("value: |\n");
@@ -297,6 +416,18 @@ pub fn render_template(template: &str, vars: &[(&str, &str)], policies: &[(&str,
         return Err(Error(format!("config placeholders without a value: {}", missing.join(", "))));
     }
     Ok(out)
+}
+
+/// Block placeholders a template may leave without a value: they render to nothing then. Tracing is
+/// off unless a collector is given ([`tracing_vars`]).
+pub const OPTIONAL_BLOCKS: &[&str] = &["TRACING", "TRACING_CLUSTER"];
+
+/// `(indent, NAME)` when `line` is only a placeholder, indented by spaces.
+fn block_line(line: &str) -> Option<(&str, &str)> {
+    let line = line.trim_end();
+    let body = line.trim_start_matches(' ');
+    let (before, name, after) = next_placeholder(body)?;
+    (before.is_empty() && after.is_empty()).then(|| (line.get(..line.len() - body.len()).unwrap_or_default(), name))
 }
 
 /// The next `{{NAME}}` in `text`: what comes before it, the name, what comes after.

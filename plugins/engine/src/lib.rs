@@ -53,7 +53,7 @@ macro_rules! entry_point {
         pub fn $name() {
             proxy_wasm::set_log_level(LogLevel::Info);
             host::install_panic_hook($shape.name());
-            proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> { Box::new(Root { shape: $shape, sections: Vec::new(), tick_floor: None, context_id }) });
+            proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shape: $shape, sections: Vec::new(), tick_floor: None }) });
         }
     };
 }
@@ -91,9 +91,6 @@ struct Root {
     sections: Vec<Box<dyn RootContext>>,
     /// The tick some section always needs, while the instance runs several ([`composite`]).
     tick_floor: Option<Duration>,
-    /// The host's id of this root context: a section that acts on a stream from the root (model-router
-    /// reading a primary's trace context) makes the root effective again with it.
-    context_id: u32,
 }
 
 impl Root {
@@ -138,7 +135,7 @@ impl RootContext for Root {
         for policy in policies {
             let section: Option<Box<dyn RootContext>> = match policy {
                 Policy::LatencyGuard(p) => guard::Root::configure(*p).map(|r| Box::new(r) as Box<dyn RootContext>),
-                Policy::ModelRouter(p) => Some(Box::new(router::Root::configure(*p, self.context_id))),
+                Policy::ModelRouter(p) => Some(Box::new(router::Root::configure(*p))),
                 Policy::TenantBudget(p) => budget::Root::configure(*p).map(|r| {
                     if r.needs_tick() {
                         tick_floor = Some(Duration::from_millis(sluice_core::flow::budget::SETTLE_TICK_MS));

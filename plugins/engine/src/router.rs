@@ -5,7 +5,7 @@
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
-use sluice_core::flow::router::{Router, RouterFlow, ShadowJob, MAX_WHOLE_BODY_BYTES, SHADOW_TICK, SHADOW_TIMEOUT, TRACE_HEADERS};
+use sluice_core::flow::router::{Router, RouterFlow, MAX_WHOLE_BODY_BYTES, SHADOW_TICK, SHADOW_TIMEOUT};
 use sluice_core::flow::{Effects, Verdict};
 use sluice_core::routing::RoutingPolicy;
 use sluice_proxy_host as host;
@@ -25,32 +25,14 @@ struct Shared {
 
 pub struct Root {
     shared: Option<Rc<RefCell<Shared>>>,
-    /// The host's id of the root context, made effective again after reading a primary's headers.
-    context_id: u32,
 }
 
 impl Root {
     /// Sets the section up with its validated policy.
-    pub fn configure(policy: RoutingPolicy, context_id: u32) -> Root {
+    pub fn configure(policy: RoutingPolicy) -> Root {
         let shared = Shared { router: Router::new(policy), metrics: host::Metrics::default(), effects: Effects::default(), tick_armed: false };
-        Root { shared: Some(Rc::new(RefCell::new(shared))), context_id }
+        Root { shared: Some(Rc::new(RefCell::new(shared))) }
     }
-}
-
-/// Gives a traced shadow its primary's trace context ([`TRACE_HEADERS`]), read from the primary's
-/// request headers now: Envoy's router has written its span's context there by the time the root's
-/// tick sends the shadow. Nothing when the primary has already ended (its headers are gone).
-fn copy_trace_context(job: &mut ShadowJob, root_id: u32) {
-    if !job.traced || !host::set_effective_context(job.stream) {
-        return;
-    }
-    for name in TRACE_HEADERS {
-        if let Some(value) = host::header(MapType::HttpRequestHeaders, name) {
-            job.headers.push(((*name).to_string(), value));
-        }
-    }
-    // The callout below must belong to the root: a stream's callouts die with the stream.
-    host::set_effective_context(root_id);
 }
 
 impl Context for Root {
@@ -84,8 +66,7 @@ impl RootContext for Root {
             }
             sh.router.take_queued()
         };
-        for mut job in jobs {
-            copy_trace_context(&mut job, self.context_id);
+        for job in jobs {
             let headers: Vec<(&str, &str)> = job.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             let sent = self.dispatch_http_call(&job.cluster, headers, Some(&job.body), vec![], SHADOW_TIMEOUT);
             let mut guard = shared.borrow_mut();
@@ -163,7 +144,7 @@ impl HttpContext for Stream {
 
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
         if self.flow.wants_response() {
-            self.with(0, |flow, _| flow.on_response_headers(&mut host::LiveView));
+            self.with(0, |flow, sh| flow.on_response_headers(&mut sh.router, &mut host::LiveView, &mut sh.effects));
         }
         Action::Continue
     }

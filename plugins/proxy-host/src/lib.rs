@@ -37,15 +37,29 @@ pub fn plugin_configuration() -> Option<Vec<u8>> {
 }
 
 /// A header value, decoded lossily (non-UTF-8 bytes become U+FFFD rather than an error).
+///
+/// The SDK's `get_map_value_bytes` panics on a status it does not expect, and Envoy answers
+/// `BadArgument` for a map the current callback cannot see (a stream's request headers read from
+/// the root's tick): this calls the ABI directly and logs any failure at debug instead.
 pub fn header(map: MapType, name: &str) -> Option<String> {
-    match hostcalls::get_map_value_bytes(map, name) {
-        Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
-        Ok(None) => None,
-        Err(status) => {
-            log::debug!("reading header {name} failed: {status:?}");
-            None
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: a proxy-wasm ABI 0.2.1 import reading `name` (pointer and length of a live &str) and
+    // writing a pointer and a size into the two locals; a returned buffer was allocated by this
+    // module's allocator for exactly `size` bytes, and ownership passes to us.
+    let status = unsafe { proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut data, &mut size) };
+    if status != STATUS_OK {
+        if status != STATUS_NOT_FOUND {
+            log::debug!("reading header {name} failed: status {status}");
         }
+        return None;
     }
+    if data.is_null() {
+        return Some(String::new());
+    }
+    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
+    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// Bytes `[0, size)` of a body buffer (the current chunk when the filter does not buffer).
@@ -71,16 +85,36 @@ pub fn append_body(buffer: BufferType, current_size: usize, bytes: &[u8]) {
     }
 }
 
+///
+/// Through the ABI directly, as [`header`]: the SDK's `get_property` panics on a status it does not
+/// expect.
 pub fn property(path: &[String]) -> Option<String> {
-    let segments: Vec<&str> = path.iter().map(String::as_str).collect();
-    match hostcalls::get_property(segments) {
-        Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
-        Ok(None) => None,
-        Err(status) => {
-            log::debug!("reading property {path:?} failed: {status:?}");
-            None
+    // The ABI's path: the segments, each ended by a NUL but the last.
+    let mut serialized: Vec<u8> = Vec::with_capacity(path.iter().map(|p| p.len() + 1).sum());
+    for (i, segment) in path.iter().enumerate() {
+        if i > 0 {
+            serialized.push(0);
         }
+        serialized.extend_from_slice(segment.as_bytes());
     }
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: a proxy-wasm ABI 0.2.1 import reading `serialized` (a live buffer) and writing a
+    // pointer and a size into the two locals; a returned buffer was allocated by this module's
+    // allocator for exactly `size` bytes, and ownership passes to us.
+    let status = unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) };
+    if status != STATUS_OK {
+        if status != STATUS_NOT_FOUND {
+            log::debug!("reading property {path:?} failed: status {status}");
+        }
+        return None;
+    }
+    if data.is_null() {
+        return Some(String::new());
+    }
+    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
+    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 pub fn set_property(key: &str, value: &[u8]) {
@@ -375,6 +409,8 @@ extern "C" {
     fn proxy_close_stream(stream_type: u32) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    fn proxy_get_property(path_data: *const u8, path_size: usize, return_value_data: *mut *mut u8, return_value_size: *mut usize) -> u32;
+    fn proxy_get_header_map_value(map_type: u32, key_data: *const u8, key_size: usize, return_value_data: *mut *mut u8, return_value_size: *mut usize) -> u32;
 }
 
 /// The whole header map `map` in one hostcall ([`HeaderPairs`]): a callback that reads several
@@ -406,6 +442,7 @@ pub fn headers(map: MapType) -> HeaderPairs {
 
 const STREAM_RESPONSE: u32 = 1;
 const STATUS_OK: u32 = 0;
+const STATUS_NOT_FOUND: u32 = 1;
 
 /// Makes `context_id` the stream later hostcalls act on (from the root context, e.g. on a tick).
 /// `false`, logged at debug, when the host no longer knows the stream.

@@ -88,10 +88,12 @@ impl Side {
     }
 }
 
-/// The W3C trace-context headers a shadow copies from its primary's request when it leaves: by
-/// then Envoy's router has written its own span's context into them (measured in Envoy 1.40: the
-/// request's `traceparent` names the gateway span once the request went upstream), so the shadow
-/// is a child of the primary's gateway span.
+/// The W3C trace-context headers a traced primary's shadow copies from the client's request: the
+/// shadow joins the client's trace beside the gateway's span. It cannot name the gateway span
+/// itself: Envoy's router writes that span's context into the request after the filters have seen
+/// it, and measured in Envoy 1.40 a filter cannot read it later (the header map is readable only
+/// inside the request-headers callback, and the `request.headers` property read from the root's
+/// tick is empty). Without a client trace context, the shadow shares its primary's `x-request-id`.
 pub const TRACE_HEADERS: &[&str] = &["traceparent", "tracestate"];
 
 /// A shadow request waiting for the root's tick.
@@ -101,12 +103,6 @@ pub struct ShadowJob {
     pub cluster: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
-    /// The primary's stream (its host context id): when the shadow leaves, the root reads the
-    /// trace context Envoy's tracer has written into the primary's request headers by then, so the
-    /// shadow joins the primary's trace (see [`TRACE_HEADERS`]).
-    pub stream: u32,
-    /// The primary is traced: the shadow gets its trace context.
-    pub traced: bool,
     request_id: String,
     kind: ApiKind,
     primary_version: String,
@@ -346,6 +342,8 @@ struct Routed {
     timing: StreamTiming,
     /// Envoy traces this request: the decision goes on its span too (`crate::span`).
     traced: bool,
+    /// The client's trace context, for the shadow ([`TRACE_HEADERS`]); empty unless traced.
+    trace_context: Vec<(String, String)>,
 }
 
 /// One stream's routing; `None` inside for requests that are not routed (not an LLM API, no or an
@@ -417,6 +415,11 @@ impl RouterFlow {
         // sampling and comparisons apart.
         let request_id = view.request_header("x-request-id").filter(|id| !id.is_empty()).unwrap_or_else(|| format!("sluice-{now}-{}", self.context_id));
         let traced = span::traced(Some(&request_id));
+        let trace_context: Vec<(String, String)> = if traced {
+            TRACE_HEADERS.iter().filter_map(|name| view.request_header(name).filter(|v| !v.is_empty()).map(|v| ((*name).to_string(), v))).collect()
+        } else {
+            Vec::new()
+        };
         let key = sticky_key(policy, view);
         let forced = policy.override_property().and_then(|p| view.property(p));
         // Versions whose cluster recently had no healthy upstream (marked by any worker).
@@ -490,6 +493,7 @@ impl RouterFlow {
             status: 0,
             timing: StreamTiming::new(now),
             traced,
+            trace_context,
         });
         routed.stamp(fx);
         self.routed = Some(routed);
@@ -525,19 +529,19 @@ impl RouterFlow {
             fx.count(metrics::router_shadow_total(&pair, ShadowResult::SkippedCap), 1);
         } else if let Ok(shadow_body) = set_top_level_string(&body, "model", &upstream_model) {
             let authority = if authority.is_empty() { r.authority.clone() } else { authority };
+            let mut headers: Vec<(String, String)> = vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), r.path.clone()),
+                (":authority".into(), authority),
+                ("content-type".into(), "application/json".into()),
+                (SHADOW_HEADER.into(), "1".into()),
+                ("x-request-id".into(), r.request_id.clone()),
+            ];
+            headers.extend(r.trace_context.iter().cloned());
             router.jobs.push(ShadowJob {
                 cluster,
-                headers: vec![
-                    (":method".into(), "POST".into()),
-                    (":path".into(), r.path.clone()),
-                    (":authority".into(), authority),
-                    ("content-type".into(), "application/json".into()),
-                    (SHADOW_HEADER.into(), "1".into()),
-                    ("x-request-id".into(), r.request_id.clone()),
-                ],
+                headers,
                 body: shadow_body,
-                stream: self.context_id,
-                traced: r.traced,
                 request_id: r.request_id.clone(),
                 kind: r.kind,
                 primary_version: r.decision.version.clone(),
@@ -557,8 +561,12 @@ impl RouterFlow {
         Verdict::Continue
     }
 
-    pub fn on_response_headers(&mut self, view: &mut dyn View) {
+    ///
+    /// A request another filter refused (its gateway reply is marked by now) loses its queued
+    /// shadow here, before a tick could send it, and before Envoy finishes the request's span.
+    pub fn on_response_headers(&mut self, router: &mut Router, view: &mut dyn View, fx: &mut Effects) {
         let Some(r) = self.routed.as_mut() else { return };
+        r.drop_shadow_of_refused_request(router, view, fx);
         let Primary::Capturing { observer, .. } = &mut r.primary else { return };
         if matches!(r.shadow, Shadowing::Off) {
             // Only a comparison reads the status and the stream.

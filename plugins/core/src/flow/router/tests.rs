@@ -342,7 +342,7 @@ fn a_sampled_request_is_queued_sent_and_compared_with_its_primary() {
     // The primary answers as a whole body at +300 ms: waiting for the shadow.
     view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "application/json".into())];
     view.response_body = chat_answer("Hello there", 2, "stop");
-    flow.on_response_headers(&mut view);
+    flow.on_response_headers(&mut router, &mut view, &mut fx);
     let mut fx = Effects::default();
     let size = view.response_body.len();
     flow.on_response_body(&mut router, &mut view, size, true, &mut || T0 + 300 * MS, &mut fx);
