@@ -18,7 +18,7 @@ use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, LogLevel, 
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
-use crate::verdict::{Decision, Sample, Stamps, Transition, UpstreamPlan, Verdict};
+use crate::verdict::{Decision, Quality, Sample, Stamps, Transition, UpstreamPlan, Verdict};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
@@ -570,6 +570,7 @@ impl<'a> Engine<'a> {
             cost_usd: num(llm, "cost_micro_usd").map(|m| m as f64 / 1e6),
             ctx: text(llm, "ctx"),
             turn: text(llm, "turn"),
+            quality: llm.and_then(Quality::from_stamp),
             upstream_concurrency: service.map(|s| s.running),
             upstream: up.zip(service).map(|(u, s)| UpstreamPlan {
                 name: u.name.clone(),

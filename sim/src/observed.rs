@@ -6,7 +6,7 @@
 //! `%FILTER_STATE(…:PLAIN)%` prints) or the object itself; `null`, `""`, `"-"` and absent mean the
 //! plugin wrote none. docs/simulator.md ("Reports") has the field mapping.
 
-use crate::verdict::{Decision, Stamps, Verdict};
+use crate::verdict::{Decision, Quality, Stamps, Verdict};
 use serde_json::{Map, Value};
 use sluice_core::api::ApiKind;
 use std::io::{self, BufRead};
@@ -292,6 +292,19 @@ fn parse(text: &str, line: u64) -> Result<Option<(i128, Verdict)>, String> {
         None => l.get("duration_ms").and_then(Value::as_f64).filter(|d| d.is_finite()).unwrap_or(0.0),
     };
 
+    // Only llm-metrics' stamp (type-checked like every field): the quality series are its own.
+    let quality = match (s.str("model_version")?, s.u64("status")?, s.str("outcome")?) {
+        (Some(version), Some(status), Some(outcome)) => Quality::judge(
+            &version,
+            status,
+            &outcome,
+            s.u64("output_tokens")?.unwrap_or(0),
+            s.str("finish_reason")?.as_deref(),
+            s.u64("content_chunks")?,
+            s.u64("repetition_per_mille")?,
+        ),
+        _ => None,
+    };
     let verdict = Verdict {
         line,
         arrival_ms: 0.0,
@@ -324,6 +337,7 @@ fn parse(text: &str, line: u64) -> Result<Option<(i128, Verdict)>, String> {
         cost_usd: s.u64("cost_micro_usd")?.map(|c| c as f64 / 1e6),
         ctx: known(s.str("ctx")?),
         turn: known(s.str("turn")?),
+        quality,
         upstream_concurrency: None,
         upstream: None,
         stamps: Stamps {

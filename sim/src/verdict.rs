@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sluice_core::report::{finish_label, Outcome, RequestRecord, TRUNCATED_FINISH};
 
 /// What the gateway did with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
@@ -73,6 +74,10 @@ pub struct Verdict {
     pub ctx: Option<String>,
     /// `first` or `follow_up` (llm-metrics' turn label).
     pub turn: Option<String>,
+    /// What llm-metrics' stamp says about the answer's text, for the answers it judges (absent
+    /// otherwise, and in verdicts written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<Quality>,
     /// Requests in flight at the chosen version when this one was sent upstream (simulation only).
     pub upstream_concurrency: Option<u32>,
     /// What the modelled upstream was to do for this request (simulation only): a replay against
@@ -81,6 +86,72 @@ pub struct Verdict {
     pub upstream: Option<UpstreamPlan>,
     /// Each plugin's access-log stamp, as the plugin wrote it: `sluice`, `budget`, `route`, `latency`.
     pub stamps: Stamps,
+}
+
+/// One whole answer as llm-metrics judged it (docs/metrics.md, "Output quality"): the figures of
+/// its stamp that feed `sluice_quality_*`, so a report counts what those series count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quality {
+    /// llm-metrics' `model_version` label: the label of the quality series.
+    pub model_version: String,
+    /// The stamp's `output_tokens` (reported, else estimated).
+    pub output_tokens: u64,
+    /// The `finish` label: a finish reason llm-metrics documents, `none` or `other`.
+    pub finish: String,
+    /// No content event at all (`content_chunks` 0).
+    pub empty: bool,
+    /// Finished at the token limit (`length`, `max_tokens`, `max_output_tokens`).
+    pub truncated: bool,
+    /// ‰ of the answer's word trigrams that repeat an earlier one; none under 10 trigrams.
+    pub repetition_per_mille: Option<u64>,
+}
+
+impl Quality {
+    /// The judgement of an answer from its llm-metrics stamp fields, `None` for an answer the
+    /// plugin does not judge. "Whole answer" is the plugin's own test
+    /// (`RequestRecord::judges_quality`: a 2xx that completed), not a copy of it.
+    pub fn judge(
+        model_version: &str,
+        status: u64,
+        outcome: &str,
+        output_tokens: u64,
+        finish_reason: Option<&str>,
+        content_chunks: Option<u64>,
+        repetition_per_mille: Option<u64>,
+    ) -> Option<Quality> {
+        const OUTCOMES: [Outcome; 5] = [Outcome::Completed, Outcome::ClientDisconnect, Outcome::UpstreamError, Outcome::Refused, Outcome::Deadline];
+        let outcome = OUTCOMES.into_iter().find(|o| o.as_str() == outcome)?;
+        let record = RequestRecord { status: u16::try_from(status).ok()?, outcome, ..RequestRecord::default() };
+        if !record.judges_quality() {
+            return None;
+        }
+        let finish = finish_label(finish_reason);
+        Some(Quality {
+            model_version: model_version.to_string(),
+            output_tokens,
+            finish: finish.to_string(),
+            // A stamp without `content_chunks` (older than the field) says nothing about emptiness.
+            empty: content_chunks == Some(0),
+            truncated: TRUNCATED_FINISH.contains(&finish),
+            repetition_per_mille,
+        })
+    }
+
+    /// The judgement from a stamp the plugin wrote (the simulator's own; fields of the wrong type
+    /// count as absent — [`crate::observed`] checks a log's stamps first).
+    pub fn from_stamp(stamp: &Value) -> Option<Quality> {
+        let num = |field: &str| stamp.get(field).and_then(Value::as_u64);
+        let text = |field: &str| stamp.get(field).and_then(Value::as_str);
+        Quality::judge(
+            text("model_version")?,
+            num("status")?,
+            text("outcome")?,
+            num("output_tokens").unwrap_or(0),
+            text("finish_reason"),
+            num("content_chunks"),
+            num("repetition_per_mille"),
+        )
+    }
 }
 
 /// The modelled upstream's answer to one request.

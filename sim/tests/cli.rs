@@ -452,7 +452,15 @@ fn observe_a_fleet_access_log() {
     let summary = json_file(&out_dir.join("summary.json"));
     assert_eq!((summary["requests"].as_u64(), summary["source"].as_str()), (Some(40), Some("observed")));
     assert_eq!(summary["decisions"], json!({"admitted": 39, "clamped": 0, "refused": 1}));
-    assert!(std::fs::read_to_string(out_dir.join("report.html")).unwrap().contains("</html>"));
+    // The 39 whole answers' stamps (written before repetition was stamped): 6 of 2 tokens, 33 of 5.
+    let q = &summary["quality"][0];
+    assert_eq!((q["version"].as_str(), q["answers"].as_u64(), summary["quality"].as_array().map(Vec::len)), (Some("llama-3-70b"), Some(39), Some(1)));
+    assert!((q["output_tokens_mean"].as_f64().unwrap() - 177.0 / 39.0).abs() < 1e-9);
+    assert_eq!((q["output_tokens_p50"].as_f64(), q["output_tokens_p95"].as_f64()), (Some(5.0), Some(5.0)));
+    assert_eq!((q["repetition_answers"].as_u64(), &q["repetition_mean_per_mille"]), (Some(0), &Value::Null));
+    assert_eq!((q["empty"].as_u64(), q["truncated"].as_u64(), &q["by_finish"]), (Some(0), Some(0), &json!({"stop": 39})));
+    let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
+    assert!(html.contains("</html>") && html.contains(r#"<h2 id="quality">Output quality</h2>"#));
 }
 
 #[test]

@@ -722,3 +722,52 @@ fn a_queued_request_that_fails_still_takes_the_fixed_time() {
     assert_eq!(second.status, 503);
     assert_eq!(second.duration_ms, 140.0 + 50.0, "{second:#?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Output quality: llm-metrics' judgement of the simulated answers
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn simulated_answers_are_judged_from_llm_metrics_stamp() {
+    let s = metrics_only(json!({ "ttft_base_ms": 20, "tpot_ms": 5 }));
+    let apis = [ApiKind::ChatCompletions, ApiKind::Completions, ApiKind::Responses, ApiKind::AnthropicMessages];
+    // Per API, streamed and whole: cut at the limit (200 → 64), under it (40), too short to measure (5).
+    let outputs = [200u64, 40, 5];
+    let mut trace = Vec::new();
+    for api in apis {
+        for stream in [true, false] {
+            for output in outputs {
+                let n = trace.len() as u64;
+                let mut r = request(n + 1, n * 1_000, "acme", 100, 64, output);
+                (r.api, r.stream) = (api, Some(stream));
+                trace.push(r);
+            }
+        }
+    }
+    let (v, _) = run(&s, MINUTE_BOUNDARY_NS, trace);
+    for v in &v {
+        let what = format!("{} stream={} line {}", v.api, v.stream, v.line);
+        let q = v.quality.as_ref().unwrap_or_else(|| panic!("{what}: a 200 that completed is judged"));
+        assert_eq!(Some(q.model_version.as_str()), v.version.as_deref(), "{what}");
+        assert_eq!(Some(q.model_version.as_str()), stamp_str(&v.stamps.sluice, "model_version"), "{what}");
+        assert!(!q.empty, "{what}");
+        let planned = outputs[((v.line - 1) % 3) as usize];
+        assert_eq!(q.output_tokens, planned.min(64), "{what}");
+        assert_eq!(q.truncated, planned > 64, "{what}: finish {}", q.finish);
+        // The mock writes distinct words (tok0 tok1 …): no trigram repeats. Five words are three
+        // trigrams, under the ten llm-metrics needs for a figure.
+        assert_eq!(q.repetition_per_mille, (planned >= 12).then_some(0), "{what}");
+        assert_eq!(q.repetition_per_mille, stamp_u64(&v.stamps.sluice, "repetition_per_mille"), "{what}");
+    }
+    let summary = sluice_sim::report::summarize(&sluice_sim::report::ReportInput {
+        title: "quality",
+        source: sluice_sim::report::Source::Simulated,
+        verdicts: &v,
+        samples: &[],
+        transitions: &[],
+    });
+    assert_eq!(summary.quality.len(), 1);
+    let q = &summary.quality[0];
+    assert_eq!((q.answers, q.repetition_answers, q.repetition_mean_per_mille), (24, 16, Some(0.0)));
+    assert_eq!((q.empty, q.truncated, q.output_tokens_p50, q.output_tokens_p95), (0, 8, Some(40.0), Some(64.0)));
+}

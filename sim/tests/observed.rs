@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use sluice_sim::observed::{read_access_log, ObservedError, MAX_LINE_BYTES};
-use sluice_sim::report::{summarize, ReportInput, Source};
+use sluice_sim::report::{render_html, summarize, ReportInput, Source};
 use sluice_sim::verdict::{Decision, Verdict};
 use std::io::{BufReader, Cursor};
 use std::path::Path;
@@ -217,4 +217,93 @@ fn a_stamp_that_is_not_an_object_is_an_error() {
     let items = read_text(&text);
     let e = items[0].as_ref().unwrap_err();
     assert_eq!(e.to_string(), "line 1: field `budget`: the stamp is not a JSON object");
+}
+
+/// An llm-metrics stamp (as an object) with the fields the quality figures read.
+fn quality_line(second: u32, (version, status, outcome): (&str, u16, &str), output: u64, finish: &str, chunks: &str, repetition: &str) -> String {
+    log_line(
+        &format!("2026-01-01T00:00:{second:02}.000Z"),
+        &format!(
+            r#","sluice":{{"model_version":"{version}","status":{status},"outcome":"{outcome}","output_tokens":{output},"finish_reason":{finish},"content_chunks":{chunks},"repetition_per_mille":{repetition}}}"#
+        ),
+    )
+}
+
+/// Per version, exactly what llm-metrics' `sluice_quality_*` would count for the same stamps:
+/// whole answers only (2xx and `completed`), the stamp's output tokens, finish reason, content
+/// chunks and repetition figure.
+#[test]
+fn quality_per_version_from_the_stamps() {
+    let text = [
+        quality_line(0, ("v1", 200, "completed"), 100, r#""stop""#, "100", "0"),
+        quality_line(1, ("v1", 200, "completed"), 300, r#""length""#, "300", "500"),
+        // Empty: no content event; under 10 trigrams, so no repetition figure.
+        quality_line(2, ("v1", 200, "completed"), 0, r#""stop""#, "0", "null"),
+        // No finish reason: label `none`.
+        quality_line(3, ("v1", 200, "completed"), 20, "null", "20", "100"),
+        // Not whole answers: an upstream error, a client that left, a refusal, a deadline after a 200.
+        quality_line(4, ("v1", 502, "upstream_error"), 7, "null", "0", "null"),
+        quality_line(5, ("v1", 200, "client_disconnect"), 50, "null", "50", "900"),
+        quality_line(6, ("v2", 429, "refused"), 0, "null", "0", "null"),
+        quality_line(7, ("v2", 200, "deadline"), 30, "null", "30", "800"),
+        quality_line(8, ("v2", 200, "completed"), 64, r#""max_tokens""#, "64", "974"),
+        // A stamp older than the quality fields: judged, not empty, no figure.
+        log_line("2026-01-01T00:00:09.000Z", r#","sluice":{"model_version":"v2","status":200,"outcome":"completed","output_tokens":10}"#),
+        // 206 is a 2xx; an unknown finish reason is `other`, and not a truncation.
+        quality_line(10, ("v2", 206, "completed"), 12, r#""weird""#, "12", r#""-""#),
+        // No llm-metrics stamp: nothing to judge.
+        log_line("2026-01-01T00:00:11.000Z", r#","route":{"version":"v2"}"#),
+    ]
+    .join("\n");
+    let v: Vec<Verdict> = read_text(&text).into_iter().collect::<Result<_, _>>().unwrap();
+    assert_eq!(v.len(), 12);
+    let judged: Vec<u64> = v.iter().filter(|v| v.quality.is_some()).map(|v| v.line).collect();
+    assert_eq!(judged, [1, 2, 3, 4, 9, 10, 11]);
+    let l3 = v[2].quality.as_ref().unwrap();
+    assert!(l3.empty && !l3.truncated && l3.repetition_per_mille.is_none());
+    assert_eq!(v[1].quality.as_ref().unwrap().finish, "length");
+    assert!(v[1].quality.as_ref().unwrap().truncated);
+    assert!(!v[9].quality.as_ref().unwrap().empty, "no content_chunks: not known to be empty");
+
+    let s = summarize(&ReportInput { title: "quality", source: Source::Observed, verdicts: &v, samples: &[], transitions: &[] });
+    assert_eq!(s.quality.len(), 2);
+    let (q1, q2) = (&s.quality[0], &s.quality[1]);
+    assert_eq!((q1.version.as_str(), q1.answers), ("v1", 4));
+    // Output tokens 0, 20, 100, 300: mean 105; nearest rank 2 of 4 → 20, rank 4 → 300.
+    assert_eq!((q1.output_tokens_mean, q1.output_tokens_p50, q1.output_tokens_p95), (Some(105.0), Some(20.0), Some(300.0)));
+    // Figures 0, 500, 100 (the empty answer has none): mean 200.
+    assert_eq!((q1.repetition_answers, q1.repetition_mean_per_mille), (3, Some(200.0)));
+    assert_eq!((q1.empty, q1.empty_share, q1.truncated, q1.truncated_share), (1, Some(0.25), 1, Some(0.25)));
+    assert_eq!(q1.by_finish.iter().map(|(k, n)| (k.as_str(), *n)).collect::<Vec<_>>(), [("length", 1), ("none", 1), ("stop", 2)]);
+
+    assert_eq!((q2.version.as_str(), q2.answers), ("v2", 3));
+    // 10, 12, 64: mean 28.67; rank 2 of 3 → 12, rank 3 → 64.
+    assert!(close(q2.output_tokens_mean.unwrap(), 86.0 / 3.0));
+    assert_eq!((q2.output_tokens_p50, q2.output_tokens_p95), (Some(12.0), Some(64.0)));
+    assert_eq!((q2.repetition_answers, q2.repetition_mean_per_mille), (1, Some(974.0)));
+    assert_eq!((q2.empty, q2.empty_share, q2.truncated), (0, Some(0.0), 1));
+    assert!(close(q2.truncated_share.unwrap(), 1.0 / 3.0));
+    assert_eq!(q2.by_finish.iter().map(|(k, n)| (k.as_str(), *n)).collect::<Vec<_>>(), [("max_tokens", 1), ("none", 1), ("other", 1)]);
+
+    // The page's row of each version.
+    let html = render_html(&ReportInput { title: "quality", source: Source::Observed, verdicts: &v, samples: &[], transitions: &[] }, &s);
+    let options = roxmltree::ParsingOptions { allow_dtd: true, ..roxmltree::ParsingOptions::default() };
+    let doc = roxmltree::Document::parse_with_options(&html, options).unwrap();
+    let rows: Vec<Vec<String>> = doc
+        .descendants()
+        .filter(|n| n.tag_name().name() == "tr")
+        .map(|tr| tr.children().filter(|c| c.tag_name().name() == "td").map(|td| td.text().unwrap_or_default().to_string()).collect::<Vec<_>>())
+        .filter(|cells| cells.len() == 9)
+        .collect();
+    assert_eq!(rows[0], ["v1", "4", "105.0", "20.0", "300.0", "3", "200.0", "1 (25.00%)", "1 (25.00%)"]);
+    assert_eq!(rows[1], ["v2", "3", "28.7", "12.0", "64.0", "1", "974.0", "0 (0.00%)", "1 (33.33%)"]);
+    assert!(!html.contains("Simulated answers are the mock"), "the mock's note is for simulations only");
+}
+
+#[test]
+fn a_quality_field_of_the_wrong_type_names_itself() {
+    let text = quality_line(0, ("v1", 200, "completed"), 10, r#""stop""#, "10", r#""many""#);
+    let e = read_text(&text).into_iter().next().unwrap().unwrap_err();
+    assert_eq!(e.line, 1);
+    assert!(e.to_string().contains("field `sluice.repetition_per_mille`"), "{e}");
 }

@@ -35,6 +35,7 @@ fn verdict(line: u64, arrival_ms: f64, tenant: Option<&str>, version: Option<&st
         cost_usd: None,
         ctx: None,
         turn: None,
+        quality: None,
         upstream_concurrency: None,
         upstream: None,
         stamps: Stamps::default(),
@@ -177,7 +178,7 @@ fn summary_of_a_known_set() {
     assert!(json.contains(r#""source":"simulated""#), "{json}");
 }
 
-const HEADINGS: [&str; 9] = [
+const HEADINGS: [&str; 10] = [
     "Headline",
     "Time to first token",
     "Decode speed against upstream concurrency",
@@ -187,6 +188,7 @@ const HEADINGS: [&str; 9] = [
     "Traffic split",
     "First turn and follow-up",
     "Shadow traffic",
+    "Output quality",
 ];
 
 fn parse(html: &str) -> roxmltree::Document<'_> {

@@ -235,7 +235,7 @@ fn page_foot(out: &mut String) {
     out.push_str("</body></html>\n");
 }
 
-/// The report of one verdict set: sections (a)–(i) of docs/simulator.md ("Reports").
+/// The report of one verdict set: sections (a)–(j) of docs/simulator.md ("Reports").
 pub fn render_html(input: &ReportInput, summary: &Summary) -> String {
     let mut out = String::with_capacity(1 << 16);
     let subtitle = match input.source {
@@ -255,6 +255,7 @@ pub fn render_html(input: &ReportInput, summary: &Summary) -> String {
     split(&mut out, input.verdicts, grid.as_ref(), &versions);
     turns(&mut out, summary);
     shadows(&mut out, summary);
+    quality(&mut out, summary, input.source);
     page_foot(&mut out);
     out
 }
@@ -683,6 +684,64 @@ fn shadows(out: &mut String, s: &Summary) {
             vec![t(sh.version.as_str()), n(int(sh.shadowed)), n(share(sh.shadowed, s.requests)), t(by.join(", "))]
         }),
     );
+}
+
+fn quality(out: &mut String, s: &Summary, source: Source) {
+    heading(out, "quality", "Output quality");
+    if s.quality.is_empty() {
+        empty(out, "No whole answer was judged: llm-metrics judges answers with a 2xx status and outcome completed, and only its stamp carries the figures.");
+        return;
+    }
+    table(
+        out,
+        &[
+            "Version (llm-metrics)",
+            "Answers judged",
+            "Output tokens mean",
+            "Output tokens p50",
+            "Output tokens p95",
+            "Answers with a repetition figure",
+            "Repetition mean (‰)",
+            "Empty",
+            "Truncated",
+        ],
+        s.quality.iter().map(|q| {
+            vec![
+                t(q.version.as_str()),
+                n(int(q.answers)),
+                n(opt_num(q.output_tokens_mean)),
+                n(opt_num(q.output_tokens_p50)),
+                n(opt_num(q.output_tokens_p95)),
+                n(int(q.repetition_answers)),
+                n(opt_num(q.repetition_mean_per_mille)),
+                n(format!("{} ({})", int(q.empty), pct(q.empty_share))),
+                n(format!("{} ({})", int(q.truncated), pct(q.truncated_share))),
+            ]
+        }),
+    );
+    note(
+        out,
+        "Whole answers only (status 2xx, outcome completed), grouped by llm-metrics' model_version label: the requests sluice_quality_* counts. \
+         Repetition is the share of an answer's word trigrams that repeat an earlier one, for answers of at least 10 trigrams; \
+         empty answers had no content event; truncated ones finished at the token limit.",
+    );
+    if source == Source::Simulated {
+        note(
+            out,
+            "Simulated answers are the mock's text, distinct words (tok0 tok1 …): repetition near 0 ‰ and no empty answer show the mock, not a model. \
+             Output length is the trace's, cut by the output limit the request carried (a cut answer is truncated).",
+        );
+    }
+    let categories: Vec<String> = s.quality.iter().take(TOP_SERIES).map(|q| q.version.clone()).collect();
+    let series = vec![
+        Series { name: "p50".into(), color: svg::P50_COLOR, values: s.quality.iter().take(TOP_SERIES).map(|q| q.output_tokens_p50).collect() },
+        Series { name: "p95".into(), color: svg::P99_COLOR, values: s.quality.iter().take(TOP_SERIES).map(|q| q.output_tokens_p95).collect() },
+    ];
+    out.push_str(&svg::grouped_bars("Output tokens of whole answers, p50 and p95 per model version", &categories, &series, "output tokens"));
+    out.push_str(&svg::series_legend(&series));
+    if s.quality.len() > TOP_SERIES {
+        note(out, &format!("The first {TOP_SERIES} versions by name are drawn; the table lists all."));
+    }
 }
 
 /// Side-by-side pages of two scenarios over the same trace.

@@ -12,7 +12,7 @@ pub use compare::{compare, Comparison, DecisionChange, Difference, Side};
 pub use html::{render_compare_html, render_html, MAX_LISTED_DIFFERENCES};
 pub use stats::{
     context_bucket, context_labels, decode_tokens_per_s, percentile, sorted, summarize, usd_per_mtok, BucketVersion, ContextSummary, DecisionCounts, Latency,
-    ShadowSummary, Summary, TenantSummary, TurnSummary, VersionSummary, ANONYMOUS, CONTEXT_BUCKETS, CONTEXT_TOP,
+    QualitySummary, ShadowSummary, Summary, TenantSummary, TurnSummary, VersionSummary, ANONYMOUS, CONTEXT_BUCKETS, CONTEXT_TOP,
 };
 
 use crate::verdict::{Sample, Transition, Verdict};

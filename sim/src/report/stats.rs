@@ -1,7 +1,7 @@
 //! The numbers of a report: percentiles, context buckets and the [`Summary`] of a verdict set.
 
 use super::{ReportInput, Source};
-use crate::verdict::{Decision, Verdict};
+use crate::verdict::{Decision, Quality, Verdict};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -176,6 +176,32 @@ pub struct ShadowSummary {
     pub by_primary: BTreeMap<String, u64>,
 }
 
+/// What llm-metrics judged of one version's whole answers (2xx, outcome `completed`), from its
+/// stamps: the figures of `sluice_quality_*` for the same requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QualitySummary {
+    /// llm-metrics' `model_version` label.
+    pub version: String,
+    /// Whole answers judged.
+    pub answers: u64,
+    /// Output tokens of those answers: mean, and nearest-rank p50 and p95.
+    pub output_tokens_mean: Option<f64>,
+    pub output_tokens_p50: Option<f64>,
+    pub output_tokens_p95: Option<f64>,
+    /// Answers with a repetition figure (10 word trigrams or more).
+    pub repetition_answers: u64,
+    /// Mean ‰ of repeated trigrams over those answers.
+    pub repetition_mean_per_mille: Option<f64>,
+    /// Answers with no content event, and their share of `answers`.
+    pub empty: u64,
+    pub empty_share: Option<f64>,
+    /// Answers finished at the token limit, and their share of `answers`.
+    pub truncated: u64,
+    pub truncated_share: Option<f64>,
+    /// Answers by `finish` label.
+    pub by_finish: BTreeMap<String, u64>,
+}
+
 /// What a report says in numbers: `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -209,6 +235,51 @@ pub struct Summary {
     pub shadows: Vec<ShadowSummary>,
     /// Breaker transitions per version.
     pub breaker_transitions: BTreeMap<String, u64>,
+    /// Output quality per llm-metrics `model_version`, by name (absent in older summaries).
+    #[serde(default)]
+    pub quality: Vec<QualitySummary>,
+}
+
+#[derive(Default)]
+struct QualityAcc {
+    output_tokens: Vec<f64>,
+    repetition: Vec<f64>,
+    empty: u64,
+    truncated: u64,
+    by_finish: BTreeMap<String, u64>,
+}
+
+impl QualityAcc {
+    fn add(&mut self, q: &Quality) {
+        self.output_tokens.push(q.output_tokens as f64);
+        self.repetition.extend(q.repetition_per_mille.map(|r| r as f64));
+        self.empty += u64::from(q.empty);
+        self.truncated += u64::from(q.truncated);
+        *self.by_finish.entry(q.finish.clone()).or_insert(0) += 1;
+    }
+
+    fn summary(self, version: &str) -> QualitySummary {
+        let answers = self.output_tokens.len() as u64;
+        let tokens = sorted(self.output_tokens);
+        QualitySummary {
+            version: version.to_string(),
+            answers,
+            output_tokens_mean: mean(&tokens),
+            output_tokens_p50: percentile(&tokens, 50.0),
+            output_tokens_p95: percentile(&tokens, 95.0),
+            repetition_answers: self.repetition.len() as u64,
+            repetition_mean_per_mille: mean(&self.repetition),
+            empty: self.empty,
+            empty_share: ratio(self.empty, answers),
+            truncated: self.truncated,
+            truncated_share: ratio(self.truncated, answers),
+            by_finish: self.by_finish,
+        }
+    }
+}
+
+fn mean(values: &[f64]) -> Option<f64> {
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
 }
 
 #[derive(Default)]
@@ -252,6 +323,7 @@ pub fn summarize(input: &ReportInput) -> Summary {
     let mut tenants: HashMap<&str, TenantAcc> = HashMap::new();
     let (mut first_ttft, mut follow_ttft, mut first_n, mut follow_n) = (Vec::new(), Vec::new(), 0u64, 0u64);
     let mut shadows: BTreeMap<&str, (u64, BTreeMap<String, u64>)> = BTreeMap::new();
+    let mut quality: BTreeMap<&str, QualityAcc> = BTreeMap::new();
 
     for v in verdicts {
         match v.decision {
@@ -326,6 +398,10 @@ pub fn summarize(input: &ReportInput) -> Summary {
             *n += 1;
             *by_primary.entry(v.version.clone().unwrap_or_else(|| "-".into())).or_insert(0) += 1;
         }
+
+        if let Some(q) = &v.quality {
+            quality.entry(q.model_version.as_str()).or_default().add(q);
+        }
     }
 
     let mut tenants: Vec<TenantSummary> = tenants
@@ -399,6 +475,7 @@ pub fn summarize(input: &ReportInput) -> Summary {
         },
         shadows: shadows.into_iter().map(|(name, (n, by_primary))| ShadowSummary { version: name.to_string(), shadowed: n, by_primary }).collect(),
         breaker_transitions,
+        quality: quality.into_iter().map(|(name, acc)| acc.summary(name)).collect(),
     }
 }
 
