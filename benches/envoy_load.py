@@ -48,6 +48,9 @@ WASM_DIR = Path(os.environ.get("SLUICE_WASM_DIR", ROOT / "target/wasm32-wasip1/r
 
 CONFIGS = [
     ("no filter", ROOT / "envoy/bench/none.yaml"),
+    # Envoy's OpenTelemetry tracer alone (every request sampled, no custom tags, spans exported to a
+    # loopback sink): what tracing costs before sluice writes or Envoy formats any attribute.
+    ("no filter, traced 100 %", ROOT / "envoy/bench/none.yaml"),
     # Reference rows: what any wasm filter costs (one that sets one header), and the architecture
     # users would otherwise pick, a no-op external processor (Envoy's side of the gRPC round trips).
     ("trivial wasm filter", ROOT / "envoy/bench/floor.yaml"),
@@ -258,6 +261,8 @@ def main():
         sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OtlpSink)
         threading.Thread(target=sink.serve_forever, daemon=True).start()
         traced_vars = tracing_vars("full-gateway", sink.server_address[1])
+        # The same tracer without sluice's custom tags (the block up to its tags' comment).
+        tracer_only = dict(traced_vars, TRACING=traced_vars["TRACING"].split("  # Each is a value")[0])
         extproc_port = free_port()
         extproc = subprocess.Popen([str(EXTPROC), f"127.0.0.1:{extproc_port}"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL) if EXTPROC.exists() else None
@@ -293,7 +298,7 @@ def main():
                         "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": "",
-                        **(traced_vars if "traced" in name else {})}))
+                        **(({} if "traced" not in name else tracer_only if name.startswith("no filter") else traced_vars))}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -942,8 +942,15 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
     let mut replies = base.clone();
     replies.push(("reason", fixed(["refused", "deadline"])));
     families.push(family("sluice.gateway_replies_total", replies));
-    families.push(family("sluice.in_flight", vec![("model_version", model_version)]));
+    families.push(family("sluice.in_flight", vec![("model_version", model_version.clone())]));
     families.push(family("sluice.request_body_uninspected_total", vec![("reason", fixed(["malformed", "encoded", "too_large"]))]));
+    // What the model wrote: per model version only.
+    families.push(family("sluice.quality.repetition_per_mille", vec![("model_version", model_version.clone())]));
+    families.push(family(
+        "sluice.quality.output_tokens",
+        vec![("model_version", model_version.clone()), ("finish", fixed(KNOWN_FINISH_REASONS.iter().copied().chain(["none", "other"])))],
+    ));
+    families.push(family("sluice.quality.degenerate_answers_total", vec![("model_version", model_version), ("reason", fixed(["empty", "truncated"]))]));
     Schema { plugin: "llm-metrics", families }
 }
 
@@ -952,7 +959,9 @@ fn llm_schema(named: &[&str], cap: usize, tenants: &[&str]) -> Schema {
 /// 3 × 2 = 7392 label tuples; 13 metrics carry only those (96 096), `requests_total` adds status (6)
 /// × finish (17 documented + none + other) × usage (2) = 228 (1 685 376), `gateway_replies_total`
 /// adds reason (2) (14 784); plus `in_flight` per model version (11) and
-/// `request_body_uninspected_total` per reason (3): 1 796 270. The tight checks are the label
+/// `request_body_uninspected_total` per reason (3); the quality families per model version (11):
+/// repetition (11), output tokens × finish (19: 209), degenerate answers × reason (2: 22): 1 796 512.
+/// The tight checks are the label
 /// vocabularies: at most 8 dynamic model versions, tenants only `acme`, `initech`, `other`,
 /// `anonymous`, finish only the documented reasons, `none` and `other`.
 #[test]

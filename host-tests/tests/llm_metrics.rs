@@ -104,7 +104,7 @@ fn chat_stream_stamp() -> Value {
         "duration_us": 392_000, "input_tokens": 19, "output_tokens": 9, "cached_input_tokens": 0,
         "cache_creation_input_tokens": 0, "reasoning_tokens": 0, "usage": "reported", "content_chunks": 9,
         // 19 × 2.5 + 9 × 10 = 137.5 → rounded up
-        "cost_micro_usd": 138, "finish_reason": "stop", "upstream_error": null
+        "cost_micro_usd": 138, "finish_reason": "stop", "upstream_error": null, "repetition_per_mille": null
     })
 }
 
@@ -204,7 +204,7 @@ fn completions_stamp() -> Value {
         "duration_us": 177_000, "input_tokens": 5, "output_tokens": 5, "cached_input_tokens": 0,
         "cache_creation_input_tokens": 0, "reasoning_tokens": 0, "usage": "reported", "content_chunks": 5,
         // 5 × 1.5 + 5 × 2 = 17.5 → 18
-        "cost_micro_usd": 18, "finish_reason": "length", "upstream_error": null
+        "cost_micro_usd": 18, "finish_reason": "length", "upstream_error": null, "repetition_per_mille": null
     })
 }
 
@@ -216,7 +216,7 @@ fn responses_stamp() -> Value {
         "duration_us": 360_000, "input_tokens": 1500, "output_tokens": 6, "cached_input_tokens": 1024,
         "cache_creation_input_tokens": 0, "reasoning_tokens": 0, "usage": "reported", "content_chunks": 6,
         // 476 uncached × 2.5 + 1024 cached × 1.25 + 6 × 10 = 1190 + 1280 + 60
-        "cost_micro_usd": 2530, "finish_reason": "completed", "upstream_error": null
+        "cost_micro_usd": 2530, "finish_reason": "completed", "upstream_error": null, "repetition_per_mille": null
     })
 }
 
@@ -229,7 +229,7 @@ fn messages_stamp() -> Value {
         "duration_us": 531_000, "input_tokens": 1025, "output_tokens": 15, "cached_input_tokens": 1000,
         "cache_creation_input_tokens": 0, "reasoning_tokens": 0, "usage": "reported", "content_chunks": 5,
         // 25 × 3 + 1000 × 0.3 + 15 × 15 = 75 + 300 + 225
-        "cost_micro_usd": 600, "finish_reason": "end_turn", "upstream_error": null
+        "cost_micro_usd": 600, "finish_reason": "end_turn", "upstream_error": null, "repetition_per_mille": null
     })
 }
 

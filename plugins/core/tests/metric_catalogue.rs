@@ -50,7 +50,9 @@ const PLUGINS: [Plugin; 4] = [Plugin::LlmMetrics, Plugin::TenantBudget, Plugin::
 
 fn gateway(file: &'static str) -> Gateway {
     let text = std::fs::read_to_string(repo(file)).unwrap();
-    // `{{PLACEHOLDER}}`s (filled by `cargo xtask render`) are not YAML; any scalar does here.
+    // `{{PLACEHOLDER}}`s (filled by `cargo xtask render`) are not YAML: a line that is only one is
+    // a block (tracing, empty unless asked for) and goes; any scalar does for the others.
+    let text = Regex::new(r"(?m)^ *\{\{[A-Z0-9_]+\}\} *\n").unwrap().replace_all(&text, "");
     let text = Regex::new(r"\{\{[A-Z0-9_]+\}\}").unwrap().replace_all(&text, "0");
     let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
     let stats = &doc["stats_config"];
