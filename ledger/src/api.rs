@@ -160,6 +160,43 @@ impl SettleRequest {
     }
 }
 
+/// Most settlements one `POST /v1/settle_batch` carries (a batch of them fits [`MAX_BODY_BYTES`]).
+pub const MAX_BATCH: usize = 256;
+
+/// `POST /v1/settle_batch`: settlements each as `/v1/settle` takes it, judged one by one (one bad
+/// item is that item's 400, not the batch's).
+#[derive(Debug)]
+pub struct SettleBatch {
+    pub items: Vec<Result<SettleRequest, BadRequest>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBatch {
+    settlements: Vec<Value>,
+}
+
+impl SettleBatch {
+    /// The batch's shape is checked here (JSON, `settlements` an array of 1..=[`MAX_BATCH`]); each
+    /// item is parsed and validated on its own.
+    pub fn parse(body: &[u8]) -> Result<SettleBatch, BadRequest> {
+        let raw: RawBatch = parse(body)?;
+        if raw.settlements.is_empty() || raw.settlements.len() > MAX_BATCH {
+            return Err(BadRequest::field(format!("{} settlements, must be 1..={MAX_BATCH}", raw.settlements.len())));
+        }
+        let items = raw
+            .settlements
+            .into_iter()
+            .map(|item| {
+                let request: SettleRequest = serde_json::from_value(item).map_err(|e| BadRequest::new("malformed_json", e.to_string()))?;
+                request.validate()?;
+                Ok(request)
+            })
+            .collect();
+        Ok(SettleBatch { items })
+    }
+}
+
 /// One counter's state as answered: `used` and `reserved`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CounterState {

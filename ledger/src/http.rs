@@ -1,6 +1,6 @@
 //! The HTTP/1.1 front: routing, body limits, status codes.
 
-use crate::api::{BadRequest, ReserveRequest, SettleOutcome, SettleRequest, MAX_BODY_BYTES};
+use crate::api::{BadRequest, ReserveRequest, SettleBatch, SettleOutcome, SettleRequest, MAX_BODY_BYTES};
 use crate::store::StoreError;
 use crate::Ledger;
 use bytes::Bytes;
@@ -66,11 +66,17 @@ fn bad_request(e: &BadRequest) -> Response<Full<Bytes>> {
     json_response(StatusCode::BAD_REQUEST, &e.body())
 }
 
-fn store_failure(e: &StoreError) -> (Response<Full<Bytes>>, &'static str) {
+/// A store failure's status, body and metric label.
+fn store_failure_answer(e: &StoreError) -> (StatusCode, Value, &'static str) {
     match e {
-        StoreError::Unavailable(m) => (json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": "redis_unavailable", "message": m})), "unavailable"),
-        StoreError::Script(m) => (json_response(StatusCode::INTERNAL_SERVER_ERROR, &json!({"error": "ledger_error", "message": m})), "error"),
+        StoreError::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, json!({"error": "redis_unavailable", "message": m}), "unavailable"),
+        StoreError::Script(m) => (StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "ledger_error", "message": m}), "error"),
     }
+}
+
+fn store_failure(e: &StoreError) -> (Response<Full<Bytes>>, &'static str) {
+    let (status, body, label) = store_failure_answer(e);
+    (json_response(status, &body), label)
 }
 
 /// The body, at most [`MAX_BODY_BYTES`], read within [`READ_TIMEOUT`].
@@ -91,6 +97,21 @@ async fn read_body(request: Request<Incoming>) -> Result<Bytes, BadRequest> {
         Ok(Err(e)) => Err(BadRequest::new("malformed_body", e.to_string())),
         Err(_) => Err(BadRequest::new("malformed_body", "body not received in time")),
     }
+}
+
+/// One item of a settlement batch: the status and body `/v1/settle` would have answered it with,
+/// as `{"status": …, "answer": …}`; counted as a settle request.
+async fn settle_one(ledger: &Ledger, item: &Result<SettleRequest, BadRequest>) -> Value {
+    let (status, answer, label) = match item {
+        Err(e) => (StatusCode::BAD_REQUEST, e.body(), "bad_request"),
+        Ok(request) => match ledger.store.settle(request).await {
+            Ok(outcome @ SettleOutcome::Mismatch { .. }) => (StatusCode::BAD_REQUEST, outcome.body(), outcome.label()),
+            Ok(outcome) => (StatusCode::OK, outcome.body(), outcome.label()),
+            Err(e) => store_failure_answer(&e),
+        },
+    };
+    ledger.metrics.request("settle", label);
+    json!({"status": status.as_u16(), "answer": answer})
 }
 
 pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Full<Bytes>> {
@@ -150,6 +171,24 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
                 }
             }
         }
+        ("/v1/settle_batch", Method::POST) => {
+            let parsed = match read_body(request).await {
+                Ok(body) => SettleBatch::parse(&body),
+                Err(e) => Err(e),
+            };
+            let batch = match parsed {
+                Ok(b) => b,
+                Err(e) => {
+                    metrics.request("settle_batch", "bad_request");
+                    return bad_request(&e);
+                }
+            };
+            // Every item at once: the Redis connection pipelines them (one script call each, so
+            // each stays in its org's slot on a cluster).
+            let results = futures_util::future::join_all(batch.items.iter().map(|item| settle_one(ledger, item))).await;
+            metrics.request("settle_batch", "ok");
+            json_response(StatusCode::OK, &json!({ "results": results }))
+        }
         ("/healthz", Method::GET) => match ledger.store.ping().await {
             Ok(()) => {
                 metrics.request("healthz", "ok");
@@ -164,7 +203,7 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
             metrics.request("metrics", "ok");
             respond(StatusCode::OK, "text/plain; version=0.0.4", metrics.render())
         }
-        ("/v1/reserve" | "/v1/settle" | "/healthz" | "/metrics", _) => {
+        ("/v1/reserve" | "/v1/settle" | "/v1/settle_batch" | "/healthz" | "/metrics", _) => {
             metrics.request("other", "method_not_allowed");
             json_response(StatusCode::METHOD_NOT_ALLOWED, &json!({"error": "method_not_allowed", "message": format!("{path}: wrong method")}))
         }

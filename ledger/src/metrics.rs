@@ -20,6 +20,9 @@ const REQUESTS: &[(&str, &str)] = &[
     ("settle", "bad_request"),
     ("settle", "unavailable"),
     ("settle", "error"),
+    // A batch counts once here; each of its settlements counts under `settle`.
+    ("settle_batch", "ok"),
+    ("settle_batch", "bad_request"),
     ("healthz", "ok"),
     ("healthz", "unavailable"),
     ("metrics", "ok"),

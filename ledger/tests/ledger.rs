@@ -108,6 +108,58 @@ fn reserve_and_settle_are_idempotent_per_id() {
     assert_eq!(http.ok("/v1/settle", &settle("req-2", "acme", &[150])), json!({"settled": true, "counters": states(&[(962, 0)])}));
 }
 
+/// A batch settles each item as `/v1/settle` would, answering each item's status and body in
+/// order; a bad item is that item's 400, the others still settle; a malformed or oversized batch is
+/// refused whole, before anything changes.
+#[test]
+fn a_settlement_batch_answers_each_item_as_settle_would() {
+    let redis = Redis::start();
+    let service = ledger(&redis, "t");
+    let mut http = Http::new(service.addr);
+    http.ok("/v1/reserve", &reserve("b-1", "acme", 600, &[("key:a", 5000, 100, FAR)]));
+    http.ok("/v1/reserve", &reserve("b-2", "globex", 600, &[("key:g", 5000, 200, FAR), ("org", 9000, 200, FAR)]));
+    http.ok("/v1/reserve", &reserve("b-3", "acme", 600, &[("key:a", 5000, 300, FAR)]));
+    let batch = json!({"settlements": [
+        settle("b-1", "acme", &[40]),
+        settle("b-2", "globex", &[150, 150]),
+        settle("b-3", "acme", &[1, 2]),
+        {"id": "b-4", "tag": "acme"},
+        settle("never", "acme", &[5]),
+        settle("b-1", "acme", &[40]),
+    ]});
+    let answer = http.ok("/v1/settle_batch", &batch);
+    let results = answer["results"].as_array().unwrap();
+    assert_eq!(results.len(), 6, "{answer}");
+    assert_eq!(results[1], json!({"status": 200, "answer": {"settled": true, "counters": states(&[(150, 0), (150, 0)])}}));
+    assert_eq!(results[2]["status"], 400, "{answer}");
+    assert_eq!(results[2]["answer"]["error"], "charges_mismatch");
+    assert_eq!(results[3]["status"], 400, "{answer}");
+    assert_eq!(results[3]["answer"]["error"], "malformed_json");
+    assert_eq!(results[4], json!({"status": 200, "answer": {"settled": false, "reason": "unknown"}}));
+    // The same hold twice in one batch: one settles it, the other finds it settled (items run at
+    // once, so which is which is Redis's order).
+    let mut twice = [results[0]["answer"]["settled"].clone(), results[5]["answer"]["settled"].clone()];
+    twice.sort_by_key(|v| v.as_bool());
+    assert_eq!(twice, [json!(false), json!(true)], "{answer}");
+    let settled = if results[0]["answer"]["settled"] == json!(true) { &results[0] } else { &results[5] };
+    assert_eq!(*settled, json!({"status": 200, "answer": {"settled": true, "counters": states(&[(40, 300)])}}));
+    assert_eq!(redis.counter("t:{acme}:c:key:a"), Some((40, 300)));
+    assert_eq!(redis.counter("t:{globex}:c:org"), Some((150, 0)));
+    // Each item counts as a settle request; the batch once.
+    let text = http.get("/metrics").body;
+    assert_eq!(metric(&text, "sluice_ledger_requests_total{endpoint=\"settle\",result=\"settled\"}"), Some(2.0), "{text}");
+    assert_eq!(metric(&text, "sluice_ledger_requests_total{endpoint=\"settle\",result=\"bad_request\"}"), Some(2.0), "{text}");
+    assert_eq!(metric(&text, "sluice_ledger_requests_total{endpoint=\"settle_batch\",result=\"ok\"}"), Some(1.0), "{text}");
+
+    // Refused whole: not JSON, no items, too many, an unknown field.
+    let too_many = json!({"settlements": vec![settle("x", "acme", &[1]); 257]});
+    for bad in [String::from("{"), json!({"settlements": []}).to_string(), too_many.to_string(), json!({"settlements": [], "x": 1}).to_string()] {
+        let r = http.post("/v1/settle_batch", &bad);
+        assert_eq!(r.status, 400, "{bad:.80}: {}", r.body);
+    }
+    assert_eq!(redis.counter("t:{acme}:c:key:a"), Some((40, 300)));
+}
+
 #[test]
 fn expired_holds_are_charged_at_their_reserved_amount() {
     let redis = Redis::start();
