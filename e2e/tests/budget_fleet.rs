@@ -460,12 +460,14 @@ fn a_fleet_budgets_are_exact_across_three_envoys_and_local_ledgers_overshoot() {
     let reserve_calls = metric_sum(&refs, "sluice_budget_ledger_calls_total", &[("call", "reserve"), ("result", "ok")]) as u64;
     let settle_calls = metric_sum(&refs, "sluice_budget_ledger_calls_total", &[("call", "settle"), ("result", "ok")]) as u64;
     let call_counts = format!(
-        "stamps: {admitted} admitted, {refused} refused; Envoys' ledger calls: {reserve_calls} reserve ok, {settle_calls} settle ok; the service: reserve admitted {} refused {}, settle settled {} already_settled {}",
+        "stamps: {admitted} admitted, {refused} refused; Envoys' ledger calls: {reserve_calls} reserve ok, {settle_calls} settle ok; the service: reserve admitted {} refused {}, settle settled {} already_settled {}, {} settlement batches",
         served("reserve", "admitted"),
         served("reserve", "refused"),
         served("settle", "settled"),
-        served("settle", "already_settled")
+        served("settle", "already_settled"),
+        served("settle_batch", "ok")
     );
+    println!("{call_counts}");
     failures.that(
         "ledger calls",
         served("reserve", "admitted") == admitted

@@ -1159,6 +1159,18 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
                             "counters": vec![json!({"used": 1, "reserved": 0}); n]})))
                     }
                 }
+                // Several settlements due in one tick: each settled.
+                "/v1/settle_batch" => {
+                    let items = body["settlements"].as_array().cloned().unwrap_or_default();
+                    let results: Vec<Value> = items
+                        .iter()
+                        .map(|item| {
+                            let n = item["charges"].as_array().map_or(0, Vec::len);
+                            json!({"status": 200, "answer": {"settled": true, "counters": vec![json!({"used": 1, "reserved": 0}); n]}})
+                        })
+                        .collect();
+                    Some(reply(json!({ "results": results })))
+                }
                 _ => None,
             };
             match r {

@@ -66,8 +66,14 @@ pub const SETTLE_TICK_MS: u64 = 20;
 const TICK_LOOKS: usize = 1024;
 const TICK_CALLS: usize = 256;
 
+/// Most settlements one callout carries (the ledger's own limit, docs/ledger.md).
+pub const SETTLE_BATCH_MAX: usize = 256;
+/// Most bytes of settlements one callout carries: half the ledger's 64 KiB body limit.
+const SETTLE_BATCH_MAX_BYTES: usize = 32 * 1024;
+
 const RESERVE_PATH: &str = "/v1/reserve";
 const SETTLE_PATH: &str = "/v1/settle";
+const SETTLE_BATCH_PATH: &str = "/v1/settle_batch";
 
 /// The host operations whose answer a budget flow needs before it goes on.
 pub trait BudgetHost {
@@ -98,8 +104,11 @@ pub struct BudgetPolicy {
     /// Makes this VM's Redis hold ids unique across VMs and Envoy processes.
     vm_nonce: String,
     settle_queue: VecDeque<SettleJob>,
-    /// Settlements in flight, by callout token, with the time they were sent.
-    settle_calls: BTreeMap<u32, (SettleJob, u64)>,
+    /// Settlements in flight, by callout token: one alone (`/v1/settle`) or a batch
+    /// (`/v1/settle_batch`), with the time they were sent.
+    settle_calls: BTreeMap<u32, SettleCall>,
+    /// The ledger answered a batch 404 (a service from before batches): settlements go one by one.
+    batches_unsupported: bool,
     /// The Redis ledger's last known state (`None` before the first call): logged on change only.
     ledger_ok: Option<bool>,
 }
@@ -111,7 +120,15 @@ impl BudgetPolicy {
         let model_versions = LabelBound::new(policy.model_versions.iter().cloned(), policy.max_dynamic_model_versions);
         let node_hash = sha256_hex(node_id.as_bytes());
         let vm_nonce = format!("{}{now:x}", node_hash.get(..8).unwrap_or_default());
-        BudgetPolicy { policy, model_versions, vm_nonce, settle_queue: VecDeque::new(), settle_calls: BTreeMap::new(), ledger_ok: None }
+        BudgetPolicy {
+            policy,
+            model_versions,
+            vm_nonce,
+            settle_queue: VecDeque::new(),
+            settle_calls: BTreeMap::new(),
+            batches_unsupported: false,
+            ledger_ok: None,
+        }
     }
 
     /// What every hold id of this proxy starts with: the first 8 hex digits of its node id's SHA-256.
@@ -188,25 +205,41 @@ impl BudgetPolicy {
         self.settle_queue.push_back(job);
     }
 
-    /// The root's tick: sends the queued settlements that are due. Bounded per tick (jobs looked
-    /// at, calls started); the rest waits for the next one, and jobs still backing off go round to
-    /// the back.
+    /// The root's tick: sends the queued settlements that are due, several in one callout when
+    /// more than one is due ([`SETTLE_BATCH_MAX`] each). Bounded per tick (jobs looked at, calls
+    /// started); the rest waits for the next one, and jobs still backing off go round to the back.
     pub fn on_tick(&mut self, host: &mut dyn BudgetHost, now: u64, fx: &mut Effects) {
-        let mut started = 0;
+        let per_call = if self.batches_unsupported { 1 } else { SETTLE_BATCH_MAX };
+        let mut due: Vec<SettleJob> = Vec::new();
         for _ in 0..self.settle_queue.len().min(TICK_LOOKS) {
             let Some(job) = self.settle_queue.pop_front() else { break };
-            if job.not_before_ns > now || started >= TICK_CALLS {
+            if job.not_before_ns > now || due.len() >= TICK_CALLS * per_call {
                 self.settle_queue.push_back(job);
                 continue;
             }
-            match host.ledger_call(&self.policy.ledger, SETTLE_PATH, &job.body) {
+            due.push(job);
+        }
+        let mut due = due.into_iter().peekable();
+        while due.peek().is_some() {
+            let (mut jobs, mut bytes) = (Vec::new(), 0usize);
+            while let Some(job) = due.next_if(|j| jobs.is_empty() || (jobs.len() < per_call && bytes + j.body.len() < SETTLE_BATCH_MAX_BYTES)) {
+                bytes += job.body.len() + 1;
+                jobs.push(job);
+            }
+            let call = if let [job] = jobs.as_slice() {
+                host.ledger_call(&self.policy.ledger, SETTLE_PATH, &job.body)
+            } else {
+                host.ledger_call(&self.policy.ledger, SETTLE_BATCH_PATH, &batch_body(&jobs))
+            };
+            match call {
                 Ok(token) => {
-                    started += 1;
-                    self.settle_calls.insert(token, (job, now));
+                    self.settle_calls.insert(token, SettleCall { jobs, started: now });
                 }
                 Err(e) => {
                     self.ledger_health(false, &format!("settle callout not started: {e}"), fx);
-                    self.retry_settlement(job, now, fx);
+                    for job in jobs {
+                        self.retry_settlement(job, now, fx);
+                    }
                 }
             }
         }
@@ -218,9 +251,56 @@ impl BudgetPolicy {
         self.settle_calls.contains_key(&token)
     }
 
-    /// The ledger's answer to settlement `token` (`status` 0: no answer, the call failed or timed out).
+    /// The ledger's answer to settlement callout `token` (`status` 0: no answer, the call failed or
+    /// timed out). A batch's answer holds each settlement's own status and answer, in order.
     pub fn on_settle_answer(&mut self, token: u32, status: u16, answer: &[u8], now: u64, fx: &mut Effects) {
-        let Some((job, started)) = self.settle_calls.remove(&token) else { return };
+        let Some(SettleCall { jobs, started }) = self.settle_calls.remove(&token) else { return };
+        self.settle_call_answered(jobs, status, answer, now, fx);
+        // The callout's latency, once for all its settlements.
+        fx.push(Effect::Record { name: metrics::budget_ledger_latency_ms(LedgerCall::Settle).to_string(), value: now.saturating_sub(started) / 1_000_000 });
+    }
+
+    fn settle_call_answered(&mut self, jobs: Vec<SettleJob>, status: u16, answer: &[u8], now: u64, fx: &mut Effects) {
+        if jobs.len() == 1 {
+            for job in jobs {
+                self.settle_answered(job, status, answer, now, fx);
+            }
+            return;
+        }
+        if status == 404 {
+            // A ledger from before batches: nothing was settled; one by one from now on.
+            self.batches_unsupported = true;
+            fx.log(LogLevel::Warn, "tenant-budget: the Redis ledger has no /v1/settle_batch (404); settlements are sent one by one");
+            self.settle_queue.extend(jobs);
+            return;
+        }
+        let results = (status == 200)
+            .then(|| serde_json::from_slice::<serde_json::Value>(answer).ok())
+            .flatten()
+            .and_then(|v| v.get("results").and_then(|r| r.as_array()).cloned())
+            .filter(|r| r.len() == jobs.len());
+        match results {
+            Some(results) => {
+                for (job, item) in jobs.into_iter().zip(results) {
+                    let item_status = item.get("status").and_then(serde_json::Value::as_u64).and_then(|s| u16::try_from(s).ok()).unwrap_or(0);
+                    let item_answer = item.get("answer").map(|a| a.to_string()).unwrap_or_default();
+                    self.settle_answered(job, item_status, item_answer.as_bytes(), now, fx);
+                }
+            }
+            // No answer, the call's own failure, or an answer that is not a batch's: every
+            // settlement of it failed alike and is retried (a 400 of the whole batch judged none
+            // of them, so it is no item's final answer either).
+            None => {
+                let status = if matches!(status, 200 | 400) { 502 } else { status };
+                for job in jobs {
+                    self.settle_answered(job, status, answer, now, fx);
+                }
+            }
+        }
+    }
+
+    /// One settlement's answer (alone, or its item of a batch): final, or retried.
+    fn settle_answered(&mut self, job: SettleJob, status: u16, answer: &[u8], now: u64, fx: &mut Effects) {
         // 200 with any answer is final: settled now, or already (a retry), or expired (charged at
         // its reservation by the ledger).
         let done = status == 200 && serde_json::from_slice::<serde_json::Value>(answer).is_ok_and(|v| v.get("settled").is_some());
@@ -237,7 +317,6 @@ impl BudgetPolicy {
             LedgerResult::Error
         };
         fx.count(metrics::budget_ledger_calls_total(LedgerCall::Settle, result), 1);
-        fx.push(Effect::Record { name: metrics::budget_ledger_latency_ms(LedgerCall::Settle).to_string(), value: now.saturating_sub(started) / 1_000_000 });
         if done {
             self.ledger_health(true, "", fx);
         } else if rejected {
@@ -248,6 +327,27 @@ impl BudgetPolicy {
             self.retry_settlement(job, now, fx);
         }
     }
+}
+
+/// Settlements sent in one callout, and when.
+#[derive(Debug)]
+struct SettleCall {
+    jobs: Vec<SettleJob>,
+    started: u64,
+}
+
+/// `{"settlements":[…]}`: each job's own `/v1/settle` body, in order.
+fn batch_body(jobs: &[SettleJob]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(20 + jobs.iter().map(|j| j.body.len() + 1).sum::<usize>());
+    body.extend_from_slice(b"{\"settlements\":[");
+    for (i, job) in jobs.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(&job.body);
+    }
+    body.extend_from_slice(b"]}");
+    body
 }
 
 /// What is kept of the response, to charge it.

@@ -476,18 +476,75 @@ fn the_ledgers_admission_admits_and_its_settlement_is_queued_for_the_tick() {
         w.take(),
         [
             count("sluice.budget.ledger_calls_total.call.settle.result.error", 1),
-            record("sluice.budget.ledger_latency_ms.call.settle", 0),
             Effect::Log {
                 level: LogLevel::Warn,
                 message: "tenant-budget: the Redis ledger is failing: settle: HTTP 502 with no body; on_failure = Deny".into()
             },
             gauge("sluice.budget.ledger_up", 0),
+            record("sluice.budget.ledger_latency_ms.call.settle", 0),
         ]
     );
     w.policy.on_tick(&mut w.host, NOW + NS + 50_000_000, &mut w.fx);
     assert_eq!(w.host.calls.len(), 3, "backing off");
     w.policy.on_tick(&mut w.host, NOW + NS + 100_000_000, &mut w.fx);
     assert_eq!(w.host.calls.len(), 4, "sent again");
+}
+
+fn settle_job(id: &str) -> SettleJob {
+    SettleJob { body: json!({"id": id, "tag": "acme", "charges": [1]}).to_string().into_bytes(), attempts: 0, not_before_ns: NOW }
+}
+
+/// Several settlements due in one tick go in one `/v1/settle_batch` callout, in queue order; the
+/// answer is judged item by item (settled, a 400 rejected for good, a 503 retried alone later),
+/// counted per settlement, its latency once. A batch the call itself fails is retried whole; a 404
+/// (a ledger from before batches) sends them one by one from then on.
+#[test]
+fn settlements_due_together_go_in_one_batch_judged_item_by_item() {
+    let mut w = World::new(&redis("deny"));
+    for id in ["s-1", "s-2", "s-3"] {
+        w.policy.settle_queue.push_back(settle_job(id));
+    }
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    let items: Vec<Value> = ["s-1", "s-2", "s-3"].iter().map(|id| json!({"id": id, "tag": "acme", "charges": [1]})).collect();
+    assert_eq!(w.host.calls, [("/v1/settle_batch".to_string(), json!({"settlements": items}))]);
+    let token = u32::try_from(w.host.calls.len()).unwrap();
+    assert!(w.policy.awaits_settlement(token));
+    let answer = json!({"results": [
+        {"status": 200, "answer": {"settled": true, "counters": [{"used": 1, "reserved": 0}]}},
+        {"status": 400, "answer": {"error": "charges_mismatch", "message": "2 charges for 1 counters"}},
+        {"status": 503, "answer": {"error": "redis_unavailable", "message": "down"}},
+    ]});
+    w.policy.on_settle_answer(token, 200, answer.to_string().as_bytes(), NOW + 3_000_000, &mut w.fx);
+    let fx = w.take();
+    let counted = |result: &str| fx.iter().filter(|e| **e == count(&format!("sluice.budget.ledger_calls_total.call.settle.result.{result}"), 1)).count();
+    assert_eq!((counted("ok"), counted("rejected"), counted("error")), (1, 1, 1), "{fx:?}");
+    assert_eq!(fx.iter().filter(|e| matches!(e, Effect::Record { .. })).count(), 1, "one latency per callout: {fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Log { level: LogLevel::Error, message } if message.contains("charges_mismatch"))), "{fx:?}");
+    // Only the 503's settlement is back, alone: it goes as a plain /v1/settle once due.
+    assert_eq!(w.policy.queued_settlements(), 1);
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), items[2].clone()));
+
+    // The whole call failing (no answer): each of its settlements is retried.
+    let mut w = World::new(&redis("deny"));
+    for id in ["t-1", "t-2"] {
+        w.policy.settle_queue.push_back(settle_job(id));
+    }
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    w.policy.on_settle_answer(u32::try_from(w.host.calls.len()).unwrap(), 0, b"", NOW, &mut w.fx);
+    assert_eq!(w.policy.queued_settlements(), 2);
+
+    // A ledger without batches: a 404 puts them back untouched, and they go one by one.
+    let mut w = World::new(&redis("deny"));
+    for id in ["u-1", "u-2"] {
+        w.policy.settle_queue.push_back(settle_job(id));
+    }
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    w.policy.on_settle_answer(u32::try_from(w.host.calls.len()).unwrap(), 404, br#"{"error":"not_found"}"#, NOW, &mut w.fx);
+    assert!(w.take().iter().any(|e| matches!(e, Effect::Log { level: LogLevel::Warn, message } if message.contains("one by one"))));
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    let paths: Vec<&str> = w.host.calls.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(paths, ["/v1/settle_batch", "/v1/settle", "/v1/settle"]);
 }
 
 #[test]
