@@ -92,12 +92,21 @@ fn run_command() -> Result<()> {
                 up_command(&root, up, "Envoy and the three mock model servers have")
             }
             Some("--fleet") => {
+                let cluster = match args.get(2).map(String::as_str) {
+                    None => false,
+                    Some("--cluster") => true,
+                    Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster]]"),
+                };
                 setup_demo(&root)?;
                 ensure_debian_packages(&[("redis-server", "redis-server")])?;
                 build_native(&root, &["sluice-ledger"])?;
-                up_command(&root, up_fleet, "both Envoys, the mock model server, sluice-ledger and redis-server have")
+                if cluster {
+                    up_command(&root, up_fleet_cluster, "both Envoys, the mock model server, sluice-ledger and the six redis-servers have")
+                } else {
+                    up_command(&root, up_fleet, "both Envoys, the mock model server, sluice-ledger and redis-server have")
+                }
             }
-            Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet]"),
+            Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster]]"),
         },
         // Either way, the wall time of each phase is printed at the end, after a failure too.
         Some("test") => {
@@ -908,26 +917,83 @@ fn redis_server_bin() -> Result<PathBuf> {
 /// two listener ports, in the foreground; everything under `.run/fleet`, Redis's data wiped at each
 /// start.
 fn up_fleet(root: &Path, children: &mut Children) -> Result<()> {
+    up_fleet_on(root, children, false)
+}
+
+/// `up --fleet --cluster`: the same fleet on a local Redis Cluster of three primaries and three
+/// replicas (ports [`REDIS_PORT`] to [`REDIS_PORT`] + 5, docs/ledger.md "Redis Cluster").
+fn up_fleet_cluster(root: &Path, children: &mut Children) -> Result<()> {
+    up_fleet_on(root, children, true)
+}
+
+/// Starts a redis-server on `port` with its data in `dir` (`cluster`: as a cluster node).
+fn spawn_redis(children: &mut Children, port: u16, dir: &Path, cluster: bool) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut redis = Command::new(redis_server_bin()?);
+    redis
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "", "--appendonly", "yes"])
+        .arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(dir.join("redis.log"))
+        .stdout(Stdio::null());
+    if cluster {
+        redis.args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]);
+    }
+    children.spawn(&format!("the redis-server on :{port}"), &mut redis)?;
+    children.wait_for_port(port, Duration::from_secs(10))
+}
+
+/// Makes the six nodes on `ports` one cluster (`redis-cli --cluster create`, a replica per
+/// primary) and waits until every node says `cluster_state:ok`.
+fn create_cluster(ports: &[u16]) -> Result<()> {
+    let cli = redis_server_bin()?.with_file_name("redis-cli");
+    let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let out = Command::new(&cli).arg("--cluster").arg("create").args(&nodes).args(["--cluster-replicas", "1", "--cluster-yes"]).output()?;
+    if !out.status.success() {
+        bail!("redis-cli --cluster create failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ok = ports.iter().all(|p| {
+            Command::new(&cli)
+                .args(["-p", &p.to_string(), "cluster", "info"])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == "cluster_state:ok"))
+        });
+        if ok {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("the Redis Cluster on ports {ports:?} did not reach cluster_state:ok within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn up_fleet_on(root: &Path, children: &mut Children, cluster: bool) -> Result<()> {
     let run_dir = root.join(".run/fleet");
     let redis_dir = run_dir.join("redis");
     let _ = std::fs::remove_dir_all(&redis_dir);
     std::fs::create_dir_all(&redis_dir)?;
-    children.spawn(
-        "redis-server",
-        Command::new(redis_server_bin()?)
-            .args(["--port", &REDIS_PORT.to_string(), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "", "--appendonly", "yes"])
-            .arg("--dir")
-            .arg(&redis_dir)
-            .arg("--logfile")
-            .arg(redis_dir.join("redis.log"))
-            .stdout(Stdio::null()),
-    )?;
-    children.wait_for_port(REDIS_PORT, Duration::from_secs(10))?;
-    let redis_url = format!("redis://127.0.0.1:{REDIS_PORT}/");
+    let redis_ports: Vec<u16> = if cluster { (REDIS_PORT..REDIS_PORT + 6).collect() } else { vec![REDIS_PORT] };
+    for &port in &redis_ports {
+        let dir = if cluster { redis_dir.join(format!("node-{port}")) } else { redis_dir.clone() };
+        spawn_redis(children, port, &dir, cluster)?;
+    }
+    let redis_args = if cluster {
+        create_cluster(&redis_ports)?;
+        let seeds: Vec<String> = redis_ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect();
+        ["--redis-cluster".to_string(), seeds.join(",")]
+    } else {
+        ["--redis".to_string(), format!("redis://127.0.0.1:{REDIS_PORT}/")]
+    };
     let ledger_pid = children.spawn(
         "sluice-ledger",
         Command::new(root.join("target/release/sluice-ledger"))
-            .args(["--listen", &format!("127.0.0.1:{LEDGER_PORT}"), "--redis", &redis_url, "--prefix", "sluice"])
+            .args(["--listen", &format!("127.0.0.1:{LEDGER_PORT}")])
+            .args(&redis_args)
+            .args(["--prefix", "sluice"])
             .stderr(std::fs::File::create(run_dir.join("ledger.log"))?),
     )?;
     children.wait_for_port(LEDGER_PORT, Duration::from_secs(10))?;
@@ -963,8 +1029,8 @@ fn up_fleet(root: &Path, children: &mut Children) -> Result<()> {
     println!(
         r#"
 sluice fleet is up: two Envoys, http://127.0.0.1:{a} (admin :{admin_a}) and http://127.0.0.1:{b} (admin :{admin_b}),
-sharing their budgets through the ledger service on 127.0.0.1:{LEDGER_PORT} (pid {ledger_pid}) and Redis on
-127.0.0.1:{REDIS_PORT} (data in {redis}); the mock model server on 127.0.0.1:{mock_port}.
+sharing their budgets through the ledger service on 127.0.0.1:{LEDGER_PORT} (pid {ledger_pid}) and {redis_where}
+(data in {redis}); the mock model server on 127.0.0.1:{mock_port}.
 Policy: policies/tenant-budget.fleet.json — tenant acme may send 20 requests a minute, whichever Envoy
 they go to.
 
@@ -976,7 +1042,7 @@ Send 24 requests, alternating between the two Envoys, and watch acme's minute dr
       | grep -iE '^HTTP/|^x-ratelimit-remaining-requests' | tr -d '\r' | tr '\n' ' '; echo; done
 
 The shared counters, in Redis (redis-cli comes with Debian's redis-server):
-  redis-cli -p {REDIS_PORT} --scan --pattern 'sluice:*:c:*' | while read k; do echo "$k $(redis-cli -p {REDIS_PORT} hgetall "$k" | tr '\n' ' ')"; done
+  {scan}
 The ledger service's own counters:   curl -s 127.0.0.1:{LEDGER_PORT}/metrics | grep -v ' 0$'
 What each Envoy last saw (it updates when it admits a request):
   curl -s 127.0.0.1:{admin_a}/stats/prometheus | grep -E 'sluice_budget_remaining|sluice_budget_ledger'
@@ -986,6 +1052,19 @@ Stall the ledger and watch both Envoys answer 503 budget_ledger_unavailable (on_
 Per-request stamps:  tail -f {log_a} {log_b}
 Stop with Ctrl-C."#,
         redis = redis_dir.display(),
+        redis_where = if cluster {
+            format!("a Redis Cluster on 127.0.0.1:{REDIS_PORT}–{} (3 primaries, 3 replicas; each org's keys in one slot)", REDIS_PORT + 5)
+        } else {
+            format!("Redis on 127.0.0.1:{REDIS_PORT}")
+        },
+        scan = if cluster {
+            // The scan visits every primary; -c follows the key to its node.
+            format!(
+                "redis-cli -c -p {REDIS_PORT} --cluster call 127.0.0.1:{REDIS_PORT} keys 'sluice:*:c:*' | grep -o 'sluice:.*' | while read k; do echo \"$k $(redis-cli -c -p {REDIS_PORT} hgetall \"$k\" | tr '\\n' ' ')\"; done"
+            )
+        } else {
+            format!("redis-cli -p {REDIS_PORT} --scan --pattern 'sluice:*:c:*' | while read k; do echo \"$k $(redis-cli -p {REDIS_PORT} hgetall \"$k\" | tr '\\n' ' ')\"; done")
+        },
         mock_port = mock.port,
         log_a = logs[0],
         log_b = logs[1],
