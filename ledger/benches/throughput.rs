@@ -13,6 +13,11 @@
 //!
 //! Everything (clients, service, Redis) shares the machine's cores, so the figures are a floor for
 //! the service itself; the summary says how many cores there were.
+//!
+//! Beside each row, the physical limit at the same concurrency: the same two scripts sent straight to
+//! the same Redis by the service's own store (`sluice_ledger::store::Store`, the redis crate's
+//! multiplexed connection) from one tokio thread, with no HTTP — what the service would do if HTTP
+//! cost nothing (single Redis only).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -35,7 +40,8 @@ fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
 }
 
-fn run(addr: std::net::SocketAddr, clients: usize, seconds: f64) {
+/// Pairs per second through the service (printed with their latencies); returns the rate.
+fn run(addr: std::net::SocketAddr, clients: usize, seconds: f64) -> f64 {
     let stop = AtomicBool::new(false);
     let warmup = Duration::from_millis(300);
     let started = Instant::now();
@@ -88,6 +94,60 @@ fn run(addr: std::net::SocketAddr, clients: usize, seconds: f64) {
         ms(percentile(&calls, 0.5)),
         ms(percentile(&calls, 0.99)),
     );
+    pairs.len() as f64 / seconds
+}
+
+/// Reserve+settle pairs per second with the scripts called directly (see the module's doc): `clients`
+/// tasks on one thread, each a pair after the other. Returns (pairs/s, pair p50, pair p99).
+fn run_raw(redis_url: &str, clients: usize, seconds: f64) -> (f64, Duration, Duration) {
+    use sluice_ledger::api::{CounterRequest, ReserveRequest, SettleRequest};
+    use sluice_ledger::store::{RedisTarget, Store};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let metrics = std::sync::Arc::new(sluice_ledger::metrics::Metrics::default());
+        let store = std::rc::Rc::new(Store::new(&RedisTarget::Single(redis_url.to_string()), "raw", Duration::from_secs(1), metrics).unwrap());
+        let warmup = Duration::from_millis(300);
+        let measure_from = Instant::now() + warmup;
+        let until = measure_from + Duration::from_secs_f64(seconds);
+        let local = tokio::task::LocalSet::new();
+        let tasks: Vec<_> = (0..clients)
+            .map(|c| {
+                let store = std::rc::Rc::clone(&store);
+                local.spawn_local(async move {
+                    let mut pairs = Vec::new();
+                    let mut i = 0u64;
+                    while Instant::now() < until {
+                        i += 1;
+                        let id = format!("raw-{clients}-{c}-{i}");
+                        let counter = |key: String| CounterRequest { key, limit: 1u64 << 53, amount: 1500, expire_at_s: 4_000_000_000 };
+                        let reserve = ReserveRequest {
+                            id: id.clone(),
+                            tag: "bench".into(),
+                            hold_ttl_s: 600,
+                            counters: vec![counter("org:bench:day".into()), counter(format!("key:{c}:day"))],
+                        };
+                        let t0 = Instant::now();
+                        store.reserve(&reserve).await.unwrap();
+                        store.settle(&SettleRequest { id, tag: "bench".into(), charges: vec![812, 812] }).await.unwrap();
+                        if t0 >= measure_from {
+                            pairs.push(t0.elapsed());
+                        }
+                    }
+                    pairs
+                })
+            })
+            .collect();
+        let mut pairs: Vec<Duration> = Vec::new();
+        local
+            .run_until(async {
+                for t in tasks {
+                    pairs.extend(t.await.unwrap());
+                }
+            })
+            .await;
+        pairs.sort();
+        (pairs.len() as f64 / seconds, percentile(&pairs, 0.5), percentile(&pairs, 0.99))
+    })
 }
 
 fn main() {
@@ -114,7 +174,17 @@ fn main() {
     let store = if cluster_mode { "a local Redis Cluster (3 primaries + 3 replicas)" } else { "local redis-server" };
     println!("sluice-ledger bench: one service thread, {store}, {cores} cores shared by clients, service and Redis");
     for n in clients {
-        run(service.addr, n.max(1), seconds);
+        let through_service = run(service.addr, n.max(1), seconds);
+        if let Some(redis) = &_redis {
+            let (raw, p50, p99) = run_raw(&redis.url(), n.max(1), seconds);
+            println!(
+                "{:>3} clients, the scripts straight to Redis (no HTTP, one thread): {raw:>7.0} pairs/s | pair p50 {} p99 {} | the service reaches {:.0} % of it",
+                n.max(1),
+                ms(p50),
+                ms(p99),
+                through_service / raw * 100.0
+            );
+        }
     }
     let mut http = common::Http::new(service.addr);
     let metrics = http.get("/metrics").body;

@@ -1060,7 +1060,7 @@ Stop with Ctrl-C."#,
         scan = if cluster {
             // The scan visits every primary; -c follows the key to its node.
             format!(
-                "redis-cli -c -p {REDIS_PORT} --cluster call 127.0.0.1:{REDIS_PORT} keys 'sluice:*:c:*' | grep -o 'sluice:{.*' | while read k; do echo \"$k $(redis-cli -c -p {REDIS_PORT} hgetall \"$k\" | tr '\\n' ' ')\"; done"
+                "redis-cli -c -p {REDIS_PORT} --cluster call 127.0.0.1:{REDIS_PORT} keys 'sluice:*:c:*' | grep -o 'sluice:{{.*' | while read k; do echo \"$k $(redis-cli -c -p {REDIS_PORT} hgetall \"$k\" | tr '\\n' ' ')\"; done"
             )
         } else {
             format!("redis-cli -p {REDIS_PORT} --scan --pattern 'sluice:*:c:*' | while read k; do echo \"$k $(redis-cli -p {REDIS_PORT} hgetall \"$k\" | tr '\\n' ' ')\"; done")
