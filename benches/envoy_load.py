@@ -262,7 +262,10 @@ def main():
         threading.Thread(target=sink.serve_forever, daemon=True).start()
         traced_vars = tracing_vars("full-gateway", sink.server_address[1])
         # The same tracer without sluice's custom tags (the block up to its tags' comment).
-        tracer_only = dict(traced_vars, TRACING=traced_vars["TRACING"].split("  # Each is a value")[0])
+        marker = "  # Each is a value"
+        if marker not in traced_vars["TRACING"]:
+            raise RuntimeError("the tracing block no longer marks its custom tags: the tracer-only row cannot drop them")
+        tracer_only = dict(traced_vars, TRACING=traced_vars["TRACING"].split(marker)[0])
         extproc_port = free_port()
         extproc = subprocess.Popen([str(EXTPROC), f"127.0.0.1:{extproc_port}"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL) if EXTPROC.exists() else None

@@ -99,18 +99,27 @@ async fn read_body(request: Request<Incoming>) -> Result<Bytes, BadRequest> {
     }
 }
 
-/// One item of a settlement batch: the status and body `/v1/settle` would have answered it with,
-/// as `{"status": …, "answer": …}`; counted as a settle request.
-async fn settle_one(ledger: &Ledger, item: &Result<SettleRequest, BadRequest>) -> Value {
-    let (status, answer, label) = match item {
-        Err(e) => (StatusCode::BAD_REQUEST, e.body(), "bad_request"),
-        Ok(request) => match ledger.store.settle(request).await {
-            Ok(outcome @ SettleOutcome::Mismatch { .. }) => (StatusCode::BAD_REQUEST, outcome.body(), outcome.label()),
-            Ok(outcome) => (StatusCode::OK, outcome.body(), outcome.label()),
-            Err(e) => store_failure_answer(&e),
-        },
+/// Settles one valid request: the status and body `/v1/settle` answers, counted as a settle request.
+async fn settle(ledger: &Ledger, request: &SettleRequest) -> (StatusCode, Value) {
+    let (status, answer, label) = match ledger.store.settle(request).await {
+        Ok(outcome @ SettleOutcome::Mismatch { .. }) => (StatusCode::BAD_REQUEST, outcome.body(), outcome.label()),
+        Ok(outcome) => (StatusCode::OK, outcome.body(), outcome.label()),
+        Err(e) => store_failure_answer(&e),
     };
     ledger.metrics.request("settle", label);
+    (status, answer)
+}
+
+/// One item of a settlement batch: the status and body `/v1/settle` would have answered it with,
+/// as `{"status": …, "answer": …}`.
+async fn settle_one(ledger: &Ledger, item: &Result<SettleRequest, BadRequest>) -> Value {
+    let (status, answer) = match item {
+        Err(e) => {
+            ledger.metrics.request("settle", "bad_request");
+            (StatusCode::BAD_REQUEST, e.body())
+        }
+        Ok(request) => settle(ledger, request).await,
+    };
     json!({"status": status.as_u16(), "answer": answer})
 }
 
@@ -155,21 +164,8 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
                     return bad_request(&e);
                 }
             };
-            match ledger.store.settle(&request).await {
-                Ok(outcome @ SettleOutcome::Mismatch { .. }) => {
-                    metrics.request("settle", outcome.label());
-                    json_response(StatusCode::BAD_REQUEST, &outcome.body())
-                }
-                Ok(outcome) => {
-                    metrics.request("settle", outcome.label());
-                    json_response(StatusCode::OK, &outcome.body())
-                }
-                Err(e) => {
-                    let (response, label) = store_failure(&e);
-                    metrics.request("settle", label);
-                    response
-                }
-            }
+            let (status, answer) = settle(ledger, &request).await;
+            json_response(status, &answer)
         }
         ("/v1/settle_batch", Method::POST) => {
             let parsed = match read_body(request).await {

@@ -45,21 +45,32 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: a proxy-wasm ABI 0.2.1 import reading `name` (pointer and length of a live &str) and
-    // writing a pointer and a size into the two locals; a returned buffer was allocated by this
-    // module's allocator for exactly `size` bytes, and ownership passes to us.
+    // writing a pointer and a size into the two locals.
     let status = unsafe { proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut data, &mut size) };
+    // SAFETY: `data` and `size` are what the import just wrote.
+    let bytes = unsafe { take_returned(status, data, size, &format_args!("header {name}")) }?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The bytes a proxy-wasm read import handed back: `None` for `NotFound` and for a failure (logged
+/// at debug, naming `what`), empty when it succeeded with no buffer.
+///
+/// # Safety
+/// `data` and `size` are what the import wrote for `status`: on success, a buffer this module's
+/// allocator (`proxy_on_memory_allocate`) made for exactly `size` bytes, or null. Ownership of the
+/// buffer passes to the returned `Vec`.
+unsafe fn take_returned(status: u32, data: *mut u8, size: usize, what: &dyn std::fmt::Display) -> Option<Vec<u8>> {
     if status != STATUS_OK {
         if status != STATUS_NOT_FOUND {
-            log::debug!("reading header {name} failed: status {status}");
+            log::debug!("reading {what} failed: status {status}");
         }
         return None;
     }
     if data.is_null() {
-        return Some(String::new());
+        return Some(Vec::new());
     }
-    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
-    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
-    Some(String::from_utf8_lossy(&bytes).into_owned())
+    // SAFETY: the caller's contract: `data` points to `size` initialised bytes this module now owns.
+    Some(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
 /// Bytes `[0, size)` of a body buffer (the current chunk when the filter does not buffer).
@@ -85,7 +96,7 @@ pub fn append_body(buffer: BufferType, current_size: usize, bytes: &[u8]) {
     }
 }
 
-///
+/// A property (`["request", "headers", "traceparent"]`, `["xds", "node", "id"]`), decoded lossily.
 /// Through the ABI directly, as [`header`]: the SDK's `get_property` panics on a status it does not
 /// expect.
 pub fn property(path: &[String]) -> Option<String> {
@@ -100,20 +111,10 @@ pub fn property(path: &[String]) -> Option<String> {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: a proxy-wasm ABI 0.2.1 import reading `serialized` (a live buffer) and writing a
-    // pointer and a size into the two locals; a returned buffer was allocated by this module's
-    // allocator for exactly `size` bytes, and ownership passes to us.
+    // pointer and a size into the two locals.
     let status = unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) };
-    if status != STATUS_OK {
-        if status != STATUS_NOT_FOUND {
-            log::debug!("reading property {path:?} failed: status {status}");
-        }
-        return None;
-    }
-    if data.is_null() {
-        return Some(String::new());
-    }
-    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
-    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+    // SAFETY: `data` and `size` are what the import just wrote.
+    let bytes = unsafe { take_returned(status, data, size, &format_args!("property {path:?}")) }?;
     Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
@@ -421,19 +422,13 @@ extern "C" {
 pub fn headers(map: MapType) -> HeaderPairs {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
-    // SAFETY: a proxy-wasm ABI 0.2.1 import writing a pointer and a size into the two locals; the
-    // buffer it returns was allocated by this module's allocator (`proxy_on_memory_allocate`) for
-    // exactly `size` bytes, and ownership passes to us.
+    // SAFETY: a proxy-wasm ABI 0.2.1 import writing a pointer and a size into the two locals.
     let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
-    if status != STATUS_OK {
-        log::debug!("proxy_get_header_map_pairs returned status {status}");
+    // SAFETY: `data` and `size` are what the import just wrote.
+    let Some(bytes) = (unsafe { take_returned(status, data, size, &"the header map") }) else { return HeaderPairs::default() };
+    if bytes.is_empty() {
         return HeaderPairs::default();
     }
-    if data.is_null() {
-        return HeaderPairs::default();
-    }
-    // SAFETY: as above: `data` points to `size` initialised bytes this module now owns.
-    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
     HeaderPairs::parse(bytes).unwrap_or_else(|| {
         log::debug!("the host's header map is not in the ABI's layout ({size} bytes)");
         HeaderPairs::default()
