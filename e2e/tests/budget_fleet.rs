@@ -884,6 +884,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let logged = read_logs(&refs, ids.len() + lim_answers.len() + lim_before.len() + 2).unwrap();
     let mut via_redis = 0u64;
     let mut via_redis_n = 0;
+    let mut via_fallback = 0u64;
     let mut fallback_n = 0;
     for id in &ids {
         let Some(stamp) = logged.get(*id).and_then(|l| l.stamp.clone()) else {
@@ -895,23 +896,28 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
                 via_redis += stamp_u64(&stamp, "charged_tokens").unwrap_or(0);
                 via_redis_n += 1;
             }
-            "local_fallback" => fallback_n += 1,
+            "local_fallback" => {
+                via_fallback += stamp_u64(&stamp, "charged_tokens").unwrap_or(0);
+                fallback_n += 1;
+            }
             _ => {}
         }
     }
-    let orphans = wait_until(Duration::from_secs(20), "every settlement to reach Redis", || {
+    // What the local fallback charged during the outage is written back once the ledger answers:
+    // Redis holds the fleet's whole usage.
+    let orphans = wait_until(Duration::from_secs(20), "every settlement and write-back to reach Redis", || {
         let (used, reserved) = counter_state(&redis, "acme", k_prefix);
         let orphans = holds(&redis, "acme");
         let held: u64 = orphans.iter().flat_map(|h| &h.counters).filter(|(c, _)| c.starts_with(k_prefix)).map(|(_, a)| a).sum();
         let stalled_hold_left = orphans.iter().any(|h| h.expires_ms >= stall_redis_ms + 60_000);
-        Ok((used == via_redis && reserved == held && !stalled_hold_left).then_some(orphans))
+        Ok((used == via_redis + via_fallback && reserved == held && !stalled_hold_left).then_some(orphans))
     });
     let (used_before_expiry, reserved_before_expiry) = counter_state(&redis, "acme", k_prefix);
     let orphans = orphans.unwrap_or_else(|_| {
         failures.add(
             "(b) no usage lost",
             format!(
-                "Redis key k: used {used_before_expiry} reserved {reserved_before_expiry}; stamps settled through Redis: {via_redis}; holds {:?}",
+                "Redis key k: used {used_before_expiry} reserved {reserved_before_expiry}; stamps settled through Redis: {via_redis}, by the local fallback: {via_fallback}; holds {:?}",
                 holds(&redis, "acme")
             ),
         );
@@ -937,6 +943,11 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     failures.that("(b) no usage lost", dropped == 0.0, || format!("{dropped} settlements dropped"));
     failures.that("(b) expiry", !orphans.is_empty(), || "the killed Envoy's hold is not in Redis".into());
     let lim_redis = counter_state(&redis, "acme", "key:lim:day:requests:w");
+    failures.that("(b) write-back", lim_redis == (12 + lim_admitted as u64, 0), || {
+        format!("key lim in Redis after the outage: {lim_redis:?}; want the 12 admitted through Redis + the {lim_admitted} the fallback admitted")
+    });
+    let write_backs = metric_sum(&refs, "sluice_budget_ledger_calls_total", &[("call", "write_back"), ("result", "ok")]);
+    failures.that("(b) write-back", write_backs >= 1.0, || "no write-back call answered".into());
     // Holds are named by the plugin, not by x-request-id: the stalled request's is the one made
     // after the stall began (its expiry is a minute after that).
     let stall_holds: Vec<&Hold> = orphans.iter().filter(|h| h.expires_ms >= stall_redis_ms + 60_000).collect();
@@ -1001,7 +1012,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let _ = writeln!(out, "  long streams across the outage: {:?}", long.iter().map(|l| (l.id.as_str(), l.status)).collect::<Vec<_>>());
     let _ = writeln!(
         out,
-        "  key lim (12/day): {} admitted through Redis before the outage, the 13th refused; during it the local fallback (12 / replicas 2) admitted {lim_admitted} more, refused {}; Redis lim after: {lim_redis:?} — the day's total {} of 12 (the fallback starts from zero and its charges stay local)",
+        "  key lim (12/day): {} admitted through Redis before the outage, the 13th refused; during it the local fallback (12 / replicas 2) admitted {lim_admitted} more, refused {}; Redis lim after: {lim_redis:?} — the day's total {} of 12, all of it in Redis (the fallback starts from zero; its charges are written back)",
         lim_before.iter().filter(|(s, _)| *s == 200).count(),
         lim_answers.len() - lim_admitted,
         lim_before.iter().filter(|(s, _)| *s == 200).count() + lim_admitted
@@ -1018,7 +1029,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     );
     let _ = writeln!(
         out,
-        "  requests settled through Redis: {via_redis_n} ({via_redis} tokens) = Redis used {used_before_expiry}; admitted by the local fallback: {fallback_n}"
+        "  requests settled through Redis: {via_redis_n} ({via_redis} tokens) + admitted by the local fallback: {fallback_n} ({via_fallback} tokens, written back in {write_backs} calls) = Redis used {used_before_expiry}"
     );
     let _ = writeln!(
         out,

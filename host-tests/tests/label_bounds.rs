@@ -1106,8 +1106,11 @@ fn budget_schema(policy: &Value, named: &[&str], cap: usize) -> Schema {
             Family { metric: "sluice.budget.soft_limit_crossings_total".into(), variants: counters },
             // The Redis ledger's health and calls.
             family("sluice.budget.ledger_up", vec![]),
-            family("sluice.budget.ledger_calls_total", vec![("call", fixed(["reserve", "settle"])), ("result", fixed(["ok", "timeout", "error"]))]),
-            family("sluice.budget.ledger_latency_ms", vec![("call", fixed(["reserve", "settle"]))]),
+            family(
+                "sluice.budget.ledger_calls_total",
+                vec![("call", fixed(["reserve", "settle", "write_back"])), ("result", fixed(["ok", "timeout", "error"]))],
+            ),
+            family("sluice.budget.ledger_latency_ms", vec![("call", fixed(["reserve", "settle", "write_back"]))]),
             family("sluice.budget.ledger_fallback_total", vec![("action", fixed(["allow", "local"]))]),
             family("sluice.budget.ledger_settlements_dropped_total", vec![]),
         ],
@@ -1186,8 +1189,8 @@ fn answer_ledger(gw: &Gateway, tr: &Traffic, settled_once: &mut BTreeSet<Vec<u8>
 /// `overestimate_tokens` one per key (5 + 5); the two charge metrics one per key path ×
 /// model_version (2 named + 4 dynamic + other = 7): 2 × 35 = 70; `remaining` and
 /// `soft_limit_crossings_total` one per budget counter, per-identity ones included (8 + 8); the
-/// Redis ledger's `ledger_up` 1, `ledger_calls_total` 2 calls × 3 results = 6,
-/// `ledger_latency_ms` 2, `ledger_fallback_total` 2, `ledger_settlements_dropped_total` 1: 210.
+/// Redis ledger's `ledger_up` 1, `ledger_calls_total` 3 calls × 3 results = 9,
+/// `ledger_latency_ms` 3, `ledger_fallback_total` 2, `ledger_settlements_dropped_total` 1: 214.
 /// The tight checks: model_version at most 4 dynamic values, keys only the policy's (and
 /// `unknown`), reasons only fixed codes and budget codes, no identity anywhere. The same traffic
 /// runs against the local ledger and against the Redis ledger.

@@ -43,6 +43,24 @@ pub struct CounterRequest {
     pub expire_at_s: u64,
 }
 
+/// `POST /v1/charge`: what a request admitted without the ledger (the plugin's local fallback)
+/// was charged, added to the counters unconditionally.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChargeRequest {
+    pub id: String,
+    pub tag: String,
+    pub counters: Vec<ChargeCounter>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChargeCounter {
+    pub key: String,
+    pub amount: u64,
+    pub expire_at_s: u64,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SettleRequest {
@@ -104,6 +122,27 @@ fn check_amount(what: &str, value: u64) -> Result<(), BadRequest> {
     Ok(())
 }
 
+/// What reserve and charge check alike on their counters (`fields` gives a counter's key, amount
+/// and `expire_at_s`): 1..=[`MAX_COUNTERS`] of them, valid keys, none twice, bounded numbers.
+fn check_counters<C>(counters: &[C], fields: impl Fn(&C) -> (&str, u64, u64)) -> Result<(), BadRequest> {
+    if counters.is_empty() || counters.len() > MAX_COUNTERS {
+        return Err(BadRequest::field(format!("{} counters, must be 1..={MAX_COUNTERS}", counters.len())));
+    }
+    for (i, c) in counters.iter().enumerate() {
+        let (key, amount, expire_at_s) = fields(c);
+        check_name(&format!("counters[{i}].key"), key, MAX_KEY_BYTES)?;
+        check_amount(&format!("counters[{i}].amount"), amount)?;
+        if expire_at_s > MAX_EXPIRE_AT_S {
+            return Err(BadRequest::field(format!("counters[{i}].expire_at_s is {expire_at_s}, at most {MAX_EXPIRE_AT_S} allowed")));
+        }
+        // A key twice would be checked twice against the same room and held (or charged) twice.
+        if counters.iter().take(i).any(|earlier| fields(earlier).0 == key) {
+            return Err(BadRequest::field(format!("counters[{i}].key {key:?} appears twice")));
+        }
+    }
+    Ok(())
+}
+
 fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, BadRequest> {
     serde_json::from_slice(body).map_err(|e| BadRequest::new("malformed_json", e.to_string()))
 }
@@ -121,22 +160,25 @@ impl ReserveRequest {
         if self.hold_ttl_s == 0 || self.hold_ttl_s > MAX_HOLD_TTL_S {
             return Err(BadRequest::field(format!("hold_ttl_s is {}, must be 1..={MAX_HOLD_TTL_S}", self.hold_ttl_s)));
         }
-        if self.counters.is_empty() || self.counters.len() > MAX_COUNTERS {
-            return Err(BadRequest::field(format!("{} counters, must be 1..={MAX_COUNTERS}", self.counters.len())));
-        }
+        check_counters(&self.counters, |c| (c.key.as_str(), c.amount, c.expire_at_s))?;
         for (i, c) in self.counters.iter().enumerate() {
-            check_name(&format!("counters[{i}].key"), &c.key, MAX_KEY_BYTES)?;
             check_amount(&format!("counters[{i}].limit"), c.limit)?;
-            check_amount(&format!("counters[{i}].amount"), c.amount)?;
-            if c.expire_at_s > MAX_EXPIRE_AT_S {
-                return Err(BadRequest::field(format!("counters[{i}].expire_at_s is {}, at most {MAX_EXPIRE_AT_S} allowed", c.expire_at_s)));
-            }
-            // A key twice would be checked twice against the same room and held twice.
-            if self.counters.iter().take(i).any(|earlier| earlier.key == c.key) {
-                return Err(BadRequest::field(format!("counters[{i}].key {:?} appears twice", c.key)));
-            }
         }
         Ok(())
+    }
+}
+
+impl ChargeRequest {
+    pub fn parse(body: &[u8]) -> Result<ChargeRequest, BadRequest> {
+        let request: ChargeRequest = parse(body)?;
+        request.validate()?;
+        Ok(request)
+    }
+
+    pub fn validate(&self) -> Result<(), BadRequest> {
+        check_name("id", &self.id, MAX_ID_BYTES)?;
+        check_tag(&self.tag)?;
+        check_counters(&self.counters, |c| (c.key.as_str(), c.amount, c.expire_at_s))
     }
 }
 
@@ -227,6 +269,15 @@ pub enum SettleOutcome {
     },
 }
 
+/// What a charge decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChargeOutcome {
+    /// Added; every counter's state afterwards, in request order (0/0 for one whose window is over).
+    Charged { counters: Vec<CounterState> },
+    /// The id was used already (this charge, a hold or a settlement): nothing changed.
+    AlreadyCharged,
+}
+
 fn states(counters: &[CounterState]) -> Value {
     Value::Array(counters.iter().map(|c| json!({"used": c.used, "reserved": c.reserved})).collect())
 }
@@ -274,6 +325,22 @@ impl SettleOutcome {
             SettleOutcome::Mismatch { held } => {
                 json!({"error": "charges_mismatch", "message": format!("the hold has {held} counters")})
             }
+        }
+    }
+}
+
+impl ChargeOutcome {
+    pub fn label(&self) -> &'static str {
+        match self {
+            ChargeOutcome::Charged { .. } => "charged",
+            ChargeOutcome::AlreadyCharged => "already_charged",
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        match self {
+            ChargeOutcome::Charged { counters } => json!({"charged": true, "counters": states(counters)}),
+            ChargeOutcome::AlreadyCharged => json!({"charged": false, "reason": "already_charged"}),
         }
     }
 }
@@ -350,6 +417,42 @@ mod tests {
         }
     }
 
+    const GOOD_CHARGE: &str = r#"{"id":"c1","tag":"acme","counters":[{"key":"k:a:0:w1","amount":1234,"expire_at_s":1775001660}]}"#;
+
+    #[test]
+    fn charges_are_validated_like_reserves() {
+        let c = ChargeRequest::parse(GOOD_CHARGE.as_bytes()).unwrap();
+        assert_eq!((c.id.as_str(), c.tag.as_str(), c.counters.len(), c.counters[0].amount), ("c1", "acme", 1, 1234));
+        assert!(ChargeRequest::parse(GOOD_CHARGE.replace("1234", "9007199254740992").as_bytes()).is_ok());
+        let counter = r#"{"key":"KEY","amount":1,"expire_at_s":1}"#;
+        let many = |n: usize| {
+            let list: Vec<String> = (0..n).map(|i| counter.replace("KEY", &format!("k{i}"))).collect();
+            format!(r#"{{"id":"c1","tag":"acme","counters":[{}]}}"#, list.join(","))
+        };
+        assert!(ChargeRequest::parse(many(64).as_bytes()).is_ok());
+        let dup = format!(r#"{{"id":"c1","tag":"acme","counters":[{counter},{counter}]}}"#);
+        let cases: &[(&str, &str)] = &[
+            ("{", "malformed_json"),
+            (&GOOD_CHARGE.replace("\"tag\"", "\"x\":1,\"tag\""), "malformed_json"),
+            (&GOOD_CHARGE.replace("\"amount\"", "\"limit\":5,\"amount\""), "malformed_json"),
+            (&GOOD_CHARGE.replace("1234", "-1"), "malformed_json"),
+            (r#"{"id":"c1","tag":"acme"}"#, "malformed_json"),
+            (r#"{"id":"c1","tag":"acme","counters":[]}"#, "invalid_field"),
+            (&many(65), "invalid_field"),
+            (&dup, "invalid_field"),
+            (&GOOD_CHARGE.replace("1234", "9007199254740993"), "invalid_field"),
+            (&GOOD_CHARGE.replace("1775001660", "253402300800"), "invalid_field"),
+            (&GOOD_CHARGE.replace("\"c1\"", "\"\""), "invalid_field"),
+            (&GOOD_CHARGE.replace("\"c1\"", "\"c\\u0001\""), "invalid_field"),
+            (&GOOD_CHARGE.replace("\"c1\"", &format!("\"{}\"", "c".repeat(129))), "invalid_field"),
+            (&GOOD_CHARGE.replace("\"acme\"", "\"a{c\""), "invalid_field"),
+            (&GOOD_CHARGE.replace("k:a:0:w1", ""), "invalid_field"),
+        ];
+        for (body, code) in cases {
+            assert_eq!(ChargeRequest::parse(body.as_bytes()).err().map(|e| e.code), Some(*code), "{body}");
+        }
+    }
+
     #[test]
     fn answers_have_the_contract_shape() {
         let a = ReserveOutcome::Admitted { replayed: false, counters: vec![CounterState { used: 10, reserved: 1244 }] };
@@ -357,5 +460,8 @@ mod tests {
         let r = ReserveOutcome::Refused { index: 0, used: 4900, reserved: 0, limit: 5000 };
         assert_eq!(r.body(), json!({"admitted": false, "refused": 0, "used": 4900, "reserved": 0, "limit": 5000}));
         assert_eq!(SettleOutcome::Expired.body(), json!({"settled": false, "reason": "expired"}));
+        let c = ChargeOutcome::Charged { counters: vec![CounterState { used: 5100, reserved: 0 }] };
+        assert_eq!(c.body(), json!({"charged": true, "counters": [{"used": 5100, "reserved": 0}]}));
+        assert_eq!(ChargeOutcome::AlreadyCharged.body(), json!({"charged": false, "reason": "already_charged"}));
     }
 }

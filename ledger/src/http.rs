@@ -1,6 +1,6 @@
 //! The HTTP/1.1 front: routing, body limits, status codes.
 
-use crate::api::{BadRequest, ReserveRequest, SettleBatch, SettleOutcome, SettleRequest, MAX_BODY_BYTES};
+use crate::api::{BadRequest, ChargeRequest, ReserveRequest, SettleBatch, SettleOutcome, SettleRequest, MAX_BODY_BYTES};
 use crate::store::StoreError;
 use crate::Ledger;
 use bytes::Bytes;
@@ -185,6 +185,30 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
             metrics.request("settle_batch", "ok");
             json_response(StatusCode::OK, &json!({ "results": results }))
         }
+        ("/v1/charge", Method::POST) => {
+            let parsed = match read_body(request).await {
+                Ok(body) => ChargeRequest::parse(&body),
+                Err(e) => Err(e),
+            };
+            let request = match parsed {
+                Ok(r) => r,
+                Err(e) => {
+                    metrics.request("charge", "bad_request");
+                    return bad_request(&e);
+                }
+            };
+            match ledger.store.charge(&request).await {
+                Ok(outcome) => {
+                    metrics.request("charge", outcome.label());
+                    json_response(StatusCode::OK, &outcome.body())
+                }
+                Err(e) => {
+                    let (response, label) = store_failure(&e);
+                    metrics.request("charge", label);
+                    response
+                }
+            }
+        }
         ("/healthz", Method::GET) => match ledger.store.ping().await {
             Ok(()) => {
                 metrics.request("healthz", "ok");
@@ -199,7 +223,7 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
             metrics.request("metrics", "ok");
             respond(StatusCode::OK, "text/plain; version=0.0.4", metrics.render())
         }
-        ("/v1/reserve" | "/v1/settle" | "/v1/settle_batch" | "/healthz" | "/metrics", _) => {
+        ("/v1/reserve" | "/v1/settle" | "/v1/settle_batch" | "/v1/charge" | "/healthz" | "/metrics", _) => {
             metrics.request("other", "method_not_allowed");
             json_response(StatusCode::METHOD_NOT_ALLOWED, &json!({"error": "method_not_allowed", "message": format!("{path}: wrong method")}))
         }

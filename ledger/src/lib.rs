@@ -1,8 +1,10 @@
 //! `sluice-ledger`: the fleet ledger of tenant-budget (docs/ledger.md).
 //!
-//! A stateless HTTP service: `POST /v1/reserve` and `POST /v1/settle` each run one atomic Lua script
-//! in Redis, which holds every bit of state; `GET /healthz` pings Redis; `GET /metrics` is
-//! Prometheus text. Any number of instances can serve the same Redis.
+//! A stateless HTTP service: `POST /v1/reserve`, `POST /v1/settle` (and its batch form,
+//! `POST /v1/settle_batch`) and `POST /v1/charge` (write-back of what the plugin's local fallback
+//! charged) each run one atomic Lua script per request in Redis, which holds every bit of state;
+//! `GET /healthz` pings Redis; `GET /metrics` is Prometheus text. Any number of instances can serve
+//! the same Redis.
 
 pub mod api;
 pub mod http;

@@ -20,6 +20,11 @@ const REQUESTS: &[(&str, &str)] = &[
     ("settle", "bad_request"),
     ("settle", "unavailable"),
     ("settle", "error"),
+    ("charge", "charged"),
+    ("charge", "already_charged"),
+    ("charge", "bad_request"),
+    ("charge", "unavailable"),
+    ("charge", "error"),
     // A batch counts once here; each of its settlements counts under `settle`.
     ("settle_batch", "ok"),
     ("settle_batch", "bad_request"),
@@ -34,7 +39,7 @@ const REQUESTS: &[(&str, &str)] = &[
 pub const ERROR_KINDS: &[&str] = &["timeout", "connection", "unavailable", "script"];
 
 /// Scripts whose latency is measured.
-pub const SCRIPTS: &[&str] = &["reserve", "settle"];
+pub const SCRIPTS: &[&str] = &["reserve", "settle", "charge"];
 
 /// Upper bounds of the latency histogram, in microseconds.
 const BUCKETS_US: &[u64] = &[100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000];
@@ -168,5 +173,8 @@ mod tests {
         assert!(text.contains("sluice_ledger_script_seconds_bucket{script=\"reserve\",le=\"0.0005\"} 1\n"));
         assert!(text.contains("sluice_ledger_script_seconds_bucket{script=\"reserve\",le=\"+Inf\"} 1\n"));
         assert!(text.contains("sluice_ledger_script_seconds_count{script=\"settle\"} 0\n"));
+        m.request("charge", "already_charged");
+        assert!(m.render().contains("sluice_ledger_requests_total{endpoint=\"charge\",result=\"already_charged\"} 1\n"));
+        assert!(m.render().contains("sluice_ledger_script_seconds_count{script=\"charge\"} 0\n"));
     }
 }

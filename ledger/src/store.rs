@@ -1,4 +1,5 @@
-//! Redis: one connection per instance, re-made after a failure, and the two scripts.
+//! Redis: one connection per instance, re-made after a failure, and the three scripts (reserve,
+//! settle, charge).
 //!
 //! The connection is either one multiplexed connection to a primary ([`RedisTarget::Single`]) or
 //! the redis crate's cluster connection ([`RedisTarget::Cluster`]: one multiplexed connection per
@@ -10,18 +11,18 @@
 //! dropped and the next call connects again (at most one attempt per [`RECONNECT_INTERVAL`],
 //! shared by all concurrent calls), so a restarted or failed-over Redis is picked up without
 //! restarting the service. A call that failed on a connection made before it is tried once more on
-//! a fresh one within the same deadline: both scripts are idempotent per id, so a retry of a script
-//! that did run answers `replayed` / `already_settled` and changes nothing. A single connection
-//! that timed out is dropped too (a hung server); a cluster connection is kept (one slow node does
-//! not make the other shards' connections bad; the crate's own per-request timeout and retries
-//! handle that node).
+//! a fresh one within the same deadline: every script is idempotent per id, so a retry of a script
+//! that did run answers `replayed` / `already_settled` / `already_charged` and changes nothing. A
+//! single connection that timed out is dropped too (a hung server); a cluster connection is kept
+//! (one slow node does not make the other shards' connections bad; the crate's own per-request
+//! timeout and retries handle that node).
 
-use crate::api::{CounterState, ReserveOutcome, ReserveRequest, SettleOutcome, SettleRequest};
+use crate::api::{ChargeOutcome, ChargeRequest, CounterState, ReserveOutcome, ReserveRequest, SettleOutcome, SettleRequest};
 use crate::metrics::Metrics;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script, Value};
+use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Script, ScriptInvocation, Value};
 use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,7 @@ pub const RECONNECT_INTERVAL: Duration = Duration::from_millis(100);
 const COMMON_LUA: &str = include_str!("lua/common.lua");
 const RESERVE_LUA: &str = include_str!("lua/reserve.lua");
 const SETTLE_LUA: &str = include_str!("lua/settle.lua");
+const CHARGE_LUA: &str = include_str!("lua/charge.lua");
 
 /// Where the counters are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +132,7 @@ pub struct Store {
     state: AtomicU8,
     reserve: Script,
     settle: Script,
+    charge: Script,
     metrics: Arc<Metrics>,
 }
 
@@ -163,6 +166,7 @@ impl Store {
             state: AtomicU8::new(UNKNOWN),
             reserve: Script::new(&format!("{COMMON_LUA}\n{RESERVE_LUA}")),
             settle: Script::new(&format!("{COMMON_LUA}\n{SETTLE_LUA}")),
+            charge: Script::new(&format!("{COMMON_LUA}\n{CHARGE_LUA}")),
             metrics,
         })
     }
@@ -324,26 +328,36 @@ impl Store {
         }
     }
 
+    /// A call of `script` for `id` with the keys every script starts with (the tag's holds, the
+    /// id's hold and marker) and the arguments `base`, `id`, sweep bound; and the tag's base.
+    fn prepare<'a>(&self, script: &'a Script, tag: &str, id: &str) -> (String, ScriptInvocation<'a>) {
+        let base = self.base(tag);
+        let mut invocation = script.prepare_invoke();
+        invocation.key(format!("{base}holds")).key(format!("{base}h:{id}")).key(format!("{base}s:{id}"));
+        invocation.arg(&base).arg(id).arg(SWEEP_BOUND);
+        (base, invocation)
+    }
+
+    /// Runs a prepared call, timed as `script`; its reply, whose swept holds are counted.
+    async fn run(&self, script: &str, invocation: &ScriptInvocation<'_>) -> Result<Reply, StoreError> {
+        let started = Instant::now();
+        let reply = self.call(|mut conn| async move { invocation.invoke_async::<Value>(&mut conn).await }).await;
+        self.metrics.script_latency(script, started.elapsed());
+        let reply = Reply::new(reply?)?;
+        self.metrics.holds_expired(reply.int(1)?);
+        Ok(reply)
+    }
+
     pub async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        let base = self.base(&request.tag);
-        let mut invocation = self.reserve.prepare_invoke();
-        invocation.key(format!("{base}holds")).key(format!("{base}h:{}", request.id)).key(format!("{base}s:{}", request.id));
+        let (base, mut invocation) = self.prepare(&self.reserve, &request.tag, &request.id);
         for c in &request.counters {
             invocation.key(format!("{base}c:{}", c.key));
         }
-        invocation.arg(&base).arg(&request.id).arg(SWEEP_BOUND).arg(request.hold_ttl_s).arg(request.counters.len());
+        invocation.arg(request.hold_ttl_s).arg(request.counters.len());
         for c in &request.counters {
             invocation.arg(&c.key).arg(c.limit).arg(c.amount).arg(c.expire_at_s);
         }
-        let started = Instant::now();
-        let reply = self.call(|mut conn| {
-            let invocation = &invocation;
-            async move { invocation.invoke_async::<Value>(&mut conn).await }
-        });
-        let reply = reply.await;
-        self.metrics.script_latency("reserve", started.elapsed());
-        let reply = Reply::new(reply?)?;
-        self.metrics.holds_expired(reply.int(1)?);
+        let reply = self.run("reserve", &invocation).await?;
         match reply.tag()? {
             "admitted" | "replayed" => Ok(ReserveOutcome::Admitted { replayed: reply.tag()? == "replayed", counters: reply.states(2)? }),
             "refused" => Ok(ReserveOutcome::Refused {
@@ -358,29 +372,35 @@ impl Store {
     }
 
     pub async fn settle(&self, request: &SettleRequest) -> Result<SettleOutcome, StoreError> {
-        let base = self.base(&request.tag);
-        let mut invocation = self.settle.prepare_invoke();
-        invocation.key(format!("{base}holds")).key(format!("{base}h:{}", request.id)).key(format!("{base}s:{}", request.id));
-        invocation.arg(&base).arg(&request.id).arg(SWEEP_BOUND).arg(request.charges.len());
+        let (_, mut invocation) = self.prepare(&self.settle, &request.tag, &request.id);
+        invocation.arg(request.charges.len());
         for charge in &request.charges {
             invocation.arg(*charge);
         }
-        let started = Instant::now();
-        let reply = self
-            .call(|mut conn| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async::<Value>(&mut conn).await }
-            })
-            .await;
-        self.metrics.script_latency("settle", started.elapsed());
-        let reply = Reply::new(reply?)?;
-        self.metrics.holds_expired(reply.int(1)?);
+        let reply = self.run("settle", &invocation).await?;
         match reply.tag()? {
             "settled" => Ok(SettleOutcome::Settled { counters: reply.states(2)? }),
             "already_settled" => Ok(SettleOutcome::AlreadySettled),
             "expired" => Ok(SettleOutcome::Expired),
             "unknown" => Ok(SettleOutcome::Unknown),
             "mismatch" => Ok(SettleOutcome::Mismatch { held: usize::try_from(reply.int(2)?).map_err(|_| unexpected("held"))? }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    pub async fn charge(&self, request: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        let (base, mut invocation) = self.prepare(&self.charge, &request.tag, &request.id);
+        for c in &request.counters {
+            invocation.key(format!("{base}c:{}", c.key));
+        }
+        invocation.arg(request.counters.len());
+        for c in &request.counters {
+            invocation.arg(&c.key).arg(c.amount).arg(c.expire_at_s);
+        }
+        let reply = self.run("charge", &invocation).await?;
+        match reply.tag()? {
+            "charged" => Ok(ChargeOutcome::Charged { counters: reply.states(2)? }),
+            "already_charged" => Ok(ChargeOutcome::AlreadyCharged),
             other => Err(unexpected(other)),
         }
     }

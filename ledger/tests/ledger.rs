@@ -20,6 +20,11 @@ fn settle(id: &str, tag: &str, charges: &[u64]) -> Value {
     json!({"id": id, "tag": tag, "charges": charges})
 }
 
+fn charge(id: &str, tag: &str, counters: &[(&str, u64, u64)]) -> Value {
+    let counters: Vec<Value> = counters.iter().map(|(key, amount, expire_at_s)| json!({"key": key, "amount": amount, "expire_at_s": expire_at_s})).collect();
+    json!({"id": id, "tag": tag, "counters": counters})
+}
+
 fn states(pairs: &[(u64, u64)]) -> Value {
     Value::Array(pairs.iter().map(|(u, r)| json!({"used": u, "reserved": r})).collect())
 }
@@ -200,6 +205,107 @@ fn expired_holds_are_charged_at_their_reserved_amount() {
     let metrics = http.get("/metrics").body;
     assert_eq!(metric(&metrics, "sluice_ledger_holds_expired_total"), Some(67.0), "{metrics}");
     assert_eq!(metric(&metrics, "sluice_ledger_requests_total{endpoint=\"settle\",result=\"expired\"}"), Some(4.0));
+}
+
+/// `/v1/charge` writes back what the plugin's local fallback charged: added to `used` with no
+/// limit check, once per id, to the counters whose window is not over.
+#[test]
+fn a_charge_is_added_without_a_limit_once_per_id() {
+    let redis = Redis::start();
+    let service = ledger(&redis, "t");
+    let mut http = Http::new(service.addr);
+    let now = redis.now_s();
+    // k held to its limit; the charge still goes in, and creates a counter that did not exist.
+    http.ok("/v1/reserve", &reserve("r1", "acme", 600, &[("k", 100, 100, now + 3600)]));
+    let charged = http.ok("/v1/charge", &charge("c1", "acme", &[("k", 30, now + 1800), ("new", 7, now + 900)]));
+    assert_eq!(charged, json!({"charged": true, "counters": states(&[(30, 100), (7, 0)])}));
+    assert_eq!(redis.query::<Vec<Option<String>>>(&["HMGET", "t:{acme}:c:new", "used", "reserved"]), [Some("7".into()), Some("0".into())]);
+    // Expiry: max(expire_at_s, what the key had), never shortened.
+    assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:c:k"]), (now + 3600) as i64);
+    assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:c:new"]), (now + 900) as i64);
+    assert!(redis.query::<i64>(&["PTTL", "t:{acme}:c:new"]) <= 900_000);
+    // The marker: `charged`, for 2 hours when every window ends sooner, else until the last ends.
+    assert_eq!(redis.query::<String>(&["GET", "t:{acme}:s:c1"]), "charged");
+    let marker = redis.query::<i64>(&["EXPIRETIME", "t:{acme}:s:c1"]);
+    assert!((now as i64 + 7199..=now as i64 + 7201).contains(&marker), "{marker} vs now {now}");
+    http.ok("/v1/charge", &charge("c2", "acme", &[("k", 0, now + 10_000)]));
+    assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:c:k"]), (now + 10_000) as i64);
+    assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:s:c2"]), (now + 10_000) as i64);
+    // Past the limit now: the hold settles on top, and the next reserve is refused.
+    assert_eq!(http.ok("/v1/settle", &settle("r1", "acme", &[100])), json!({"settled": true, "counters": states(&[(130, 0)])}));
+    let refused = http.ok("/v1/reserve", &reserve("r2", "acme", 600, &[("k", 100, 1, now + 3600)]));
+    assert_eq!(refused, json!({"admitted": false, "refused": 0, "used": 130, "reserved": 0, "limit": 100}));
+
+    // The same id again (a retry), an id with a live hold, a settled one, a tombstoned one:
+    // `already_charged`, nothing changed.
+    http.ok("/v1/reserve", &reserve("held", "acme", 600, &[("other", 100, 10, now + 3600)]));
+    assert_eq!(http.ok("/v1/settle", &settle("nobody", "acme", &[0]))["reason"], "unknown");
+    for id in ["c1", "held", "r1", "nobody"] {
+        let again = http.ok("/v1/charge", &charge(id, "acme", &[("k", 30, now + 1800), ("new", 7, now + 900)]));
+        assert_eq!(again, json!({"charged": false, "reason": "already_charged"}), "{id}");
+    }
+    assert_eq!(redis.counter("t:{acme}:c:k"), Some((130, 0)));
+    assert_eq!(redis.counter("t:{acme}:c:new"), Some((7, 0)));
+    assert_eq!(redis.query::<String>(&["GET", "t:{acme}:s:nobody"]), "released");
+
+    // A counter whose window is over is skipped: left as it is, or not created.
+    let late = http.ok("/v1/charge", &charge("c3", "acme", &[("k", 5, now - 1), ("gone", 9, 1), ("fresh", 4, now + 60)]));
+    assert_eq!(late, json!({"charged": true, "counters": states(&[(130, 0), (0, 0), (4, 0)])}));
+    assert_eq!(redis.counter("t:{acme}:c:gone"), None);
+    assert_eq!(redis.query::<String>(&["GET", "t:{acme}:s:c3"]), "charged");
+    // Every key carries the tag.
+    let keys = redis.query::<Vec<String>>(&["KEYS", "*"]);
+    assert!(keys.iter().all(|k| k.starts_with("t:{acme}:")), "{keys:?}");
+
+    // A charge sweeps the tag's expired holds first, like the other scripts.
+    http.ok("/v1/reserve", &reserve("lost", "b", 1, &[("k", 100, 70, FAR)]));
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(http.ok("/v1/charge", &charge("c1", "b", &[("k", 5, FAR)]))["counters"], states(&[(75, 0)]));
+    assert_eq!(redis.query::<String>(&["GET", "t:{b}:s:lost"]), "expired");
+
+    // Bad bodies are 400s, a wrong method a 405.
+    let bad = http.post("/v1/charge", &charge("c4", "acme", &[("k", 1 << 54, FAR)]).to_string());
+    assert_eq!((bad.status, bad.json()["error"].clone()), (400, json!("invalid_field")), "{}", bad.body);
+    let bad = http.post("/v1/charge", &json!({"id": "c4", "tag": "acme", "counters": [{"key": "k", "amount": 1, "limit": 5, "expire_at_s": FAR}]}).to_string());
+    assert_eq!((bad.status, bad.json()["error"].clone()), (400, json!("malformed_json")), "{}", bad.body);
+    assert!(!redis.query::<bool>(&["EXISTS", "t:{acme}:s:c4"]));
+    assert_eq!(http.get("/v1/charge").status, 405);
+
+    let text = http.get("/metrics").body;
+    for (result, n) in [("charged", 4.0), ("already_charged", 4.0), ("bad_request", 2.0), ("unavailable", 0.0), ("error", 0.0)] {
+        assert_eq!(metric(&text, &format!("sluice_ledger_requests_total{{endpoint=\"charge\",result=\"{result}\"}}")), Some(n), "{result}: {text}");
+    }
+    assert_eq!(metric(&text, "sluice_ledger_requests_total{endpoint=\"other\",result=\"method_not_allowed\"}"), Some(1.0));
+    assert_eq!(metric(&text, "sluice_ledger_script_seconds_count{script=\"charge\"}"), Some(8.0));
+    assert_eq!(metric(&text, "sluice_ledger_holds_expired_total"), Some(1.0));
+}
+
+/// A charge while Redis is down is a 503, counted as `unavailable`; its retry charges once.
+#[test]
+fn a_charge_with_redis_down_is_a_503_and_its_retry_charges_once() {
+    let mut redis = Redis::start();
+    let service = ledger(&redis, "t");
+    let mut http = Http::new(service.addr);
+    let body = charge("c1", "acme", &[("k", 12, FAR)]);
+    redis.kill();
+    let r = http.post("/v1/charge", &body.to_string());
+    assert_eq!((r.status, r.json()["error"].clone()), (503, json!("redis_unavailable")), "{}", r.body);
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let r = http.post("/v1/charge", &body.to_string());
+        if r.status == 200 {
+            assert_eq!(r.json(), json!({"charged": true, "counters": states(&[(12, 0)])}));
+            break;
+        }
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert!(Instant::now() < deadline, "no recovery after the restart");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(http.ok("/v1/charge", &body), json!({"charged": false, "reason": "already_charged"}));
+    assert_eq!(redis.counter("t:{acme}:c:k"), Some((12, 0)));
+    let text = http.get("/metrics").body;
+    assert!(metric(&text, "sluice_ledger_requests_total{endpoint=\"charge\",result=\"unavailable\"}").unwrap() >= 1.0, "{text}");
 }
 
 #[test]

@@ -1,8 +1,8 @@
--- Shared by reserve.lua and settle.lua (prepended to each; docs/ledger.md, "Redis keys").
+-- Shared by reserve.lua, settle.lua and charge.lua (prepended to each; docs/ledger.md, "Redis keys").
 --
 -- KEYS[1]  <prefix>:{<tag>}:holds   the tag's holds, scored by expiry (ms)
 -- KEYS[2]  <prefix>:{<tag>}:h:<id>  this request's hold
--- KEYS[3]  <prefix>:{<tag>}:s:<id>  this request's settled marker
+-- KEYS[3]  <prefix>:{<tag>}:s:<id>  this request's marker (settled, expired, released, charged)
 -- ARGV[1]  <prefix>:{<tag>}:        base of every key of the tag: keys a script finds only inside a
 --                                   hold (its counters, other ids' holds) are built from it, so they
 --                                   carry the same hash tag and live in the same Cluster slot

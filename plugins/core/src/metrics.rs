@@ -359,6 +359,8 @@ pub fn budget_overestimate_tokens(key: &str) -> String {
 pub enum LedgerCall {
     Reserve,
     Settle,
+    /// `/v1/charge`: what the local fallback charged during an outage, written back.
+    WriteBack,
 }
 
 /// How a call to the Redis ledger ended.
@@ -383,6 +385,10 @@ pub fn budget_ledger_calls_total(call: LedgerCall, result: LedgerResult) -> &'st
         (LedgerCall::Settle, LedgerResult::Timeout) => "sluice.budget.ledger_calls_total.call.settle.result.timeout",
         (LedgerCall::Settle, LedgerResult::Error) => "sluice.budget.ledger_calls_total.call.settle.result.error",
         (LedgerCall::Settle, LedgerResult::Rejected) => "sluice.budget.ledger_calls_total.call.settle.result.rejected",
+        (LedgerCall::WriteBack, LedgerResult::Ok) => "sluice.budget.ledger_calls_total.call.write_back.result.ok",
+        (LedgerCall::WriteBack, LedgerResult::Timeout) => "sluice.budget.ledger_calls_total.call.write_back.result.timeout",
+        (LedgerCall::WriteBack, LedgerResult::Error) => "sluice.budget.ledger_calls_total.call.write_back.result.error",
+        (LedgerCall::WriteBack, LedgerResult::Rejected) => "sluice.budget.ledger_calls_total.call.write_back.result.rejected",
     }
 }
 
@@ -391,6 +397,7 @@ pub fn budget_ledger_latency_ms(call: LedgerCall) -> &'static str {
     match call {
         LedgerCall::Reserve => "sluice.budget.ledger_latency_ms.call.reserve",
         LedgerCall::Settle => "sluice.budget.ledger_latency_ms.call.settle",
+        LedgerCall::WriteBack => "sluice.budget.ledger_latency_ms.call.write_back",
     }
 }
 

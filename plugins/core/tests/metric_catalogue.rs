@@ -329,6 +329,18 @@ fn cases() -> Vec<Case> {
             "sluice.budget.ledger_latency_ms.call.settle",
             &[("call", "settle")],
         ),
+        case(
+            "sluice.budget.ledger_latency_ms",
+            m::budget_ledger_latency_ms(m::LedgerCall::WriteBack),
+            "sluice.budget.ledger_latency_ms.call.write_back",
+            &[("call", "write_back")],
+        ),
+        case(
+            "sluice.budget.ledger_calls_total",
+            m::budget_ledger_calls_total(m::LedgerCall::WriteBack, m::LedgerResult::Timeout),
+            "sluice.budget.ledger_calls_total.call.write_back.result.timeout",
+            &[("call", "write_back"), ("result", "timeout")],
+        ),
         case("sluice.budget.ledger_up", m::budget_ledger_up(), "sluice.budget.ledger_up", &[]),
         case(
             "sluice.budget.ledger_fallback_total",

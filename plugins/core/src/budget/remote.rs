@@ -105,6 +105,31 @@ impl PendingReserve {
         let charges = vec![0u64; self.plan.holds.len()];
         serde_json::json!({"id": self.id, "tag": self.plan.org, "charges": charges}).to_string().into_bytes()
     }
+
+    /// Where a charge is written back to the Redis ledger when the local fallback admitted this
+    /// request instead.
+    pub fn write_back(&self) -> WriteBack {
+        let counters = self.plan.holds.iter().map(|h| WriteBackCounter { index: h.index, key: h.remote_key.clone(), expire_at_s: h.expire_at_s }).collect();
+        WriteBack { tag: self.plan.org.clone(), counters }
+    }
+}
+
+/// The Redis counters of a request the local fallback admitted: what it is charged there is
+/// written back to them (`POST /v1/charge`) once the ledger answers again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteBack {
+    pub tag: String,
+    pub counters: Vec<WriteBackCounter>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteBackCounter {
+    /// The policy's counter.
+    pub index: usize,
+    /// Its key in the ledger (as a reservation names it).
+    pub key: String,
+    /// When its window (plus the reservation TTL) is over: past it, the charge counts for nothing.
+    pub expire_at_s: u64,
 }
 
 #[derive(Deserialize)]
@@ -206,6 +231,15 @@ impl Policy {
         }
         let demand = Demand { output_tokens: output, ..pending.demand.clone() };
         self.remote_reserve(pending.key, &demand, pending.now_ns, &pending.id).ok()
+    }
+
+    /// What `actual` (costing `micro_usd`) takes from each counter of `target`, in its order.
+    pub fn write_back_amounts(&self, target: &WriteBack, actual: &Usage, micro_usd: u64) -> Vec<u64> {
+        target
+            .counters
+            .iter()
+            .map(|c| self.counters.get(c.index).map_or(0, |spec| spec.limit.amount(actual.input_tokens, actual.output_tokens, micro_usd)).min(MAX_EXACT))
+            .collect()
     }
 
     /// The `POST /v1/settle` body that replaces a Redis hold by what the request used, and the

@@ -23,7 +23,7 @@ use crate::api::ApiKind;
 use crate::budget::identities::identity_hash;
 use crate::budget::ledger::Counter;
 use crate::budget::policy::{CounterSpec, JwtConfig, LedgerConfig, LedgerFailure, LedgerMode, Limit, Mode};
-use crate::budget::remote::{call_failure, FailureKind, PendingReserve};
+use crate::budget::remote::{call_failure, FailureKind, PendingReserve, WriteBack, MAX_EXACT};
 use crate::budget::{Admission, AdmitError, Demand, Policy, Settlement};
 use crate::contract::{GatewayEnd, GatewayReply};
 use crate::headers::HeaderPairs;
@@ -74,6 +74,13 @@ const SETTLE_BATCH_MAX_BYTES: usize = 32 * 1024;
 const RESERVE_PATH: &str = "/v1/reserve";
 const SETTLE_PATH: &str = "/v1/settle";
 const SETTLE_BATCH_PATH: &str = "/v1/settle_batch";
+const CHARGE_PATH: &str = "/v1/charge";
+/// Counters with a local-fallback charge waiting to be written back, most kept per VM (summed per
+/// counter, so this bounds memory whatever the outage's length); a charge to a further counter is
+/// dropped and counted.
+const MAX_WRITE_BACK_COUNTERS: usize = 4096;
+/// Most counters one `/v1/charge` carries (the ledger's own limit).
+const WRITE_BACK_MAX_COUNTERS: usize = 64;
 
 /// The host operations whose answer a budget flow needs before it goes on.
 pub trait BudgetHost {
@@ -111,6 +118,36 @@ pub struct BudgetPolicy {
     batches_unsupported: bool,
     /// The Redis ledger's last known state (`None` before the first call): logged on change only.
     ledger_ok: Option<bool>,
+    /// What the local fallback charged while the ledger failed, per org tag, to write back.
+    write_backs: BTreeMap<String, TagWriteBack>,
+    /// Counters in `write_backs`, waiting or being sent (at most [`MAX_WRITE_BACK_COUNTERS`]).
+    write_back_counters: usize,
+    /// Numbers this VM's write-back ids.
+    write_back_seq: u64,
+    /// Write-backs in flight, by callout token: their tag, and when they were sent.
+    write_back_calls: BTreeMap<u32, (String, u64)>,
+    /// The ledger answered a write-back 404 (a service from before `/v1/charge`): none are kept.
+    write_backs_unsupported: bool,
+}
+
+/// One org's charges from the local fallback, summed per Redis counter.
+#[derive(Debug, Default)]
+struct TagWriteBack {
+    /// Not yet sent: per counter key, the amount and when its window is over (s).
+    waiting: BTreeMap<String, (u64, u64)>,
+    /// Sent, and sent again unchanged (same id: the ledger applies it once) until answered.
+    sending: Option<WriteBackBatch>,
+}
+
+#[derive(Debug)]
+struct WriteBackBatch {
+    body: Vec<u8>,
+    counters: usize,
+    /// The last of its counters' windows ends then (s): past it the charge counts for nothing.
+    ends_s: u64,
+    attempts: u32,
+    not_before_ns: u64,
+    in_flight: bool,
 }
 
 impl BudgetPolicy {
@@ -128,6 +165,132 @@ impl BudgetPolicy {
             settle_calls: BTreeMap::new(),
             batches_unsupported: false,
             ledger_ok: None,
+            write_backs: BTreeMap::new(),
+            write_back_counters: 0,
+            write_back_seq: 0,
+            write_back_calls: BTreeMap::new(),
+            write_backs_unsupported: false,
+        }
+    }
+
+    /// Counters with a local-fallback charge not yet written back to the Redis ledger.
+    pub fn pending_write_backs(&self) -> usize {
+        self.write_back_counters
+    }
+
+    /// Adds what a request the local fallback admitted was charged (`amounts`, per counter of
+    /// `target`) to what will be written back to the Redis ledger.
+    fn queue_write_back(&mut self, target: &WriteBack, amounts: &[u64], fx: &mut Effects) {
+        if self.write_backs_unsupported {
+            return;
+        }
+        let tag = self.write_backs.entry(target.tag.clone()).or_default();
+        for (counter, &amount) in target.counters.iter().zip(amounts) {
+            if amount == 0 {
+                continue;
+            }
+            if let Some((sum, _)) = tag.waiting.get_mut(&counter.key) {
+                *sum = sum.saturating_add(amount).min(MAX_EXACT);
+            } else if self.write_back_counters >= MAX_WRITE_BACK_COUNTERS {
+                fx.count(metrics::budget_ledger_settlements_dropped_total(), 1);
+            } else {
+                tag.waiting.insert(counter.key.clone(), (amount, counter.expire_at_s));
+                self.write_back_counters += 1;
+            }
+        }
+    }
+
+    /// Starts each org's due write-back: the one being sent again, or the next (up to
+    /// [`WRITE_BACK_MAX_COUNTERS`] waiting counters under a new id). One in flight per org, so a
+    /// counter's charges reach the ledger in order and a retry never overlaps a newer sum.
+    fn tick_write_backs(&mut self, host: &mut dyn BudgetHost, now: u64, fx: &mut Effects) {
+        let now_s = now / 1_000_000_000;
+        let mut failures = Vec::new();
+        for (tag_name, tag) in &mut self.write_backs {
+            if self.write_back_calls.len() >= TICK_CALLS {
+                break;
+            }
+            if tag.sending.as_ref().is_some_and(|b| !b.in_flight && b.ends_s < now_s) {
+                // Every window it charges is over: the ledger would skip it all.
+                self.write_back_counters = self.write_back_counters.saturating_sub(tag.sending.take().map_or(0, |b| b.counters));
+            }
+            if tag.sending.is_none() && !tag.waiting.is_empty() {
+                let keys: Vec<String> = tag.waiting.keys().take(WRITE_BACK_MAX_COUNTERS).cloned().collect();
+                let mut counters = Vec::with_capacity(keys.len());
+                let mut ends_s = 0;
+                for key in keys {
+                    let Some((amount, expire_at_s)) = tag.waiting.remove(&key) else { continue };
+                    ends_s = ends_s.max(expire_at_s);
+                    counters.push(serde_json::json!({"key": key, "amount": amount, "expire_at_s": expire_at_s}));
+                }
+                self.write_back_seq += 1;
+                let id = format!("{}-w{:x}", self.vm_nonce, self.write_back_seq);
+                let body = serde_json::json!({"id": id, "tag": tag_name, "counters": counters}).to_string().into_bytes();
+                tag.sending = Some(WriteBackBatch { body, counters: counters.len(), ends_s, attempts: 0, not_before_ns: now, in_flight: false });
+            }
+            let Some(batch) = tag.sending.as_mut().filter(|b| !b.in_flight && b.not_before_ns <= now) else { continue };
+            match host.ledger_call(&self.policy.ledger, CHARGE_PATH, &batch.body) {
+                Ok(token) => {
+                    batch.in_flight = true;
+                    self.write_back_calls.insert(token, (tag_name.clone(), now));
+                }
+                Err(e) => {
+                    batch.attempts += 1;
+                    batch.not_before_ns = now.saturating_add(u64::from(batch.attempts.min(20)) * 100_000_000);
+                    failures.push(format!("write-back callout not started: {e}"));
+                }
+            }
+        }
+        self.write_backs.retain(|_, t| t.sending.is_some() || !t.waiting.is_empty());
+        if let Some(why) = failures.first() {
+            self.ledger_health(false, why, fx);
+        }
+    }
+
+    /// The ledger's answer to write-back callout `token` (`status` 0: none). Final when it charged
+    /// (or had already: a retry), refused it as malformed, or has no `/v1/charge`; otherwise sent
+    /// again, unchanged, with a growing delay, until its windows are over.
+    fn write_back_answered(&mut self, tag_name: &str, status: u16, answer: &[u8], now: u64, fx: &mut Effects) {
+        let done = status == 200 && serde_json::from_slice::<serde_json::Value>(answer).is_ok_and(|v| v.get("charged").is_some());
+        let failure = (!done).then(|| call_failure(status, answer));
+        let result = match &failure {
+            None => LedgerResult::Ok,
+            Some(f) if f.kind == FailureKind::TimedOut => LedgerResult::Timeout,
+            Some(_) if status == 400 => LedgerResult::Rejected,
+            Some(_) => LedgerResult::Error,
+        };
+        fx.count(metrics::budget_ledger_calls_total(LedgerCall::WriteBack, result), 1);
+        let Some(tag) = self.write_backs.get_mut(tag_name) else { return };
+        let Some(batch) = tag.sending.as_mut() else { return };
+        let finished = match status {
+            _ if done => true,
+            400 => {
+                fx.log(LogLevel::Error, format!("tenant-budget: the Redis ledger rejected a write-back: {}", String::from_utf8_lossy(answer)));
+                true
+            }
+            404 => {
+                fx.log(LogLevel::Warn, "tenant-budget: the Redis ledger has no /v1/charge (404); the local fallback's charges are not written back");
+                self.write_backs_unsupported = true;
+                true
+            }
+            _ => false,
+        };
+        if !finished {
+            batch.in_flight = false;
+            batch.attempts += 1;
+            batch.not_before_ns = now.saturating_add(u64::from(batch.attempts.min(20)) * 100_000_000);
+            let why = failure.map_or_else(String::new, |f| f.why);
+            self.ledger_health(false, &format!("write-back: {why}"), fx);
+            return;
+        }
+        self.write_back_counters = self.write_back_counters.saturating_sub(batch.counters);
+        tag.sending = None;
+        if self.write_backs_unsupported {
+            self.write_backs.clear();
+            self.write_back_counters = 0;
+        }
+        if done {
+            self.ledger_health(true, "", fx);
         }
     }
 
@@ -243,17 +406,28 @@ impl BudgetPolicy {
                 }
             }
         }
+        if !self.write_backs.is_empty() {
+            self.tick_write_backs(host, now, fx);
+        }
     }
 
     /// Whether callout `token` is a settlement this VM sent (its answer is then read and handed
     /// to [`BudgetPolicy::on_settle_answer`]).
     pub fn awaits_settlement(&self, token: u32) -> bool {
-        self.settle_calls.contains_key(&token)
+        self.settle_calls.contains_key(&token) || self.write_back_calls.contains_key(&token)
     }
 
     /// The ledger's answer to settlement callout `token` (`status` 0: no answer, the call failed or
     /// timed out). A batch's answer holds each settlement's own status and answer, in order.
     pub fn on_settle_answer(&mut self, token: u32, status: u16, answer: &[u8], now: u64, fx: &mut Effects) {
+        if let Some((tag, started)) = self.write_back_calls.remove(&token) {
+            self.write_back_answered(&tag, status, answer, now, fx);
+            fx.push(Effect::Record {
+                name: metrics::budget_ledger_latency_ms(LedgerCall::WriteBack).to_string(),
+                value: now.saturating_sub(started) / 1_000_000,
+            });
+            return;
+        }
         let Some(SettleCall { jobs, started }) = self.settle_calls.remove(&token) else { return };
         self.settle_call_answered(jobs, status, answer, now, fx);
         // The callout's latency, once for all its settlements.
@@ -414,6 +588,8 @@ struct Budgeted {
     /// Envoy traces this request ([`crate::span::traced`]), and the decision its span was last given.
     traced: bool,
     span_decision: Option<&'static str>,
+    /// Admitted by the local fallback: the Redis counters its charge is written back to.
+    write_back: Option<WriteBack>,
 }
 
 /// One stream's budget; `None` inside for traffic on paths that are not an LLM API.
@@ -460,6 +636,7 @@ impl BudgetFlow {
             stamp: Stamp::default(),
             traced: crate::span::traced(headers.text("x-request-id").as_deref()),
             span_decision: None,
+            write_back: None,
         }));
         let Some(key) = key else {
             b.reject(policy, 401, "authentication_error", "unknown_key", "the request's API key or tenant is not in the budget policy", None, fx);
@@ -815,6 +992,7 @@ impl Budgeted {
             }
             LedgerFailure::Local => {
                 fx.count(metrics::budget_ledger_fallback_total(LedgerFallback::Local), 1);
+                self.write_back = Some(pending.write_back());
                 let result = match self.key {
                     Some(key) => policy.policy.admit_fallback(store, key, pending.demand(), now),
                     None => Err(AdmitError::Store("no key".into())),
@@ -967,7 +1145,14 @@ impl Budgeted {
         };
         let settlement = match admission.remote {
             Some(_) => policy.queue_settlement(&admission, &actual, now, fx).unwrap_or_default(),
-            None => policy.policy.settle(store, &admission, &actual, now),
+            None => {
+                let settlement = policy.policy.settle(store, &admission, &actual, now);
+                if let Some(target) = self.write_back.take() {
+                    let amounts = policy.policy.write_back_amounts(&target, &actual, settlement.micro_usd);
+                    policy.queue_write_back(&target, &amounts, fx);
+                }
+                settlement
+            }
         };
         let (key, team, org) = key_path(&policy.policy, self.key);
         let mv = policy.model_versions.label(self.model_version.as_deref().or(request_model).unwrap_or("unknown"));

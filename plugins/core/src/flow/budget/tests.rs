@@ -715,3 +715,111 @@ fn a_stream_gone_while_the_ledger_decides_releases_its_hold() {
     w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
     assert_eq!(w.host.calls.last().unwrap(), &("/v1/settle".to_string(), json!({"id": id, "tag": "acme", "charges": [0]})));
 }
+
+/// A request the local fallback admitted during an outage (Envoy could not reach the ledger) and
+/// its charge once the response ended: summed per Redis counter with the next one, written back
+/// by `/v1/charge` once the ledger answers, resent unchanged (same id) while it does not, and
+/// final once charged.
+#[test]
+fn the_local_fallbacks_charges_are_written_back_once_the_ledger_answers() {
+    let mut w = World::new(&redis("local"));
+    let fallback = |w: &mut World, completion: u64| {
+        w.flow = BudgetFlow::new(0x2a);
+        w.request_headers(&chat_headers(), false);
+        assert_eq!(w.request_body(BODY).0, Verdict::Pause);
+        let (path, reserve) = w.host.calls.last().unwrap().clone();
+        assert_eq!(path, "/v1/reserve");
+        let (v, _) = w.reserve_answer_bytes(503, ENVOY_REFUSED, NOW);
+        assert_eq!(v, Verdict::Continue, "admitted locally");
+        w.response_headers("200", "application/json");
+        w.response_body(&answer(9, completion), true);
+        reserve
+    };
+    let reserve = fallback(&mut w, 3);
+    let (key, expire_at_s) = (reserve["counters"][0]["key"].clone(), reserve["counters"][0]["expire_at_s"].clone());
+    assert_eq!(w.policy.pending_write_backs(), 1);
+    assert_eq!(w.counter(CODE).committed(), 12, "charged locally too");
+
+    // Still down: the callout does not start; it is tried again after a delay.
+    w.host.fail_calls = true;
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    assert_eq!(w.take(), [], "the ledger is already known to fail: nothing new to say");
+    assert_eq!(w.host.calls.len(), 1);
+    w.host.fail_calls = false;
+    w.policy.on_tick(&mut w.host, NOW + NS + 50_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.len(), 1, "backing off");
+    w.policy.on_tick(&mut w.host, NOW + NS + 100_000_000, &mut w.fx);
+    let prefix = w.policy.vm_nonce.clone();
+    let first = json!({"id": format!("{prefix}-w1"), "tag": "acme", "counters": [{"key": key, "amount": 12, "expire_at_s": expire_at_s}]});
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/charge".to_string(), first.clone()));
+    let token = u32::try_from(w.host.calls.len()).unwrap();
+    assert!(w.policy.awaits_settlement(token));
+
+    // Another fallback request meanwhile: summed into the next write-back, not into the one sent.
+    fallback(&mut w, 5);
+    w.take();
+    // The answer is lost (timed out): the same body is sent again, under the same id, after a
+    // second, longer delay.
+    w.policy.on_settle_answer(token, 0, b"", NOW + 2 * NS, &mut w.fx);
+    assert_eq!(
+        w.take(),
+        [count("sluice.budget.ledger_calls_total.call.write_back.result.timeout", 1), record("sluice.budget.ledger_latency_ms.call.write_back", 900)]
+    );
+    w.policy.on_tick(&mut w.host, NOW + 2 * NS + 200_000_000, &mut w.fx);
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/charge".to_string(), first));
+    let token = u32::try_from(w.host.calls.len()).unwrap();
+    w.policy.on_settle_answer(token, 200, br#"{"charged":true,"counters":[{"used":12,"reserved":0}]}"#, NOW + 3 * NS, &mut w.fx);
+    let fx = w.take();
+    assert!(fx.contains(&count("sluice.budget.ledger_calls_total.call.write_back.result.ok", 1)), "{fx:?}");
+    assert!(fx.contains(&Effect::Log { level: LogLevel::Warn, message: "tenant-budget: the Redis ledger answers again".into() }), "{fx:?}");
+    assert_eq!(w.policy.pending_write_backs(), 1, "the second request's charge waits");
+    w.policy.on_tick(&mut w.host, NOW + 3 * NS, &mut w.fx);
+    let second = json!({"id": format!("{prefix}-w2"), "tag": "acme", "counters": [{"key": key, "amount": 14, "expire_at_s": expire_at_s}]});
+    assert_eq!(w.host.calls.last().unwrap(), &("/v1/charge".to_string(), second));
+    // Already charged (a retry the ledger had applied) is final too.
+    let token = u32::try_from(w.host.calls.len()).unwrap();
+    w.policy.on_settle_answer(token, 200, br#"{"charged":false,"reason":"already_charged"}"#, NOW + 3 * NS, &mut w.fx);
+    assert_eq!(w.policy.pending_write_backs(), 0);
+    let calls = w.host.calls.len();
+    w.policy.on_tick(&mut w.host, NOW + 4 * NS, &mut w.fx);
+    assert_eq!(w.host.calls.len(), calls, "nothing left to send");
+}
+
+/// A write-back whose windows are over is dropped unsent; one the ledger rejects is final; a ledger
+/// without `/v1/charge` (404) stops them; past the bound of counters a charge is dropped, counted.
+#[test]
+fn write_backs_end_when_moot_rejected_unsupported_or_past_their_bound() {
+    let target = |keys: std::ops::Range<usize>, expire_at_s: u64| WriteBack {
+        tag: "acme".into(),
+        counters: keys.map(|i| crate::budget::remote::WriteBackCounter { index: 0, key: format!("k{i}"), expire_at_s }).collect(),
+    };
+    let now_s = NOW / NS;
+    let mut w = World::new(&redis("local"));
+    w.policy.queue_write_back(&target(0..1, now_s - 1), &[5], &mut w.fx);
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    assert_eq!(w.host.calls.len(), 1, "sent while its window may still count");
+    w.policy.on_settle_answer(1, 503, ENVOY_REFUSED, NOW, &mut w.fx);
+    w.policy.on_tick(&mut w.host, NOW + NS, &mut w.fx);
+    assert_eq!((w.host.calls.len(), w.policy.pending_write_backs()), (1, 0), "its window is over: dropped, not sent again");
+
+    w.policy.queue_write_back(&target(0..2, now_s + 60), &[5, 0], &mut w.fx);
+    assert_eq!(w.policy.pending_write_backs(), 1, "nothing to write back for a zero charge");
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    w.policy.on_settle_answer(2, 400, br#"{"error":"invalid_field","message":"x"}"#, NOW, &mut w.fx);
+    let fx = w.take();
+    assert!(fx.contains(&count("sluice.budget.ledger_calls_total.call.write_back.result.rejected", 1)), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Log { level: LogLevel::Error, message } if message.contains("rejected a write-back"))), "{fx:?}");
+    assert_eq!(w.policy.pending_write_backs(), 0);
+
+    // Bounded: counters past the bound are dropped and counted; 64 counters per call.
+    w.policy.queue_write_back(&target(0..MAX_WRITE_BACK_COUNTERS + 3, now_s + 60), &vec![1; MAX_WRITE_BACK_COUNTERS + 3], &mut w.fx);
+    assert_eq!(w.take().iter().filter(|e| **e == count("sluice.budget.ledger_settlements_dropped_total", 1)).count(), 3);
+    assert_eq!(w.policy.pending_write_backs(), MAX_WRITE_BACK_COUNTERS);
+    w.policy.on_tick(&mut w.host, NOW, &mut w.fx);
+    assert_eq!(w.host.calls.last().unwrap().1["counters"].as_array().unwrap().len(), WRITE_BACK_MAX_COUNTERS);
+    w.policy.on_settle_answer(3, 404, br#"{"error":"not_found","message":"no endpoint /v1/charge"}"#, NOW, &mut w.fx);
+    assert!(w.take().iter().any(|e| matches!(e, Effect::Log { level: LogLevel::Warn, message } if message.contains("no /v1/charge"))));
+    assert_eq!(w.policy.pending_write_backs(), 0);
+    w.policy.queue_write_back(&target(0..1, now_s + 60), &[5], &mut w.fx);
+    assert_eq!(w.policy.pending_write_backs(), 0, "not kept once the ledger said it cannot take them");
+}
