@@ -115,7 +115,7 @@ fn the_simulator_and_real_envoy_agree_on_every_verdict_of_2000_requests() {
     assert_eq!(requests.len(), 2000);
 
     // 1. The simulator.
-    let plugins = Plugins::load(&wasm_dir(), &PluginKind::ALL).unwrap();
+    let plugins = Plugins::load(&wasm_dir()).unwrap();
     let sim_start = now_ns();
     let engine = Engine::new(&scenario, &plugins, &RunOptions { start_ns: sim_start }).unwrap();
     let mut simulated: Vec<Verdict> = Vec::new();

@@ -1,5 +1,9 @@
-//! The engine: a trace's requests through the production plugins' `.wasm` files, in filter order,
-//! on one virtual clock, against the modelled upstream.
+//! The engine: a trace's requests through the production filter, `sluice.wasm`, in the shipped
+//! gateways' shape, on one virtual clock, against the modelled upstream.
+//!
+//! The shape is the shipped one (envoy/templates/full-gateway.yaml): latency-guard's section alone
+//! in a filter in front (it holds response headers), then one filter with the scenario's other
+//! sections, which read each event once between them.
 //!
 //! Everything happens in time order: arrivals from the trace (scaled), the upstream's answers
 //! (headers, chunks, end), shadow answers, and the plugins' own ticks and callout timeouts (fired
@@ -10,7 +14,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::path::Path;
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use serde_json::{json, Value};
 use sluice_core::latency::breaker::State as BreakerState;
 use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
@@ -23,21 +27,31 @@ use crate::verdict::{Decision, Quality, Sample, Stamps, Transition, UpstreamPlan
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
 
-/// The plugins compiled once; every run starts fresh VMs from them.
+/// `sluice.wasm` compiled once; every run starts fresh VMs from it.
 pub struct Plugins {
-    compiled: BTreeMap<PluginKind, Plugin>,
+    sluice: Plugin,
 }
 
 impl Plugins {
-    /// Compiles the `.wasm` files of `kinds` found in `dir` (`<wasm_name>.wasm`).
-    pub fn load(dir: &Path, kinds: &[PluginKind]) -> Result<Self> {
-        let mut compiled = BTreeMap::new();
-        for kind in kinds {
-            let path = dir.join(format!("{}.wasm", kind.wasm_name()));
-            compiled.insert(*kind, Plugin::load(&path)?);
-        }
-        Ok(Self { compiled })
+    /// Compiles `sluice.wasm` found in `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        Ok(Self { sluice: Plugin::load(dir.join("sluice.wasm"))? })
     }
+}
+
+/// The scenario's policies as the shipped gateways' filters: latency-guard's section alone, then
+/// the others in one filter, in pipeline order; each with its `sluice.wasm` configuration.
+fn filters(scenario: &Scenario) -> Vec<(Vec<PluginKind>, String)> {
+    let (guard, rest): (Vec<_>, Vec<_>) = scenario.plugins.iter().partition(|(kind, _)| *kind == PluginKind::LatencyGuard);
+    [guard, rest]
+        .into_iter()
+        .filter(|sections| !sections.is_empty())
+        .map(|sections| {
+            let kinds = sections.iter().map(|(kind, _)| *kind).collect();
+            let body: Vec<String> = sections.iter().map(|(kind, policy)| format!("\"{}\": {policy}", kind.section())).collect();
+            (kinds, format!("{{{}}}", body.join(", ")))
+        })
+        .collect()
 }
 
 /// Options of one run that are not part of the scenario.
@@ -102,7 +116,8 @@ struct Upstreamed {
 pub struct Engine<'a> {
     scenario: &'a Scenario,
     chain: Chain,
-    kinds: Vec<PluginKind>,
+    /// The sections of each filter, in filter order.
+    kinds: Vec<Vec<PluginKind>>,
     start_ns: u64,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
@@ -122,10 +137,11 @@ impl<'a> Engine<'a> {
     pub fn new(scenario: &'a Scenario, plugins: &Plugins, options: &RunOptions) -> Result<Self> {
         let mut specs = Vec::new();
         let mut kinds = Vec::new();
-        for (kind, policy) in &scenario.plugins {
-            let plugin = plugins.compiled.get(kind).with_context(|| format!("{} was not loaded", kind.name()))?;
-            let name = kind.wasm_name();
-            let mut spec = PluginSpec::new(policy.as_str())
+        for (sections, config) in filters(scenario) {
+            let guard = sections == [PluginKind::LatencyGuard];
+            // The root ids of the shipped gateways' two filters.
+            let name = if guard { "sluice_latency_guard" } else { "sluice" };
+            let mut spec = PluginSpec::new(config)
                 .name(name)
                 .root_id(name)
                 .vm_id("sluice")
@@ -133,12 +149,12 @@ impl<'a> Engine<'a> {
                 .keep_logs_from(LogLevel::Warn)
                 .echo_logs(false)
                 .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
-            if *kind == PluginKind::LatencyGuard {
+            if guard {
                 // Breaker transitions, as the state gauge Envoy exports changes.
                 spec = spec.watch_gauges(BREAKER_GAUGE_PREFIX);
             }
-            specs.push((plugin, spec));
-            kinds.push(*kind);
+            specs.push((&plugins.sluice, spec));
+            kinds.push(sections);
         }
         let chain = Chain::start(&specs).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let mut engine = Engine {
@@ -199,8 +215,8 @@ impl<'a> Engine<'a> {
         progress(self.result.requests);
         self.result.span_ms = (self.last_event_ns.saturating_sub(self.start_ns)) as f64 / 1e6;
         self.result.transitions.clear();
-        for (kind, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
-            if *kind == PluginKind::LatencyGuard {
+        for (kinds, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
+            if kinds.contains(&PluginKind::LatencyGuard) {
                 let t_ms = |at_ns: u64| at_ns.saturating_sub(self.start_ns) as f64 / 1e6;
                 self.result.transitions.extend(gateway.gauge_changes().iter().filter_map(|c| transition(c, t_ms(c.at_ns))));
             }
@@ -461,7 +477,8 @@ impl<'a> Engine<'a> {
     fn sample(&mut self, at: u64) {
         let t_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
         let mut sample = Sample { t_ms, breakers: Vec::new(), in_flight: Vec::new(), budgets_remaining: Vec::new() };
-        for (kind, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
+        let sections = self.kinds.iter().zip(self.chain.gateways()).flat_map(|(kinds, gateway)| kinds.iter().map(move |kind| (kind, gateway)));
+        for (kind, gateway) in sections {
             match kind {
                 PluginKind::LatencyGuard => {
                     for name in gateway.metric_names() {
@@ -496,7 +513,10 @@ impl<'a> Engine<'a> {
         let stamps = Stamps { sluice: stamp("sluice_llm"), budget: stamp("sluice_budget"), route: stamp("sluice_route"), latency: stamp("sluice_latency") };
         let now = self.chain.now_ns();
         let refused_by = flight.local_reply.and_then(|(filter, status)| {
-            let kind = self.kinds.get(filter)?;
+            // Of a filter's sections only tenant-budget answers requests itself (latency-guard
+            // has a filter of its own).
+            let kinds = self.kinds.get(filter)?;
+            let kind = kinds.iter().find(|k| **k == PluginKind::TenantBudget).or_else(|| kinds.first())?;
             // A guard's 504 is a deadline, not a refusal.
             (status != 504).then_some(*kind)
         });

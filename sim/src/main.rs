@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use sluice_sim::engine::{Engine, Plugins, RunOptions};
 use sluice_sim::observed::read_access_log;
 use sluice_sim::report::{compare, render_compare_html, render_html, summarize, ReportInput, Source, Summary};
-use sluice_sim::scenario::{PluginKind, Scenario};
+use sluice_sim::scenario::Scenario;
 use sluice_sim::trace::{Clock, OnMalformed, OutOfOrder, ReaderOptions, TraceFormat, TraceReader, TraceRequest};
 use sluice_sim::verdict::{Stamps, Verdict};
 
@@ -115,7 +115,7 @@ struct TraceArgs {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Where the plugins' .wasm files are (default: the workspace's target/wasm32-wasip1/release).
+    /// Where `sluice.wasm` is (default: the workspace's target/wasm32-wasip1/release).
     #[arg(long)]
     wasm_dir: Option<PathBuf>,
     /// Wall-clock time of the first request, as Unix milliseconds: budgets' minute/day/month
@@ -277,9 +277,8 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
         }
         scenario.time_scale = scale;
     }
-    let kinds: Vec<PluginKind> = scenario.plugins.iter().map(|(k, _)| *k).collect();
     let wasm_dir = run.wasm_dir.clone().unwrap_or_else(default_wasm_dir);
-    let plugins = Plugins::load(&wasm_dir, &kinds).map_err(|e| fail(exit::USAGE, e))?;
+    let plugins = Plugins::load(&wasm_dir).map_err(|e| fail(exit::USAGE, e))?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
     let file = File::open(&args.trace).with_context(|| format!("cannot open trace {}", args.trace.display())).map_err(|e| fail(exit::TRACE, e))?;

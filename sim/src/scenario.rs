@@ -58,13 +58,13 @@ pub enum PluginKind {
 impl PluginKind {
     pub const ALL: [PluginKind; 4] = [PluginKind::LatencyGuard, PluginKind::ModelRouter, PluginKind::TenantBudget, PluginKind::LlmMetrics];
 
-    /// The `.wasm` file's stem (`sluice_latency_guard`).
-    pub fn wasm_name(self) -> &'static str {
+    /// Its section in `sluice.wasm`'s configuration (`latency_guard`).
+    pub fn section(self) -> &'static str {
         match self {
-            PluginKind::LatencyGuard => "sluice_latency_guard",
-            PluginKind::ModelRouter => "sluice_model_router",
-            PluginKind::TenantBudget => "sluice_tenant_budget",
-            PluginKind::LlmMetrics => "sluice_llm_metrics",
+            PluginKind::LatencyGuard => "latency_guard",
+            PluginKind::ModelRouter => "model_router",
+            PluginKind::TenantBudget => "tenant_budget",
+            PluginKind::LlmMetrics => "llm_metrics",
         }
     }
 

@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 use sluice_sim::engine::{Engine, Plugins, RunOptions, RunResult};
-use sluice_sim::scenario::{PluginKind, Scenario};
+use sluice_sim::scenario::Scenario;
 use sluice_sim::trace::{ApiKind, ReaderOptions, TraceReader, TraceRequest};
 use sluice_sim::verdict::{Decision, Verdict};
 use std::path::{Path, PathBuf};
@@ -16,12 +16,12 @@ use std::sync::OnceLock;
 const MINUTE_BOUNDARY_NS: u64 = 1_767_225_600_000_000_000;
 const MS: u64 = 1_000_000;
 
-/// The four plugins, compiled once per test binary.
+/// `sluice.wasm`, compiled once per test binary.
 fn plugins() -> &'static Plugins {
     static PLUGINS: OnceLock<Plugins> = OnceLock::new();
     PLUGINS.get_or_init(|| {
         let dir = sluice_host::workspace_target_dir().join("wasm32-wasip1").join("release");
-        Plugins::load(&dir, &PluginKind::ALL).expect("build the plugins first: cargo build --release --target wasm32-wasip1 -p sluice-llm-metrics -p sluice-tenant-budget -p sluice-model-router -p sluice-latency-guard")
+        Plugins::load(&dir).expect("build the plugin first: cargo build --release --target wasm32-wasip1 -p sluice")
     })
 }
 

@@ -396,7 +396,7 @@ fn build_native(root: &Path, packages: &[&str]) -> Result<()> {
 }
 
 /// `cargo xtask sim ARGS…`: `target/release/sluice-sim ARGS…`, after building what it loads (the
-/// single-policy `.wasm` files) and itself when they are out of date; exits with its status.
+/// plugins, `sluice.wasm` among them) and itself when they are out of date; exits with its status.
 fn sim_command(root: &Path, args: &[String]) -> Result<()> {
     ensure_wasm_target()?;
     build_wasm(root, &plugin_packages())?;
