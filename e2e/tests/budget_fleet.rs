@@ -882,6 +882,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
     let refs: Vec<&Envoy> = envoys.iter().collect();
     let ids: Vec<&str> = steady.iter().chain(&long).map(|r| r.id.as_str()).collect();
     let logged = read_logs(&refs, ids.len() + lim_answers.len() + lim_before.len() + 2).unwrap();
+    let mut holds_named: HashMap<String, Vec<&str>> = HashMap::new();
     let mut via_redis = 0u64;
     let mut via_redis_n = 0;
     let mut via_fallback = 0u64;
@@ -895,6 +896,7 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
             "redis" => {
                 via_redis += stamp_u64(&stamp, "charged_tokens").unwrap_or(0);
                 via_redis_n += 1;
+                holds_named.entry(stamp_str(&stamp, "ledger_hold").to_string()).or_default().push(id);
             }
             "local_fallback" => {
                 via_fallback += stamp_u64(&stamp, "charged_tokens").unwrap_or(0);
@@ -903,6 +905,10 @@ fn b_the_ledger_killed_mid_run_loses_no_settled_usage_and_its_outage_follows_on_
             _ => {}
         }
     }
+    // Every request reserved under a hold id of its own: two workers' VMs configured at the same
+    // instant once named their holds alike, and one request's reservation replayed the other's.
+    let shared: Vec<_> = holds_named.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    failures.that("(b) hold ids", shared.is_empty(), || format!("requests that share a hold id: {shared:?}"));
     // What the local fallback charged during the outage is written back once the ledger answers:
     // Redis holds the fleet's whole usage.
     let orphans = wait_until(Duration::from_secs(20), "every settlement and write-back to reach Redis", || {

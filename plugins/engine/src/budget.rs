@@ -6,7 +6,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 use sluice_core::budget::policy::LedgerConfig;
 use sluice_core::budget::Policy;
-use sluice_core::flow::budget::{BudgetFlow, BudgetHost, BudgetPolicy, MAX_LEDGER_ANSWER_BYTES, SETTLE_TICK_MS};
+use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetHost, BudgetPolicy, MAX_LEDGER_ANSWER_BYTES, SETTLE_TICK_MS};
 use sluice_core::flow::{Effects, Verdict};
 use sluice_proxy_host as host;
 use sluice_proxy_host::SharedData;
@@ -67,7 +67,7 @@ impl Root {
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
         // Envoy 1.40 answers the node under the `xds` attributes (`node.id` finds nothing there).
         let node = host::property(&["xds".into(), "node".into(), "id".into()]).or_else(|| host::property(&["node".into(), "id".into()])).unwrap_or_default();
-        let budget = BudgetPolicy::new(policy, &node, host::now_ns());
+        let budget = BudgetPolicy::new(policy, &node, host::now_ns(), next_vm_number(&mut SharedData));
         if budget.needs_tick() {
             log::info!("tenant-budget: Redis hold ids of this proxy start with {} (node id {node:?})", budget.hold_prefix());
         }

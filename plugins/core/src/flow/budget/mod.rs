@@ -92,6 +92,15 @@ pub trait BudgetHost {
     fn replace_request_body(&mut self, size: usize, bytes: &[u8]) -> bool;
 }
 
+/// Numbers the budget VMs of one process, in shared data (every worker's VM sees it).
+const VM_NUMBER_KEY: &str = "sluice/tenant-budget/vm-number";
+
+/// A number no other budget VM of this process has: part of every hold id it makes. 0 when shared
+/// data fails (ids then rest on the configure time alone).
+pub fn next_vm_number(store: &mut dyn SharedStore) -> u64 {
+    crate::store::counter_add(store, VM_NUMBER_KEY, 1).unwrap_or(0)
+}
+
 /// One settlement for the Redis ledger (idempotent per hold id: retries are safe).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct SettleJob {
@@ -151,12 +160,14 @@ struct WriteBackBatch {
 }
 
 impl BudgetPolicy {
-    /// `node_id` (the proxy's node id) tells Envoy processes apart, `now` (the configure time) VMs
-    /// of one process.
-    pub fn new(policy: Policy, node_id: &str, now: u64) -> BudgetPolicy {
+    /// `node_id` (the proxy's node id) and `now` (the configure time) tell Envoy processes apart,
+    /// `vm_number` ([`next_vm_number`]) the VMs of one process: its workers' VMs are configured at
+    /// the same instant (two of them once named their holds alike, and a request's reservation
+    /// replayed another's).
+    pub fn new(policy: Policy, node_id: &str, now: u64, vm_number: u64) -> BudgetPolicy {
         let model_versions = LabelBound::new(policy.model_versions.iter().cloned(), policy.max_dynamic_model_versions);
         let node_hash = sha256_hex(node_id.as_bytes());
-        let vm_nonce = format!("{}{now:x}", node_hash.get(..8).unwrap_or_default());
+        let vm_nonce = format!("{}{now:x}-{vm_number:x}", node_hash.get(..8).unwrap_or_default());
         BudgetPolicy {
             policy,
             model_versions,

@@ -30,7 +30,7 @@ fn policy_json(key_budgets: Value, extra: Value) -> Value {
 
 fn budget_policy(json: &Value) -> BudgetPolicy {
     let policy = Policy::from_json(json.to_string().as_bytes()).unwrap();
-    BudgetPolicy::new(policy, "node-1", NOW)
+    BudgetPolicy::new(policy, "node-1", NOW, 1)
 }
 
 fn minute_tokens(limit: u64) -> Value {
@@ -822,4 +822,25 @@ fn write_backs_end_when_moot_rejected_unsupported_or_past_their_bound() {
     assert_eq!(w.policy.pending_write_backs(), 0);
     w.policy.queue_write_back(&target(0..1, now_s + 60), &[5], &mut w.fx);
     assert_eq!(w.policy.pending_write_backs(), 0, "not kept once the ledger said it cannot take them");
+}
+
+/// Two VMs of one process configured at the same instant (Envoy's workers are) name their holds
+/// apart by the number each takes from shared data; once two named them alike, and one request's
+/// reservation replayed the other's.
+#[test]
+fn the_vms_of_one_process_name_their_holds_apart() {
+    let mut store = MemoryStore::default();
+    let (first, second) = (next_vm_number(&mut store), next_vm_number(&mut store));
+    assert_eq!((first, second), (1, 2));
+    let policy = || Policy::from_json(redis("deny").to_string().as_bytes()).unwrap();
+    let ids: Vec<String> = [first, second]
+        .into_iter()
+        .map(|n| {
+            let mut w = World::new(&redis("deny"));
+            w.policy = BudgetPolicy::new(policy(), "node-1", NOW, n);
+            reserving(&mut w)
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1]);
+    assert_eq!(ids[0].get(..8), ids[1].get(..8), "the same proxy: the same prefix");
 }
