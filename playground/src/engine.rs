@@ -12,7 +12,7 @@
 //! [`MemoryStore`], as in the plugins' tests. What no host means for fidelity is in docs/playground.md.
 
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sluice_core::api::ApiKind;
 use sluice_core::budget::identities::identity_hash;
 use sluice_core::budget::policy::Mode;
@@ -25,10 +25,13 @@ use sluice_core::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
 use sluice_core::store::MemoryStore;
 use sluice_core::timing::StreamTiming;
 use sluice_core::usage::Usage;
+use sluice_workload::draw::mix;
+use sluice_workload::request::{prompt_chars, prompt_text, request_body};
+use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
-use crate::workload::{api_str, Incident, Request, Upstream, Workload};
+use crate::workload::{api_str, Request, Workload};
 
 /// Where json_to_metadata puts the body's model and user (the shipped gateways' configuration).
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
@@ -715,13 +718,9 @@ impl<'a> Engine<'a> {
         let Some(f) = self.flights.get(id) else { return };
         let Some(name) = f.upstream.clone() else { return };
         let model = self.workload.upstream(&name);
-        let incidents: Vec<&Incident> = self.workload.incidents.iter().filter(|i| i.upstream == name && offset_s >= i.from_s && offset_s < i.to_s).collect();
+        let incidents = active_incidents(&self.workload.incidents, &name, offset_s);
         let running = *self.running.get(&name).unwrap_or(&0);
-        let draw = unit(mix(self.workload.seed ^ 0x5eed_e770, f.request.line));
-        let fail = incidents.iter().find_map(|i| i.status).or_else(|| {
-            let rate = incidents.iter().find_map(|i| i.error_rate).unwrap_or(model.error_rate);
-            (draw < rate).then_some(model.error_status)
-        });
+        let fail = failure(model, &incidents, self.workload.seed, f.request.line);
         let (mut ttft_ms, mut tpot_ms) = service_times(model, f.request.prompt_tokens, running, &incidents);
         if self.workload.whole_milliseconds {
             (ttft_ms, tpot_ms) = (ttft_ms.round(), tpot_ms.round());
@@ -1275,75 +1274,4 @@ fn body_limit(kind: ApiKind, body: &Value) -> Option<u64> {
         ApiKind::Responses => &["max_output_tokens"],
     };
     fields.iter().filter_map(|f| body.get(*f).and_then(Value::as_u64)).min()
-}
-
-/// The simulator's service times (sim/src/upstream.rs).
-fn service_times(model: &Upstream, prompt_tokens: u64, running_others: u32, incidents: &[&Incident]) -> (f64, f64) {
-    let others = f64::from(running_others);
-    let prefill_ms = prompt_tokens as f64 / model.prefill_tokens_per_s * 1000.0 * (1.0 + model.prefill_slowdown_per_running * others);
-    let mut ttft_ms = model.ttft_base_ms + prefill_ms;
-    let mut tpot_ms = model.tpot_ms + model.tpot_per_running_ms * others;
-    for i in incidents {
-        ttft_ms *= i.ttft_factor;
-        tpot_ms *= i.tpot_factor;
-    }
-    (ttft_ms, tpot_ms)
-}
-
-/// Characters of the prompt text the simulator sends for `prompt_tokens` (4 a token, 4 tokens per message).
-fn prompt_chars(prompt_tokens: u64) -> u64 {
-    prompt_tokens.saturating_sub(4).saturating_mul(4)
-}
-
-fn prompt_text(filler: &mut String, prompt_tokens: u64) -> &str {
-    let chars = usize::try_from(prompt_chars(prompt_tokens)).unwrap_or(usize::MAX);
-    const WORDS: &str = "the quick brown fox jumps over the lazy dog while sluice counts every token ";
-    while filler.len() < chars {
-        filler.push_str(WORDS);
-    }
-    filler.get(..chars).unwrap_or_default()
-}
-
-/// The request body of one record (the simulator's `request_body`).
-fn request_body(api: ApiKind, model: &str, text: &str, stream: bool, max_tokens: Option<u64>, user: Option<&str>) -> (&'static str, Value) {
-    let mut body = match api {
-        ApiKind::ChatCompletions => json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}),
-        ApiKind::Completions => json!({"model": model, "prompt": text, "stream": stream}),
-        ApiKind::Responses => json!({"model": model, "input": text, "stream": stream}),
-        ApiKind::AnthropicMessages => {
-            json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream, "max_tokens": max_tokens.unwrap_or(4096)})
-        }
-    };
-    if let (Some(max), Some(obj)) = (max_tokens, body.as_object_mut()) {
-        let field = if api == ApiKind::Responses { "max_output_tokens" } else { "max_tokens" };
-        obj.insert(field.into(), json!(max));
-    }
-    if let (Some(user), Some(obj)) = (user, body.as_object_mut()) {
-        if api != ApiKind::AnthropicMessages {
-            obj.insert("user".into(), json!(user));
-        }
-    }
-    let path = match api {
-        ApiKind::ChatCompletions => "/v1/chat/completions",
-        ApiKind::Completions => "/v1/completions",
-        ApiKind::Responses => "/v1/responses",
-        ApiKind::AnthropicMessages => "/v1/messages",
-    };
-    (path, body)
-}
-
-/// SplitMix64 of (seed, n): the simulator's per-request draw.
-fn mix(seed: u64, n: u64) -> u64 {
-    let mut z = seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-fn unit(x: u64) -> f64 {
-    (x >> 11) as f64 / (1u64 << 53) as f64
-}
-
-fn ms_to_ns(ms: f64) -> u64 {
-    (ms * 1e6).round().max(0.0) as u64
 }

@@ -1,13 +1,21 @@
 //! The workload: who sends what, and how each upstream serves. Either a synthetic load (a few
 //! tenants, each with a rate, prompt and output sizes) or a pasted slice of a trace in the
 //! simulator's generic JSONL format (docs/simulator.md, "Generic JSONL"), plus the simulator's own
-//! service model (`upstream`, `default_upstream`, `incidents`), with the simulator's field names and
-//! defaults so that one workload can be replayed by `sluice-sim` unchanged.
+//! service model (`upstream`, `default_upstream`, `incidents`: `sluice-workload`'s types, checks
+//! and defaults, the ones `sluice-sim` reads) so that one workload can be replayed by `sluice-sim`
+//! unchanged.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_core::api::ApiKind;
+use sluice_workload::traffic::{
+    default_model, default_output_tokens, default_sample_every_ms, default_stream, default_tenant_header, default_users_per_tenant,
+};
+use sluice_workload::upstream::{check_incident, check_upstream};
 use std::collections::BTreeMap;
+
+/// The simulator's service model of an upstream and its incidents (shared, not copied).
+pub use sluice_workload::upstream::{Incident, Upstream};
 
 /// 2026-01-01T00:00:00Z, the simulator's default start: a minute, day and month boundary.
 pub const DEFAULT_START_UNIX_MS: u64 = 1_767_225_600_000;
@@ -57,7 +65,7 @@ pub struct Workload {
     #[serde(default)]
     pub incidents: Vec<Incident>,
     /// How often breaker states, budgets and spend are sampled for the charts, ms.
-    #[serde(default = "default_sample")]
+    #[serde(default = "default_sample_every_ms")]
     pub sample_every_ms: u64,
     /// Round TTFT and time per output token to whole milliseconds (the simulator's option).
     #[serde(default)]
@@ -70,16 +78,16 @@ pub struct Workload {
 pub struct Traffic {
     #[serde(default = "default_tenant_header")]
     pub tenant_header: String,
-    #[serde(default = "default_users")]
+    #[serde(default = "default_users_per_tenant")]
     pub users_per_tenant: u64,
     #[serde(default = "default_model")]
     pub model: String,
-    #[serde(default = "yes")]
+    #[serde(default = "default_stream")]
     pub stream: bool,
     /// The output limit of requests that give none: `null`, a number, or `"output"` (their output tokens).
     #[serde(default)]
     pub max_tokens: Value,
-    #[serde(default = "default_output")]
+    #[serde(default = "default_output_tokens")]
     pub output_tokens: u64,
 }
 
@@ -87,11 +95,11 @@ impl Default for Traffic {
     fn default() -> Self {
         Traffic {
             tenant_header: default_tenant_header(),
-            users_per_tenant: default_users(),
+            users_per_tenant: default_users_per_tenant(),
             model: default_model(),
-            stream: true,
+            stream: default_stream(),
             max_tokens: Value::Null,
-            output_tokens: default_output(),
+            output_tokens: default_output_tokens(),
         }
     }
 }
@@ -122,60 +130,6 @@ pub struct TenantLoad {
     pub from_s: Option<f64>,
     #[serde(default)]
     pub to_s: Option<f64>,
-}
-
-/// The simulator's service model of one upstream (sim/src/scenario.rs), same fields and defaults.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Upstream {
-    #[serde(default = "default_ttft_base")]
-    pub ttft_base_ms: f64,
-    #[serde(default = "default_prefill")]
-    pub prefill_tokens_per_s: f64,
-    #[serde(default)]
-    pub prefill_slowdown_per_running: f64,
-    #[serde(default = "default_tpot")]
-    pub tpot_ms: f64,
-    #[serde(default)]
-    pub tpot_per_running_ms: f64,
-    #[serde(default = "default_batch")]
-    pub max_batch: u32,
-    #[serde(default)]
-    pub error_rate: f64,
-    #[serde(default = "default_error_status")]
-    pub error_status: u16,
-}
-
-impl Default for Upstream {
-    fn default() -> Self {
-        Upstream {
-            ttft_base_ms: default_ttft_base(),
-            prefill_tokens_per_s: default_prefill(),
-            prefill_slowdown_per_running: 0.0,
-            tpot_ms: default_tpot(),
-            tpot_per_running_ms: 0.0,
-            max_batch: default_batch(),
-            error_rate: 0.0,
-            error_status: default_error_status(),
-        }
-    }
-}
-
-/// Something going wrong at one upstream for a while (the simulator's incident).
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Incident {
-    pub upstream: String,
-    pub from_s: f64,
-    pub to_s: f64,
-    #[serde(default = "one")]
-    pub ttft_factor: f64,
-    #[serde(default = "one")]
-    pub tpot_factor: f64,
-    #[serde(default)]
-    pub status: Option<u16>,
-    #[serde(default)]
-    pub error_rate: Option<f64>,
 }
 
 /// One request, as the simulator's trace record (`sluice_sim::trace::TraceRequest`).
@@ -272,21 +226,7 @@ impl Workload {
             check_upstream(u).map_err(|(field, message)| invalid(format!("{name}.{field}"), message))?;
         }
         for (i, incident) in self.incidents.iter().enumerate() {
-            let f = |name: &str| format!("incidents[{i}].{name}");
-            if !(incident.from_s.is_finite() && incident.to_s.is_finite() && incident.from_s >= 0.0 && incident.to_s > incident.from_s) {
-                return Err(invalid(f("to_s"), format!("the incident must last: from_s {} to to_s {}", incident.from_s, incident.to_s)));
-            }
-            for (name, factor) in [("ttft_factor", incident.ttft_factor), ("tpot_factor", incident.tpot_factor)] {
-                if !(factor.is_finite() && factor > 0.0) {
-                    return Err(invalid(f(name), format!("must be a positive number, got {factor}")));
-                }
-            }
-            if incident.error_rate.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
-                return Err(invalid(f("error_rate"), "must be between 0 and 1"));
-            }
-            if incident.status.is_some_and(|s| !(100..=599).contains(&s)) {
-                return Err(invalid(f("status"), "must be an HTTP status"));
-            }
+            check_incident(incident).map_err(|(field, message)| invalid(format!("incidents[{i}].{field}"), message))?;
         }
         Ok(())
     }
@@ -522,70 +462,14 @@ fn rfc3339_ns(s: &str) -> Result<i128, String> {
     Ok(secs * 1_000_000_000 + i128::from(frac_ns))
 }
 
-fn check_upstream(u: &Upstream) -> Result<(), (&'static str, String)> {
-    let positive = |name: &'static str, v: f64| if v.is_finite() && v > 0.0 { Ok(()) } else { Err((name, format!("must be a positive number, got {v}"))) };
-    let non_negative = |name: &'static str, v: f64| if v.is_finite() && v >= 0.0 { Ok(()) } else { Err((name, format!("must be a number ≥ 0, got {v}"))) };
-    non_negative("ttft_base_ms", u.ttft_base_ms)?;
-    positive("prefill_tokens_per_s", u.prefill_tokens_per_s)?;
-    non_negative("prefill_slowdown_per_running", u.prefill_slowdown_per_running)?;
-    non_negative("tpot_ms", u.tpot_ms)?;
-    non_negative("tpot_per_running_ms", u.tpot_per_running_ms)?;
-    if u.max_batch == 0 {
-        return Err(("max_batch", "must be at least 1".into()));
-    }
-    if !(0.0..=1.0).contains(&u.error_rate) {
-        return Err(("error_rate", format!("must be between 0 and 1, got {}", u.error_rate)));
-    }
-    if !(100..=599).contains(&u.error_status) {
-        return Err(("error_status", format!("must be an HTTP status, got {}", u.error_status)));
-    }
-    Ok(())
-}
-
 fn default_start() -> u64 {
     DEFAULT_START_UNIX_MS
 }
 fn default_duration() -> f64 {
     60.0
 }
-fn default_sample() -> u64 {
-    1000
-}
-fn default_tenant_header() -> String {
-    "x-sluice-tenant".into()
-}
-fn default_users() -> u64 {
-    100
-}
-fn default_model() -> String {
-    "llama-3-70b".into()
-}
-fn yes() -> bool {
-    true
-}
-fn default_output() -> u64 {
-    128
-}
 fn one_user() -> u64 {
     1
-}
-fn default_ttft_base() -> f64 {
-    30.0
-}
-fn default_prefill() -> f64 {
-    20_000.0
-}
-fn default_tpot() -> f64 {
-    20.0
-}
-fn default_batch() -> u32 {
-    64
-}
-fn default_error_status() -> u16 {
-    500
-}
-fn one() -> f64 {
-    1.0
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use sluice_playground::engine::{RequestVerdict, Verdict};
 use sluice_playground::workload::{to_generic_jsonl, Workload};
 use sluice_playground::{run, RunInput};
 use sluice_sim::engine::{Engine, Plugins, RunOptions};
-use sluice_sim::scenario::{PluginKind, Scenario};
+use sluice_sim::scenario::Scenario;
 use sluice_sim::trace::{ReaderOptions, TraceReader};
 use sluice_sim::verdict::{Decision, Verdict as SimVerdict};
 use std::collections::BTreeMap;
@@ -49,7 +49,7 @@ fn simulate(input: &RunInput) -> Vec<SimVerdict> {
     });
     let scenario = Scenario::parse(&scenario.to_string(), &root().join("examples/playground/agreement.scenario.json")).unwrap_or_else(|e| panic!("{e}"));
     let dir = sluice_host::workspace_target_dir().join("wasm32-wasip1").join("release");
-    let compiled = Plugins::load(&dir, &PluginKind::ALL).expect("build the plugins first: cargo xtask build");
+    let compiled = Plugins::load(&dir).expect("build the plugins first: cargo xtask build");
     let trace = match &input.trace {
         Some(t) => t.clone(),
         None => to_generic_jsonl(&workload.synthetic().unwrap()),

@@ -15,9 +15,12 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::Result;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sluice_core::latency::breaker::State as BreakerState;
 use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_workload::draw::{mix, unit};
+use sluice_workload::request::{prompt_text, request_body};
+use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
@@ -333,15 +336,11 @@ impl<'a> Engine<'a> {
         let Some(flight) = self.flights.get_mut(&stream) else { return };
         let Some(up) = flight.upstream.as_mut() else { return };
         let model = self.scenario.upstream(&up.name);
-        let incidents: Vec<_> = self.scenario.incidents.iter().filter(|i| i.upstream == up.name && offset_s >= i.from_s && offset_s < i.to_s).collect();
+        let incidents = active_incidents(&self.scenario.incidents, &up.name, offset_s);
         let load = self.loads.entry(up.name.clone()).or_default();
-        let draw = unit(mix(self.scenario.seed ^ 0x5eed_e770, flight.request.line));
-        let fail = incidents.iter().find_map(|i| i.status).or_else(|| {
-            let rate = incidents.iter().find_map(|i| i.error_rate).unwrap_or(model.error_rate);
-            (draw < rate).then_some(model.error_status)
-        });
+        let fail = failure(model, &incidents, self.scenario.seed, flight.request.line);
         let prompt_tokens = flight.request.prompt_tokens.unwrap_or(0);
-        let (mut ttft_ms, mut tpot_ms) = upstream::service_times(model, prompt_tokens, load.running, &incidents);
+        let (mut ttft_ms, mut tpot_ms) = service_times(model, prompt_tokens, load.running, &incidents);
         if self.scenario.whole_milliseconds {
             (ttft_ms, tpot_ms) = (ttft_ms.round(), tpot_ms.round());
         }
@@ -459,7 +458,7 @@ impl<'a> Engine<'a> {
             let model = self.scenario.upstream(&call.upstream);
             let prompt = upstream::api_of(&path).map_or(0, |api| sluice_mock_server::api::prompt_tokens(api, &body));
             let running = self.loads.get(&call.upstream).map_or(0, |l| l.running);
-            let (ttft_ms, tpot_ms) = upstream::service_times(model, prompt, running, &[]);
+            let (ttft_ms, tpot_ms) = service_times(model, prompt, running, &[]);
             let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
             let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
             let answer = upstream::answer(&path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
@@ -638,7 +637,7 @@ pub fn client_request(scenario: &Scenario, request: &TraceRequest, filler: &mut 
         MaxTokens::Output => Some(output_tokens),
     });
     let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
-    let text = upstream::prompt_text(filler, request.prompt_tokens.unwrap_or(0));
+    let text = prompt_text(filler, request.prompt_tokens.unwrap_or(0));
     let (path, body) = request_body(request.api, &model, text, stream, max_tokens, user.as_deref());
     let body = body.to_string().into_bytes();
     let mut headers = vec![
@@ -657,38 +656,6 @@ pub fn client_request(scenario: &Scenario, request: &TraceRequest, filler: &mut 
         headers.push(("anthropic-version".to_string(), "2023-06-01".to_string()));
     }
     ClientRequest { path: path.to_string(), headers, body, model, tenant, user, stream, output_tokens }
-}
-
-/// The request a trace line stands for: path and JSON body of its API.
-fn request_body(api: ApiKind, model: &str, text: &str, stream: bool, max_tokens: Option<u64>, user: Option<&str>) -> (&'static str, Value) {
-    let mut body = match api {
-        ApiKind::ChatCompletions => json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}),
-        ApiKind::Completions => json!({"model": model, "prompt": text, "stream": stream}),
-        ApiKind::Responses => json!({"model": model, "input": text, "stream": stream}),
-        // Anthropic requires max_tokens.
-        ApiKind::AnthropicMessages => {
-            json!({"model": model, "messages": [{"role": "user", "content": text}], "stream": stream, "max_tokens": max_tokens.unwrap_or(4096)})
-        }
-    };
-    if let (Some(max), Some(obj)) = (max_tokens, body.as_object_mut()) {
-        let field = match api {
-            ApiKind::Responses => "max_output_tokens",
-            _ => "max_tokens",
-        };
-        obj.insert(field.into(), json!(max));
-    }
-    if let (Some(user), Some(obj)) = (user, body.as_object_mut()) {
-        if matches!(api, ApiKind::ChatCompletions | ApiKind::Completions | ApiKind::Responses) {
-            obj.insert("user".into(), json!(user));
-        }
-    }
-    let path = match api {
-        ApiKind::ChatCompletions => "/v1/chat/completions",
-        ApiKind::Completions => "/v1/completions",
-        ApiKind::Responses => "/v1/responses",
-        ApiKind::AnthropicMessages => "/v1/messages",
-    };
-    (path, body)
 }
 
 /// The tenant of a request whose trace line names none: Zipf weights by position, or shares.
@@ -716,21 +683,4 @@ fn transition(change: &GaugeChange, t_ms: f64) -> Option<Transition> {
     let version = change.name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
     let state = |code: i64| u8::try_from(code).ok().and_then(BreakerState::from_code).map(|s| s.as_str().to_string());
     Some(Transition { t_ms, version: version.to_string(), from: state(change.from)?, to: state(change.to)? })
-}
-
-/// SplitMix64 of (seed, n): a reproducible draw per request, whatever order requests run in.
-pub fn mix(seed: u64, n: u64) -> u64 {
-    let mut z = seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// A draw in [0, 1).
-fn unit(x: u64) -> f64 {
-    (x >> 11) as f64 / (1u64 << 53) as f64
-}
-
-fn ms_to_ns(ms: f64) -> u64 {
-    (ms * 1e6).round().max(0.0) as u64
 }

@@ -7,6 +7,13 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_json::Value;
+use sluice_workload::traffic::{
+    default_model, default_output_tokens, default_sample_every_ms, default_stream, default_tenant_header, default_users_per_tenant,
+};
+use sluice_workload::upstream::{check_incident, check_upstream};
+
+/// The service model of an upstream and its incidents: the workload model the playground shares.
+pub use sluice_workload::upstream::{Incident, Upstream};
 
 /// Why a scenario cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -94,20 +101,20 @@ pub struct Traffic {
     #[serde(default = "default_zipf")]
     pub zipf_s: f64,
     /// Users per tenant for requests without a user (each request draws one, uniformly).
-    #[serde(default = "default_users")]
+    #[serde(default = "default_users_per_tenant")]
     pub users_per_tenant: u64,
     /// The model asked for when the trace names none.
     #[serde(default = "default_model")]
     pub model: String,
     /// Streamed when the trace does not say.
-    #[serde(default = "default_true")]
+    #[serde(default = "default_stream")]
     pub stream: bool,
     /// The output limit a request sets when the trace gives none: `null` sends none, a number is
     /// that limit, `"output"` is the trace's output tokens (what the client actually needed).
     #[serde(default)]
     pub max_tokens: MaxTokens,
     /// Output tokens when the trace gives none.
-    #[serde(default = "default_output")]
+    #[serde(default = "default_output_tokens")]
     pub output_tokens: u64,
 }
 
@@ -138,71 +145,6 @@ pub struct TenantShare {
     pub share: Option<f64>,
 }
 
-/// How one model version serves: a service-time model with a batch limit and a FIFO queue.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Upstream {
-    /// Fixed part of time to first token (scheduling, network), ms.
-    #[serde(default = "default_ttft_base")]
-    pub ttft_base_ms: f64,
-    /// Prefill speed: the prompt adds prompt_tokens / this seconds to the TTFT.
-    #[serde(default = "default_prefill")]
-    pub prefill_tokens_per_s: f64,
-    /// Each other request running in the batch adds this share to the prefill time.
-    #[serde(default)]
-    pub prefill_slowdown_per_running: f64,
-    /// Time per output token with the batch otherwise empty, ms.
-    #[serde(default = "default_tpot")]
-    pub tpot_ms: f64,
-    /// Each other running request adds this to the time per output token, ms.
-    #[serde(default)]
-    pub tpot_per_running_ms: f64,
-    /// Requests served at once; more wait in a FIFO queue (their wait is part of their TTFT).
-    #[serde(default = "default_batch")]
-    pub max_batch: u32,
-    /// Share of requests answered with `error_status` instead (0–1), drawn per request with the seed.
-    #[serde(default)]
-    pub error_rate: f64,
-    #[serde(default = "default_error_status")]
-    pub error_status: u16,
-}
-
-impl Default for Upstream {
-    fn default() -> Self {
-        Upstream {
-            ttft_base_ms: default_ttft_base(),
-            prefill_tokens_per_s: default_prefill(),
-            prefill_slowdown_per_running: 0.0,
-            tpot_ms: default_tpot(),
-            tpot_per_running_ms: 0.0,
-            max_batch: default_batch(),
-            error_rate: 0.0,
-            error_status: default_error_status(),
-        }
-    }
-}
-
-/// Something going wrong at one version for a while.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Incident {
-    /// The upstream it hits (a key of `upstream`, e.g. the route model-router writes).
-    pub upstream: String,
-    /// From and to, seconds after the trace's first request (after `time_scale`).
-    pub from_s: f64,
-    pub to_s: f64,
-    /// TTFT multiplied by this while it lasts.
-    #[serde(default = "one")]
-    pub ttft_factor: f64,
-    /// Time per output token multiplied by this.
-    #[serde(default = "one")]
-    pub tpot_factor: f64,
-    /// Every request answered with this status instead.
-    pub status: Option<u16>,
-    /// Or this share of them (0–1), with the upstream's `error_status`.
-    pub error_rate: Option<f64>,
-}
-
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
@@ -221,7 +163,7 @@ struct File {
     default_upstream: Option<Upstream>,
     #[serde(default)]
     incidents: Vec<Incident>,
-    #[serde(default = "default_sample")]
+    #[serde(default = "default_sample_every_ms")]
     sample_every_ms: u64,
     #[serde(default = "default_chunk")]
     stream_chunk_ms: u64,
@@ -311,25 +253,7 @@ impl Scenario {
             check_upstream(u).map_err(|(field, message)| invalid(&format!("{name}.{field}"), message))?;
         }
         for (i, incident) in file.incidents.iter().enumerate() {
-            let field = |f: &str| format!("incidents[{i}].{f}");
-            if !(incident.from_s.is_finite() && incident.to_s.is_finite() && incident.from_s >= 0.0 && incident.to_s > incident.from_s) {
-                return Err(invalid(&field("to_s"), format!("the incident must last: from_s {} to to_s {}", incident.from_s, incident.to_s)));
-            }
-            for (name, factor) in [("ttft_factor", incident.ttft_factor), ("tpot_factor", incident.tpot_factor)] {
-                if !(factor.is_finite() && factor > 0.0) {
-                    return Err(invalid(&field(name), format!("must be a positive number, got {factor}")));
-                }
-            }
-            if let Some(rate) = incident.error_rate {
-                if !(0.0..=1.0).contains(&rate) {
-                    return Err(invalid(&field("error_rate"), format!("must be between 0 and 1, got {rate}")));
-                }
-            }
-            if let Some(status) = incident.status {
-                if !(100..=599).contains(&status) {
-                    return Err(invalid(&field("status"), format!("must be an HTTP status, got {status}")));
-                }
-            }
+            check_incident(incident).map_err(|(field, message)| invalid(&format!("incidents[{i}].{field}"), message))?;
         }
         let name = file.name.unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "scenario".into()));
         Ok(Scenario {
@@ -359,77 +283,24 @@ impl Scenario {
     }
 }
 
-fn check_upstream(u: &Upstream) -> Result<(), (&'static str, String)> {
-    let positive = |name: &'static str, v: f64| if v.is_finite() && v > 0.0 { Ok(()) } else { Err((name, format!("must be a positive number, got {v}"))) };
-    let non_negative = |name: &'static str, v: f64| if v.is_finite() && v >= 0.0 { Ok(()) } else { Err((name, format!("must be a number ≥ 0, got {v}"))) };
-    non_negative("ttft_base_ms", u.ttft_base_ms)?;
-    positive("prefill_tokens_per_s", u.prefill_tokens_per_s)?;
-    non_negative("prefill_slowdown_per_running", u.prefill_slowdown_per_running)?;
-    non_negative("tpot_ms", u.tpot_ms)?;
-    non_negative("tpot_per_running_ms", u.tpot_per_running_ms)?;
-    if u.max_batch == 0 {
-        return Err(("max_batch", "must be at least 1".into()));
-    }
-    if !(0.0..=1.0).contains(&u.error_rate) {
-        return Err(("error_rate", format!("must be between 0 and 1, got {}", u.error_rate)));
-    }
-    if !(100..=599).contains(&u.error_status) {
-        return Err(("error_status", format!("must be an HTTP status, got {}", u.error_status)));
-    }
-    Ok(())
-}
-
 fn default_traffic() -> Traffic {
     Traffic {
         tenant_header: default_tenant_header(),
         tenants: Vec::new(),
         zipf_s: default_zipf(),
-        users_per_tenant: default_users(),
+        users_per_tenant: default_users_per_tenant(),
         model: default_model(),
-        stream: true,
+        stream: default_stream(),
         max_tokens: MaxTokens::None,
-        output_tokens: default_output(),
+        output_tokens: default_output_tokens(),
     }
 }
 
-fn default_tenant_header() -> String {
-    "x-sluice-tenant".into()
-}
 fn default_zipf() -> f64 {
     1.0
 }
-fn default_users() -> u64 {
-    100
-}
-fn default_model() -> String {
-    "llama-3-70b".into()
-}
-fn default_true() -> bool {
-    true
-}
-fn default_output() -> u64 {
-    128
-}
-fn default_ttft_base() -> f64 {
-    30.0
-}
-fn default_prefill() -> f64 {
-    20_000.0
-}
-fn default_tpot() -> f64 {
-    20.0
-}
-fn default_batch() -> u32 {
-    64
-}
-fn default_error_status() -> u16 {
-    500
-}
 fn one() -> f64 {
     1.0
-}
-fn default_sample() -> u64 {
-    1000
 }
 fn default_tokens_per_event() -> u64 {
     1

@@ -1,16 +1,15 @@
 //! The modelled upstream: per version a batch of at most `max_batch` running requests and a FIFO
 //! queue behind it; time to first token from the queue wait, a fixed part and the prefill of the
-//! prompt; time per output token from the batch size. The bytes it answers with are the mock
-//! server's (`sluice-mock-server`'s renderers), so the simulator and the mock behind real Envoy
-//! speak the same streams.
+//! prompt; time per output token from the batch size (the formulas and draws are
+//! `sluice_workload::upstream`'s, shared with the playground). The bytes it answers with are the
+//! mock server's (`sluice-mock-server`'s renderers), so the simulator and the mock behind real
+//! Envoy speak the same streams.
 
 use std::collections::VecDeque;
 
 use serde_json::Value;
 use sluice_mock_server::api::{error_body, Api, Plan};
 use sluice_mock_server::controls::{Controls, UsageMode};
-
-use crate::scenario::{Incident, Upstream};
 
 /// What one request is answered with, decided when it starts being served.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,20 +31,6 @@ pub struct Service {
 pub struct VersionLoad {
     pub running: u32,
     pub queue: VecDeque<u64>,
-}
-
-/// The service times of a request of `prompt_tokens` that starts with `running` others in the
-/// batch, during `incidents` (already filtered to this upstream and this time).
-pub fn service_times(model: &Upstream, prompt_tokens: u64, running_others: u32, incidents: &[&Incident]) -> (f64, f64) {
-    let others = f64::from(running_others);
-    let prefill_ms = prompt_tokens as f64 / model.prefill_tokens_per_s * 1000.0 * (1.0 + model.prefill_slowdown_per_running * others);
-    let mut ttft_ms = model.ttft_base_ms + prefill_ms;
-    let mut tpot_ms = model.tpot_ms + model.tpot_per_running_ms * others;
-    for incident in incidents {
-        ttft_ms *= incident.ttft_factor;
-        tpot_ms *= incident.tpot_factor;
-    }
-    (ttft_ms, tpot_ms)
 }
 
 /// The mock's controls for a request: its tokens and timing (the sim plays the timing itself).
@@ -152,15 +137,4 @@ fn error_answer(path: &str, status: u16, message: &str, service: &Service) -> An
     // The engine sets a failing request's TTFT to the fixed part alone: refused without prefill.
     let at = service.ttft_ns;
     Answer { status, headers: vec![("content-type".into(), "application/json".into())], pieces: vec![(at, body)] }
-}
-
-/// The prompt text that the mock counts as `prompt_tokens` tokens (4 characters a token, plus 4
-/// per message), cut from a shared filler.
-pub fn prompt_text(filler: &mut String, prompt_tokens: u64) -> &str {
-    let chars = usize::try_from(prompt_tokens.saturating_sub(4).saturating_mul(4)).unwrap_or(usize::MAX);
-    const WORDS: &str = "the quick brown fox jumps over the lazy dog while sluice counts every token ";
-    while filler.len() < chars {
-        filler.push_str(WORDS);
-    }
-    filler.get(..chars).unwrap_or_default()
 }

@@ -1,6 +1,6 @@
 //! The engine in-process: small scenarios through the production `.wasm` plugins on the virtual
 //! clock, with exact figures derived from the policies (policies/*.json, docs/tenant-budget.md,
-//! docs/latency-guard.md) and the service model (sim/src/upstream.rs) — not from the engine itself.
+//! docs/latency-guard.md) and the service model (workload/src/upstream.rs) — not from the engine itself.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
