@@ -196,23 +196,22 @@ impl StreamType {
     }
 }
 
-/// Serializes header pairs: `count: u32`, then `(key_len: u32, value_len: u32)` per pair, then
-/// each key and value followed by a NUL byte. All integers little-endian.
-pub(crate) fn encode_map<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])> + Clone) -> Vec<u8> {
-    let pairs: Vec<_> = pairs.into_iter().collect();
-    let mut out = Vec::new();
-    out.extend_from_slice(&len_u32(pairs.len()).to_le_bytes());
-    for (key, value) in &pairs {
+/// Serializes header pairs onto `out`: `count: u32`, then `(key_len: u32, value_len: u32)` per
+/// pair, then each key and value followed by a NUL byte. All integers little-endian. The pairs are
+/// walked more than once rather than collected (a hostcall encodes into a reused buffer).
+pub(crate) fn encode_map<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])> + Clone, out: &mut Vec<u8>) {
+    let count = pairs.clone().into_iter().count();
+    out.extend_from_slice(&len_u32(count).to_le_bytes());
+    for (key, value) in pairs.clone() {
         out.extend_from_slice(&len_u32(key.len()).to_le_bytes());
         out.extend_from_slice(&len_u32(value.len()).to_le_bytes());
     }
-    for (key, value) in &pairs {
+    for (key, value) in pairs {
         out.extend_from_slice(key);
         out.push(0);
         out.extend_from_slice(value);
         out.push(0);
     }
-    out
 }
 
 fn len_u32(len: usize) -> u32 {
@@ -295,10 +294,16 @@ pub(crate) fn split_property_path(raw: &[u8]) -> Vec<&[u8]> {
 mod tests {
     use super::*;
 
+    fn encoded<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])> + Clone) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_map(pairs, &mut out);
+        out
+    }
+
     #[test]
     fn map_round_trip_keeps_order_duplicates_and_non_utf8() {
         let pairs: Vec<(&[u8], &[u8])> = vec![(b":method", b"GET"), (b"x-a", b"\xff\xfe"), (b"x-a", b"")];
-        let encoded = encode_map(pairs.clone());
+        let encoded = encoded(pairs.clone());
         let decoded = decode_map(&encoded).unwrap();
         let expected: Vec<(Vec<u8>, Vec<u8>)> = pairs.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
         assert_eq!(decoded, expected);
@@ -306,13 +311,13 @@ mod tests {
 
     #[test]
     fn map_layout_matches_the_spec() {
-        let encoded = encode_map(vec![(&b"ab"[..], &b"c"[..])]);
+        let encoded = encoded(vec![(&b"ab"[..], &b"c"[..])]);
         assert_eq!(encoded, [1, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, b'a', b'b', 0, b'c', 0]);
     }
 
     #[test]
     fn truncated_map_is_a_serialization_failure() {
-        let encoded = encode_map(vec![(&b"ab"[..], &b"c"[..])]);
+        let encoded = encoded(vec![(&b"ab"[..], &b"c"[..])]);
         assert_eq!(decode_map(&encoded[..encoded.len() - 1]), Err(Status::SerializationFailure));
         assert_eq!(decode_map(&[5, 0, 0, 0]), Err(Status::SerializationFailure));
     }

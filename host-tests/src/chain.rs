@@ -17,6 +17,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::OnceLock;
 
 use anyhow::{bail, Context as _, Result};
@@ -101,13 +102,52 @@ struct Flow {
     stopped: bool,
 }
 
+/// A map keyed by the host's own small integers (stream, filter and context ids).
+type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+/// FxHash's one multiply per word instead of SipHash: the flows are looked up several times per
+/// callback, and SipHash was a few per cent of the host's time. The keys are the host's own
+/// counters, not anything traffic chooses, so there is no flooding to resist.
+#[derive(Clone, Copy, Default)]
+struct IdHasher(u64);
+
+impl IdHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.add(u64::from(*byte));
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+}
+
 /// Plugin VMs in filter order behind one virtual clock. See the module docs.
 pub struct Chain {
     gateways: Vec<Gateway>,
     process: Process,
-    flows: RefCell<HashMap<StreamId, Flow>>,
+    flows: RefCell<IdMap<StreamId, Flow>>,
     /// (filter, context id) → stream, to find the stream a tick or callout touched.
-    by_context: RefCell<HashMap<(usize, u32), StreamId>>,
+    by_context: RefCell<IdMap<(usize, u32), StreamId>>,
     next_stream: Cell<u64>,
     events: RefCell<VecDeque<ChainEvent>>,
 }

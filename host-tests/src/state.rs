@@ -8,6 +8,7 @@ use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::abi::LogLevel;
+use crate::guest::GuestExports;
 use crate::headers::Headers;
 use crate::hostcalls::callouts::{CalloutReply, Callouts};
 use crate::hostcalls::clock::VirtualClock;
@@ -195,6 +196,10 @@ pub(crate) struct HostState {
     pub echo_logs: bool,
     /// How many times the plugin called `proxy_done`.
     pub done_calls: u32,
+    /// The plugin's memory and allocator, once the VM is instantiated.
+    pub guest: GuestExports,
+    /// The buffer values returned to the plugin are put together in, kept between hostcalls.
+    pub scratch: Vec<u8>,
 }
 
 impl HostState {
@@ -222,6 +227,8 @@ impl HostState {
             keep_logs_from: LogLevel::Trace,
             echo_logs: true,
             done_calls: 0,
+            guest: GuestExports::default(),
+            scratch: Vec::new(),
         }
     }
 

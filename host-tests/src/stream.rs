@@ -31,13 +31,24 @@ impl Side {
         }
     }
 
-    fn export(self, what: &str) -> String {
-        let side = match self {
-            Side::Request => "request",
-            Side::Response => "response",
-        };
-        format!("proxy_on_{side}_{what}")
+    fn export(self, part: Part) -> &'static str {
+        match (self, part) {
+            (Side::Request, Part::Headers) => "proxy_on_request_headers",
+            (Side::Request, Part::Body) => "proxy_on_request_body",
+            (Side::Request, Part::Trailers) => "proxy_on_request_trailers",
+            (Side::Response, Part::Headers) => "proxy_on_response_headers",
+            (Side::Response, Part::Body) => "proxy_on_response_body",
+            (Side::Response, Part::Trailers) => "proxy_on_response_trailers",
+        }
     }
+}
+
+/// What of one side a callback delivers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Headers,
+    Body,
+    Trailers,
 }
 
 /// An HTTP stream (one request and its response) on a [`Gateway`].
@@ -271,7 +282,7 @@ impl<'g> Stream<'g> {
             direction.headers = headers;
             direction.headers_seen = true;
         }
-        let code: u32 = runtime.call(self.id, &side.export("headers"), (self.id, count, u32::from(end_of_stream)))?;
+        let code: u32 = runtime.call(self.id, side.export(Part::Headers), (self.id, count, u32::from(end_of_stream)))?;
         Ok(self.settle(&mut runtime, side, code))
     }
 
@@ -286,7 +297,7 @@ impl<'g> Stream<'g> {
             direction.body.extend_from_slice(chunk);
             size = len_u32(direction.body.len());
         }
-        let code: u32 = runtime.call(self.id, &side.export("body"), (self.id, size, u32::from(end_of_stream)))?;
+        let code: u32 = runtime.call(self.id, side.export(Part::Body), (self.id, size, u32::from(end_of_stream)))?;
         Ok(self.settle(&mut runtime, side, code))
     }
 
@@ -301,7 +312,7 @@ impl<'g> Stream<'g> {
             direction.trailers = trailers;
             direction.trailers_seen = true;
         }
-        let code: u32 = runtime.call(self.id, &side.export("trailers"), (self.id, count))?;
+        let code: u32 = runtime.call(self.id, side.export(Part::Trailers), (self.id, count))?;
         Ok(self.settle(&mut runtime, side, code))
     }
 

@@ -43,22 +43,25 @@ fn proxy_get_buffer_bytes(mut caller: Caller<'_, HostState>, buffer_type: u32, s
     let Some(buffer_type) = BufferType::from_code(buffer_type) else {
         return reply(Status::BadArgument);
     };
-    let Some(bytes) = buffer(caller.data(), buffer_type) else {
-        return reply(Status::NotFound);
-    };
-    let start = (start as usize).min(bytes.len());
-    let end = start.saturating_add(max_size as usize).min(bytes.len());
-    let slice = bytes[start..end].to_vec();
-    guest::return_bytes(&mut caller, &slice, data_out, size_out)?;
-    reply(Status::Ok)
+    let found = guest::return_filled(&mut caller, data_out, size_out, |_, state, out| {
+        let Some(bytes) = buffer(state, buffer_type) else {
+            return Ok(false);
+        };
+        let start = (start as usize).min(bytes.len());
+        let end = start.saturating_add(max_size as usize).min(bytes.len());
+        out.extend_from_slice(bytes.get(start..end).unwrap_or_default());
+        Ok(true)
+    })?;
+    reply(if found { Status::Ok } else { Status::NotFound })
 }
 
 fn proxy_set_buffer_bytes(mut caller: Caller<'_, HostState>, buffer_type: u32, start: u32, size: u32, data_ptr: u32, data_len: u32) -> HostcallResult {
     let Some(buffer_type) = BufferType::from_code(buffer_type) else {
         return reply(Status::BadArgument);
     };
-    let data = guest::read(&mut caller, data_ptr, data_len)?;
-    let Some(bytes) = buffer_mut(caller.data_mut(), buffer_type) else {
+    let (guest, state) = guest::view(&mut caller);
+    let data = guest.bytes(data_ptr, data_len)?;
+    let Some(bytes) = buffer_mut(state, buffer_type) else {
         return reply(Status::NotFound);
     };
     splice(bytes, start as usize, size as usize, data);
@@ -66,10 +69,10 @@ fn proxy_set_buffer_bytes(mut caller: Caller<'_, HostState>, buffer_type: u32, s
 }
 
 /// Replaces `start..start+size` of `bytes` (clamped) with `data`.
-pub(crate) fn splice(bytes: &mut Vec<u8>, start: usize, size: usize, data: Vec<u8>) {
+pub(crate) fn splice(bytes: &mut Vec<u8>, start: usize, size: usize, data: &[u8]) {
     let start = start.min(bytes.len());
     let end = start.saturating_add(size).min(bytes.len());
-    bytes.splice(start..end, data);
+    bytes.splice(start..end, data.iter().copied());
 }
 
 #[cfg(test)]
@@ -79,15 +82,15 @@ mod tests {
     #[test]
     fn splice_covers_prepend_append_replace() {
         let mut b = b"body".to_vec();
-        splice(&mut b, 0, 0, b">".to_vec());
+        splice(&mut b, 0, 0, b">");
         assert_eq!(b, b">body");
-        splice(&mut b, 5, 0, b"<".to_vec());
+        splice(&mut b, 5, 0, b"<");
         assert_eq!(b, b">body<");
-        splice(&mut b, 99, 0, b"!".to_vec());
+        splice(&mut b, 99, 0, b"!");
         assert_eq!(b, b">body<!");
-        splice(&mut b, 0, 99, b"new".to_vec());
+        splice(&mut b, 0, 99, b"new");
         assert_eq!(b, b"new");
-        splice(&mut b, 1, 1, b"EE".to_vec());
+        splice(&mut b, 1, 1, b"EE");
         assert_eq!(b, b"nEEw");
     }
 }

@@ -18,12 +18,14 @@ fn proxy_log(mut caller: Caller<'_, HostState>, level: u32, ptr: u32, len: u32) 
     let Some(level) = LogLevel::from_code(level) else {
         return reply(Status::BadArgument);
     };
-    let message = guest::read_string(&mut caller, ptr, len)?;
-    let state = caller.data_mut();
+    let (guest, state) = guest::view(&mut caller);
+    // Checked against linear memory even when dropped; decoded and copied only when kept.
+    let message = guest.bytes(ptr, len)?;
     let context_id = state.effective_context;
     if level < state.keep_logs_from {
         return reply(Status::Ok);
     }
+    let message = String::from_utf8_lossy(message).into_owned();
     if state.echo_logs {
         eprintln!("[plugin {}] {level} ctx={context_id}: {message}", state.plugin.name);
     }

@@ -49,12 +49,14 @@ fn proxy_get_header_map_pairs(mut caller: Caller<'_, HostState>, map_type: u32, 
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
-    // A map that does not exist here reads as empty, as in Envoy.
-    let encoded = match map(caller.data(), map_type) {
-        Some(headers) => encode_map(headers.iter()),
-        None => encode_map(std::iter::empty()),
-    };
-    guest::return_bytes(&mut caller, &encoded, data_out, size_out)?;
+    guest::return_filled(&mut caller, data_out, size_out, |_, state, out| {
+        // A map that does not exist here reads as empty, as in Envoy.
+        match map(state, map_type) {
+            Some(headers) => encode_map(headers.iter(), out),
+            None => encode_map(std::iter::empty(), out),
+        }
+        Ok(true)
+    })?;
     reply(Status::Ok)
 }
 
@@ -62,11 +64,12 @@ fn proxy_set_header_map_pairs(mut caller: Caller<'_, HostState>, map_type: u32, 
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
-    let pairs = match decode_map(&guest::read(&mut caller, ptr, len)?) {
+    let (guest, state) = guest::view(&mut caller);
+    let pairs = match decode_map(guest.bytes(ptr, len)?) {
         Ok(pairs) => pairs,
         Err(status) => return reply(status),
     };
-    let Some(headers) = map_mut(caller.data_mut(), map_type) else {
+    let Some(headers) = map_mut(state, map_type) else {
         return reply(Status::NotFound);
     };
     *headers = Headers::from_vec(pairs);
@@ -77,12 +80,15 @@ fn proxy_get_header_map_value(mut caller: Caller<'_, HostState>, map_type: u32, 
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
-    let key = guest::read(&mut caller, key_ptr, key_len)?;
-    let Some(value) = map(caller.data(), map_type).and_then(|h| h.first(&key)).map(<[u8]>::to_vec) else {
-        return reply(Status::NotFound);
-    };
-    guest::return_bytes(&mut caller, &value, value_out, size_out)?;
-    reply(Status::Ok)
+    let found = guest::return_filled(&mut caller, value_out, size_out, |guest, state, out| {
+        let key = guest.bytes(key_ptr, key_len)?;
+        let Some(value) = map(state, map_type).and_then(|h| h.first(key)) else {
+            return Ok(false);
+        };
+        out.extend_from_slice(value);
+        Ok(true)
+    })?;
+    reply(if found { Status::Ok } else { Status::NotFound })
 }
 
 /// Shared body of the three single-value edits.
@@ -90,12 +96,13 @@ fn edit(caller: &mut Caller<'_, HostState>, map_type: u32, key: (u32, u32), valu
     let Some(map_type) = MapType::from_code(map_type) else {
         return reply(Status::BadArgument);
     };
-    let key = guest::read(caller, key.0, key.1)?;
-    let value = guest::read(caller, value.0, value.1)?;
-    let Some(headers) = map_mut(caller.data_mut(), map_type) else {
+    let (guest, state) = guest::view(caller);
+    let key = guest.bytes(key.0, key.1)?;
+    let value = guest.bytes(value.0, value.1)?;
+    let Some(headers) = map_mut(state, map_type) else {
         return reply(Status::NotFound);
     };
-    apply(headers, &key, &value);
+    apply(headers, key, value);
     reply(Status::Ok)
 }
 

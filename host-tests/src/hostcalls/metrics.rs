@@ -159,8 +159,9 @@ fn proxy_define_metric(mut caller: Caller<'_, HostState>, kind: u32, name_ptr: u
     let Some(kind) = MetricType::from_code(kind) else {
         return reply(Status::BadArgument);
     };
-    let name = guest::read_string(&mut caller, name_ptr, name_len)?;
-    let id = caller.data_mut().metrics.define(kind, &name);
+    let (guest, state) = guest::view(&mut caller);
+    let name = guest.str(name_ptr, name_len)?;
+    let id = state.metrics.define(kind, &name);
     guest::write_u32(&mut caller, id_out, id)?;
     reply(Status::Ok)
 }

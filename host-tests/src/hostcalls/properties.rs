@@ -16,6 +16,7 @@
 //!
 //! Integers and timestamps are 8-byte little-endian, as Envoy serializes them.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use wasmtime::{Caller, Linker, Result};
@@ -51,48 +52,66 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
 }
 
 /// Canonical key of a path the plugin sent (a trailing NUL is dropped).
-fn key(raw: &[u8]) -> Vec<u8> {
-    raw.strip_suffix(&[0]).unwrap_or(raw).to_vec()
+fn key(raw: &[u8]) -> &[u8] {
+    raw.strip_suffix(&[0]).unwrap_or(raw)
 }
 
 /// Resolves `path` as the plugin would see it from `stream` (or from the root, with `None`).
 pub(crate) fn lookup(state: &HostState, stream: Option<&HttpStream>, path: &[u8]) -> Option<Vec<u8>> {
+    let mut value = Vec::new();
+    lookup_into(state, stream, path, &mut value).then_some(value)
+}
+
+/// [`lookup`], appending the value to `out` (a hostcall's reused buffer); false when there is none.
+fn lookup_into(state: &HostState, stream: Option<&HttpStream>, path: &[u8], out: &mut Vec<u8>) -> bool {
     let path = key(path);
-    if let Some(value) = stream.and_then(|s| lock(&s.properties).get(&path).map(<[u8]>::to_vec)) {
-        return Some(value);
+    if let Some(stream) = stream {
+        if let Some(value) = lock(&stream.properties).get(path) {
+            out.extend_from_slice(value);
+            return true;
+        }
     }
-    if let Some(value) = state.properties.get(&path) {
-        return Some(value.to_vec());
+    if let Some(value) = state.properties.get(path) {
+        out.extend_from_slice(value);
+        return true;
     }
-    builtin(state, stream, &split_property_path(&path))
+    match builtin(state, stream, &split_property_path(path)) {
+        Some(value) => {
+            out.extend_from_slice(&value);
+            true
+        }
+        None => false,
+    }
 }
 
-fn int(value: i64) -> Vec<u8> {
-    value.to_le_bytes().to_vec()
+fn int(value: i64) -> Cow<'static, [u8]> {
+    Cow::Owned(value.to_le_bytes().to_vec())
 }
 
-fn builtin(state: &HostState, stream: Option<&HttpStream>, path: &[&[u8]]) -> Option<Vec<u8>> {
+fn builtin<'a>(state: &'a HostState, stream: Option<&'a HttpStream>, path: &[&[u8]]) -> Option<Cow<'a, [u8]>> {
     let plugin = &state.plugin;
-    let request_header = |name: &[u8]| stream.and_then(|s| s.request.headers.first(name)).map(<[u8]>::to_vec);
+    let request_header = |name: &[u8]| stream.and_then(|s| s.request.headers.first(name)).map(Cow::Borrowed);
     match path {
-        [b"plugin_name"] => Some(plugin.name.clone().into_bytes()),
-        [b"plugin_root_id"] => Some(plugin.root_id.clone().into_bytes()),
-        [b"plugin_vm_id"] => Some(plugin.vm_id.clone().into_bytes()),
-        [b"source", b"address"] => Some(b"10.0.0.1:50000".to_vec()),
+        [b"plugin_name"] => Some(Cow::Borrowed(plugin.name.as_bytes())),
+        [b"plugin_root_id"] => Some(Cow::Borrowed(plugin.root_id.as_bytes())),
+        [b"plugin_vm_id"] => Some(Cow::Borrowed(plugin.vm_id.as_bytes())),
+        [b"source", b"address"] => Some(Cow::Borrowed(b"10.0.0.1:50000")),
         [b"source", b"port"] => Some(int(50000)),
-        [b"destination", b"address"] => Some(b"10.0.0.2:8080".to_vec()),
+        [b"destination", b"address"] => Some(Cow::Borrowed(b"10.0.0.2:8080")),
         [b"destination", b"port"] => Some(int(8080)),
         [b"request", b"path"] => request_header(b":path"),
-        [b"request", b"url_path"] => request_header(b":path").map(|p| p.split(|b| *b == b'?').next().unwrap_or_default().to_vec()),
+        [b"request", b"url_path"] => {
+            stream.and_then(|s| s.request.headers.first(b":path")).map(|p| Cow::Borrowed(p.split(|b| *b == b'?').next().unwrap_or_default()))
+        }
         [b"request", b"host"] => request_header(b":authority"),
         [b"request", b"method"] => request_header(b":method"),
         [b"request", b"scheme"] => request_header(b":scheme"),
         [b"request", b"id"] => request_header(b"x-request-id"),
         [b"request", b"useragent"] => request_header(b"user-agent"),
-        [b"request", b"protocol"] => stream.map(|_| b"HTTP/1.1".to_vec()),
+        [b"request", b"protocol"] => stream.map(|_| Cow::Borrowed(&b"HTTP/1.1"[..])),
         [b"request", b"time"] => stream.map(|s| int(i64::try_from(s.started_ns).unwrap_or(i64::MAX))),
         [b"request", b"headers", name] => request_header(name),
-        [b"response", b"headers", name] => stream.and_then(|s| s.response.headers.first(name)).map(<[u8]>::to_vec),
+        [b"response", b"headers", name] => stream.and_then(|s| s.response.headers.first(name)).map(Cow::Borrowed),
         [b"response", b"code"] => {
             stream.and_then(|s| s.response.headers.first(b":status")).and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok()).map(int)
         }
@@ -101,19 +120,17 @@ fn builtin(state: &HostState, stream: Option<&HttpStream>, path: &[&[u8]]) -> Op
 }
 
 fn proxy_get_property(mut caller: Caller<'_, HostState>, path_ptr: u32, path_len: u32, value_out: u32, size_out: u32) -> HostcallResult {
-    let path = guest::read(&mut caller, path_ptr, path_len)?;
-    let state = caller.data();
-    let Some(value) = lookup(state, state.current_stream(), &path) else {
-        return reply(Status::NotFound);
-    };
-    guest::return_bytes(&mut caller, &value, value_out, size_out)?;
-    reply(Status::Ok)
+    let found = guest::return_filled(&mut caller, value_out, size_out, |guest, state, out| {
+        let path = guest.bytes(path_ptr, path_len)?;
+        Ok(lookup_into(state, state.current_stream(), path, out))
+    })?;
+    reply(if found { Status::Ok } else { Status::NotFound })
 }
 
 fn proxy_set_property(mut caller: Caller<'_, HostState>, path_ptr: u32, path_len: u32, value_ptr: u32, value_len: u32) -> HostcallResult {
-    let path = key(&guest::read(&mut caller, path_ptr, path_len)?);
-    let value = guest::read(&mut caller, value_ptr, value_len)?;
-    let state = caller.data_mut();
+    let (guest, state) = guest::view(&mut caller);
+    let path = key(guest.bytes(path_ptr, path_len)?).to_vec();
+    let value = guest.bytes(value_ptr, value_len)?.to_vec();
     match state.current_stream_mut() {
         Some(stream) => lock(&stream.properties).set(path, value),
         None => state.properties.set(path, value),

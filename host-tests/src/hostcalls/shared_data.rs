@@ -58,19 +58,29 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> Result<()> {
 }
 
 fn proxy_get_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_out: u32, size_out: u32, cas_out: u32) -> HostcallResult {
-    let key = guest::read_string(&mut caller, key_ptr, key_len)?;
-    let Some((value, cas)) = lock(&caller.data().shared_data).get(&key).map(|(v, cas)| (v.to_vec(), cas)) else {
+    let mut cas = 0;
+    let found = guest::return_filled(&mut caller, value_out, size_out, |guest, state, out| {
+        let key = guest.str(key_ptr, key_len)?;
+        let data = lock(&state.shared_data);
+        let Some((value, current)) = data.get(&key) else {
+            return Ok(false);
+        };
+        out.extend_from_slice(value);
+        cas = current;
+        Ok(true)
+    })?;
+    if !found {
         return reply(Status::NotFound);
-    };
-    guest::return_bytes(&mut caller, &value, value_out, size_out)?;
+    }
     guest::write_u32(&mut caller, cas_out, cas)?;
     reply(Status::Ok)
 }
 
 fn proxy_set_shared_data(mut caller: Caller<'_, HostState>, key_ptr: u32, key_len: u32, value_ptr: u32, value_len: u32, cas: u32) -> HostcallResult {
-    let key = guest::read_string(&mut caller, key_ptr, key_len)?;
-    let value = if value_ptr == 0 && value_len == 0 { None } else { Some(guest::read(&mut caller, value_ptr, value_len)?) };
-    let result = lock(&caller.data().shared_data).set(&key, value, cas);
+    let (guest, state) = guest::view(&mut caller);
+    let key = guest.str(key_ptr, key_len)?;
+    let value = if value_ptr == 0 && value_len == 0 { None } else { Some(guest.bytes(value_ptr, value_len)?.to_vec()) };
+    let result = lock(&state.shared_data).set(&key, value, cas);
     match result {
         Ok(()) => reply(Status::Ok),
         Err(status) => reply(status),
