@@ -123,61 +123,64 @@ async fn settle_one(ledger: &Ledger, item: &Result<SettleRequest, BadRequest>) -
     json!({"status": status.as_u16(), "answer": answer})
 }
 
+/// The body of a request to `endpoint`, read and validated by `parse`; a refusal is answered (400)
+/// and counted as that endpoint's `bad_request`.
+async fn body_of<T>(
+    metrics: &crate::metrics::Metrics,
+    endpoint: &str,
+    request: Request<Incoming>,
+    parse: fn(&[u8]) -> Result<T, BadRequest>,
+) -> Result<T, Response<Full<Bytes>>> {
+    let parsed = match read_body(request).await {
+        Ok(body) => parse(&body),
+        Err(e) => Err(e),
+    };
+    parsed.map_err(|e| {
+        metrics.request(endpoint, "bad_request");
+        bad_request(&e)
+    })
+}
+
+/// A store call's answer to `endpoint`: 200 with the outcome's body, or the store's failure;
+/// counted under the outcome's or the failure's label.
+fn answered(metrics: &crate::metrics::Metrics, endpoint: &str, outcome: Result<(&'static str, Value), StoreError>) -> Response<Full<Bytes>> {
+    match outcome {
+        Ok((label, body)) => {
+            metrics.request(endpoint, label);
+            json_response(StatusCode::OK, &body)
+        }
+        Err(e) => {
+            let (response, label) = store_failure(&e);
+            metrics.request(endpoint, label);
+            response
+        }
+    }
+}
+
 pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Full<Bytes>> {
     let metrics = &ledger.metrics;
     let path = request.uri().path().to_string();
     let method = request.method().clone();
     match (path.as_str(), method) {
         ("/v1/reserve", Method::POST) => {
-            let parsed = match read_body(request).await {
-                Ok(body) => ReserveRequest::parse(&body),
-                Err(e) => Err(e),
+            let request = match body_of(metrics, "reserve", request, ReserveRequest::parse).await {
+                Ok(request) => request,
+                Err(response) => return response,
             };
-            let request = match parsed {
-                Ok(r) => r,
-                Err(e) => {
-                    metrics.request("reserve", "bad_request");
-                    return bad_request(&e);
-                }
-            };
-            match ledger.store.reserve(&request).await {
-                Ok(outcome) => {
-                    metrics.request("reserve", outcome.label());
-                    json_response(StatusCode::OK, &outcome.body())
-                }
-                Err(e) => {
-                    let (response, label) = store_failure(&e);
-                    metrics.request("reserve", label);
-                    response
-                }
-            }
+            answered(metrics, "reserve", ledger.store.reserve(&request).await.map(|outcome| (outcome.label(), outcome.body())))
         }
         ("/v1/settle", Method::POST) => {
-            let parsed = match read_body(request).await {
-                Ok(body) => SettleRequest::parse(&body),
-                Err(e) => Err(e),
-            };
-            let request = match parsed {
-                Ok(r) => r,
-                Err(e) => {
-                    metrics.request("settle", "bad_request");
-                    return bad_request(&e);
-                }
+            let request = match body_of(metrics, "settle", request, SettleRequest::parse).await {
+                Ok(request) => request,
+                Err(response) => return response,
             };
             let (status, answer) = settle(ledger, &request).await;
             json_response(status, &answer)
         }
         ("/v1/settle_batch", Method::POST) => {
-            let parsed = match read_body(request).await {
-                Ok(body) => SettleBatch::parse(&body),
-                Err(e) => Err(e),
-            };
-            let batch = match parsed {
-                Ok(b) => b,
-                Err(e) => {
-                    metrics.request("settle_batch", "bad_request");
-                    return bad_request(&e);
-                }
+            let batch = match body_of(metrics, "settle_batch", request, SettleBatch::parse).await {
+                Ok(batch) => batch,
+                Err(response) => return response,
             };
             // Every item at once: the Redis connection pipelines them (one script call each, so
             // each stays in its org's slot on a cluster).
@@ -186,28 +189,11 @@ pub async fn handle(ledger: &Ledger, request: Request<Incoming>) -> Response<Ful
             json_response(StatusCode::OK, &json!({ "results": results }))
         }
         ("/v1/charge", Method::POST) => {
-            let parsed = match read_body(request).await {
-                Ok(body) => ChargeRequest::parse(&body),
-                Err(e) => Err(e),
+            let request = match body_of(metrics, "charge", request, ChargeRequest::parse).await {
+                Ok(request) => request,
+                Err(response) => return response,
             };
-            let request = match parsed {
-                Ok(r) => r,
-                Err(e) => {
-                    metrics.request("charge", "bad_request");
-                    return bad_request(&e);
-                }
-            };
-            match ledger.store.charge(&request).await {
-                Ok(outcome) => {
-                    metrics.request("charge", outcome.label());
-                    json_response(StatusCode::OK, &outcome.body())
-                }
-                Err(e) => {
-                    let (response, label) = store_failure(&e);
-                    metrics.request("charge", label);
-                    response
-                }
-            }
+            answered(metrics, "charge", ledger.store.charge(&request).await.map(|outcome| (outcome.label(), outcome.body())))
         }
         ("/healthz", Method::GET) => match ledger.store.ping().await {
             Ok(()) => {
