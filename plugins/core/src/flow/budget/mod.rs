@@ -101,6 +101,12 @@ pub fn next_vm_number(store: &mut dyn SharedStore) -> u64 {
     crate::store::counter_add(store, VM_NUMBER_KEY, 1).unwrap_or(0)
 }
 
+/// How long a ledger call that failed `attempts` times waits before it is sent again: 0.1 s more
+/// per attempt, at most 2 s.
+fn retry_delay_ns(attempts: u32) -> u64 {
+    u64::from(attempts.min(20)) * 100_000_000
+}
+
 /// One settlement for the Redis ledger (idempotent per hold id: retries are safe).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct SettleJob {
@@ -247,7 +253,7 @@ impl BudgetPolicy {
                 }
                 Err(e) => {
                     batch.attempts += 1;
-                    batch.not_before_ns = now.saturating_add(u64::from(batch.attempts.min(20)) * 100_000_000);
+                    batch.not_before_ns = now.saturating_add(retry_delay_ns(batch.attempts));
                     failures.push(format!("write-back callout not started: {e}"));
                 }
             }
@@ -289,7 +295,7 @@ impl BudgetPolicy {
         if !finished {
             batch.in_flight = false;
             batch.attempts += 1;
-            batch.not_before_ns = now.saturating_add(u64::from(batch.attempts.min(20)) * 100_000_000);
+            batch.not_before_ns = now.saturating_add(retry_delay_ns(batch.attempts));
             let why = failure.map_or_else(String::new, |f| f.why);
             self.ledger_health(false, &format!("write-back: {why}"), fx);
             return;
@@ -374,8 +380,7 @@ impl BudgetPolicy {
             fx.count(metrics::budget_ledger_settlements_dropped_total(), 1);
             return;
         }
-        let backoff_ms = u64::from(job.attempts.min(20)) * 100;
-        job.not_before_ns = now.saturating_add(backoff_ms * 1_000_000);
+        job.not_before_ns = now.saturating_add(retry_delay_ns(job.attempts));
         self.settle_queue.push_back(job);
     }
 
