@@ -341,6 +341,7 @@ fn build(root: &Path) -> Result<()> {
     // The native binaries the end-to-end tests and `up` run: the mock model server and the fleet
     // ledger service (`sluice-ledger`, docs/ledger.md).
     build_native(root, &["sluice-mock-server", "sluice-ledger"])?;
+    build_native_module(root)?;
     for (_, stem) in PLUGINS {
         let wasm = wasm_path(root, stem);
         let size = std::fs::metadata(&wasm).with_context(|| format!("missing {}", wasm.display()))?.len();
@@ -393,6 +394,18 @@ fn build_native(root: &Path, packages: &[&str]) -> Result<()> {
         cmd.args(["--package", package]);
     }
     run(&mut cmd)
+}
+
+/// `libsluice.so`, the Envoy dynamic module (native/, the `native` profile: `target/native/`), and
+/// the two probe builds its Envoy tests load (native/tests/envoy.rs), each in a target directory
+/// of its own: a wrong ABI version string with a panic probe, and a module that refuses to load.
+/// The crate has no dependencies: a few seconds each.
+fn build_native_module(root: &Path) -> Result<()> {
+    run(cargo().current_dir(root).args(["build", "--profile", "native", "--package", "sluice-native"]))?;
+    for (features, dir) in [("wrong-abi,panic-probe", "target/sluice-native-probes"), ("refuse-load", "target/sluice-native-refuse")] {
+        run(cargo().current_dir(root).args(["build", "--profile", "native", "--package", "sluice-native", "--features", features, "--target-dir", dir]))?;
+    }
+    Ok(())
 }
 
 /// `cargo xtask sim ARGS…`: `target/release/sluice-sim ARGS…`, after building what it loads (the

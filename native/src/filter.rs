@@ -1,0 +1,61 @@
+//! The safe filter API: what an in-module filter implements. The hooks in `abi` call these methods,
+//! each under `catch_unwind`, with an [`Envoy`] handle valid for that call only.
+
+pub use crate::abi::{log, log_enabled, Body, BodyKind, ConfigContext, CounterId, Envoy, HeaderMap, HistogramId, LogLevel, MetricsError};
+
+/// What a headers hook tells Envoy (`FilterHeadersStatus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadersStatus {
+    /// Pass the headers on to the next filter.
+    Continue,
+    /// Hold the headers; this filter still gets the body (and may change the headers while
+    /// reading it) and continues by returning `Continue` from a body hook.
+    StopIteration,
+    /// Hold the headers and buffer the body without calling this filter's body hooks.
+    StopAllIterationAndBuffer,
+}
+
+/// What a body hook tells Envoy (`FilterDataStatus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyStatus {
+    /// Pass the data (and held headers) on.
+    Continue,
+    /// Hold the data and buffer it; the next call sees more (`BodyKind::Buffered…` has it all).
+    StopIterationAndBuffer,
+    /// Hold without buffering.
+    StopIterationNoBuffer,
+}
+
+/// One HTTP stream's filter, made by [`FilterConfig::new_filter`]. Every method has a default that
+/// continues, so a filter implements only the events it needs.
+pub trait Filter {
+    /// The request headers arrived (`end_of_stream`: the request has no body).
+    fn on_request_headers(&mut self, _envoy: &mut Envoy<'_>, _end_of_stream: bool) -> HeadersStatus {
+        HeadersStatus::Continue
+    }
+
+    /// A piece of the request body arrived (`BodyKind::ReceivedRequest`).
+    fn on_request_body(&mut self, _envoy: &mut Envoy<'_>, _end_of_stream: bool) -> BodyStatus {
+        BodyStatus::Continue
+    }
+
+    /// The response headers arrived.
+    fn on_response_headers(&mut self, _envoy: &mut Envoy<'_>, _end_of_stream: bool) -> HeadersStatus {
+        HeadersStatus::Continue
+    }
+
+    /// A piece of the response body arrived (`BodyKind::ReceivedResponse`).
+    fn on_response_body(&mut self, _envoy: &mut Envoy<'_>, _end_of_stream: bool) -> BodyStatus {
+        BodyStatus::Continue
+    }
+
+    /// The stream is over; called before Envoy writes the access logs.
+    fn on_stream_complete(&mut self, _envoy: &mut Envoy<'_>) {}
+}
+
+/// A validated filter configuration: made on Envoy's main thread, shared by the workers, each of
+/// which asks it for one [`Filter`] per stream.
+pub trait FilterConfig: Send + Sync {
+    /// The filter of a new stream.
+    fn new_filter(&self) -> Box<dyn Filter>;
+}
