@@ -672,7 +672,11 @@ impl Filter for PassThrough {}
 /// # Safety
 /// Envoy calls this with its configuration pointer and buffers valid during the call.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(config_envoy_ptr: ConfigEnvoyPtr, name: EnvoyBuffer, config: EnvoyBuffer) -> ConfigModulePtr {
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    config_envoy_ptr: ConfigEnvoyPtr,
+    name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> ConfigModulePtr {
     let Some(host) = HOST.get() else {
         return std::ptr::null();
     };
@@ -744,7 +748,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config_ptr: Con
 ///
 /// # Safety
 /// `filter_ptr` is a live pointer from `envoy_dynamic_module_on_http_filter_new`, used by one thread.
-unsafe fn run_hook<R>(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, hook: &str, pass: R, call: impl FnOnce(&mut dyn Filter, &mut Envoy<'_>) -> R) -> R {
+unsafe fn run_hook<R>(
+    envoy_ptr: FilterEnvoyPtr,
+    filter_ptr: FilterModulePtr,
+    hook: &str,
+    pass: R,
+    call: impl FnOnce(&mut dyn Filter, &mut Envoy<'_>) -> R,
+) -> R {
     let Some(host) = HOST.get() else {
         return pass;
     };
@@ -763,7 +773,10 @@ unsafe fn run_hook<R>(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, ho
             stream.bypassed = true;
             log(
                 LogLevel::Error,
-                &format!("sluice-native: panic in {hook}: {}; the stream continues and this filter is bypassed for the rest of it", panic_text(payload.as_ref())),
+                &format!(
+                    "sluice-native: panic in {hook}: {}; the stream continues and this filter is bypassed for the rest of it",
+                    panic_text(payload.as_ref())
+                ),
             );
             pass
         }
@@ -789,7 +802,11 @@ fn body_status(status: BodyStatus) -> u32 {
 /// # Safety
 /// Envoy's pointers for a live stream.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy_ptr: FilterEnvoyPtr,
+    filter_ptr: FilterModulePtr,
+    end_of_stream: bool,
+) -> u32 {
     // SAFETY: forwarded contract.
     unsafe { run_hook(envoy_ptr, filter_ptr, "on_request_headers", HEADERS_CONTINUE, |f, e| headers_status(f.on_request_headers(e, end_of_stream))) }
 }
@@ -812,7 +829,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(_e
 /// # Safety
 /// Envoy's pointers for a live stream.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, end_of_stream: bool) -> u32 {
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy_ptr: FilterEnvoyPtr,
+    filter_ptr: FilterModulePtr,
+    end_of_stream: bool,
+) -> u32 {
     // SAFETY: forwarded contract.
     unsafe { run_hook(envoy_ptr, filter_ptr, "on_response_headers", HEADERS_CONTINUE, |f, e| headers_status(f.on_response_headers(e, end_of_stream))) }
 }
@@ -936,7 +957,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complet
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr, _stream_id: u64, _reason: u32) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+    _stream_id: u64,
+    _reason: u32,
+) {
+}
 
 /// # Safety
 /// Never dereferences its arguments.
@@ -946,7 +973,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy_pt
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _event_id: u64) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _event_id: u64) {
+}
 
 /// # Safety
 /// Never dereferences its arguments.
@@ -1004,7 +1032,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _stream_id: u64) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
+    _config_envoy_ptr: ConfigEnvoyPtr,
+    _config_ptr: ConfigModulePtr,
+    _stream_id: u64,
+) {
+}
 
 /// # Safety
 /// Never dereferences its arguments.
@@ -1020,12 +1053,20 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+) {
+}
 
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _envoy_ptr: FilterEnvoyPtr,
+    _filter_ptr: FilterModulePtr,
+) {
+}
 
 #[cfg(test)]
 mod tests {

@@ -131,9 +131,8 @@ fn read_message(reader: &mut impl BufRead) -> Option<(String, Vec<u8>)> {
         }
         head.push_str(&line);
     }
-    let header = |name: &str| {
-        head.lines().skip(1).find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()))
-    };
+    let header =
+        |name: &str| head.lines().skip(1).find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()));
     let mut body = Vec::new();
     if let Some(length) = header("content-length") {
         body.resize(length.parse().ok()?, 0);
@@ -363,7 +362,10 @@ fn proof_hold_reads_the_request_body_while_the_headers_wait() {
     let upstream = Upstream::start();
     let envoy = start_envoy(&module_dir(None), "proof-hold", "{}", upstream.port).up();
     let body = "x".repeat(3000);
-    let head = format!("POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
     // The body in two writes, so the filter sees more than one piece of it.
     let mut stream = TcpStream::connect(("127.0.0.1", envoy.listen_port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
