@@ -3,15 +3,18 @@
 //! - [`compile`]: a policy of tenant-budget, model-router or latency-guard through core's own parser,
 //!   with the error (field path included) the plugin logs when Envoy hands it that policy.
 //! - [`run`]: a small workload ([`workload`]: a synthetic load or a slice of a generic JSONL trace)
-//!   through the policies in virtual time ([`engine`]), returning per-request verdicts, per-tenant
-//!   counts, breaker transitions and sampled series.
+//!   through sluice-core's flows in the shipped gateways' order ([`gateway`]), in virtual time
+//!   ([`engine`]), returning per-request verdicts, per-tenant counts, breaker transitions and
+//!   sampled series.
 //! - `bind` (wasm32 only): the same two functions for JavaScript, JSON in and JSON out.
 //!
 //! Everything here is pure Rust over `sluice-core`; the page is `examples/playground/`, built by
 //! `cargo xtask playground` (docs/playground.md).
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+mod answer;
 pub mod engine;
+mod gateway;
 pub mod workload;
 
 #[cfg(target_arch = "wasm32")]
@@ -158,7 +161,7 @@ pub fn run(input: &RunInput) -> Result<RunOutput, PlaygroundError> {
     let policies = policies(input)?;
     let workload = Workload::from_json(&input.workload)?;
     let requests = requests(input, &workload)?;
-    Ok(engine::Engine::new(&policies, &workload).run(requests))
+    Ok(engine::Engine::new(policies, &workload).run(requests))
 }
 
 /// [`run`] with JSON text in and out, as the page calls it: `{"ok": true, "result": …}` or

@@ -1,7 +1,7 @@
 //! sluice-workload: the workload model `sluice-sim` and `sluice-playground` share, so that one
 //! workload replays the same way offline (the production `.wasm` plugins) and in the browser
-//! (core's decision functions), and their agreement test compares policies, not two copies of the
-//! model.
+//! (the same core flows over an in-memory host), and their agreement test compares two hosts, not
+//! two copies of the model.
 //!
 //! - [`upstream`]: how each upstream serves ([`upstream::Upstream`], [`upstream::Incident`], their
 //!   defaults and checks), the service times of a request by batch size, and its seeded failure.
