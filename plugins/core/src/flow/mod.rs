@@ -14,6 +14,7 @@ pub mod budget;
 pub mod guard;
 pub mod metrics;
 pub mod router;
+pub mod sections;
 
 use crate::api::ApiKind;
 use crate::contract::GatewayReply;

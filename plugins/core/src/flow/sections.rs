@@ -1,11 +1,13 @@
 //! The engine's configuration: one section per policy, each the policy's own configuration
 //! unchanged (today's policy files are the sections), parsed and validated once at configure time.
+//! Every host of the engine reads it here, so `sluice.wasm` (`plugins/engine`) and `libsluice.so`
+//! (`native/`) accept the same documents and refuse the rest in the same words.
 
-use sluice_core::budget::Policy as BudgetPolicy;
-use sluice_core::flow::metrics::config::Settings as MetricsSettings;
-use sluice_core::flow::metrics::MetricsPolicy;
-use sluice_core::latency::LatencyPolicy;
-use sluice_core::routing::RoutingPolicy;
+use crate::budget::Policy as BudgetPolicy;
+use crate::flow::metrics::config::Settings as MetricsSettings;
+use crate::flow::metrics::MetricsPolicy;
+use crate::latency::LatencyPolicy;
+use crate::routing::RoutingPolicy;
 
 /// A policy section, in pipeline order (request side).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,16 +156,16 @@ mod tests {
 
     #[test]
     fn the_shipped_policies_are_sections_unchanged() {
-        let metrics = include_str!("../../../policies/llm-metrics.demo.json");
+        let metrics = include_str!("../../../../policies/llm-metrics.demo.json");
         match parse_sections(format!(r#"{{"llm_metrics":{metrics}}}"#).as_bytes()).unwrap().as_slice() {
             [Policy::LlmMetrics(m)] => assert_eq!(m.settings.prices.len(), 4),
             other => panic!("{other:?}"),
         }
-        let guard = include_str!("../../../policies/latency-guard.demo.json");
+        let guard = include_str!("../../../../policies/latency-guard.demo.json");
         assert!(matches!(parse_sections(format!(r#"{{"latency_guard":{guard}}}"#).as_bytes()).unwrap().as_slice(), [Policy::LatencyGuard(_)]));
-        let router = include_str!("../../../policies/model-router.demo.json");
+        let router = include_str!("../../../../policies/model-router.demo.json");
         assert!(matches!(parse_sections(format!(r#"{{"model_router":{router}}}"#).as_bytes()).unwrap().as_slice(), [Policy::ModelRouter(_)]));
-        let budget = include_str!("../../../policies/tenant-budget.full.json");
+        let budget = include_str!("../../../../policies/tenant-budget.full.json");
         assert!(matches!(parse_sections(format!(r#"{{"tenant_budget":{budget}}}"#).as_bytes()).unwrap().as_slice(), [Policy::TenantBudget(_)]));
         // Several sections, in pipeline order whatever the JSON's order.
         let three = format!(r#"{{"llm_metrics":{metrics},"tenant_budget":{budget},"model_router":{router}}}"#);
