@@ -231,6 +231,9 @@ impl Envoy {
         let mut cmd = Command::new(&tools.envoy);
         if let Some(dir) = dir {
             cmd.current_dir(dir);
+            // Where a native gateway's libsluice.so is (`cargo xtask build`): Envoy loads the
+            // module to validate its filter configuration.
+            cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir.join("target/native"));
         }
         let out = cmd
             .args(["--mode", "validate", "--log-level", "warn", "--disable-hot-restart", "-c"])

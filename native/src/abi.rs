@@ -126,7 +126,8 @@ const METRICS_SUCCESS: u32 = 0; // envoy_dynamic_module_type_metrics_result_Succ
 const METRICS_NOT_FOUND: u32 = 1;
 const METRICS_INVALID_LABELS: u32 = 2;
 const METRICS_FROZEN: u32 = 3;
-// on_http_filter_{request,response}_headers_status
+const METADATA_SOURCE_DYNAMIC: u32 = 0; // envoy_dynamic_module_type_metadata_source_Dynamic
+                                        // on_http_filter_{request,response}_headers_status
 const HEADERS_CONTINUE: u32 = 0;
 const HEADERS_STOP_ITERATION: u32 = 1;
 const HEADERS_STOP_ALL_ITERATION_AND_BUFFER: u32 = 3;
@@ -235,6 +236,24 @@ host_callbacks! {
         fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> u32;
     record_histogram_value = "envoy_dynamic_module_callback_http_filter_record_histogram_value":
         fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    define_gauge = "envoy_dynamic_module_callback_http_filter_config_define_gauge":
+        fn(ConfigEnvoyPtr, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> u32;
+    increment_gauge = "envoy_dynamic_module_callback_http_filter_increment_gauge":
+        fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    decrement_gauge = "envoy_dynamic_module_callback_http_filter_decrement_gauge":
+        fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    set_gauge = "envoy_dynamic_module_callback_http_filter_set_gauge":
+        fn(FilterEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    append_body = "envoy_dynamic_module_callback_http_append_body":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer) -> bool;
+    drain_body = "envoy_dynamic_module_callback_http_drain_body":
+        fn(FilterEnvoyPtr, u32, usize) -> bool;
+    get_attribute_string = "envoy_dynamic_module_callback_http_filter_get_attribute_string":
+        fn(FilterEnvoyPtr, u32, *mut EnvoyBuffer) -> bool;
+    get_attribute_int = "envoy_dynamic_module_callback_http_filter_get_attribute_int":
+        fn(FilterEnvoyPtr, u32, *mut u64) -> bool;
+    get_metadata_string = "envoy_dynamic_module_callback_http_get_metadata_string":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer, *mut EnvoyBuffer) -> bool;
 }
 
 static HOST: OnceLock<Host> = OnceLock::new();
@@ -286,6 +305,18 @@ pub struct CounterId(usize);
 /// A histogram defined by [`ConfigContext::define_histogram`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HistogramId(usize);
+
+/// A gauge defined by [`ConfigContext::define_gauge`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GaugeId(usize);
+
+impl CounterId {
+    /// An id no Envoy gave, for unit tests of code that keeps ids.
+    #[cfg(test)]
+    pub(crate) fn for_tests(id: usize) -> CounterId {
+        CounterId(id)
+    }
+}
 
 /// Why Envoy refused a metric operation (`envoy_dynamic_module_type_metrics_result`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -379,6 +410,16 @@ impl ConfigContext<'_> {
         let code = unsafe { (self.host.define_histogram)(self.ptr, ModuleBuffer::of(name.as_bytes()), labels_ptr, labels_len, &mut id) };
         metrics_result(code).map(|()| HistogramId(id))
     }
+
+    /// Defines a gauge named `name` with the given label names.
+    pub fn define_gauge(&mut self, name: &str, label_names: &[&str]) -> Result<GaugeId, MetricsError> {
+        let mut labels = Labels::of(label_names);
+        let (labels_ptr, labels_len) = labels.raw();
+        let mut id = 0usize;
+        // SAFETY: as in `define_counter`.
+        let code = unsafe { (self.host.define_gauge)(self.ptr, ModuleBuffer::of(name.as_bytes()), labels_ptr, labels_len, &mut id) };
+        metrics_result(code).map(|()| GaugeId(id))
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -471,6 +512,78 @@ impl Envoy<'_> {
         // SAFETY: the buffers outlive the call.
         metrics_result(unsafe { (self.host.record_histogram_value)(self.ptr, id.0, labels_ptr, labels_len, value) })
     }
+
+    /// Adds `delta` to a gauge (a negative delta subtracts), with one value per label name.
+    pub fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        let change = if delta < 0 { self.host.decrement_gauge } else { self.host.increment_gauge };
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { change(self.ptr, id.0, labels_ptr, labels_len, delta.unsigned_abs()) })
+    }
+
+    /// Sets a gauge to `value`, with one value per label name.
+    pub fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.set_gauge)(self.ptr, id.0, labels_ptr, labels_len, value) })
+    }
+
+    /// Appends `bytes` to a body (the current chunk for `Received…`); false if that body is not
+    /// available in this hook.
+    pub fn append_body(&mut self, kind: BodyKind, bytes: &[u8]) -> bool {
+        // SAFETY: the buffer outlives the call, which copies it.
+        unsafe { (self.host.append_body)(self.ptr, kind as u32, ModuleBuffer::of(bytes)) }
+    }
+
+    /// Drains the first `bytes` bytes of a body (all of it when `bytes` is larger); false if that
+    /// body is not available in this hook.
+    pub fn drain_body(&mut self, kind: BodyKind, bytes: usize) -> bool {
+        // SAFETY: a plain call.
+        unsafe { (self.host.drain_body)(self.ptr, kind as u32, bytes) }
+    }
+
+    /// A string attribute of the stream (`envoy_dynamic_module_type_attribute_id`), if Envoy has it.
+    pub fn attribute_string(&self, attribute: Attribute) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::NULL;
+        // SAFETY: valid out-pointer; the bytes live until the hook returns or a setter is called,
+        // both of which need `&mut self`, excluded by this borrow.
+        unsafe { (self.host.get_attribute_string)(self.ptr, attribute as u32, &mut out).then(|| out.as_slice()) }
+    }
+
+    /// An integer attribute of the stream, if Envoy has it.
+    pub fn attribute_int(&self, attribute: Attribute) -> Option<u64> {
+        let mut out = 0u64;
+        // SAFETY: valid out-pointer.
+        unsafe { (self.host.get_attribute_int)(self.ptr, attribute as u32, &mut out) }.then_some(out)
+    }
+
+    /// A string value of the stream's dynamic metadata: `key` of namespace `namespace`.
+    pub fn dynamic_metadata_string(&self, namespace: &str, key: &str) -> Option<&[u8]> {
+        let mut out = EnvoyBuffer::NULL;
+        // SAFETY: as in `attribute_string`.
+        unsafe {
+            (self.host.get_metadata_string)(
+                self.ptr,
+                METADATA_SOURCE_DYNAMIC,
+                ModuleBuffer::of(namespace.as_bytes()),
+                ModuleBuffer::of(key.as_bytes()),
+                &mut out,
+            )
+            .then(|| out.as_slice())
+        }
+    }
+}
+
+/// The stream attributes sluice reads (`envoy_dynamic_module_type_attribute_id`: the position in
+/// the enum of abi.h; tests/envoy.rs checks them against what Envoy's access log prints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attribute {
+    /// `response.code_details` (string).
+    ResponseCodeDetails = 16,
+    /// `response.flags` (integer, Envoy's response flag bits).
+    ResponseFlags = 17,
 }
 
 /// A header map of the stream, borrowed from [`Envoy`] for as long as it is used.
@@ -849,8 +962,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(envoy
 /// # Safety
 /// Envoy's pointers for a live stream.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr) -> u32 {
-    TRAILERS_CONTINUE
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr) -> u32 {
+    // SAFETY: forwarded contract.
+    unsafe {
+        run_hook(envoy_ptr, filter_ptr, "on_response_trailers", TRAILERS_CONTINUE, |f, e| {
+            f.on_response_trailers(e);
+            TRAILERS_CONTINUE
+        })
+    }
 }
 
 /// Called before the access logs are written and before `destroy`.

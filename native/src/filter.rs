@@ -1,7 +1,7 @@
 //! The safe filter API: what an in-module filter implements. The hooks in `abi` call these methods,
 //! each under `catch_unwind`, with an [`Envoy`] handle valid for that call only.
 
-pub use crate::abi::{log, log_enabled, Body, BodyKind, ConfigContext, CounterId, Envoy, HeaderMap, HistogramId, LogLevel, MetricsError};
+pub use crate::abi::{log, log_enabled, Attribute, Body, BodyKind, ConfigContext, CounterId, Envoy, GaugeId, HeaderMap, HistogramId, LogLevel, MetricsError};
 
 /// What a headers hook tells Envoy (`FilterHeadersStatus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +48,10 @@ pub trait Filter {
     fn on_response_body(&mut self, _envoy: &mut Envoy<'_>, _end_of_stream: bool) -> BodyStatus {
         BodyStatus::Continue
     }
+
+    /// The response trailers arrived (they end the response: no body event with end of stream
+    /// follows).
+    fn on_response_trailers(&mut self, _envoy: &mut Envoy<'_>) {}
 
     /// The stream is over; called before Envoy writes the access logs.
     fn on_stream_complete(&mut self, _envoy: &mut Envoy<'_>) {}

@@ -1,5 +1,6 @@
-//! `libsluice.so`: sluice as an Envoy dynamic module (issue 27), for now its binding to Envoy
-//! 1.40.0's dynamic-module ABI and a proof filter (`proof`, `proof-hold`; [`proof`]).
+//! `libsluice.so`: sluice as an Envoy dynamic module (issue 27): its binding to Envoy 1.40.0's
+//! dynamic-module ABI, the engine (filter `sluice`, configured as `sluice.wasm` is; [`engine`]) and
+//! a proof filter (`proof`, `proof-hold`; [`proof`]).
 //!
 //! - [`abi`] (private) is the only module with `unsafe` code: the ABI's types, the callbacks the
 //!   module calls (resolved by name when Envoy loads it), the event hooks Envoy calls, and safe
@@ -17,6 +18,7 @@
 #![deny(unsafe_code)]
 
 mod abi;
+pub mod engine;
 pub mod filter;
 pub mod proof;
 
@@ -25,5 +27,11 @@ pub use abi::{ABI_VERSION, CALLBACKS_USED, ENVOY_RELEASE};
 /// The module's filter configurations by `filter_name`, called from Envoy's
 /// `on_http_filter_config_new`; an `Err` is logged and makes Envoy refuse the configuration.
 fn new_filter_config(name: &[u8], config: &[u8], context: &mut filter::ConfigContext<'_>) -> Result<Box<dyn filter::FilterConfig>, String> {
+    if name == engine::FILTER_NAME.as_bytes() {
+        return engine::new_config(config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>);
+    }
     proof::new_config(name, config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>)
 }
+
+/// Every filter name this module answers to.
+pub const FILTER_NAMES: &[&str] = &[engine::FILTER_NAME, "proof", "proof-hold"];

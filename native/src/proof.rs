@@ -44,7 +44,7 @@ pub fn new_config(name: &[u8], config: &[u8], context: &mut ConfigContext<'_>) -
 /// The known filter name, if `name` is one and `config` is empty; the reason otherwise.
 fn validate(name: &[u8], config: &[u8]) -> Result<&'static str, String> {
     let Some(&name) = FILTER_NAMES.iter().find(|known| known.as_bytes() == name) else {
-        return Err(format!("unknown filter_name {:?} (this module has: {})", String::from_utf8_lossy(name), FILTER_NAMES.join(", ")));
+        return Err(format!("unknown filter_name {:?} (this module has: {})", String::from_utf8_lossy(name), crate::FILTER_NAMES.join(", ")));
     };
     let trimmed = config.trim_ascii();
     if !(trimmed.is_empty() || trimmed == b"{}") {
@@ -152,7 +152,7 @@ mod tests {
 
     #[test]
     fn anything_else_is_refused_with_the_reason() {
-        assert_eq!(validate(b"router", b""), Err("unknown filter_name \"router\" (this module has: proof, proof-hold)".to_string()));
+        assert_eq!(validate(b"router", b""), Err("unknown filter_name \"router\" (this module has: sluice, proof, proof-hold)".to_string()));
         assert_eq!(validate(b"proof", br#"{"model":"x"}"#), Err(r#"filter "proof" takes no configuration yet; got 13 bytes: "{\"model\":\"x\"}""#.to_string()));
     }
 }

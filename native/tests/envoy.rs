@@ -35,6 +35,25 @@ const SSE_CHUNKS: [&str; 3] = [
     "data: [DONE]\n\n",
 ];
 
+/// [`SSE_CHUNKS`], 20 ms apart.
+const PROOF_SCRIPT: [(u64, &str); 3] = [(0, SSE_CHUNKS[0]), (20, SSE_CHUNKS[1]), (20, SSE_CHUNKS[2])];
+
+/// How long the LLM script waits before its first content token.
+const FIRST_CONTENT_MS: u64 = 200;
+
+/// An OpenAI chat completion stream with usage (what a request with `x-test-script: llm` gets), each
+/// chunk written after its pause in ms: a role-only chunk and an SSE comment at once (neither is a
+/// token), the first content [`FIRST_CONTENT_MS`] after the request, a second one, the finish, usage.
+const LLM_SCRIPT: [(u64, &str); 7] = [
+    (0, "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}],\"usage\":null}\n\n"),
+    (0, ": keep-alive\n\n"),
+    (FIRST_CONTENT_MS, "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello\"}}],\"usage\":null}\n\n"),
+    (30, "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" world\"}}],\"usage\":null}\n\n"),
+    (0, "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\n"),
+    (0, "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":2,\"total_tokens\":14,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n"),
+    (0, "data: [DONE]\n\n"),
+];
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
@@ -103,14 +122,27 @@ fn serve(stream: TcpStream, seen: &Mutex<Vec<Recorded>>) {
     let mut writer = stream;
     loop {
         let Some((head, body)) = read_message(&mut reader) else { return };
+        let script_of = |name: &str| head.lines().any(|l| l.eq_ignore_ascii_case(&format!("x-test-script: {name}")));
+        // `cut`: the LLM stream's first two chunks, then the connection closes mid-stream.
+        let (script, cut): (&[(u64, &str)], bool) = if script_of("llm") {
+            (&LLM_SCRIPT, false)
+        } else if script_of("cut") {
+            (&LLM_SCRIPT[..3], true)
+        } else {
+            (&PROOF_SCRIPT, false)
+        };
         seen.lock().unwrap().push(Recorded { head, body });
         if writer.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n").is_err() {
             return;
         }
-        for chunk in SSE_CHUNKS {
+        for (pause_ms, chunk) in script {
+            std::thread::sleep(Duration::from_millis(*pause_ms));
             let _ = write!(writer, "{:x}\r\n{chunk}\r\n", chunk.len());
             let _ = writer.flush();
-            std::thread::sleep(Duration::from_millis(20));
+        }
+        if cut {
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+            return;
         }
         if writer.write_all(b"0\r\n\r\n").is_err() {
             return;
@@ -201,12 +233,16 @@ impl Started {
 /// Starts Envoy with the module from `module_dir`, filter `filter_name` with `filter_config` (a
 /// `google.protobuf.StringValue`), in front of `upstream_port`; waits until it serves or exits.
 fn start_envoy(module_dir: &Path, filter_name: &str, filter_config: &str, upstream_port: u16) -> Started {
+    let config =
+        TEMPLATE.replace("{{UPSTREAM_PORT}}", &upstream_port.to_string()).replace("{{FILTER_NAME}}", filter_name).replace("{{FILTER_CONFIG}}", filter_config);
+    start_with(module_dir, &config)
+}
+
+/// Starts Envoy on `config` (its `{{ACCESS_LOG}}` filled in) with `module_dir` as the modules'
+/// search path; waits until it serves or exits.
+fn start_with(module_dir: &Path, config: &str) -> Started {
     let dir = scratch_dir();
-    let config = TEMPLATE
-        .replace("{{UPSTREAM_PORT}}", &upstream_port.to_string())
-        .replace("{{ACCESS_LOG}}", &dir.join("access.log").display().to_string())
-        .replace("{{FILTER_NAME}}", filter_name)
-        .replace("{{FILTER_CONFIG}}", filter_config);
+    let config = config.replace("{{ACCESS_LOG}}", &dir.join("access.log").display().to_string());
     std::fs::write(dir.join("envoy.yaml"), config).unwrap();
     let log = std::fs::File::create(dir.join("envoy.log")).unwrap();
     let admin_file = dir.join("admin.address");
@@ -328,7 +364,8 @@ fn proof_filter_in_real_envoy() {
     let envoy = start_envoy(&module_dir(None), "proof", "", upstream.port).up();
     let log = envoy.log();
     assert!(log.contains("Dynamic module ABI version v0.2.0 matched."), "Envoy did not match the ABI version:\n{log}");
-    assert!(log.contains("built for Envoy 1.40.0 (dynamic-module ABI v0.2.0), 17 host callbacks resolved"), "{log}");
+    let resolved = format!("built for Envoy 1.40.0 (dynamic-module ABI v0.2.0), {} host callbacks resolved", sluice::CALLBACKS_USED.len());
+    assert!(log.contains(&resolved), "{log}");
 
     let path = "/v1/chat/completions?stream=true";
     let response = envoy.request(&get_request(path, ""));
@@ -388,7 +425,7 @@ fn proof_hold_reads_the_request_body_while_the_headers_wait() {
 fn an_unrecognised_configuration_is_refused() {
     for (name, config, reason) in [
         ("proof", "model: llama", r#"sluice-native: filter configuration refused: filter "proof" takes no configuration yet; got 12 bytes: "model: llama""#),
-        ("router", "", r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: proof, proof-hold)"#),
+        ("router", "", r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: sluice, proof, proof-hold)"#),
     ] {
         let Started::Exited { code, log } = start_envoy(&module_dir(None), name, config, 9) else {
             panic!("Envoy started with filter {name:?} and configuration {config:?}");
@@ -449,4 +486,230 @@ fn a_module_missing_a_callback_is_refused_at_load() {
         "the module's reason is missing:\n{log}"
     );
     assert!(log.contains("Failed to initialize dynamic module"), "Envoy's refusal is missing:\n{log}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// The engine (filter `sluice`), natively and as sluice.wasm, on the same requests.
+
+const ENGINE_TEMPLATE: &str = include_str!("envoy-engine.yaml");
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Host {
+    Native,
+    Wasm,
+}
+
+/// `sluice.wasm`, from `cargo xtask build`.
+fn sluice_wasm() -> PathBuf {
+    let wasm = root().join("target/wasm32-wasip1/release/sluice.wasm");
+    assert!(wasm.is_file(), "{} is missing: run `cargo xtask build` first", wasm.display());
+    wasm
+}
+
+/// `text` inside a YAML double-quoted scalar.
+fn yaml_quoted(text: &str) -> String {
+    text.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ")
+}
+
+/// The top-level blocks of a shipped gateway template from `first` (`stats_config`, or the native
+/// gateway's `layered_runtime` and `stats_config`: labels, histogram buckets) to its listeners.
+fn stats_config_of(template: &str, first: &str) -> String {
+    let text = std::fs::read_to_string(root().join("envoy/templates").join(template)).unwrap();
+    let start = text.find(&format!("\n{first}:")).unwrap() + 1;
+    let end = start + text[start..].find("\nstatic_resources:").unwrap();
+    text[start..end].to_string()
+}
+
+/// Starts Envoy with the engine configured with `sections` (sluice.wasm's configuration JSON) on
+/// `host`, with the shipped gateway's `stats_config` for that host.
+fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
+    let value = yaml_quoted(sections);
+    let (filter, stats) = match host {
+        Host::Native => (
+            format!(
+                r#"          - name: envoy.filters.http.dynamic_modules
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
+              dynamic_module_config: {{ name: sluice, do_not_close: true }}
+              filter_name: sluice
+              filter_config:
+                "@type": type.googleapis.com/google.protobuf.StringValue
+                value: "{value}""#
+            ),
+            stats_config_of("native-gateway.yaml", "layered_runtime"),
+        ),
+        Host::Wasm => (
+            format!(
+                r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: sluice
+                root_id: sluice
+                failure_policy: FAIL_OPEN
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: "{value}"
+                vm_config:
+                  vm_id: sluice
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: "{}" }} }}"#,
+                sluice_wasm().display()
+            ),
+            stats_config_of("gateway.yaml", "stats_config"),
+        ),
+    };
+    let config =
+        ENGINE_TEMPLATE.replace("{{HTTP_FILTER}}", &filter).replace("{{STATS_CONFIG}}", &stats).replace("{{UPSTREAM_PORT}}", &upstream_port.to_string());
+    start_with(&module_dir(None), &config)
+}
+
+/// A streamed chat completion request the upstream answers with [`LLM_SCRIPT`].
+fn llm_request(path: &str) -> String {
+    scripted_request(path, "llm")
+}
+
+/// A streamed chat completion request the upstream answers with script `script`.
+fn scripted_request(path: &str, script: &str) -> String {
+    let body =
+        r#"{"model":"m-1","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Say hello to the world, please."}]}"#;
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\nx-test-script: {script}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// llm-metrics' stamp in the access log line of `path`.
+fn stamp(envoy: &Envoy, path: &str) -> String {
+    let line = envoy.access_log_line(path);
+    line.split_once(" sluice=").map(|(_, stamp)| stamp.to_string()).unwrap_or_else(|| panic!("no stamp in {line}"))
+}
+
+/// The stamp's number for `key` (`"ttft_us":123`).
+fn stamp_number(stamp: &str, key: &str) -> Option<u64> {
+    let at = stamp.find(&format!("\"{key}\":"))? + key.len() + 3;
+    stamp[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The stamp with the figures that depend on timing replaced by `#`.
+fn timeless(stamp: &str) -> String {
+    let mut out = stamp.to_string();
+    for key in ["ttft_us", "tpot_us", "decode_tokens_per_s", "duration_us"] {
+        let marker = format!("\"{key}\":");
+        if let Some(at) = out.find(&marker) {
+            let from = at + marker.len();
+            let len = out[from..].find(|c: char| !c.is_ascii_digit()).unwrap_or(out.len() - from);
+            out.replace_range(from..from + len, "#");
+        }
+    }
+    out
+}
+
+impl Envoy {
+    /// The `le` bounds of histogram series `bucket` (`sluice_ttft_ms_bucket`) in `/stats/prometheus`.
+    fn bucket_bounds(&self, bucket: &str) -> Vec<String> {
+        let text = get(self.admin_port, "/stats/prometheus").map(|r| String::from_utf8_lossy(&r.body).into_owned()).unwrap_or_default();
+        let mut bounds: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("{bucket}{{")))
+            .filter_map(|l| Some(l.split("le=\"").nth(1)?.split('"').next()?.to_string()))
+            .collect();
+        bounds.dedup();
+        bounds
+    }
+
+    /// sluice's series in `/stats/prometheus` once each of `families` has a series at its count, as `name{labels sorted}` →
+    /// value; histograms by their `_count` only (their buckets and sums are timings).
+    fn sluice_series(&self, families: &[(&str, u64)]) -> std::collections::BTreeMap<String, String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = get(self.admin_port, "/stats/prometheus").map(|r| String::from_utf8_lossy(&r.body).into_owned()).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("sluice_")).collect();
+            // Every family at its count (a histogram's count lags until the stats flush after its sample).
+            if families.iter().all(|(f, count)| lines.iter().any(|l| l.starts_with(&format!("{f}{{")) && l.ends_with(&format!(" {count}")))) {
+                return lines
+                    .into_iter()
+                    .filter(|l| !l.contains("_bucket{") && !l.contains("_sum{"))
+                    .map(|l| {
+                        let (series, value) = l.rsplit_once(' ').unwrap();
+                        let (name, labels) = series.split_once('{').unwrap_or((series, "}"));
+                        let mut labels: Vec<&str> = labels.trim_end_matches('}').split(',').filter(|l| !l.is_empty()).collect();
+                        labels.sort_unstable();
+                        (format!("{name}{{{}}}", labels.join(",")), value.to_string())
+                    })
+                    .collect();
+            }
+            assert!(Instant::now() < deadline, "{families:?} did not all show:\n{}", lines.join("\n"));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn engine_llm_metrics_natively_stamps_and_counts_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    let sections = format!(r#"{{"llm_metrics": {}}}"#, include_str!("../../policies/llm-metrics.demo.json"));
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+    assert!(native.log().contains("sluice llm-metrics: configured (4 price entries)"), "{}", native.log());
+
+    let mut stamps = Vec::new();
+    for (host, envoy) in [(Host::Native, &native), (Host::Wasm, &wasm)] {
+        let path = "/v1/chat/completions";
+        let response = envoy.request(&llm_request(path));
+        assert_eq!(response.status, 200, "{host:?}: {}", response.head);
+        // The stream passes unchanged, with the demo policy's summary comment after it.
+        let body = String::from_utf8_lossy(&response.body);
+        let tail = body.strip_prefix(&LLM_SCRIPT.map(|(_, c)| c).concat()).unwrap_or_else(|| panic!("{host:?}: {body}"));
+        assert!(tail.starts_with(": sluice ttft_us=") && tail.ends_with(" output_tokens=2 input_tokens=12 usage=reported\n\n"), "{host:?}: {tail:?}");
+        let stamp = stamp(envoy, path);
+        // TTFT is taken at the first content token, not at the role-only chunk or the comment
+        // that came FIRST_CONTENT_MS earlier.
+        let ttft = stamp_number(&stamp, "ttft_us").unwrap_or_else(|| panic!("{host:?}: no ttft_us in {stamp}"));
+        assert!((FIRST_CONTENT_MS * 1000..FIRST_CONTENT_MS * 1000 + 100_000).contains(&ttft), "{host:?}: ttft_us {ttft} in {stamp}");
+        assert!(stamp_number(&stamp, "duration_us").unwrap() >= ttft + 30_000, "{host:?}: {stamp}");
+        stamps.push(stamp);
+    }
+    assert_eq!(timeless(&stamps[0]), timeless(&stamps[1]), "the native stamp (first) differs from sluice.wasm's");
+
+    // A stream the upstream cuts: reported at the stream's end from Envoy's response code details
+    // and flags (natively the ABI's attributes), as the same outcome on both hosts.
+    let mut cut = Vec::new();
+    for envoy in [&native, &wasm] {
+        let path = "/v1/chat/completions?cut";
+        let _ = send(envoy.listen_port, scripted_request(path, "cut").as_bytes());
+        cut.push(stamp(envoy, path));
+    }
+    assert_eq!(timeless(&cut[0]), timeless(&cut[1]), "the native stamp (first) of a cut stream differs from sluice.wasm's");
+    assert!(cut[0].contains(r#""outcome":"upstream_error""#), "{}", cut[0]);
+    assert!(stamps[0].contains(r#""usage":"reported""#) && stamps[0].contains(r#""output_tokens":2"#), "{}", stamps[0]);
+
+    // The same Prometheus series, labels and counts on both hosts.
+    let families = [("sluice_ttft_ms_count", 2), ("sluice_request_duration_ms_count", 2), ("sluice_output_tokens_count", 2)];
+    let native_series = native.sluice_series(&families);
+    let wasm_series = wasm.sluice_series(&families);
+    assert_eq!(native_series, wasm_series, "native (left) and sluice.wasm (right) Prometheus series differ");
+    // The same histogram buckets, from each gateway template's settings.
+    let native_buckets = native.bucket_bounds("sluice_ttft_ms_bucket");
+    assert_eq!(native_buckets, wasm.bucket_bounds("sluice_ttft_ms_bucket"));
+    assert!(native_buckets.contains(&"250".to_string()) && native_buckets.contains(&"60000".to_string()), "{native_buckets:?}");
+    let completed = native_series.iter().find(|(k, _)| k.starts_with("sluice_requests_total{") && k.contains(r#"finish="stop""#));
+    assert!(completed.is_some_and(|(k, v)| k.contains(r#"model_version="m-1""#) && v == "1"), "{native_series:#?}");
+}
+
+#[test]
+fn engine_configuration_is_refused_in_sluice_wasm_words() {
+    for (sections, reason) in [
+        (
+            r#"{"llm_metrics":{"path_prefixes":["v1"]}}"#,
+            r#"sluice-native: filter configuration refused: sluice llm-metrics: configuration refused: path_prefixes[0]: must start with '/', got "v1" (section `llm_metrics`)"#,
+        ),
+        (r#"{"llm_metric":{}}"#, "sluice-native: filter configuration refused: sluice: configuration refused: unknown section `llm_metric`: expected one of latency_guard, model_router, tenant_budget, llm_metrics"),
+    ] {
+        let Started::Exited { code, log } = start_engine(Host::Native, sections, 9) else {
+            panic!("Envoy started with {sections}");
+        };
+        assert_ne!(code, Some(0));
+        assert!(log.contains(reason), "the reason is missing:\n{log}");
+    }
 }

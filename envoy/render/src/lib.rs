@@ -83,11 +83,21 @@ pub struct Gateway {
     /// Whether it calls the fleet ledger service (`{{LEDGER_PORT}}`), which the rendered file's
     /// header then says how to start, with its Redis.
     pub ledger: bool,
+    /// Whether it runs sluice natively (`libsluice.so`, found through
+    /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`) instead of as `sluice.wasm`.
+    pub native: bool,
 }
 
 /// Every gateway template in `envoy/`, in the order of the README.
 pub const GATEWAYS: &[Gateway] = &[
-    Gateway { name: "gateway", policies: &[("PLUGIN_CONFIG", "llm-metrics.demo.json")], mocks: 1, example_headers: &["x-sluice-tenant: acme"], ledger: false },
+    Gateway {
+        name: "gateway",
+        policies: &[("PLUGIN_CONFIG", "llm-metrics.demo.json")],
+        mocks: 1,
+        example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
+        native: false,
+    },
     Gateway {
         name: "budget-gateway",
         policies: &[("BUDGET_CONFIG", "tenant-budget.example.json"), ("PLUGIN_CONFIG", "llm-metrics.demo.json")],
@@ -95,6 +105,7 @@ pub const GATEWAYS: &[Gateway] = &[
         // The worked example identifies keys by the SHA-256 of their API key: "test" is search-staging.
         example_headers: &["authorization: Bearer test"],
         ledger: false,
+        native: false,
     },
     Gateway {
         name: "router-gateway",
@@ -102,6 +113,7 @@ pub const GATEWAYS: &[Gateway] = &[
         mocks: 3,
         example_headers: &["x-sluice-tenant: acme"],
         ledger: false,
+        native: false,
     },
     Gateway {
         name: "latency-gateway",
@@ -109,6 +121,7 @@ pub const GATEWAYS: &[Gateway] = &[
         mocks: 3,
         example_headers: &["x-sluice-tenant: acme"],
         ledger: false,
+        native: false,
     },
     Gateway {
         name: "full-gateway",
@@ -123,6 +136,7 @@ pub const GATEWAYS: &[Gateway] = &[
         // router's sticky key and the metrics' tenant label.
         example_headers: &["x-sluice-tenant: acme"],
         ledger: false,
+        native: false,
     },
     Gateway {
         name: "fleet-gateway",
@@ -130,6 +144,15 @@ pub const GATEWAYS: &[Gateway] = &[
         mocks: 1,
         example_headers: &["x-sluice-tenant: acme"],
         ledger: true,
+        native: false,
+    },
+    Gateway {
+        name: "native-gateway",
+        policies: &[("PLUGIN_CONFIG", "llm-metrics.demo.json")],
+        mocks: 1,
+        example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
+        native: true,
     },
 ];
 
@@ -347,7 +370,9 @@ impl Gateway {
                  # (`cargo xtask up --fleet` starts all of it, with two Envoys sharing the ledger.)\n"
             ));
         }
-        h.push_str(&format!("#   .tools/venv/bin/envoy -c {}\n", self.rendered_path()));
+        // Envoy looks the module up by name in this directory (`cargo xtask build` puts it there).
+        let modules = if self.native { "ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native " } else { "" };
+        h.push_str(&format!("#   {modules}.tools/venv/bin/envoy -c {}\n", self.rendered_path()));
         h.push_str(&format!(
             "# Envoy listens on 127.0.0.1:{LISTEN_PORT} (admin and /stats/prometheus on 127.0.0.1:{ADMIN_PORT}) and\n\
              # writes its JSON access log, one line per request with the sluice stamps, to standard output.\n\
