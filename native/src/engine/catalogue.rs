@@ -21,6 +21,11 @@ use crate::filter::{ConfigContext, CounterId, Envoy, GaugeId, HistogramId, Metri
 /// The most labels a family has (`sluice.requests_total`: nine).
 const MAX_LABELS: usize = 12;
 
+/// tenant-budget's Redis-ledger families, not defined: the native module runs budgets in local
+/// mode only, and a family without labels exists from its definition on — `ledger_up` would read
+/// 0 (down) on a gateway that has no ledger.
+const LEDGER_FAMILIES: &str = "sluice.budget.ledger_";
+
 /// One defined metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricId {
@@ -78,7 +83,7 @@ impl Catalogue {
     /// Defines every family of `plugins` in the configuration being made.
     pub fn define(context: &mut ConfigContext<'_>, plugins: &[Plugin]) -> Result<Catalogue, String> {
         let mut families: HashMap<&'static str, Vec<Variant>> = HashMap::new();
-        for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin)) {
+        for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin) && !f.name.starts_with(LEDGER_FAMILIES)) {
             for keys in variants(family) {
                 let defined: Result<MetricId, MetricsError> = match family.kind {
                     MetricKind::Counter => context.define_counter(family.name, &keys).map(MetricId::Counter),

@@ -15,28 +15,54 @@
 //!   ([`view::STATE_PREFIX`]), so access-log formats and the other filters read the same keys;
 //! - metrics are Envoy's labelled metrics, defined at configuration time ([`catalogue`]).
 //!
-//! Supported so far: `llm_metrics`. A configuration naming another section is refused, naming it.
+//! - tenant-budget holds the request *headers* until it has read the whole body and decided (the
+//!   ABI lets a filter read the body while its headers wait), so a refused request never reaches
+//!   the upstream without Envoy's `buffer` filter behind it; its counters live in one in-process
+//!   store (core's `MemoryStore`) for every worker, as proxy-wasm shared data is one per process.
+//!
+//! Supported so far: `llm_metrics`, and `tenant_budget` in local mode. A configuration naming
+//! another section, or a budget with a Redis ledger, is refused, naming it.
 
 pub mod catalogue;
 pub mod view;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_REQUEST_BODY_BYTES};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
 use sluice_core::flow::sections::{self, ConfigError, Policy};
-use sluice_core::flow::{Dir, Effect, Effects, LogLevel as FlowLogLevel};
+use sluice_core::flow::{Dir, Effect, Effects, LogLevel as FlowLogLevel, Verdict};
+use sluice_core::headers::HeaderPairs;
 use sluice_core::metrics::Plugin;
 use sluice_core::observation::{shared_slot, SharedSlot};
+use sluice_core::store::MemoryStore;
 
 use crate::filter::{log, BodyKind, BodyStatus, ConfigContext, Envoy, Filter, FilterConfig, HeadersStatus, LogLevel};
 use catalogue::{Catalogue, Sample};
-use view::{now_ns, state_key, Chunk, NativeView};
+use view::{now_ns, state_key, Chunk, EnvoyBudgetHost, HeldBody, NativeView};
+
+/// State across requests, one per process as proxy-wasm's shared data is: every worker and every
+/// `sluice` filter configuration reads and writes it (keys are namespaced by policy, as there).
+fn store() -> std::sync::MutexGuard<'static, MemoryStore> {
+    static STORE: OnceLock<Mutex<MemoryStore>> = OnceLock::new();
+    lock(STORE.get_or_init(|| Mutex::new(MemoryStore::default())))
+}
+
+/// A number per stream of the process (a budget's hold ids carry it, as the wasm context id).
+fn next_stream_id() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
 
 /// The filter name this module runs the engine under (`DynamicModuleFilter.filter_name`).
 pub const FILTER_NAME: &str = "sluice";
 
 /// One configured section, shared by every stream of every worker.
 enum SectionConfig {
+    Budget(Arc<Mutex<BudgetPolicy>>),
     Metrics(Arc<Mutex<MetricsPolicy>>),
 }
 
@@ -68,12 +94,22 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                 configured.push(SectionConfig::Metrics(Arc::new(Mutex::new(*p))));
                 plugins.push(Plugin::LlmMetrics);
             }
-            Policy::LatencyGuard(_) | Policy::ModelRouter(_) | Policy::TenantBudget(_) => {
-                let section = match policy {
-                    Policy::LatencyGuard(_) => "latency_guard",
-                    Policy::ModelRouter(_) => "model_router",
-                    _ => "tenant_budget",
-                };
+            Policy::TenantBudget(p) => {
+                let mut store = store();
+                if let Err(e) = p.ensure_counters(&mut *store) {
+                    log(LogLevel::Warn, &format!("creating budget counters failed: {e}"));
+                }
+                log(LogLevel::Info, &format!("tenant-budget configured: {} keys, {} budget counters", p.keys.len(), p.counters.len()));
+                // No node id natively; it only tells Envoys apart in a Redis ledger's hold ids.
+                let budget = BudgetPolicy::new(*p, "", now_ns(), next_vm_number(&mut *store));
+                if budget.needs_tick() {
+                    return Err("sluice: configuration refused: section `tenant_budget`: a Redis ledger (`ledger.mode`) needs HTTP callouts, which the native module does not make yet (use sluice.wasm, or local mode)".to_string());
+                }
+                configured.push(SectionConfig::Budget(Arc::new(Mutex::new(budget))));
+                plugins.push(Plugin::TenantBudget);
+            }
+            Policy::LatencyGuard(_) | Policy::ModelRouter(_) => {
+                let section = if matches!(policy, Policy::LatencyGuard(_)) { "latency_guard" } else { "model_router" };
                 return Err(format!("sluice: configuration refused: section `{section}` is not supported by the native module yet (use sluice.wasm for it)"));
             }
         }
@@ -89,18 +125,35 @@ impl FilterConfig for EngineConfig {
             .sections
             .iter()
             .map(|section| match section {
+                SectionConfig::Budget(policy) => Section::Budget { policy: Arc::clone(policy), flow: BudgetFlow::new(next_stream_id()) },
                 SectionConfig::Metrics(policy) => Section::Metrics { policy: Arc::clone(policy), flow: MetricsFlow::default() },
             })
             .collect::<Vec<_>>();
         // Several sections read the response through one observer, as one VM's sections do.
         let shared = (sections.len() > 1).then(shared_slot);
-        Box::new(Stream { inner: Arc::clone(&self.inner), sections, shared, effects: Effects::default(), chunk: Chunk::default() })
+        Box::new(Stream { inner: Arc::clone(&self.inner), sections, shared, effects: Effects::default(), chunk: Chunk::default(), held: None, replied: false })
     }
 }
 
 /// One section's stream.
 enum Section {
+    Budget { policy: Arc<Mutex<BudgetPolicy>>, flow: BudgetFlow },
     Metrics { policy: Arc<Mutex<MetricsPolicy>>, flow: MetricsFlow },
+}
+
+impl Section {
+    /// A budget that holds this request until it has decided.
+    fn holds_request(&self) -> bool {
+        matches!(self, Section::Budget { flow, .. } if flow.is_budgeted())
+    }
+}
+
+/// The request body the filter holds while its headers wait: its bytes (up to the most a budget
+/// reads, beyond which it refuses anyway) and its whole size.
+#[derive(Debug, Default)]
+struct Held {
+    bytes: Vec<u8>,
+    size: usize,
 }
 
 /// The engine's stream: the sections' flows and what one hook shares between them.
@@ -111,6 +164,10 @@ struct Stream {
     /// Reused by every event, so the hot path allocates no effect list.
     effects: Effects,
     chunk: Chunk,
+    /// Set while the request headers wait for a section's decision on the whole body.
+    held: Option<Held>,
+    /// The filter answered the request itself (a local reply).
+    replied: bool,
 }
 
 /// A policy's state, even if a panic elsewhere poisoned its lock (the state is a label bound and
@@ -129,35 +186,106 @@ enum ResponseEvent {
 }
 
 impl Stream {
-    /// Runs a request event through the sections in pipeline order.
-    fn request_headers(&mut self, envoy: &mut Envoy<'_>) {
+    /// Runs the request headers through the sections in pipeline order until one stops them (with
+    /// its local reply); they wait if a budget must read the whole body first.
+    fn request_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
         let now = now_ns();
         self.chunk.forget();
+        let mut pairs: Option<HeaderPairs> = None;
         for i in 0..self.sections.len() {
             let Some(section) = self.sections.get_mut(i) else { continue };
-            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk };
-            match section {
-                Section::Metrics { policy, flow } => flow.on_request_headers(&mut lock(policy), &mut view, now, &mut self.effects),
+            let verdict = match section {
+                Section::Budget { policy, flow } => {
+                    // One read of the map for the path, the identity sources, the version and the encoding.
+                    let headers = pairs.get_or_insert_with(|| {
+                        let entries = envoy
+                            .request_headers()
+                            .entries()
+                            .into_iter()
+                            .map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), v.to_vec()))
+                            .collect::<Vec<_>>();
+                        let refs: Vec<(&str, &[u8])> = entries.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+                        HeaderPairs::parse(HeaderPairs::serialize(&refs)).unwrap_or_default()
+                    });
+                    flow.on_request_headers(&mut lock(policy), headers, end_of_stream, &mut self.effects)
+                }
+                Section::Metrics { policy, flow } => {
+                    let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
+                    flow.on_request_headers(&mut lock(policy), &mut view, now, &mut self.effects);
+                    Verdict::Continue
+                }
+            };
+            self.apply(envoy);
+            if verdict == Verdict::Pause || self.replied {
+                return HeadersStatus::StopIteration;
             }
-            apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk);
         }
+        if !end_of_stream && self.sections.iter().any(Section::holds_request) {
+            self.held = Some(Held::default());
+            return HeadersStatus::StopIteration;
+        }
+        HeadersStatus::Continue
     }
 
-    fn request_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) {
+    /// Runs a request body piece through the sections; while the request is held, each section
+    /// sees the body held so far, and the filter buffers until every section lets it go.
+    fn request_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
+        if self.replied {
+            return BodyStatus::StopIterationNoBuffer;
+        }
         self.chunk.forget();
         let now = now_ns();
-        for i in 0..self.sections.len() {
-            let size = envoy.body(BodyKind::ReceivedRequest).len();
-            let Some(section) = self.sections.get_mut(i) else { continue };
-            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk };
-            match section {
-                Section::Metrics { policy, flow } => {
-                    if flow.is_measured() {
-                        flow.on_request_body(&mut lock(policy), &mut view, size, end_of_stream, &mut self.effects);
-                    }
+        if let Some(held) = self.held.as_mut() {
+            let body = envoy.body(BodyKind::ReceivedRequest);
+            held.size = held.size.saturating_add(body.len());
+            // Bounded: a budget refuses a body larger than it reads.
+            if held.size <= MAX_REQUEST_BODY_BYTES {
+                for piece in body.chunks() {
+                    held.bytes.extend_from_slice(piece);
                 }
             }
-            apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk);
+        }
+        for i in 0..self.sections.len() {
+            let size = match &self.held {
+                Some(held) => held.size,
+                None => envoy.body(BodyKind::ReceivedRequest).len(),
+            };
+            let held = self.held.as_ref().map(|h| h.bytes.as_slice());
+            let Some(section) = self.sections.get_mut(i) else { continue };
+            let verdict = match section {
+                Section::Budget { policy, flow } => {
+                    if !flow.is_budgeted() {
+                        continue;
+                    }
+                    let mut view = HeldBody { body: held.unwrap_or_default(), now };
+                    let mut host = EnvoyBudgetHost { envoy };
+                    flow.on_request_body(&mut lock(policy), &mut *store(), &mut host, &mut view, size, end_of_stream, now, &mut self.effects)
+                }
+                Section::Metrics { policy, flow } => {
+                    if flow.is_measured() {
+                        let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held };
+                        flow.on_request_body(&mut lock(policy), &mut view, size, end_of_stream, &mut self.effects);
+                    }
+                    Verdict::Continue
+                }
+            };
+            self.apply(envoy);
+            if self.replied {
+                return BodyStatus::StopIterationNoBuffer;
+            }
+            if verdict == Verdict::Pause {
+                return BodyStatus::StopIterationAndBuffer;
+            }
+        }
+        // Every section let the request go: the held headers and body go on together.
+        self.held = None;
+        BodyStatus::Continue
+    }
+
+    /// Applies the effects one section's event returned.
+    fn apply(&mut self, envoy: &mut Envoy<'_>) {
+        if apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk) {
+            self.replied = true;
         }
     }
 
@@ -170,9 +298,20 @@ impl Stream {
                 _ => 0,
             };
             let Some(section) = self.sections.get_mut(i) else { continue };
-            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk };
+            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
             let fx = &mut self.effects;
             match section {
+                Section::Budget { policy, flow } => {
+                    if flow.is_budgeted() {
+                        let policy = &mut lock(policy);
+                        match event {
+                            ResponseEvent::Headers { .. } => flow.on_response_headers(policy, &mut view, now, fx),
+                            ResponseEvent::Body { end_of_stream } => flow.on_response_body(policy, &mut *store(), &mut view, size, end_of_stream, now, fx),
+                            ResponseEvent::Trailers => flow.on_response_trailers(policy, &mut *store(), &mut view, now, fx),
+                            ResponseEvent::Log => flow.on_log(policy, &mut *store(), &mut view, now, fx),
+                        }
+                    }
+                }
                 Section::Metrics { policy, flow } => {
                     if flow.is_measured() {
                         let policy = &mut lock(policy);
@@ -185,20 +324,18 @@ impl Stream {
                     }
                 }
             }
-            apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk);
+            self.apply(envoy);
         }
     }
 }
 
 impl Filter for Stream {
-    fn on_request_headers(&mut self, envoy: &mut Envoy<'_>, _end_of_stream: bool) -> HeadersStatus {
-        self.request_headers(envoy);
-        HeadersStatus::Continue
+    fn on_request_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
+        self.request_headers(envoy, end_of_stream)
     }
 
     fn on_request_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
-        self.request_body(envoy, end_of_stream);
-        BodyStatus::Continue
+        self.request_body(envoy, end_of_stream)
     }
 
     fn on_response_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
@@ -227,8 +364,10 @@ fn received(dir: Dir) -> BodyKind {
     }
 }
 
-/// Applies a flow's effects to the stream, in order, and empties the list.
-fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk) {
+/// Applies a flow's effects to the stream, in order, and empties the list; whether one of them
+/// answered the request (a local reply).
+fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk) -> bool {
+    let mut replied = false;
     for effect in effects.drain() {
         let failed = match effect {
             Effect::Count { name, delta } | Effect::GaugeAdd { name, delta } => catalogue.record(envoy, &name, Sample::Add(delta)).err(),
@@ -261,6 +400,7 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
             Effect::LocalReply { status, headers, body } => {
                 let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
                 envoy.send_response(status, &pairs, &body, "sluice");
+                replied = true;
                 None
             }
             Effect::Log { level, message } => {
@@ -281,6 +421,7 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
             log(LogLevel::Warn, &format!("sluice: {problem}"));
         }
     }
+    replied
 }
 
 #[cfg(test)]

@@ -58,6 +58,9 @@ pub struct NativeView<'v, 'e> {
     /// The stream's shared response observer, when the filter runs several sections.
     pub shared: Option<&'v SharedSlot>,
     pub chunk: &'v mut Chunk,
+    /// The request body the filter holds (headers waiting for a budget's decision): what a
+    /// section reads as the request body instead of the current chunk.
+    pub held: Option<&'v [u8]>,
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -82,6 +85,9 @@ impl View for NativeView<'_, '_> {
     }
 
     fn body(&mut self, dir: Dir, size: usize) -> Vec<u8> {
+        if let (Dir::Request, Some(held)) = (dir, self.held) {
+            return held.get(..size.min(held.len())).unwrap_or_default().to_vec();
+        }
         let bytes = match &self.chunk.bytes {
             Some(bytes) => bytes,
             None => {
@@ -130,5 +136,54 @@ impl View for NativeView<'_, '_> {
             Some(slot) => Observer::join(slot, kind),
             None => Observer::own(kind),
         }
+    }
+}
+
+/// The view a budget's request-body event gets: the held body, and nothing else (the event reads
+/// only that), so the stream handle is free for the body's replacement ([`EnvoyBudgetHost`]).
+pub struct HeldBody<'v> {
+    pub body: &'v [u8],
+    pub now: u64,
+}
+
+impl View for HeldBody<'_> {
+    fn now(&mut self) -> u64 {
+        self.now
+    }
+    fn request_header(&mut self, _name: &str) -> Option<String> {
+        None
+    }
+    fn response_header(&mut self, _name: &str) -> Option<String> {
+        None
+    }
+    fn body(&mut self, _dir: Dir, size: usize) -> Vec<u8> {
+        self.body.get(..size.min(self.body.len())).unwrap_or_default().to_vec()
+    }
+    fn property(&mut self, _path: &[String]) -> Option<String> {
+        None
+    }
+    fn gateway_reply(&mut self) -> Option<GatewayReply> {
+        None
+    }
+    fn unended_outcome(&mut self) -> Outcome {
+        Outcome::Completed
+    }
+}
+
+/// What tenant-budget asks of the host natively: its held request body replaced in place (the
+/// earlier pieces Envoy buffered, then the last one); no ledger callouts (local mode only).
+pub struct EnvoyBudgetHost<'v, 'e> {
+    pub envoy: &'v mut Envoy<'e>,
+}
+
+impl sluice_core::flow::budget::BudgetHost for EnvoyBudgetHost<'_, '_> {
+    fn ledger_call(&mut self, _ledger: &sluice_core::budget::policy::LedgerConfig, _path: &str, _body: &[u8]) -> Result<u32, String> {
+        // Refused at configuration time (a ledger policy is not accepted natively yet).
+        Err("the native module has no ledger callouts yet".to_string())
+    }
+
+    fn replace_request_body(&mut self, _size: usize, bytes: &[u8]) -> bool {
+        let buffered_ok = self.envoy.body(BodyKind::BufferedRequest).is_empty() || self.envoy.drain_body(BodyKind::BufferedRequest, usize::MAX);
+        buffered_ok && self.envoy.drain_body(BodyKind::ReceivedRequest, usize::MAX) && self.envoy.append_body(BodyKind::ReceivedRequest, bytes)
     }
 }
