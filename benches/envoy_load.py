@@ -23,6 +23,7 @@ files of DIR (an earlier build), in the same rounds, as "<name> (before)": befor
 With --before-ref REF those rows render the templates of git revision REF (the earlier build's files).
 
 Usage: benches/envoy_load.py [--seconds N] [--rounds N] [--only budget,fleet] [--before DIR]   (needs: target/release/sluice-mock-server, the .wasm,
+libsluice.so (target/native),
 Envoy from `cargo xtask setup`, wrk — `cargo xtask bench` provides all of them).
 """
 
@@ -57,6 +58,9 @@ CONFIGS = [
     ("4 trivial wasm filters", ROOT / "envoy/bench/floor4.yaml"),
     ("no-op ext_proc", ROOT / "envoy/bench/extproc.yaml"),
     ("sluice llm-metrics", ROOT / "envoy/templates/gateway.yaml"),
+    # The same llm-metrics section run natively: libsluice.so, Envoy's dynamic-module filter
+    # (docs/native.md), found in NATIVE_DIR.
+    ("native llm-metrics", ROOT / "envoy/templates/native-gateway.yaml"),
     ("Lua TTFT stamp", ROOT / "envoy/bench/lua.yaml"),
     # tenant-budget (5 counters: org month $, team minute tokens, key minute tokens + day requests)
     # in front of llm-metrics, limits far above the load so every request is admitted.
@@ -82,6 +86,8 @@ CONFIGS = [
     ("fleet gw, Redis ledger", ROOT / "envoy/templates/fleet-gateway.yaml"),
 ]
 LEDGER = ROOT / "target/release/sluice-ledger"
+# libsluice.so, the native module: `$SLUICE_NATIVE_DIR`, else where `cargo xtask build` puts it.
+NATIVE_DIR = Path(os.environ.get("SLUICE_NATIVE_DIR", ROOT / "target/native"))
 # Built by `cargo xtask bench` (its own workspace, benches/extproc-noop).
 EXTPROC = ROOT / "target/extproc-noop/release/sluice-bench-extproc-noop"
 
@@ -304,7 +310,8 @@ def main():
                         **(({} if "traced" not in name else tracer_only if name.startswith("no filter") else traced_vars))}))
                     envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 500)],
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             env=dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(NATIVE_DIR)))
                     wait_port(port)
                 try:
                     wrk(port, 1, 1, 1, tmp)  # warm-up: connections, VM, JIT
