@@ -181,6 +181,15 @@ impl<'a> Engine<'a> {
         Ok(engine)
     }
 
+    /// Takes no samples (breaker states, budgets remaining, in-flight per upstream every
+    /// `sample_every_ms`): only the report draws them, and they grow with the trace's virtual span,
+    /// not its requests (a day at 1 s is 86,400 of them), so a run without a report keeps its
+    /// memory bounded by what is in flight. Verdicts are unchanged: a sample only reads.
+    pub fn without_samples(mut self) -> Self {
+        self.events.retain(|Reverse((_, _, event))| *event != Event::Sample);
+        self
+    }
+
     /// Runs every request of `trace` and hands each verdict to `emit` as its request ends.
     /// `progress` is called now and then with the number of requests started.
     pub fn run(
@@ -420,7 +429,11 @@ impl<'a> Engine<'a> {
                 let last = n + 1 == answer.pieces.len();
                 let Some((_, bytes)) = answer.pieces.get_mut(n) else { return Ok(()) };
                 let bytes = std::mem::take(bytes);
-                if flight.first_content_ns.is_none() && n > 0 {
+                // A piece reaches the client only while the gateway keeps the stream open: one
+                // that latency-guard ended at its deadline (during the ticks `advance` ran up to
+                // this piece) gets no first token, whatever the upstream still sends.
+                let open = self.chain.is_open(stream);
+                if open && flight.first_content_ns.is_none() && n > 0 {
                     flight.first_content_ns = Some(at);
                 }
                 if last && !up.released {
@@ -428,7 +441,7 @@ impl<'a> Engine<'a> {
                     let name = up.name.clone();
                     self.free(&name);
                 }
-                if self.chain.is_open(stream) {
+                if open {
                     self.chain.response_body(stream, bytes, last)?;
                 }
             }

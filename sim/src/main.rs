@@ -296,6 +296,7 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
     let progress =
         Progress { enabled: !run.quiet && std::io::stderr().is_terminal(), total_bytes, read, started: Instant::now(), label: scenario.name.clone() };
     let engine = Engine::new(&scenario, &plugins, &RunOptions { start_ns }).map_err(|e| fail(exit::USAGE, e))?;
+    let engine = if run.no_report { engine.without_samples() } else { engine };
 
     let verdicts_path = out.join("verdicts.jsonl");
     let mut writer = BufWriter::new(File::create(&verdicts_path).with_context(|| format!("cannot create {}", verdicts_path.display()))?);

@@ -543,3 +543,40 @@ fn run_on_an_access_log() {
         );
     }
 }
+
+/// Requests whose first token comes after latency-guard's TTFT deadline (both versions' upstreams
+/// take 2.5 s; the demo guard's deadline is 2 s): the guard answers 504 at the deadline, so no
+/// token reaches the client and the verdict has no TTFT — also when the upstream's first piece is
+/// the next event after the guard's tick ended the stream (no sample in between: `--no-report`
+/// takes none). With and without the report, the verdicts are the same bytes.
+#[test]
+fn a_stream_ended_at_its_deadline_has_no_ttft_with_or_without_samples() {
+    let dir = workdir("deadline_no_ttft");
+    let slow = json!({ "ttft_base_ms": 2500, "tpot_ms": 20, "max_batch": 8 });
+    let s = json!({
+        "plugins": {
+            "latency_guard": repo_str("policies/latency-guard.demo.json"),
+            "model_router": repo_str("policies/model-router.demo.json"),
+            "llm_metrics": repo_str("policies/llm-metrics.demo.json")
+        },
+        "traffic": { "tenants": [{ "name": "acme" }], "model": "llama-3-70b", "stream": true },
+        "upstream": { "llama-v1": slow, "llama-v2": slow, "qwen_v1": slow },
+        "sample_every_ms": 1000
+    });
+    let scenario = write(&dir, "slow.scenario.json", &s.to_string());
+    let trace =
+        write(&dir, "trace.jsonl", &(0..5).map(|i| format!("{{\"t_ms\": {}, \"prompt_tokens\": 100, \"output_tokens\": 20}}\n", i * 100)).collect::<String>());
+    let mut texts = Vec::new();
+    for (name, extra) in [("report", None), ("no-report", Some("--no-report"))] {
+        let out_dir = dir.join(name);
+        let mut args = vec!["run", "--scenario", &scenario, "--trace", &trace, "--out", out_dir.to_str().unwrap(), "-q"];
+        args.extend(extra);
+        let out = sim(&args);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        for v in verdicts(&out_dir) {
+            assert_eq!((v.status, v.outcome.as_str(), v.ttft_ms), (504, "deadline", None), "{name}: line {}", v.line);
+        }
+        texts.push(std::fs::read_to_string(out_dir.join("verdicts.jsonl")).unwrap());
+    }
+    assert_eq!(texts[0], texts[1]);
+}

@@ -27,6 +27,7 @@ mod children;
 mod fuzz;
 mod images;
 mod playground;
+mod simbench;
 mod soak;
 
 use anyhow::{bail, Context, Result};
@@ -399,7 +400,8 @@ fn build_native(root: &Path, packages: &[&str]) -> Result<()> {
 /// `libsluice.so`, the Envoy dynamic module (native/, the `native` profile: `target/native/`), and
 /// the two probe builds its Envoy tests load (native/tests/envoy.rs), each in a target directory
 /// of its own: a wrong ABI version string with a panic probe, and a module that refuses to load.
-/// The crate has no dependencies: a few seconds each.
+/// The probe builds share nothing with the module's target directory, so each compiles sluice-core
+/// once (the first time only).
 fn build_native_module(root: &Path) -> Result<()> {
     run(cargo().current_dir(root).args(["build", "--profile", "native", "--package", "sluice-native"]))?;
     for (features, dir) in [("wrong-abi,panic-probe", "target/sluice-native-probes"), ("refuse-load", "target/sluice-native-refuse")] {
@@ -578,7 +580,7 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
             Some(Err(_)) => bail!("cargo xtask bench --sim [REQUESTS]: REQUESTS must be a number"),
             None => 1_000_000,
         };
-        return bench_sim(root, requests);
+        return simbench::bench_sim(root, requests);
     }
     let only_load = extra.iter().any(|a| a == "--load-only");
     if !only_load {
@@ -610,76 +612,6 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
     run(Command::new("python3").arg(root.join("benches/envoy_hostcalls.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))?;
     // What latency-guard's hold adds to the first token a client sees.
     run(Command::new("python3").arg(root.join("benches/envoy_hold.py")).env("SLUICE_ENVOY", envoy_bin(root)).current_dir(root))
-}
-
-/// The simulator's speed, side by side: the whole Azure conversation trace and a synthetic day of
-/// `requests` requests, each under the demo scenario with one and with sixteen tokens per SSE event.
-/// Prints requests per second of wall time (one core: the simulator is single-threaded).
-fn bench_sim(root: &Path, requests: u64) -> Result<()> {
-    run(cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
-    let dir = root.join("target/sim-bench");
-    std::fs::create_dir_all(&dir)?;
-    let day = dir.join("synthetic-day.jsonl");
-    write_synthetic_day(&day, requests)?;
-    let demo = std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?;
-    let mut scenarios = Vec::new();
-    for per_event in [1u64, 16] {
-        let mut v: serde_json::Value = serde_json::from_str(&demo)?;
-        v["tokens_per_event"] = per_event.into();
-        // Policy paths in the demo are relative to examples/sim/.
-        for (_, policy) in v["plugins"].as_object_mut().into_iter().flatten() {
-            if let Some(rel) = policy.as_str() {
-                *policy = root.join("examples/sim").join(rel).display().to_string().into();
-            }
-        }
-        let path = dir.join(format!("demo-{per_event}-per-event.json"));
-        std::fs::write(&path, serde_json::to_string_pretty(&v)?)?;
-        scenarios.push((per_event, path));
-    }
-    let traces = [("Azure conversation trace (19,366 requests, 1 h)", root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv")), ("synthetic day", day)];
-    println!("| trace | tokens per event | requests | wall s | requests/s |\n|---|---|---|---|---|");
-    for (name, trace) in &traces {
-        for (per_event, scenario) in &scenarios {
-            let out = dir.join("out");
-            let started = std::time::Instant::now();
-            let status = Command::new(root.join("target/release/sluice-sim"))
-                .args(["run", "-q", "--no-report", "--scenario"])
-                .arg(scenario)
-                .arg("--trace")
-                .arg(trace)
-                .arg("--out")
-                .arg(&out)
-                .status()?;
-            let seconds = started.elapsed().as_secs_f64();
-            if !status.success() {
-                bail!("sluice-sim failed on {name}");
-            }
-            let n = std::fs::read_to_string(out.join("verdicts.jsonl"))?.lines().count();
-            println!("| {name} | {per_event} | {n} | {seconds:.1} | {:.0} |", n as f64 / seconds);
-        }
-    }
-    Ok(())
-}
-
-/// `requests` requests evenly over 24 hours in sluice-sim's generic format, sizes drawn
-/// deterministically (log-uniform prompts of 64–8,192 tokens, outputs of 8–1,024; 80 % streamed).
-fn write_synthetic_day(path: &Path, requests: u64) -> Result<()> {
-    use std::io::Write as _;
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
-    let mut state = 0x5eed_u64;
-    let mut draw = || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (state >> 11) as f64 / (1u64 << 53) as f64
-    };
-    for i in 0..requests {
-        let t_ms = i as f64 * 86_400_000.0 / requests.max(1) as f64;
-        let prompt = (64.0 * 128f64.powf(draw())).round() as u64;
-        let output = (8.0 * 128f64.powf(draw())).round() as u64;
-        let stream = draw() < 0.8;
-        writeln!(out, r#"{{"t_ms": {t_ms:.3}, "prompt_tokens": {prompt}, "output_tokens": {output}, "max_tokens": {output}, "stream": {stream}}}"#)?;
-    }
-    out.flush()?;
-    Ok(())
 }
 
 /// Installs Debian packages whose command is missing (`(command, package)` pairs).

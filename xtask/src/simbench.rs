@@ -1,0 +1,197 @@
+//! `cargo xtask bench --sim [REQUESTS]`: the simulator's speed on the Azure conversation trace
+//! (the demo scenario) and on a synthetic day of REQUESTS requests (default 1,000,000) shaped like
+//! a platform's day: a diurnal arrival rate, 24 tenants by Zipf weight, two model versions split
+//! 70/30 and sticky per tenant, a one-hour TTFT incident on v1 that opens its breaker, minute and
+//! day budgets that bind for the busiest tenants. Each at 1 and 16 tokens per SSE event, with
+//! `--no-report`; prints requests/s, wall time and the simulator's peak resident memory.
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const DAY_MS: f64 = 86_400_000.0;
+/// The day's rate swings ±60 % around its mean: lowest at 03:00, highest at 15:00.
+const DIURNAL_AMPLITUDE: f64 = 0.6;
+const TENANTS: usize = 24;
+
+pub fn bench_sim(root: &Path, requests: u64) -> Result<()> {
+    crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
+    let dir = root.join("target/sim-bench");
+    std::fs::create_dir_all(&dir)?;
+    let day = dir.join("synthetic-day.jsonl");
+    write_synthetic_day(&day, requests)?;
+    let demo: Value = serde_json::from_str(&std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?)?;
+    let demo = absolute_policy_paths(root, demo);
+    let day_scenario = day_scenario(root, &dir, demo.clone())?;
+    let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
+    let runs = [("Azure conversation trace (1 h), demo scenario", &azure, &demo), ("synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario)];
+    println!("| trace | tokens per event | requests | wall s | requests/s | peak RSS MiB |\n|---|---|---|---|---|---|");
+    for (name, trace, scenario) in runs {
+        for per_event in [1u64, 16] {
+            let mut scenario = scenario.clone();
+            scenario["tokens_per_event"] = per_event.into();
+            let path = dir.join(format!("scenario-{}-{per_event}.json", if trace == &day { "day" } else { "azure" }));
+            std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
+            let out = dir.join("out");
+            let mut cmd = Command::new(root.join("target/release/sluice-sim"));
+            cmd.args(["run", "-q", "--no-report", "--scenario"]).arg(&path).arg("--trace").arg(trace).arg("--out").arg(&out);
+            let (seconds, peak_kib) = timed_with_peak_rss(&mut cmd).with_context(|| format!("sluice-sim on {name}"))?;
+            let n = std::fs::read_to_string(out.join("verdicts.jsonl"))?.lines().count();
+            println!("| {name} | {per_event} | {n} | {seconds:.1} | {:.0} | {:.0} |", n as f64 / seconds, peak_kib as f64 / 1024.0);
+        }
+    }
+    Ok(())
+}
+
+/// Runs `cmd` to its end; its wall time and peak resident set (`VmHWM`, a high-water mark the
+/// kernel keeps, read every 20 ms while it runs: only growth in its last 20 ms could be missed).
+fn timed_with_peak_rss(cmd: &mut Command) -> Result<(f64, u64)> {
+    let started = Instant::now();
+    let mut child = cmd.spawn()?;
+    let status_file = PathBuf::from(format!("/proc/{}/status", child.id()));
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Some(kib) = std::fs::read_to_string(&status_file).ok().and_then(|s| vm_hwm_kib(&s)) {
+            peak_kib = peak_kib.max(kib);
+        }
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    if !status.success() {
+        bail!("exited with {status}");
+    }
+    Ok((seconds, peak_kib))
+}
+
+fn vm_hwm_kib(status: &str) -> Option<u64> {
+    status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The demo scenario's policy paths (relative to examples/sim/) made absolute.
+fn absolute_policy_paths(root: &Path, mut scenario: Value) -> Value {
+    for (_, policy) in scenario["plugins"].as_object_mut().into_iter().flatten() {
+        if let Some(rel) = policy.as_str() {
+            *policy = root.join("examples/sim").join(rel).display().to_string().into();
+        }
+    }
+    scenario
+}
+
+/// The day's scenario: the demo's upstreams and guard, 24 tenants, a 70/30 split, a budget
+/// policy with a key per tenant, and an hour of four times the TTFT on v1 at 10:00.
+fn day_scenario(root: &Path, dir: &Path, mut scenario: Value) -> Result<Value> {
+    let tenants: Vec<String> = (1..=TENANTS).map(|i| format!("t{i:02}")).collect();
+    scenario["name"] = "synthetic day".into();
+    scenario["traffic"]["tenants"] = tenants.iter().map(|t| json!({ "name": t })).collect();
+    scenario["incidents"] = json!([{ "upstream": "llama-v1", "from_s": 36_000, "to_s": 39_600, "ttft_factor": 4 }]);
+
+    let mut router: Value = serde_json::from_str(&std::fs::read_to_string(root.join("policies/model-router.demo.json"))?)?;
+    let versions = router["models"][0]["versions"].as_array_mut().context("model-router.demo.json: models[0].versions")?;
+    for (version, weight) in versions.iter_mut().zip([70, 30]) {
+        version["weight"] = weight.into();
+    }
+    let router_path = dir.join("day.model-router.json");
+    std::fs::write(&router_path, serde_json::to_string_pretty(&router)?)?;
+    scenario["plugins"]["model_router"] = router_path.display().to_string().into();
+
+    // Mean ≈ 1,900 tokens a request: at 1M requests a day the busiest tenant (Zipf share ≈ 27 %)
+    // sends ≈ 570,000 tokens a minute at the afternoon peak, the fifth ≈ 110,000.
+    let orgs: Vec<Value> = tenants
+        .iter()
+        .map(|t| {
+            json!({ "id": t, "teams": [{ "id": format!("{t}-api"), "keys": [{ "id": t, "budgets": [
+                { "window": "minute", "tokens": 200_000 },
+                { "window": "day", "usd": 100 }
+            ] }] }] })
+        })
+        .collect();
+    let budget = json!({
+        "mode": "strict",
+        "identity": { "header": "x-sluice-tenant" },
+        "unknown": { "action": "reject" },
+        "include_usage": true,
+        "default_max_output_tokens": 4096,
+        "prices": [{ "model": "llama-3-70b*", "input_usd_per_mtok": 0.59, "output_usd_per_mtok": 0.79 }],
+        "orgs": orgs,
+    });
+    let budget_path = dir.join("day.tenant-budget.json");
+    std::fs::write(&budget_path, serde_json::to_string_pretty(&budget)?)?;
+    scenario["plugins"]["tenant_budget"] = budget_path.display().to_string().into();
+    Ok(scenario)
+}
+
+/// `requests` requests over 24 hours in sluice-sim's generic format: arrivals at the quantiles of
+/// a diurnal rate `1 + A·sin(2π(t − 9 h)/24 h)` (so the gaps follow the rate, deterministically),
+/// sizes drawn deterministically (log-uniform prompts of 64–8,192 tokens, outputs of 8–1,024;
+/// 80 % streamed). No tenant: the scenario's Zipf weights pick it.
+fn write_synthetic_day(path: &Path, requests: u64) -> Result<()> {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut state = 0x5eed_u64;
+    let mut draw = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let n = requests.max(1) as f64;
+    let mut t_ms = 0.0;
+    for i in 0..requests {
+        t_ms = arrival_at_quantile((i as f64 + 0.5) / n, t_ms);
+        let prompt = (64.0 * 128f64.powf(draw())).round() as u64;
+        let output = (8.0 * 128f64.powf(draw())).round() as u64;
+        let stream = draw() < 0.8;
+        writeln!(out, r#"{{"t_ms": {t_ms:.3}, "prompt_tokens": {prompt}, "output_tokens": {output}, "max_tokens": {output}, "stream": {stream}}}"#)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// The share of a day's requests that arrived by `t_ms` under the diurnal rate.
+fn arrivals_by(t_ms: f64) -> f64 {
+    let phase = 9.0 * 3_600_000.0;
+    let w = std::f64::consts::TAU / DAY_MS;
+    (t_ms - DIURNAL_AMPLITUDE / w * ((w * (t_ms - phase)).cos() - (w * -phase).cos())) / DAY_MS
+}
+
+/// The time by which a share `q` of the day's requests arrived (bisection; `from` is a lower bound,
+/// the previous arrival, as `q` only grows).
+fn arrival_at_quantile(q: f64, from: f64) -> f64 {
+    let (mut lo, mut hi) = (from, DAY_MS);
+    for _ in 0..60 {
+        let mid = (lo + hi) / 2.0;
+        if arrivals_by(mid) < q {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (lo + hi) / 2.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_day_is_diurnal_and_whole() {
+        assert!(arrivals_by(0.0).abs() < 1e-12);
+        assert!((arrivals_by(DAY_MS) - 1.0).abs() < 1e-12);
+        // Rate at 15:00 is (1 + A) / (1 − A) = 4 times the rate at 03:00: compare an hour's share.
+        let hour = 3_600_000.0;
+        let afternoon = arrivals_by(15.5 * hour) - arrivals_by(14.5 * hour);
+        let night = arrivals_by(3.5 * hour) - arrivals_by(2.5 * hour);
+        assert!((afternoon / night - 4.0).abs() < 0.05, "{afternoon} / {night}");
+        let median = arrival_at_quantile(0.5, 0.0);
+        assert!((arrivals_by(median) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn peak_rss_is_read_from_the_status_file() {
+        assert_eq!(vm_hwm_kib("Name:\tsim\nVmPeak:\t  9 kB\nVmHWM:\t   51234 kB\nVmRSS:\t 1 kB\n"), Some(51234));
+        assert_eq!(vm_hwm_kib("Name:\tsim\n"), None);
+    }
+}
