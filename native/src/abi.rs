@@ -254,6 +254,8 @@ host_callbacks! {
         fn(FilterEnvoyPtr, u32, *mut u64) -> bool;
     get_metadata_string = "envoy_dynamic_module_callback_http_get_metadata_string":
         fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer, *mut EnvoyBuffer) -> bool;
+    clear_route_cache = "envoy_dynamic_module_callback_http_clear_route_cache":
+        fn(FilterEnvoyPtr);
 }
 
 static HOST: OnceLock<Host> = OnceLock::new();
@@ -557,6 +559,15 @@ impl Envoy<'_> {
         let mut out = 0u64;
         // SAFETY: valid out-pointer.
         unsafe { (self.host.get_attribute_int)(self.ptr, attribute as u32, &mut out) }.then_some(out)
+    }
+
+    /// Makes Envoy pick the request's route again from its (changed) headers, as Envoy's wasm filter
+    /// does after each request-header change: set before the router filter, a route header then
+    /// chooses the cluster even if a filter in front already had the route looked up. A no-op
+    /// outside the request path.
+    pub fn clear_route_cache(&mut self) {
+        // SAFETY: a plain call on the live stream.
+        unsafe { (self.host.clear_route_cache)(self.ptr) }
     }
 
     /// A string value of the stream's dynamic metadata: `key` of namespace `namespace`.

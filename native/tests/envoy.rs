@@ -16,7 +16,7 @@
 //!   naming the callback.
 //!
 //! Builds nothing: the modules come from `cargo xtask build` (`target/native`, and the probe builds
-//! in `target/sluice-native-probes/native` and `target/sluice-native-refuse/native`).
+//! in `target/sluice-native-probes` and `target/sluice-native-refuse`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -66,7 +66,7 @@ fn envoy_bin() -> PathBuf {
 fn module_dir(variant: Option<&str>) -> PathBuf {
     let dir = match variant {
         None => root().join("target/native"),
-        Some(variant) => root().join(format!("target/sluice-native-{variant}/native")),
+        Some(variant) => root().join(format!("target/sluice-native-{variant}")),
     };
     assert!(dir.join("libsluice.so").is_file(), "{} is missing: run `cargo xtask build` first", dir.join("libsluice.so").display());
     dir
@@ -524,6 +524,20 @@ fn stats_config_of(template: &str, first: &str) -> String {
 /// `host`, with the shipped gateway's `stats_config` for that host.
 fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
     let value = yaml_quoted(sections);
+    // model-router reads the body's `model` from dynamic metadata (Envoy routes on headers, before a
+    // filter sees the body), on both hosts: Envoy's json_to_metadata in front, as router-gateway.yaml.
+    let json_to_metadata = if sections.contains("model_router") {
+        r#"          - name: envoy.filters.http.json_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata
+              request_rules:
+                rules:
+                - selectors: [{ key: model }]
+                  on_present: { metadata_namespace: sluice, key: model, type: STRING }
+"#
+    } else {
+        ""
+    };
     let (filter, stats) = match host {
         Host::Native => (
             format!(
@@ -564,9 +578,19 @@ fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
                     ""
                 }
             ),
-            stats_config_of(if sections.contains("tenant_budget") { "budget-gateway.yaml" } else { "gateway.yaml" }, "stats_config"),
+            stats_config_of(
+                if sections.contains("tenant_budget") {
+                    "budget-gateway.yaml"
+                } else if sections.contains("model_router") {
+                    "router-gateway.yaml"
+                } else {
+                    "gateway.yaml"
+                },
+                "stats_config",
+            ),
         ),
     };
+    let filter = format!("{json_to_metadata}{filter}");
     let config =
         ENGINE_TEMPLATE.replace("{{HTTP_FILTER}}", &filter).replace("{{STATS_CONFIG}}", &stats).replace("{{UPSTREAM_PORT}}", &upstream_port.to_string());
     start_with(&module_dir(None), &config)
@@ -798,4 +822,126 @@ fn engine_tenant_budget_natively_refuses_before_the_upstream_as_sluice_wasm() {
     // The budget's metrics, as sluice.wasm's.
     let families = [("sluice_budget_rejections_total", 1), ("sluice_budget_overestimate_tokens_count", 2), ("sluice_ttft_ms_count", 2)];
     assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
+}
+
+/// The access log's field `key` of `path`'s line (its values have no spaces, but the last one).
+fn log_field(envoy: &Envoy, path: &str, key: &str) -> String {
+    let line = envoy.access_log_line(path);
+    let after = line.split_once(&format!(" {key}=")).map(|(_, rest)| rest).unwrap_or_else(|| panic!("no {key} in {line}"));
+    after.split(' ').next().unwrap_or_default().to_string()
+}
+
+/// A streamed chat completion request for `model` (the upstream answers with the LLM script).
+fn model_request(path: &str, model: &str, extra: &str) -> String {
+    let body = format!(r#"{{"model":"{model}","stream":true,"messages":[{{"role":"user","content":"Say hello."}}]}}"#);
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n{extra}x-test-script: llm\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The value of header `name` in a recorded request head.
+fn head_value(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()))
+}
+
+/// A router policy of two models: `llama-3-70b` split 50/50 between v1 (the default route) and v2
+/// (route `llama-v2`, another upstream model name), sticky on `x-sluice-tenant`; `qwen` on q1,
+/// whose cluster has no endpoints, falling back to q2 (weight 0, route `qwen-v2`).
+const ROUTER_POLICY: &str = r#"{"sticky_key":[{"header":"x-sluice-tenant"}],"route_header":"x-sluice-route","version_header":"x-model-version","models":[
+  {"model":"llama-3-70b","versions":[{"name":"v1","weight":50,"upstream_model":"llama-3-70b","route":"llama-v1"},{"name":"v2","weight":50,"upstream_model":"llama-3-70b-v2","route":"llama-v2"}]},
+  {"model":"qwen","versions":[{"name":"q1","weight":100,"upstream_model":"qwen","route":"qwen-dead"},{"name":"q2","weight":0,"upstream_model":"qwen-72b-v2","route":"qwen-v2"}],"fallback":["q1","q2"]}]}"#;
+
+#[test]
+fn engine_model_router_natively_routes_to_the_cluster_sluice_wasm_does() {
+    let upstream = Upstream::start();
+    let sections = format!(r#"{{"model_router": {ROUTER_POLICY}, "llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+    assert!(native.log().contains("model-router configured: 2 models"), "{}", native.log());
+
+    // What each request became: status, the cluster Envoy chose, the route stamp, llm-metrics'
+    // stamp (timings aside), and what the upstream got (route and version headers, the body's model).
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        // Six tenants, each twice (sticky: the same version both times); a client's own route header
+        // is removed. Then qwen: its version's cluster has no healthy upstream, and the next request
+        // falls back.
+        let mut requests: Vec<(String, &str, String)> = Vec::new();
+        for tenant in 0..6 {
+            for n in 0..2 {
+                requests.push((
+                    format!("/v1/chat/completions?host={host}&t={tenant}&n={n}"),
+                    "llama-3-70b",
+                    format!("x-sluice-tenant: tenant-{tenant}\r\nx-sluice-route: qwen-dead\r\n"),
+                ));
+            }
+        }
+        for n in 0..2 {
+            requests.push((format!("/v1/chat/completions?host={host}&qwen={n}"), "qwen", String::new()));
+        }
+        for (path, model, extra) in &requests {
+            let response = envoy.request(&model_request(path, model, extra));
+            let cluster = log_field(envoy, path, "cluster");
+            let route = log_field(envoy, path, "route");
+            let head = upstream.heads_for(path).first().cloned().unwrap_or_default();
+            let body_model = upstream.body_for(path).and_then(|b| {
+                let text = String::from_utf8_lossy(&b).into_owned();
+                text.split_once(r#""model":""#).and_then(|(_, rest)| rest.split_once('"')).map(|(m, _)| m.to_string())
+            });
+            of_host.push((
+                response.status,
+                cluster,
+                route,
+                timeless(&stamp(envoy, path)),
+                head_value(&head, "x-sluice-route"),
+                head_value(&head, "x-model-version"),
+                body_model,
+            ));
+        }
+        seen.push(of_host);
+    }
+    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
+        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
+    }
+    let rows = &seen[0];
+    // The split reaches both clusters, each tenant sticks to its version, and the route took effect:
+    // v2 went to cluster llama_v2 with its upstream model, v1 to the default cluster unchanged.
+    let clusters: std::collections::BTreeSet<&str> = rows[..12].iter().map(|r| r.1.as_str()).collect();
+    assert_eq!(clusters, ["llama_v2", "upstream"].into_iter().collect(), "{rows:#?}");
+    for pair in rows[..12].chunks(2) {
+        assert_eq!((&pair[0].1, &pair[0].2), (&pair[1].1, &pair[1].2), "not sticky: {pair:#?}");
+        let r = &pair[0];
+        assert_eq!(r.0, 200, "{r:?}");
+        if r.1 == "llama_v2" {
+            assert!(r.2.contains(r#""route":"llama-v2""#) && r.2.contains(r#""version":"v2""#), "{r:?}");
+            assert_eq!((r.4.as_deref(), r.5.as_deref(), r.6.as_deref()), (Some("llama-v2"), Some("v2"), Some("llama-3-70b-v2")), "{r:?}");
+        } else {
+            assert!(r.2.contains(r#""route":"llama-v1""#) && r.2.contains(r#""version":"v1""#), "{r:?}");
+            assert_eq!((r.4.as_deref(), r.6.as_deref()), (Some("llama-v1"), Some("llama-3-70b")), "{r:?}");
+        }
+    }
+    // qwen: the first request meets a cluster without endpoints; the next falls back to q2.
+    let (dead, fallback) = (&rows[12], &rows[13]);
+    assert_eq!((dead.0, dead.1.as_str()), (503, "qwen_dead"), "{dead:?}");
+    assert!(dead.2.contains(r#""reason":"weighted""#) || dead.2.contains(r#""version":"q1""#), "{dead:?}");
+    assert_eq!((fallback.0, fallback.1.as_str()), (200, "qwen_v2"), "{fallback:?}");
+    assert!(fallback.2.contains(r#""reason":"fallback""#) && fallback.2.contains(r#""version":"q2""#), "{fallback:?}");
+    assert_eq!(fallback.6.as_deref(), Some("qwen-72b-v2"), "{fallback:?}");
+
+    // The router's metrics, as sluice.wasm's.
+    let families = [("sluice_router_requests_total", 1), ("sluice_ttft_ms_count", 1)];
+    assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
+}
+
+#[test]
+fn engine_model_router_with_a_shadow_is_refused_natively_by_name() {
+    let policy = std::fs::read_to_string(root().join("policies/model-router.demo.json")).unwrap();
+    let Started::Exited { code, log } = start_engine(Host::Native, &format!(r#"{{"model_router": {policy}}}"#), 9) else {
+        panic!("Envoy started with a shadowed router");
+    };
+    assert_ne!(code, Some(0));
+    let reason = "sluice-native: filter configuration refused: sluice: configuration refused: section `model_router`: models[0] (`llama-3-70b`) has a `shadow`: shadow requests need HTTP callouts, which the native module does not make yet";
+    assert!(log.contains(reason), "the reason is missing:\n{log}");
 }

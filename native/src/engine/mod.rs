@@ -20,8 +20,15 @@
 //!   the upstream without Envoy's `buffer` filter behind it; its counters live in one in-process
 //!   store (core's `MemoryStore`) for every worker, as proxy-wasm shared data is one per process.
 //!
-//! Supported so far: `llm_metrics`, and `tenant_budget` in local mode. A configuration naming
-//! another section, or a budget with a Redis ledger, is refused, naming it.
+//! - model-router sets its route header before Envoy's router filter picks the cluster and clears
+//!   the route cache after (as Envoy's wasm filter does on every request-header change); a request
+//!   whose model it rewrites is held, headers waiting, until the whole body is in, and the body
+//!   is replaced in place. It reads the requested model from `json_to_metadata`'s dynamic metadata
+//!   as sluice.wasm does. Its unhealthy-route marks live in the same in-process store.
+//!
+//! Supported so far: `llm_metrics`, `tenant_budget` in local mode, `model_router` without shadows.
+//! A configuration naming another section, a budget with a Redis ledger or a router with a
+//! `shadow` is refused, naming it.
 
 pub mod catalogue;
 pub mod view;
@@ -33,6 +40,7 @@ use std::sync::OnceLock;
 
 use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_REQUEST_BODY_BYTES};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
+use sluice_core::flow::router::{Router, RouterFlow};
 use sluice_core::flow::sections::{self, ConfigError, Policy};
 use sluice_core::flow::{Dir, Effect, Effects, LogLevel as FlowLogLevel, Verdict};
 use sluice_core::headers::HeaderPairs;
@@ -62,6 +70,7 @@ pub const FILTER_NAME: &str = "sluice";
 
 /// One configured section, shared by every stream of every worker.
 enum SectionConfig {
+    Router(Arc<Mutex<Router>>),
     Budget(Arc<Mutex<BudgetPolicy>>),
     Metrics(Arc<Mutex<MetricsPolicy>>),
 }
@@ -108,9 +117,23 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                 configured.push(SectionConfig::Budget(Arc::new(Mutex::new(budget))));
                 plugins.push(Plugin::TenantBudget);
             }
-            Policy::LatencyGuard(_) | Policy::ModelRouter(_) => {
-                let section = if matches!(policy, Policy::LatencyGuard(_)) { "latency_guard" } else { "model_router" };
-                return Err(format!("sluice: configuration refused: section `{section}` is not supported by the native module yet (use sluice.wasm for it)"));
+            Policy::ModelRouter(p) => {
+                // A shadow copy is sent by a callout that must outlive its stream (sluice.wasm's
+                // root sends it); the native module makes no callouts yet.
+                if let Some((i, m)) = p.models().iter().enumerate().find(|(_, m)| m.shadow.is_some()) {
+                    return Err(format!(
+                        "sluice: configuration refused: section `model_router`: models[{i}] (`{}`) has a `shadow`: shadow requests need HTTP callouts, which the native module does not make yet (use sluice.wasm for shadows, or remove `shadow`)",
+                        m.pattern
+                    ));
+                }
+                log(LogLevel::Info, &format!("model-router configured: {} models", p.models().len()));
+                configured.push(SectionConfig::Router(Arc::new(Mutex::new(Router::new(*p)))));
+                plugins.push(Plugin::ModelRouter);
+            }
+            Policy::LatencyGuard(_) => {
+                return Err(
+                    "sluice: configuration refused: section `latency_guard` is not supported by the native module yet (use sluice.wasm for it)".to_string()
+                );
             }
         }
     }
@@ -125,6 +148,7 @@ impl FilterConfig for EngineConfig {
             .sections
             .iter()
             .map(|section| match section {
+                SectionConfig::Router(router) => Section::Router { router: Arc::clone(router), flow: RouterFlow::new(next_stream_id()) },
                 SectionConfig::Budget(policy) => Section::Budget { policy: Arc::clone(policy), flow: BudgetFlow::new(next_stream_id()) },
                 SectionConfig::Metrics(policy) => Section::Metrics { policy: Arc::clone(policy), flow: MetricsFlow::default() },
             })
@@ -137,14 +161,19 @@ impl FilterConfig for EngineConfig {
 
 /// One section's stream.
 enum Section {
+    Router { router: Arc<Mutex<Router>>, flow: RouterFlow },
     Budget { policy: Arc<Mutex<BudgetPolicy>>, flow: BudgetFlow },
     Metrics { policy: Arc<Mutex<MetricsPolicy>>, flow: MetricsFlow },
 }
 
 impl Section {
-    /// A budget that holds this request until it has decided.
+    /// A budget that holds this request until it has decided, or a router that rewrites its body.
     fn holds_request(&self) -> bool {
-        matches!(self, Section::Budget { flow, .. } if flow.is_budgeted())
+        match self {
+            Section::Budget { flow, .. } => flow.is_budgeted(),
+            Section::Router { flow, .. } => flow.wants_request_body(),
+            Section::Metrics { .. } => false,
+        }
     }
 }
 
@@ -195,6 +224,11 @@ impl Stream {
         for i in 0..self.sections.len() {
             let Some(section) = self.sections.get_mut(i) else { continue };
             let verdict = match section {
+                Section::Router { router, flow } => {
+                    let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
+                    flow.on_request_headers(&mut lock(router), &mut view, &mut *store(), end_of_stream, &mut || now, &mut self.effects);
+                    Verdict::Continue
+                }
                 Section::Budget { policy, flow } => {
                     // One read of the map for the path, the identity sources, the version and the encoding.
                     let headers = pairs.get_or_insert_with(|| {
@@ -253,6 +287,13 @@ impl Stream {
             let held = self.held.as_ref().map(|h| h.bytes.as_slice());
             let Some(section) = self.sections.get_mut(i) else { continue };
             let verdict = match section {
+                Section::Router { router, flow } => {
+                    if !flow.wants_request_body() {
+                        continue;
+                    }
+                    let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held };
+                    flow.on_request_body(&mut lock(router), &mut view, size, end_of_stream, &mut self.effects)
+                }
                 Section::Budget { policy, flow } => {
                     if !flow.is_budgeted() {
                         continue;
@@ -284,7 +325,7 @@ impl Stream {
 
     /// Applies the effects one section's event returned.
     fn apply(&mut self, envoy: &mut Envoy<'_>) {
-        if apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk) {
+        if apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk, self.held.as_mut()) {
             self.replied = true;
         }
     }
@@ -301,6 +342,14 @@ impl Stream {
             let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
             let fx = &mut self.effects;
             match section {
+                Section::Router { router, flow } => match event {
+                    ResponseEvent::Headers { .. } if flow.wants_response() => flow.on_response_headers(&mut lock(router), &mut view, fx),
+                    ResponseEvent::Body { end_of_stream } if flow.wants_response() => {
+                        flow.on_response_body(&mut lock(router), &mut view, size, end_of_stream, &mut || now, fx);
+                    }
+                    ResponseEvent::Log if flow.is_routed() => flow.on_log(&mut lock(router), &mut view, &mut *store(), &mut || now, fx),
+                    _ => {}
+                },
                 Section::Budget { policy, flow } => {
                     if flow.is_budgeted() {
                         let policy = &mut lock(policy);
@@ -366,14 +415,21 @@ fn received(dir: Dir) -> BodyKind {
 
 /// Applies a flow's effects to the stream, in order, and empties the list; whether one of them
 /// answered the request (a local reply).
-fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk) -> bool {
+///
+/// A change of the request headers makes Envoy look the route up again (as Envoy's wasm filter does
+/// on every request-header change), so a route header set here picks the cluster. A replaced
+/// request body while the filter holds the request is the whole body: what Envoy buffered and the
+/// current piece are replaced, and the sections after this one read the new bytes.
+fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk, mut held: Option<&mut Held>) -> bool {
     let mut replied = false;
+    let mut request_headers_changed = false;
     for effect in effects.drain() {
         let failed = match effect {
             Effect::Count { name, delta } | Effect::GaugeAdd { name, delta } => catalogue.record(envoy, &name, Sample::Add(delta)).err(),
             Effect::GaugeSet { name, value } | Effect::Record { name, value } => catalogue.record(envoy, &name, Sample::Set(value)).err(),
             Effect::SetState { key, value } => (!envoy.set_filter_state(&state_key(&key), &value)).then(|| format!("writing filter state {key} failed")),
             Effect::SetHeader { dir, name, value } => {
+                request_headers_changed |= dir == Dir::Request;
                 let mut headers = match dir {
                     Dir::Request => envoy.request_headers(),
                     Dir::Response => envoy.response_headers(),
@@ -387,7 +443,15 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
             Effect::ReplaceBody { dir, bytes } => {
                 chunk.forget();
                 let kind = received(dir);
-                (!(envoy.drain_body(kind, usize::MAX) && envoy.append_body(kind, &bytes))).then(|| "replacing a body chunk failed".to_string())
+                let whole = match (dir, held.as_deref_mut()) {
+                    (Dir::Request, Some(held)) => {
+                        held.size = bytes.len();
+                        held.bytes.clone_from(&bytes);
+                        envoy.body(BodyKind::BufferedRequest).is_empty() || envoy.drain_body(BodyKind::BufferedRequest, usize::MAX)
+                    }
+                    _ => true,
+                };
+                (!(whole && envoy.drain_body(kind, usize::MAX) && envoy.append_body(kind, &bytes))).then(|| "replacing a body chunk failed".to_string())
             }
             Effect::AppendBody { dir, bytes } => {
                 chunk.forget();
@@ -420,6 +484,9 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
         if let Some(problem) = failed {
             log(LogLevel::Warn, &format!("sluice: {problem}"));
         }
+    }
+    if request_headers_changed {
+        envoy.clear_route_cache();
     }
     replied
 }
