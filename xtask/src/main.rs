@@ -398,14 +398,18 @@ fn build_native(root: &Path, packages: &[&str]) -> Result<()> {
 }
 
 /// `libsluice.so`, the Envoy dynamic module (native/, the `native` profile: `target/native/`), and
-/// the two probe builds its Envoy tests load (native/tests/envoy.rs), each in a target directory
-/// of its own: a wrong ABI version string with a panic probe, and a module that refuses to load.
-/// The probe builds share nothing with the module's target directory, so each compiles sluice-core
-/// once (the first time only).
+/// the two probe builds its Envoy tests load (native/tests/envoy.rs): a wrong ABI version string
+/// with a panic probe, and a module that refuses to load. The probes are built one after the other
+/// in the `native-probe` profile (unoptimised: they only load, refuse or catch), each copied to a
+/// directory of its own since both are `target/native-probe/libsluice.so`.
 fn build_native_module(root: &Path) -> Result<()> {
     run(cargo().current_dir(root).args(["build", "--profile", "native", "--package", "sluice-native"]))?;
+    let built = root.join("target/native-probe/libsluice.so");
     for (features, dir) in [("wrong-abi,panic-probe", "target/sluice-native-probes"), ("refuse-load", "target/sluice-native-refuse")] {
-        run(cargo().current_dir(root).args(["build", "--profile", "native", "--package", "sluice-native", "--features", features, "--target-dir", dir]))?;
+        run(cargo().current_dir(root).args(["build", "--profile", "native-probe", "--package", "sluice-native", "--features", features]))?;
+        let dir = root.join(dir);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::copy(&built, dir.join("libsluice.so")).with_context(|| format!("copying {} to {}", built.display(), dir.display()))?;
     }
     Ok(())
 }
