@@ -96,7 +96,7 @@ fn run_command() -> Result<()> {
                 let cluster = match args.get(2).map(String::as_str) {
                     None => false,
                     Some("--cluster") => true,
-                    Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster]]"),
+                    Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster] | --native]"),
                 };
                 setup_demo(&root)?;
                 ensure_debian_packages(&[("redis-server", "redis-server")])?;
@@ -107,7 +107,13 @@ fn run_command() -> Result<()> {
                     up_command(&root, up_fleet, "both Envoys, the mock model server, sluice-ledger and redis-server have")
                 }
             }
-            Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster]]"),
+            // The demo gateway natively: libsluice.so (native/) instead of sluice.wasm.
+            Some("--native") => {
+                setup_demo(&root)?;
+                run(cargo().current_dir(&root).args(["build", "--profile", "native", "--package", "sluice-native"]))?;
+                up_command(&root, up_native, "Envoy and the mock model server have")
+            }
+            Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster] | --native]"),
         },
         // Either way, the wall time of each phase is printed at the end, after a failure too.
         Some("test") => {
@@ -825,6 +831,50 @@ Stop with Ctrl-C."#,
         DEMO_UPSTREAM_PORT + 2,
         log = access_log.display(),
         breaker = breaker_walkthrough(root, &base, &access_log)?,
+    );
+    children.wait()
+}
+
+/// `cargo xtask up --native`: envoy/templates/native-gateway.yaml (sluice's llm-metrics section run
+/// by `libsluice.so`, Envoy's dynamic-module filter, docs/native.md) in front of one mock model
+/// server, Envoy finding the module in `target/native/`.
+fn up_native(root: &Path, children: &mut Children) -> Result<()> {
+    let run_dir = root.join(".run/demo-native");
+    std::fs::create_dir_all(&run_dir)?;
+    let mock = &MOCKS[0];
+    children.spawn(
+        &format!("the mock model server on :{}", mock.port),
+        Command::new(root.join("target/release/sluice-mock-server")).args(mock.args()).stdout(Stdio::null()),
+    )?;
+    children.wait_for_port(mock.port, Duration::from_secs(10))?;
+
+    let gateway = sluice_envoy_render::gateway("native-gateway").context("the native gateway is not in the catalogue")?;
+    let access_log = run_dir.join("access.log");
+    let access_log_text = access_log.display().to_string();
+    let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text)], &[])?;
+    let config_path = run_dir.join("envoy.yaml");
+    std::fs::write(&config_path, config)?;
+    let mut envoy = demo_envoy(root, &config_path, 18);
+    envoy.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", root.join("target/native"));
+    children.spawn("Envoy", &mut envoy)?;
+    children.wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
+
+    let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
+    println!(
+        r#"
+sluice demo gateway is up natively (libsluice.so, docs/native.md): Envoy on {base}, admin on
+http://127.0.0.1:{DEMO_ADMIN_PORT}, llm-metrics measuring in front of the mock model server on
+127.0.0.1:{DEMO_UPSTREAM_PORT}.
+
+Send a streaming request with curl:
+  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \
+       -H 'x-sluice-tenant: acme' \
+       -d '{{"model":"llama-3-70b","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"Hello"}}]}}'
+
+Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
+Per-request stamps:    tail -f {log}
+Stop with Ctrl-C."#,
+        log = access_log.display(),
     );
     children.wait()
 }
