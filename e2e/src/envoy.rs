@@ -226,6 +226,18 @@ impl Envoy {
 
     /// [`Envoy::validate`] with Envoy's working directory set to `dir` (relative paths in the
     /// config, such as the rendered files' `.wasm` paths, resolve against it).
+    /// The release of the Envoy the tests run, from `envoy --version`
+    /// (`… version: <commit>/1.40.0/Clean/RELEASE/BoringSSL`): `"1.40.0"`.
+    pub fn release() -> Result<String> {
+        let tools = Tools::locate()?;
+        let out = Command::new(&tools.envoy).arg("--version").output().with_context(|| format!("starting {}", tools.envoy.display()))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split('/')
+            .find(|part| part.split('.').count() == 3 && part.split('.').all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("no release in `envoy --version`: {text:?}"))
+    }
+
     pub fn validate_in(path: &Path, dir: Option<&Path>) -> Result<()> {
         let tools = Tools::locate()?;
         let mut cmd = Command::new(&tools.envoy);

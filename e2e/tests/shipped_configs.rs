@@ -2,7 +2,9 @@
 //!
 //! - each is byte for byte what `cargo xtask render` makes of its template and example policies
 //!   now (the same code, `sluice_envoy_render`), so they never drift from their sources;
-//! - each passes `envoy --mode validate`, run from the repository root as the files say;
+//! - each passes `envoy --mode validate`, run from the repository root as the files say — a
+//!   native gateway only on Envoy 1.40 (`libsluice.so`'s ABI); older releases refuse it at load
+//!   with the module's reason;
 //! - a rendered file with a broken policy inlined fails validation, with the plugin's message:
 //!   Envoy 1.40 runs every plugin's `on_configure` while validating and refuses the whole file when
 //!   one returns false, whatever the filter's `failure_policy` (FAIL_OPEN included).
@@ -62,13 +64,30 @@ fn every_rendered_file_passes_envoy_validate_from_the_repository_root() {
         return;
     }
     let root = workspace_root();
+    // libsluice.so is built for exactly Envoy 1.40.0's dynamic-module ABI: on every other release
+    // (the Envoy matrix runs this test on 1.36–1.39) a native gateway must be refused at load,
+    // with the module's own line naming what that Envoy lacks and the release it was built for.
+    let release = Envoy::release().unwrap();
+    let native_loads = release.starts_with("1.40.");
     let results = two_at_a_time(GATEWAYS, |gw| {
         let path = root.join(gw.rendered_path());
-        (gw.rendered_path(), Envoy::validate_in(&path, Some(&root)).map_err(|e| format!("{e:#}")))
+        let outcome = Envoy::validate_in(&path, Some(&root)).map_err(|e| format!("{e:#}"));
+        let outcome = match (gw.native && !native_loads, outcome) {
+            (false, outcome) => outcome,
+            (true, Ok(())) => Err(format!("Envoy {release} validated a native gateway built for 1.40.0")),
+            (true, Err(e))
+                if e.contains("sluice-native: refusing to load: this Envoy does not export") && e.contains("libsluice.so is built for Envoy 1.40.0") =>
+            {
+                Ok(())
+            }
+            (true, Err(e)) => Err(format!("Envoy {release} refused a native gateway without the module's reason:\n{e}")),
+        };
+        (gw.rendered_path(), outcome)
     });
     let failed: Vec<String> = results.iter().filter_map(|(p, r)| r.as_ref().err().map(|e| format!("{p}: {e}"))).collect();
-    assert!(failed.is_empty(), "rendered files Envoy refuses (built the plugins? `cargo xtask build`):\n{}", failed.join("\n"));
+    assert!(failed.is_empty(), "rendered files Envoy {release} refuses (built the plugins? `cargo xtask build`):\n{}", failed.join("\n"));
     assert_eq!(results.len(), GATEWAYS.len());
+    assert!(GATEWAYS.iter().any(|gw| gw.native), "a native gateway is among the shipped ones");
 }
 
 /// `f` over `items` on two threads: a validation is CPU-bound (V8 compiles every plugin), and
