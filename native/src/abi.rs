@@ -138,6 +138,8 @@ const BODY_STOP_ITERATION_NO_BUFFER: u32 = 3;
 // on_http_filter_{request,response}_trailers_status and local_reply_status: Continue
 const TRAILERS_CONTINUE: u32 = 0;
 const LOCAL_REPLY_CONTINUE: u32 = 0;
+// envoy_dynamic_module_type_http_filter_stream_reset_reason_LocalReset (the enum's first value).
+const STREAM_RESET_LOCAL: u32 = 0;
 
 // ----------------------------------------------------------------------------------------------
 // The callbacks: declared once, resolved by name at program init.
@@ -256,6 +258,16 @@ host_callbacks! {
         fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer, *mut EnvoyBuffer) -> bool;
     clear_route_cache = "envoy_dynamic_module_callback_http_clear_route_cache":
         fn(FilterEnvoyPtr);
+    scheduler_new = "envoy_dynamic_module_callback_http_filter_scheduler_new":
+        fn(FilterEnvoyPtr) -> *mut c_void;
+    scheduler_commit = "envoy_dynamic_module_callback_http_filter_scheduler_commit":
+        fn(*mut c_void, u64);
+    scheduler_delete = "envoy_dynamic_module_callback_http_filter_scheduler_delete":
+        fn(*mut c_void);
+    continue_encoding = "envoy_dynamic_module_callback_http_filter_continue_encoding":
+        fn(FilterEnvoyPtr);
+    reset_stream = "envoy_dynamic_module_callback_http_filter_reset_stream":
+        fn(FilterEnvoyPtr, u32, ModuleBuffer);
 }
 
 static HOST: OnceLock<Host> = OnceLock::new();
@@ -570,6 +582,27 @@ impl Envoy<'_> {
         unsafe { (self.host.clear_route_cache)(self.ptr) }
     }
 
+    /// A scheduler for this stream: [`Scheduler::commit`], from any thread, makes Envoy call the
+    /// filter's `on_scheduled` on the stream's worker (if the stream is still alive by then).
+    pub fn scheduler(&mut self) -> Option<Scheduler> {
+        // SAFETY: a plain call on the live stream; the scheduler it returns is the module's to delete.
+        let ptr = unsafe { (self.host.scheduler_new)(self.ptr) };
+        (!ptr.is_null()).then_some(Scheduler { ptr, host: self.host })
+    }
+
+    /// Lets the response this filter held (headers stopped) go on, with what Envoy buffered behind
+    /// them; for a hook that is not the response's own (a scheduled event).
+    pub fn continue_response(&mut self) {
+        // SAFETY: a plain call on the live stream.
+        unsafe { (self.host.continue_encoding)(self.ptr) }
+    }
+
+    /// Resets the stream (both directions), `details` in the access log's response code details.
+    pub fn reset_stream(&mut self, details: &str) {
+        // SAFETY: the buffer outlives the call, which copies it.
+        unsafe { (self.host.reset_stream)(self.ptr, STREAM_RESET_LOCAL, ModuleBuffer::of(details.as_bytes())) }
+    }
+
     /// A string value of the stream's dynamic metadata: `key` of namespace `namespace`.
     pub fn dynamic_metadata_string(&self, namespace: &str, key: &str) -> Option<&[u8]> {
         let mut out = EnvoyBuffer::NULL;
@@ -584,6 +617,36 @@ impl Envoy<'_> {
             )
             .then(|| out.as_slice())
         }
+    }
+}
+
+/// A stream's scheduler (`envoy_dynamic_module_callback_http_filter_scheduler_new`), deleted when
+/// dropped. Envoy's scheduler holds the filter weakly and posts to the worker's dispatcher, so
+/// [`Scheduler::commit`] may be called from any thread; the owner must not drop it while another
+/// thread commits (the engine keeps schedulers in one registry behind a mutex).
+pub struct Scheduler {
+    ptr: *mut c_void,
+    host: &'static Host,
+}
+
+// SAFETY: Envoy's `DynamicModuleHttpFilterScheduler::commit` posts to a dispatcher (thread-safe) and
+// checks the filter's weak pointer there; delete happens once, in `drop`.
+unsafe impl Send for Scheduler {}
+// SAFETY: as above: `commit` takes `&self` and is thread-safe on Envoy's side.
+unsafe impl Sync for Scheduler {}
+
+impl Scheduler {
+    /// Makes Envoy call the stream's `on_scheduled(event)` on its worker.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: a live scheduler (deleted only in drop).
+        unsafe { (self.host.scheduler_commit)(self.ptr, event) }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // SAFETY: made by scheduler_new, deleted once.
+        unsafe { (self.host.scheduler_delete)(self.ptr) }
     }
 }
 
@@ -1022,9 +1085,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
     LOCAL_REPLY_CONTINUE
 }
 
-// Hooks of features sluice-native does not use yet (callouts, streams, scheduling, watermarks).
-// Envoy 1.40 resolves them with the rest, so they exist, and do nothing: the module never starts a
-// callout, stream or scheduler, so Envoy never calls them with anything of the module's.
+// Hooks of features sluice-native does not use yet (callouts, streams, configuration schedulers,
+// watermarks). Envoy 1.40 resolves them with the rest, so they exist, and do nothing: the module
+// never starts a callout, stream or configuration scheduler, so Envoy never calls them with
+// anything of the module's. (A stream's scheduled event is `envoy_dynamic_module_on_http_filter_scheduled`.)
 
 /// # Safety
 /// Never dereferences its arguments.
@@ -1098,7 +1162,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 /// # Safety
 /// Never dereferences its arguments.
 #[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy_ptr: FilterEnvoyPtr, _filter_ptr: FilterModulePtr, _event_id: u64) {}
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(envoy_ptr: FilterEnvoyPtr, filter_ptr: FilterModulePtr, event_id: u64) {
+    // SAFETY: forwarded contract (Envoy calls it on the stream's worker, for a live filter).
+    unsafe { run_hook(envoy_ptr, filter_ptr, "on_scheduled", (), |f, e| f.on_scheduled(e, event_id)) }
+}
 
 /// # Safety
 /// Never dereferences its arguments.

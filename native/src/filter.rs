@@ -1,7 +1,9 @@
 //! The safe filter API: what an in-module filter implements. The hooks in `abi` call these methods,
 //! each under `catch_unwind`, with an [`Envoy`] handle valid for that call only.
 
-pub use crate::abi::{log, log_enabled, Attribute, Body, BodyKind, ConfigContext, CounterId, Envoy, GaugeId, HeaderMap, HistogramId, LogLevel, MetricsError};
+pub use crate::abi::{
+    log, log_enabled, Attribute, Body, BodyKind, ConfigContext, CounterId, Envoy, GaugeId, HeaderMap, HistogramId, LogLevel, MetricsError, Scheduler,
+};
 
 /// What a headers hook tells Envoy (`FilterHeadersStatus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +57,9 @@ pub trait Filter {
 
     /// The stream is over; called before Envoy writes the access logs.
     fn on_stream_complete(&mut self, _envoy: &mut Envoy<'_>) {}
+
+    /// An event committed through the stream's [`Scheduler`] (on the stream's worker).
+    fn on_scheduled(&mut self, _envoy: &mut Envoy<'_>, _event: u64) {}
 }
 
 /// A validated filter configuration: made on Envoy's main thread, shared by the workers, each of

@@ -520,13 +520,53 @@ fn stats_config_of(template: &str, first: &str) -> String {
     text[start..end].to_string()
 }
 
+/// Separates the filter instances in [`start_engine`]'s `sections`.
+const NEXT_INSTANCE: &str = "\n---\n";
+
 /// Starts Envoy with the engine configured with `sections` (sluice.wasm's configuration JSON) on
 /// `host`, with the shipped gateway's `stats_config` for that host.
 fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
-    let value = yaml_quoted(sections);
+    // Several filter instances, in order, when `sections` holds several documents separated by
+    // [`NEXT_INSTANCE`] (latency-guard runs in an instance of its own, in front of the others).
+    let instance = |name: &str, sections: &str| -> String {
+        let value = yaml_quoted(sections);
+        match host {
+            Host::Native => format!(
+                r#"          - name: envoy.filters.http.dynamic_modules
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
+              dynamic_module_config: {{ name: sluice, do_not_close: true }}
+              filter_name: sluice
+              filter_config:
+                "@type": type.googleapis.com/google.protobuf.StringValue
+                value: "{value}"
+"#
+            ),
+            Host::Wasm => format!(
+                r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: {name}
+                failure_policy: FAIL_OPEN
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: "{value}"
+                vm_config:
+                  vm_id: sluice
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: "{}" }} }}
+"#,
+                sluice_wasm().display(),
+            ),
+        }
+    };
+    let instances: Vec<&str> = sections.split(NEXT_INSTANCE).collect();
+    let filters: String = instances.iter().map(|s| instance(if s.contains("latency_guard") { "sluice_latency_guard" } else { "sluice" }, s)).collect();
     // model-router reads the body's `model` from dynamic metadata (Envoy routes on headers, before a
     // filter sees the body), on both hosts: Envoy's json_to_metadata in front, as router-gateway.yaml.
-    let json_to_metadata = if sections.contains("model_router") {
+    let json_to_metadata = if sections.contains("model_router") || sections.contains("latency_guard") {
         r#"          - name: envoy.filters.http.json_to_metadata
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata
@@ -538,61 +578,32 @@ fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
     } else {
         ""
     };
-    let (filter, stats) = match host {
-        Host::Native => (
-            format!(
-                r#"          - name: envoy.filters.http.dynamic_modules
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
-              dynamic_module_config: {{ name: sluice, do_not_close: true }}
-              filter_name: sluice
-              filter_config:
-                "@type": type.googleapis.com/google.protobuf.StringValue
-                value: "{value}""#
-            ),
-            stats_config_of("native-gateway.yaml", "layered_runtime"),
-        ),
-        Host::Wasm => (
-            format!(
-                r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: sluice
-                root_id: sluice
-                failure_policy: FAIL_OPEN
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: "{value}"
-                vm_config:
-                  vm_id: sluice
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: "{}" }} }}{}"#,
-                sluice_wasm().display(),
-                // sluice.wasm's budget needs Envoy's buffer filter behind it to keep a refused
-                // request's headers from the upstream (docs/tenant-budget.md); the native host
-                // holds them itself.
-                if sections.contains("tenant_budget") {
-                    "\n          - name: envoy.filters.http.buffer\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer\n              max_request_bytes: 9437184"
-                } else {
-                    ""
-                }
-            ),
-            stats_config_of(
-                if sections.contains("tenant_budget") {
-                    "budget-gateway.yaml"
-                } else if sections.contains("model_router") {
-                    "router-gateway.yaml"
-                } else {
-                    "gateway.yaml"
-                },
-                "stats_config",
-            ),
+    let stats = match host {
+        Host::Native => stats_config_of("native-gateway.yaml", "layered_runtime"),
+        Host::Wasm => stats_config_of(
+            if sections.contains("tenant_budget") {
+                "budget-gateway.yaml"
+            } else if sections.contains("model_router") {
+                "router-gateway.yaml"
+            } else if sections.contains("latency_guard") {
+                "latency-gateway.yaml"
+            } else {
+                "gateway.yaml"
+            },
+            "stats_config",
         ),
     };
-    let filter = format!("{json_to_metadata}{filter}");
+    // sluice.wasm's budget needs Envoy's buffer filter behind it to keep a refused request's
+    // headers from the upstream (docs/tenant-budget.md); the native host holds them itself.
+    let buffer = if host == Host::Wasm && sections.contains("tenant_budget") {
+        "          - name: envoy.filters.http.buffer\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer\n              max_request_bytes: 9437184\n"
+    } else {
+        ""
+    };
+    let filter = format!("{json_to_metadata}{filters}{buffer}");
+    let filter = filter.trim_end_matches('\n');
     let config =
-        ENGINE_TEMPLATE.replace("{{HTTP_FILTER}}", &filter).replace("{{STATS_CONFIG}}", &stats).replace("{{UPSTREAM_PORT}}", &upstream_port.to_string());
+        ENGINE_TEMPLATE.replace("{{HTTP_FILTER}}", filter).replace("{{STATS_CONFIG}}", &stats).replace("{{UPSTREAM_PORT}}", &upstream_port.to_string());
     start_with(&module_dir(None), &config)
 }
 
@@ -944,4 +955,70 @@ fn engine_model_router_with_a_shadow_is_refused_natively_by_name() {
     assert_ne!(code, Some(0));
     let reason = "sluice-native: filter configuration refused: sluice: configuration refused: section `model_router`: models[0] (`llama-3-70b`) has a `shadow`: shadow requests need HTTP callouts, which the native module does not make yet";
     assert!(log.contains(reason), "the reason is missing:\n{log}");
+}
+
+#[test]
+fn engine_latency_guard_natively_holds_releases_and_fires_deadlines_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    // The upstream's first content token comes FIRST_CONTENT_MS (200 ms) after the request: within
+    // `fast`'s TTFT deadline, past `slow`'s.
+    let policy = r#"{"classes":[{"name":"default","priority":"standard"}],"default_class":"default","versions":[{"name":"fast","ttft_deadline_ms":2000},{"name":"slow","ttft_deadline_ms":100}]}"#;
+    let sections = format!(r#"{{"latency_guard": {policy}}}{NEXT_INSTANCE}{{"llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+    assert!(native.log().contains("sluice latency-guard: configured (1 classes, 2 versions, 0 with a breaker)"), "{}", native.log());
+    assert!(native.log().contains("sluice llm-metrics: configured"), "{}", native.log());
+
+    // The guard's stamp with its timings masked.
+    let latency_timeless = |stamp: &str| {
+        let mut out = stamp.to_string();
+        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":"] {
+            out = countdown_masked(&out, key);
+        }
+        out
+    };
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        for model in ["fast", "slow"] {
+            let path = format!("/v1/chat/completions?host={host}&model={model}");
+            let started = Instant::now();
+            let response = envoy.request(&model_request(&path, model, ""));
+            let took = started.elapsed();
+            let body = String::from_utf8_lossy(&response.body).into_owned();
+            if model == "fast" {
+                // Held until the first token, then the whole stream.
+                assert_eq!(response.status, 200, "{host}: {}\n{body}", response.head);
+                assert!(body.contains("Hello") && body.contains("[DONE]"), "{host}: {body}");
+            } else {
+                // The TTFT deadline fired before the first token: the module answers 504 itself.
+                assert_eq!(response.status, 504, "{host}: {}\n{body}", response.head);
+                assert!(took < Duration::from_millis(FIRST_CONTENT_MS), "{host}: the 504 came after {took:?}");
+            }
+            let deadline = response.header("x-sluice-deadline").map(str::to_string);
+            let refused_by = response.header("x-sluice-refused-by").map(str::to_string);
+            let reply = if response.status == 200 { String::new() } else { body };
+            of_host.push((response.status, deadline, refused_by, reply, latency_timeless(&log_field(envoy, &path, "latency")), timeless(&stamp(envoy, &path))));
+        }
+        seen.push(of_host);
+    }
+    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
+        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
+    }
+    let slow = &seen[0][1];
+    assert_eq!((slow.1.as_deref(), slow.2.as_deref()), (Some("ttft"), Some("latency-guard")), "{slow:?}");
+    assert!(slow.4.contains(r#""version":"slow""#), "{slow:?}");
+
+    // Histogram counts reach Prometheus at a stats flush: wait for each family's.
+    let families = [
+        ("sluice_latency_deadline_total", 1),
+        ("sluice_ttft_ms_count", 1),
+        ("sluice_request_duration_ms_count", 1),
+        ("sluice_output_tokens_count", 1),
+        ("sluice_input_tokens_count", 1),
+        ("sluice_tpot_us_count", 1),
+        ("sluice_decode_tokens_per_s_count", 1),
+        ("sluice_quality_output_tokens_count", 1),
+    ];
+    assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
 }

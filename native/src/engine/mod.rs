@@ -26,19 +26,26 @@
 //!   is replaced in place. It reads the requested model from `json_to_metadata`'s dynamic metadata
 //!   as sluice.wasm does. Its unhealthy-route marks live in the same in-process store.
 //!
-//! Supported so far: `llm_metrics`, `tenant_budget` in local mode, `model_router` without shadows.
-//! A configuration naming another section, a budget with a Redis ledger or a router with a
-//! `shadow` is refused, naming it.
+//! - latency-guard (in a filter instance of its own, in front, as with wasm) has one root per
+//!   configuration for every worker and its breakers, windows and in-flight counters in the same
+//!   in-process store; its tick is the module's own thread committing each guarded stream's
+//!   scheduler ([`ticker`]), so deadlines, releases and resets happen in the stream's own callback;
+//!   a held response is let go in the hook where llm-metrics (behind it) marked the first token.
+//!
+//! Supported so far: every section but a budget's Redis ledger and a router's shadows, which are
+//! refused at configuration time, naming them.
 
 pub mod catalogue;
+pub mod ticker;
 pub mod view;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_REQUEST_BODY_BYTES};
+use sluice_core::flow::guard::{self as guard_flow, GuardFlow, GuardRoot};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
 use sluice_core::flow::router::{Router, RouterFlow};
 use sluice_core::flow::sections::{self, ConfigError, Policy};
@@ -70,9 +77,17 @@ pub const FILTER_NAME: &str = "sluice";
 
 /// One configured section, shared by every stream of every worker.
 enum SectionConfig {
+    Guard(Arc<GuardConfig>),
     Router(Arc<Mutex<Router>>),
     Budget(Arc<Mutex<BudgetPolicy>>),
     Metrics(Arc<Mutex<MetricsPolicy>>),
+}
+
+/// latency-guard's root, one per configuration for every worker (its watched streams, the breakers'
+/// sweep, the tick period), and the last tick that ran its `after_tick`.
+struct GuardConfig {
+    root: Mutex<GuardRoot>,
+    last_tick: AtomicU64,
 }
 
 /// The validated configuration of one `sluice` filter.
@@ -130,10 +145,22 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                 configured.push(SectionConfig::Router(Arc::new(Mutex::new(Router::new(*p)))));
                 plugins.push(Plugin::ModelRouter);
             }
-            Policy::LatencyGuard(_) => {
-                return Err(
-                    "sluice: configuration refused: section `latency_guard` is not supported by the native module yet (use sluice.wasm for it)".to_string()
+            Policy::LatencyGuard(p) => {
+                guard_flow::ensure_shared_state(&p, &mut *store()).map_err(|e| format!("sluice latency-guard: configuration refused: {e}"))?;
+                log(
+                    LogLevel::Info,
+                    &format!(
+                        "sluice latency-guard: configured ({} classes, {} versions, {} with a breaker)",
+                        p.classes.len(),
+                        p.versions.len(),
+                        p.versions.iter().filter(|v| v.breaker.is_some()).count()
+                    ),
                 );
+                // No release queue: llm-metrics' first-token mark releases a held stream in the same
+                // hook (the sections share the filter), and the module's tick does the rest.
+                let root = GuardRoot::new(*p, None, String::new());
+                configured.push(SectionConfig::Guard(Arc::new(GuardConfig { root: Mutex::new(root), last_tick: AtomicU64::new(0) })));
+                plugins.push(Plugin::LatencyGuard);
             }
         }
     }
@@ -148,6 +175,10 @@ impl FilterConfig for EngineConfig {
             .sections
             .iter()
             .map(|section| match section {
+                SectionConfig::Guard(config) => {
+                    let id = next_stream_id();
+                    Section::Guard { config: Arc::clone(config), flow: GuardFlow::new(id), id }
+                }
                 SectionConfig::Router(router) => Section::Router { router: Arc::clone(router), flow: RouterFlow::new(next_stream_id()) },
                 SectionConfig::Budget(policy) => Section::Budget { policy: Arc::clone(policy), flow: BudgetFlow::new(next_stream_id()) },
                 SectionConfig::Metrics(policy) => Section::Metrics { policy: Arc::clone(policy), flow: MetricsFlow::default() },
@@ -155,15 +186,40 @@ impl FilterConfig for EngineConfig {
             .collect::<Vec<_>>();
         // Several sections read the response through one observer, as one VM's sections do.
         let shared = (sections.len() > 1).then(shared_slot);
-        Box::new(Stream { inner: Arc::clone(&self.inner), sections, shared, effects: Effects::default(), chunk: Chunk::default(), held: None, replied: false })
+        Box::new(Stream {
+            inner: Arc::clone(&self.inner),
+            sections,
+            shared,
+            effects: Effects::default(),
+            chunk: Chunk::default(),
+            held: None,
+            flags: Flags::default(),
+            response_held: false,
+            ticked: None,
+        })
     }
 }
 
 /// One section's stream.
 enum Section {
-    Router { router: Arc<Mutex<Router>>, flow: RouterFlow },
-    Budget { policy: Arc<Mutex<BudgetPolicy>>, flow: BudgetFlow },
-    Metrics { policy: Arc<Mutex<MetricsPolicy>>, flow: MetricsFlow },
+    /// `id`: the stream's number in the guard's root (its watch) and the ticker.
+    Guard {
+        config: Arc<GuardConfig>,
+        flow: GuardFlow,
+        id: u32,
+    },
+    Router {
+        router: Arc<Mutex<Router>>,
+        flow: RouterFlow,
+    },
+    Budget {
+        policy: Arc<Mutex<BudgetPolicy>>,
+        flow: BudgetFlow,
+    },
+    Metrics {
+        policy: Arc<Mutex<MetricsPolicy>>,
+        flow: MetricsFlow,
+    },
 }
 
 impl Section {
@@ -172,6 +228,7 @@ impl Section {
         match self {
             Section::Budget { flow, .. } => flow.is_budgeted(),
             Section::Router { flow, .. } => flow.wants_request_body(),
+            Section::Guard { flow, .. } => flow.is_guarded(),
             Section::Metrics { .. } => false,
         }
     }
@@ -195,8 +252,31 @@ struct Stream {
     chunk: Chunk,
     /// Set while the request headers wait for a section's decision on the whole body.
     held: Option<Held>,
+    flags: Flags,
+    /// latency-guard holds the response headers (until the first token, a deadline or a release
+    /// by the tick).
+    response_held: bool,
+    /// The guarded stream's id, while the module's tick thread ticks it ([`ticker`]).
+    ticked: Option<u32>,
+}
+
+/// What the effects of an event asked for, beyond what they did at once.
+#[derive(Debug, Default)]
+struct Flags {
     /// The filter answered the request itself (a local reply).
     replied: bool,
+    /// llm-metrics marked the first token: the guard holding the response may let it go.
+    woken: bool,
+    /// The guard lets its held response go.
+    resume: bool,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Some(id) = self.ticked.take() {
+            ticker::forget(id);
+        }
+    }
 }
 
 /// A policy's state, even if a panic elsewhere poisoned its lock (the state is a label bound and
@@ -224,6 +304,17 @@ impl Stream {
         for i in 0..self.sections.len() {
             let Some(section) = self.sections.get_mut(i) else { continue };
             let verdict = match section {
+                Section::Guard { config, flow, id } => {
+                    let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
+                    let verdict = flow.on_request_headers(&mut lock(&config.root), &mut view, &mut *store(), end_of_stream, now, &mut self.effects);
+                    if flow.is_guarded() && self.ticked.is_none() {
+                        if let Some(scheduler) = envoy.scheduler() {
+                            ticker::watch(*id, scheduler);
+                            self.ticked = Some(*id);
+                        }
+                    }
+                    verdict
+                }
                 Section::Router { router, flow } => {
                     let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
                     flow.on_request_headers(&mut lock(router), &mut view, &mut *store(), end_of_stream, &mut || now, &mut self.effects);
@@ -250,7 +341,7 @@ impl Stream {
                 }
             };
             self.apply(envoy);
-            if verdict == Verdict::Pause || self.replied {
+            if verdict == Verdict::Pause || self.flags.replied {
                 return HeadersStatus::StopIteration;
             }
         }
@@ -264,7 +355,7 @@ impl Stream {
     /// Runs a request body piece through the sections; while the request is held, each section
     /// sees the body held so far, and the filter buffers until every section lets it go.
     fn request_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
-        if self.replied {
+        if self.flags.replied {
             return BodyStatus::StopIterationNoBuffer;
         }
         self.chunk.forget();
@@ -287,6 +378,13 @@ impl Stream {
             let held = self.held.as_ref().map(|h| h.bytes.as_slice());
             let Some(section) = self.sections.get_mut(i) else { continue };
             let verdict = match section {
+                Section::Guard { config, flow, .. } => {
+                    if !flow.is_guarded() {
+                        continue;
+                    }
+                    let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held };
+                    flow.on_request_body(&mut lock(&config.root), &mut view, &mut *store(), size, end_of_stream, now, &mut self.effects)
+                }
                 Section::Router { router, flow } => {
                     if !flow.wants_request_body() {
                         continue;
@@ -311,7 +409,7 @@ impl Stream {
                 }
             };
             self.apply(envoy);
-            if self.replied {
+            if self.flags.replied {
                 return BodyStatus::StopIterationNoBuffer;
             }
             if verdict == Verdict::Pause {
@@ -325,14 +423,58 @@ impl Stream {
 
     /// Applies the effects one section's event returned.
     fn apply(&mut self, envoy: &mut Envoy<'_>) {
-        if apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk, self.held.as_mut()) {
-            self.replied = true;
+        apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk, self.held.as_mut(), &mut self.flags);
+    }
+
+    /// llm-metrics marked the first token while the guard holds the response: the guard's root
+    /// decides on the mark now, in this hook (natively there is no release queue to go through).
+    fn release(&mut self, envoy: &mut Envoy<'_>, now: u64) {
+        let Some(Section::Guard { config, id, .. }) = self.sections.first() else { return };
+        let id = *id;
+        {
+            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
+            lock(&config.root).on_release(id.to_string().as_bytes(), now, &mut |i| i == id, &mut view, &mut *store(), &mut self.effects);
+        }
+        self.apply(envoy);
+        if std::mem::take(&mut self.flags.resume) || self.flags.replied {
+            self.response_held = false;
+        }
+    }
+
+    /// The module's tick for this stream (on its worker): the guard's root releases it, fires its
+    /// deadline or resets it, and, once per tick, sweeps the breakers and re-times the tick.
+    fn tick(&mut self, envoy: &mut Envoy<'_>, tick: ticker::Tick) {
+        let Some(Section::Guard { config, flow, id }) = self.sections.first() else { return };
+        if !flow.is_guarded() || self.flags.replied {
+            return;
+        }
+        let (id, now) = (*id, now_ns());
+        self.chunk.forget();
+        {
+            let mut root = lock(&config.root);
+            let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
+            root.on_tick_stream(id, now, &mut |i| i == id, &mut view, &mut *store(), &mut self.effects);
+            if config.last_tick.swap(tick, Ordering::Relaxed) != tick {
+                root.after_tick(now, &mut *store(), &mut self.effects);
+            }
+        }
+        self.apply(envoy);
+        if self.flags.replied {
+            self.response_held = false;
+        } else if std::mem::take(&mut self.flags.resume) && self.response_held {
+            self.response_held = false;
+            envoy.continue_response();
         }
     }
 
     fn response(&mut self, envoy: &mut Envoy<'_>, event: ResponseEvent) {
         self.chunk.forget();
         let now = now_ns();
+        if matches!(event, ResponseEvent::Body { .. }) && self.response_held {
+            // The filter behind (llm-metrics) saw this chunk first and marked the first token in
+            // filter state if it carried one: the guard lets the response go now, in this hook.
+            self.release(envoy, now);
+        }
         for i in (0..self.sections.len()).rev() {
             let size = match event {
                 ResponseEvent::Body { .. } => envoy.body(BodyKind::ReceivedResponse).len(),
@@ -342,6 +484,25 @@ impl Stream {
             let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
             let fx = &mut self.effects;
             match section {
+                Section::Guard { config, flow, .. } => {
+                    if flow.is_guarded() {
+                        let root = &mut lock(&config.root);
+                        match event {
+                            ResponseEvent::Headers { end_of_stream } => {
+                                if flow.on_response_headers(root, &mut view, &mut *store(), end_of_stream, now, fx) == Verdict::Pause {
+                                    self.response_held = true;
+                                }
+                            }
+                            // While it holds the response, the guard sees its body when it lets it go.
+                            ResponseEvent::Body { end_of_stream } if !self.response_held => {
+                                flow.on_response_body(root, &mut view, &mut *store(), size, end_of_stream, now, fx);
+                            }
+                            ResponseEvent::Body { .. } => {}
+                            ResponseEvent::Trailers => flow.on_response_trailers(),
+                            ResponseEvent::Log => flow.on_log(root, &mut view, &mut *store(), now, fx),
+                        }
+                    }
+                }
                 Section::Router { router, flow } => match event {
                     ResponseEvent::Headers { .. } if flow.wants_response() => flow.on_response_headers(&mut lock(router), &mut view, fx),
                     ResponseEvent::Body { end_of_stream } if flow.wants_response() => {
@@ -374,6 +535,9 @@ impl Stream {
                 }
             }
             self.apply(envoy);
+            if std::mem::take(&mut self.flags.woken) && self.response_held {
+                self.release(envoy, now);
+            }
         }
     }
 }
@@ -389,12 +553,20 @@ impl Filter for Stream {
 
     fn on_response_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
         self.response(envoy, ResponseEvent::Headers { end_of_stream });
-        HeadersStatus::Continue
+        if self.response_held {
+            HeadersStatus::StopIteration
+        } else {
+            HeadersStatus::Continue
+        }
     }
 
     fn on_response_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
         self.response(envoy, ResponseEvent::Body { end_of_stream });
-        BodyStatus::Continue
+        if self.response_held {
+            BodyStatus::StopIterationAndBuffer
+        } else {
+            BodyStatus::Continue
+        }
     }
 
     fn on_response_trailers(&mut self, envoy: &mut Envoy<'_>) {
@@ -403,6 +575,13 @@ impl Filter for Stream {
 
     fn on_stream_complete(&mut self, envoy: &mut Envoy<'_>) {
         self.response(envoy, ResponseEvent::Log);
+        if let Some(id) = self.ticked.take() {
+            ticker::forget(id);
+        }
+    }
+
+    fn on_scheduled(&mut self, envoy: &mut Envoy<'_>, event: u64) {
+        self.tick(envoy, event);
     }
 }
 
@@ -420,8 +599,7 @@ fn received(dir: Dir) -> BodyKind {
 /// on every request-header change), so a route header set here picks the cluster. A replaced
 /// request body while the filter holds the request is the whole body: what Envoy buffered and the
 /// current piece are replaced, and the sections after this one read the new bytes.
-fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk, mut held: Option<&mut Held>) -> bool {
-    let mut replied = false;
+fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, chunk: &mut Chunk, mut held: Option<&mut Held>, flags: &mut Flags) {
     let mut request_headers_changed = false;
     for effect in effects.drain() {
         let failed = match effect {
@@ -464,7 +642,7 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
             Effect::LocalReply { status, headers, body } => {
                 let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
                 envoy.send_response(status, &pairs, &body, "sluice");
-                replied = true;
+                flags.replied = true;
                 None
             }
             Effect::Log { level, message } => {
@@ -477,9 +655,22 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
                 log(level, &message);
                 None
             }
-            // Effects of sections this host does not run yet (latency-guard's hold and tick):
-            // nothing asks for them while only llm-metrics is configured.
-            Effect::WakeGuard | Effect::ResumeResponse | Effect::ResetStream | Effect::SetTickPeriod { .. } => None,
+            Effect::WakeGuard => {
+                flags.woken = true;
+                None
+            }
+            Effect::ResumeResponse => {
+                flags.resume = true;
+                None
+            }
+            Effect::ResetStream => {
+                envoy.reset_stream("sluice_latency_guard_reset");
+                None
+            }
+            Effect::SetTickPeriod { ms } => {
+                ticker::set_period(ms);
+                None
+            }
         };
         if let Some(problem) = failed {
             log(LogLevel::Warn, &format!("sluice: {problem}"));
@@ -488,7 +679,6 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
     if request_headers_changed {
         envoy.clear_route_cache();
     }
-    replied
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use crate::rewrite::rewrite_request;
 use crate::store::{self, SharedStore, Updated};
 use crate::timing::StreamTiming;
 use std::collections::BTreeMap;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
 pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
@@ -73,7 +73,7 @@ pub fn ensure_shared_state(policy: &LatencyPolicy, store: &mut dyn SharedStore) 
 struct Watch {
     kind: ApiKind,
     /// Shared, not copied: effects are translated with it while the watch list is borrowed.
-    version: Rc<str>,
+    version: Arc<str>,
     machine: StreamWatch,
     /// Envoy traces the request: a deadline's outcome goes on its span ([`crate::span`]).
     traced: bool,
@@ -199,7 +199,7 @@ impl GuardRoot {
     /// headers are held.
     fn translate(&mut self, id: u32, now: u64, steps: &deadline::Effects, store: &mut dyn SharedStore, fx: &mut Effects) -> Verdict {
         let Some(w) = self.watched.get(&id) else { return Verdict::Continue };
-        let (api, version, traced) = (w.kind, Rc::clone(&w.version), w.traced);
+        let (api, version, traced) = (w.kind, Arc::clone(&w.version), w.traced);
         let mut verdict = Verdict::Continue;
         for step in steps {
             match *step {
@@ -821,7 +821,7 @@ impl GuardFlow {
             fx.count(metrics::latency_probes_total(&version_label), 1);
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
-        let watch = Watch { kind: g.kind, version: Rc::from(vp.name.as_str()), machine, traced: g.traced };
+        let watch = Watch { kind: g.kind, version: Arc::from(vp.name.as_str()), machine, traced: g.traced };
         root.watched.insert(self.id, watch);
         root.schedule(now, fx);
         Verdict::Continue
