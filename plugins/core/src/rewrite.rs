@@ -490,7 +490,7 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     let [(start, end)] = data_lines.as_slice() else {
         return Verdict::Keep;
     };
-    Verdict::Replace { start: *start, end: *end, json: remove_members(data, "usage") }
+    Verdict::Replace { start: *start, end: *end, json: remove_members(data, &obj, "usage") }
 }
 
 /// `usage` or a `\\u` escape occurs in `event`: one pass, no call per candidate.
@@ -532,7 +532,20 @@ fn is_empty_array(v: &[u8]) -> bool {
 
 /// `json` (an object) without any top-level `key` member, separators tidied: a member is removed
 /// with the separator before it (`,"usage":null`), or, when first, with the one after it.
-fn remove_members(json: &[u8], key: &str) -> Vec<u8> {
+///
+/// `scanned` is `json`'s top-level object as the caller scanned it. A stream's content chunks name
+/// `"usage":null` once each (the gateway asked for usage), so the one member is cut from that scan
+/// directly; only an object naming the key more than once is scanned again, a member per round.
+fn remove_members(json: &[u8], scanned: &Object, key: &str) -> Vec<u8> {
+    let mut named = scanned.members.iter().enumerate().filter(|(_, m)| m.key_is(json, key));
+    if let (Some((i, _)), None) = (named.next(), named.next()) {
+        if let Some(range) = member_range(&scanned.members, i).filter(|r| r.start < r.end && r.end <= json.len()) {
+            let mut out = Vec::with_capacity(json.len().saturating_sub(range.len()));
+            out.extend_from_slice(json.get(..range.start).unwrap_or_default());
+            out.extend_from_slice(json.get(range.end..).unwrap_or_default());
+            return out;
+        }
+    }
     let mut text = json.to_vec();
     // One member per round; a round can only remove, so this ends (bounded by the member count).
     loop {
@@ -543,16 +556,24 @@ fn remove_members(json: &[u8], key: &str) -> Vec<u8> {
         let Some(i) = obj.members.iter().position(|m| m.key_is(&text, key)) else {
             return text;
         };
-        let range = match (i.checked_sub(1).and_then(|p| obj.members.get(p)), obj.members.get(i), obj.members.get(i.saturating_add(1))) {
-            (Some(prev), Some(m), _) => prev.value_end..m.value_end,
-            (None, Some(m), Some(next)) => m.key_start..next.key_start,
-            (None, Some(m), None) => m.key_start..m.value_end,
-            (_, None, _) => return text,
+        let Some(range) = member_range(&obj.members, i) else {
+            return text;
         };
         if range.start >= range.end || range.end > text.len() {
             return text;
         }
         text.drain(range);
+    }
+}
+
+/// The bytes that go with member `i`: from the end of the value before it, or, when it is first,
+/// up to the next member's key (its separator with it).
+fn member_range(members: &[Member], i: usize) -> Option<std::ops::Range<usize>> {
+    match (i.checked_sub(1).and_then(|p| members.get(p)), members.get(i), members.get(i.saturating_add(1))) {
+        (Some(prev), Some(m), _) => Some(prev.value_end..m.value_end),
+        (None, Some(m), Some(next)) => Some(m.key_start..next.key_start),
+        (None, Some(m), None) => Some(m.key_start..m.value_end),
+        (_, None, _) => None,
     }
 }
 
