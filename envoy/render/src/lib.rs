@@ -154,6 +154,21 @@ pub const GATEWAYS: &[Gateway] = &[
         ledger: false,
         native: true,
     },
+    Gateway {
+        name: "native-full-gateway",
+        // full-gateway's policies, the router's without its shadow (the native module refuses one).
+        policies: &[
+            ("LATENCY_CONFIG", "latency-guard.demo.json"),
+            ("ROUTER_CONFIG", "model-router.native.json"),
+            ("BUDGET_CONFIG", "tenant-budget.full.json"),
+            ("PLUGIN_CONFIG", "llm-metrics.demo.json"),
+        ],
+        // v1 and v2; no shadow model.
+        mocks: 2,
+        example_headers: &["x-sluice-tenant: acme"],
+        ledger: false,
+        native: true,
+    },
 ];
 
 /// The gateway named `name`: its file stem (`full-gateway`), the stem without `-gateway` (`full`),
