@@ -14,6 +14,9 @@
 //! - a panic in a hook (the `panic-probe` build): caught, logged, the stream continues, Envoy lives;
 //! - a module missing a callback it needs (the `refuse-load` build): refused at load, with a line
 //!   naming the callback.
+//! - the shipped envoy/rendered/native-full-gateway.yaml (its ports and access log pointed at this
+//!   test's): one streamed request through all four sections, whose stamps agree on the version and
+//!   the tokens.
 //!
 //! Builds nothing: the modules come from `cargo xtask build` (`target/native`, and the probe builds
 //! in `target/sluice-native-probes` and `target/sluice-native-refuse`).
@@ -272,7 +275,8 @@ fn start_with(module_dir: &Path, config: &str) -> Started {
         }
         if envoy.admin_port != 0 {
             let listeners = get(envoy.admin_port, "/listeners").map(|r| String::from_utf8_lossy(&r.body).into_owned()).unwrap_or_default();
-            let port = listeners.lines().find_map(|l| l.strip_prefix("ingress::")?.rsplit(':').next()?.parse().ok());
+            // `<listener name>::127.0.0.1:<port>` (the tests' `ingress`, a shipped gateway's `gateway`).
+            let port = listeners.lines().find_map(|l| l.split_once("::")?.1.rsplit(':').next()?.parse().ok());
             let ready = get(envoy.admin_port, "/ready").is_some_and(|r| r.status == 200);
             if let (Some(port), true) = (port, ready) {
                 envoy.listen_port = port;
@@ -1021,4 +1025,118 @@ fn engine_latency_guard_natively_holds_releases_and_fires_deadlines_as_sluice_wa
         ("sluice_quality_output_tokens_count", 1),
     ];
     assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
+}
+
+/// The JSON access log field `key` of the line whose `path` is `path` (a stamp is a string in it:
+/// returned unescaped, as the section wrote it); `None` when it is `null` (no stamp).
+fn json_log_field(envoy: &Envoy, path: &str, key: &str) -> Option<String> {
+    let marker = format!(r#""path":"{path}""#);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        let text = std::fs::read_to_string(envoy.dir.join("access.log")).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains(&marker)) {
+            break line.to_string();
+        }
+        assert!(Instant::now() < deadline, "no access log line for {path}; access log:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if line.contains(&format!(r#""{key}":null"#)) {
+        return None;
+    }
+    let start = line.find(&format!(r#""{key}":""#)).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 4;
+    let mut out = String::new();
+    let mut chars = line[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => out.push(chars.next().unwrap()),
+            c => out.push(c),
+        }
+    }
+    panic!("{key} is not closed in {line}")
+}
+
+/// The stamp's string for `key` (`"version":"v1"`).
+fn stamp_string(stamp: &str, key: &str) -> Option<String> {
+    let at = stamp.find(&format!(r#""{key}":""#))? + key.len() + 4;
+    Some(stamp[at..].split('"').next()?.to_string())
+}
+
+#[test]
+fn native_full_gateway_stamps_one_streamed_request_alike_in_its_four_sections() {
+    let upstream = Upstream::start();
+    // The shipped file as `cargo xtask render` wrote it: the demo ports (admin 9901, listener 10000,
+    // v1 18000, v2 18001) become free ones and this test's upstream, the access log a file.
+    let rendered = std::fs::read_to_string(root().join("envoy/rendered/native-full-gateway.yaml")).unwrap();
+    let upstream_port = format!("port_value: {} ", upstream.port);
+    let mut config = rendered;
+    for (from, to) in [
+        ("port_value: 9901 ", "port_value: 0 "),
+        ("port_value: 10000 ", "port_value: 0 "),
+        ("port_value: 18000 ", upstream_port.as_str()),
+        ("port_value: 18001 ", upstream_port.as_str()),
+        (r#"path: "/dev/stdout""#, r#"path: "{{ACCESS_LOG}}""#),
+    ] {
+        assert_eq!(config.matches(from).count(), 1, "{from:?} is not in native-full-gateway.yaml once");
+        config = config.replace(from, to);
+    }
+    let envoy = start_with(&module_dir(None), &config).up();
+    for section in ["latency-guard: configured", "llm-metrics: configured"] {
+        assert!(envoy.log().contains(section), "{section}:\n{}", envoy.log());
+    }
+
+    let path = "/v1/chat/completions?native-full";
+    let response = envoy.request(&model_request(path, "llama-3-70b", "x-sluice-tenant: acme\r\n"));
+    let body = String::from_utf8_lossy(&response.body).into_owned();
+    assert_eq!(response.status, 200, "{}\n{body}", response.head);
+    assert!(body.contains("Hello") && body.contains("[DONE]"), "{body}");
+
+    let [route, latency, budget, llm] = ["route", "latency", "budget", "sluice"].map(|key| json_log_field(&envoy, path, key).unwrap_or_default());
+    let stamps = format!("route {route}\nlatency {latency}\nbudget {budget}\nllm-metrics {llm}");
+    // One version in the router's, the guard's and llm-metrics' stamps, and the one the upstream was sent.
+    let version = stamp_string(&route, "version").unwrap_or_else(|| panic!("{stamps}"));
+    assert!(version == "v1" || version == "v2", "{stamps}");
+    assert_eq!(stamp_string(&latency, "version").as_deref(), Some(version.as_str()), "{stamps}");
+    assert_eq!(stamp_string(&llm, "model_version").as_deref(), Some(version.as_str()), "{stamps}");
+    let head = upstream.heads_for(path).first().cloned().unwrap_or_default();
+    assert_eq!(head_value(&head, "x-model-version").as_deref(), Some(version.as_str()), "{head}");
+    // The tokens of the upstream's usage (12 in, 2 out) in the budget's charge and llm-metrics' record.
+    for stamp in [&budget, &llm] {
+        assert_eq!((stamp_number(stamp, "input_tokens"), stamp_number(stamp, "output_tokens")), (Some(12), Some(2)), "{stamps}");
+    }
+    assert_eq!(stamp_string(&budget, "decision").as_deref(), Some("admitted"), "{stamps}");
+    assert_eq!(stamp_string(&budget, "key").as_deref(), Some("acme"), "{stamps}");
+    assert_eq!(stamp_string(&latency, "outcome").as_deref(), Some("ok"), "{stamps}");
+    assert_eq!(stamp_string(&llm, "outcome").as_deref(), Some("completed"), "{stamps}");
+}
+
+#[test]
+fn engine_latency_guard_natively_refuses_before_the_upstream_with_the_router_behind_it() {
+    let upstream = Upstream::start();
+    // The guard decides at the body on the version the router (in the instance behind) picked at
+    // the headers; that instance holds the headers meanwhile, so a refusal reaches the upstream in
+    // no form (no budget behind to hold them otherwise, and no buffer filter).
+    let guard = r#"{"classes":[{"name":"batch","priority":"sheddable"}],"default_class":"batch","versions":[{"name":"v1","in_flight":{"limit":1}}]}"#;
+    let router = r#"{"route_header":"x-sluice-route","version_header":"x-model-version","models":[{"model":"llama-3-70b","versions":[{"name":"v1","weight":100,"upstream_model":"llama-3-70b","route":"llama-v1"}]}]}"#;
+    let sections = format!(r#"{{"latency_guard": {guard}}}{NEXT_INSTANCE}{{"model_router": {router}, "llm_metrics": {{}}}}"#);
+    let envoy = start_engine(Host::Native, &sections, upstream.port).up();
+
+    // The first request is in flight (its first token comes after FIRST_CONTENT_MS) when the
+    // second comes: past v1's limit of 1, the second is shed.
+    let port = envoy.listen_port;
+    let first = std::thread::spawn(move || send(port, model_request("/v1/chat/completions?first", "llama-3-70b", "").as_bytes()).map(|r| r.status));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while upstream.heads_for("/v1/chat/completions?first").is_empty() {
+        assert!(Instant::now() < deadline, "the first request did not reach the upstream:\n{}", envoy.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let second = envoy.request(&model_request("/v1/chat/completions?second", "llama-3-70b", ""));
+    assert_eq!(second.status, 503, "{}\n{}", second.head, String::from_utf8_lossy(&second.body));
+    assert_eq!(second.header("x-sluice-refused-by"), Some("latency-guard"), "{}", second.head);
+    assert_eq!(first.join().unwrap(), Some(200));
+    assert!(upstream.heads_for("/v1/chat/completions?second").is_empty(), "the refused request reached the upstream");
+    let latency = log_field(&envoy, "/v1/chat/completions?second", "latency");
+    assert!(latency.contains(r#""version":"v1""#) && latency.contains(r#""outcome":"shed_in_flight""#), "{latency}");
+    let admitted = log_field(&envoy, "/v1/chat/completions?first", "latency");
+    assert!(admitted.contains(r#""version":"v1""#) && admitted.contains(r#""outcome":"ok""#), "{admitted}");
 }

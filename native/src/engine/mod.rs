@@ -26,7 +26,10 @@
 //!   is replaced in place. It reads the requested model from `json_to_metadata`'s dynamic metadata
 //!   as sluice.wasm does. Its unhealthy-route marks live in the same in-process store.
 //!
-//! - latency-guard (in a filter instance of its own, in front, as with wasm) has one root per
+//! - latency-guard (in a filter instance of its own, in front, as with wasm) decides at the request
+//!   body on the version model-router picked at the headers behind it, so its instance lets the
+//!   headers go on and the sluice instance behind holds them until the body has passed the guard
+//!   ([`GUARD_PENDING`]); it has one root per
 //!   configuration for every worker and its breakers, windows and in-flight counters in the same
 //!   in-process store; its tick is the module's own thread committing each guarded stream's
 //!   scheduler ([`ticker`]), so deadlines, releases and resets happen in the stream's own callback;
@@ -228,11 +231,22 @@ impl Section {
         match self {
             Section::Budget { flow, .. } => flow.is_budgeted(),
             Section::Router { flow, .. } => flow.wants_request_body(),
-            Section::Guard { flow, .. } => flow.is_guarded(),
+            // The guard decides at the body on the version model-router (in the instance behind it)
+            // picked at the headers: it lets the headers go on, and that instance holds them
+            // ([`GUARD_PENDING`]).
+            Section::Guard { .. } => false,
             Section::Metrics { .. } => false,
         }
     }
 }
+
+/// Filter state (`wasm.` + this key) the guard's instance writes on a guarded request whose body is
+/// still to come: the guard decides at the body, on the version model-router picks at the request
+/// headers in a sluice instance behind it, so the guard's instance lets the headers go on and the
+/// next sluice instance holds them until the whole body has passed the guard (admitted, or refused
+/// with its local reply before the upstream sees anything) — the hold sluice.wasm's chain gets from
+/// Envoy's `buffer` filter.
+pub const GUARD_PENDING: &str = "sluice_guard_pending";
 
 /// The request body the filter holds while its headers wait: its bytes (up to the most a budget
 /// reads, beyond which it refuses anyway) and its whole size.
@@ -307,6 +321,12 @@ impl Stream {
                 Section::Guard { config, flow, id } => {
                     let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held: None };
                     let verdict = flow.on_request_headers(&mut lock(&config.root), &mut view, &mut *store(), end_of_stream, now, &mut self.effects);
+                    if flow.is_guarded() && !end_of_stream && !envoy.set_filter_state(&state_key(GUARD_PENDING), b"1") {
+                        log(
+                            LogLevel::Warn,
+                            "sluice latency-guard: marking the request for the instance behind failed; it may reach the upstream before the guard decides",
+                        );
+                    }
                     if flow.is_guarded() && self.ticked.is_none() {
                         if let Some(scheduler) = envoy.scheduler() {
                             ticker::watch(*id, scheduler);
@@ -345,7 +365,9 @@ impl Stream {
                 return HeadersStatus::StopIteration;
             }
         }
-        if !end_of_stream && self.sections.iter().any(Section::holds_request) {
+        // A guard in front decides at the body: this instance holds the headers until it has.
+        let guard_in_front = || !self.sections.iter().any(|s| matches!(s, Section::Guard { .. })) && envoy.filter_state(&state_key(GUARD_PENDING)).is_some();
+        if !end_of_stream && (self.sections.iter().any(Section::holds_request) || guard_in_front()) {
             self.held = Some(Held::default());
             return HeadersStatus::StopIteration;
         }
