@@ -75,6 +75,11 @@ CONFIGS = [
     # All four plugins: json_to_metadata, latency-guard, model-router (50/50), tenant-budget (the
     # bench policy), llm-metrics, Envoy's buffer filter.
     ("full chain", ROOT / "envoy/templates/full-gateway.yaml"),
+    # The same four policies natively (libsluice.so, docs/native.md): json_to_metadata, latency-guard
+    # in its own module filter instance, then model-router (50/50, without the shadow: the native
+    # module refuses one), tenant-budget (the bench policy, local mode), llm-metrics in one instance;
+    # no buffer filter (the native budget holds the headers while it reads the body).
+    ("native full chain", ROOT / "envoy/templates/native-full-gateway.yaml"),
     # The same with tracing on (`cargo xtask render --otlp`): Envoy's OpenTelemetry tracer, every
     # request sampled, sluice's span attributes as custom tags, spans exported over OTLP/HTTP to a
     # sink on loopback that answers 200 and drops them.
@@ -93,14 +98,18 @@ EXTPROC = ROOT / "target/extproc-noop/release/sluice-bench-extproc-noop"
 
 
 def router_policy(shadow_fraction):
-    """The demo router policy with an even split (so both routes carry load) and the given shadow share."""
+    """The demo router policy with an even split (so both routes carry load) and the given shadow share;
+    without its shadow when shadow_fraction is None (the native module refuses a shadow)."""
     policy = json.loads((ROOT / "policies/model-router.demo.json").read_text())
     model = policy["models"][0]
     model["model"] = "llama-3-70b*"
     for version in model["versions"]:
         version["weight"] = 50
-    model["shadow"]["fraction"] = shadow_fraction
-    model["shadow"]["max_concurrent"] = 64
+    if shadow_fraction is None:
+        del model["shadow"]
+    else:
+        model["shadow"]["fraction"] = shadow_fraction
+        model["shadow"]["max_concurrent"] = 64
     return json.dumps(policy)
 
 
@@ -304,7 +313,8 @@ def main():
                         "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,
                         "BUDGET_CONFIG": redis_budget_config if "Redis" in name else budget_config,
                         "LEDGER_PORT": str(ledger_port), "EXTPROC_PORT": str(extproc_port),
-                        "ROUTER_CONFIG": yaml_string_body(router_policy(0.1 if "shadow" in name else 0.0)),
+                        "ROUTER_CONFIG": yaml_string_body(router_policy(
+                            None if name.startswith("native") else 0.1 if "shadow" in name else 0.0)),
                         "LATENCY_CONFIG": latency_config,
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": "",
                         **(({} if "traced" not in name else tracer_only if name.startswith("no filter") else traced_vars))}))
