@@ -485,8 +485,7 @@ impl Gateway {
         }
         if let (Some(b), Some(flow)) = (budget.as_mut(), flows.budget.as_mut()) {
             let verdict = if !body {
-                let pairs: Vec<(&str, &str)> = ctl.data.request_headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                let headers = HeaderPairs::parse(HeaderPairs::serialize(&pairs)).unwrap_or_default();
+                let headers = HeaderPairs::from_pairs(&ctl.data.request_headers);
                 flow.on_request_headers(b, &headers, false, fx)
             } else if flow.is_budgeted() {
                 let mut host = Host::default();

@@ -342,16 +342,7 @@ impl Stream {
                 }
                 Section::Budget { policy, flow } => {
                     // One read of the map for the path, the identity sources, the version and the encoding.
-                    let headers = pairs.get_or_insert_with(|| {
-                        let entries = envoy
-                            .request_headers()
-                            .entries()
-                            .into_iter()
-                            .map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), v.to_vec()))
-                            .collect::<Vec<_>>();
-                        let refs: Vec<(&str, &[u8])> = entries.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-                        HeaderPairs::parse(HeaderPairs::serialize(&refs)).unwrap_or_default()
-                    });
+                    let headers = pairs.get_or_insert_with(|| HeaderPairs::from_pairs(&envoy.request_headers().entries()));
                     flow.on_request_headers(&mut lock(policy), headers, end_of_stream, &mut self.effects)
                 }
                 Section::Metrics { policy, flow } => {

@@ -23,20 +23,29 @@ impl HeaderPairs {
     /// flows) and for tests.
     ///
     /// [`parse`]: HeaderPairs::parse
-    pub fn serialize<V: AsRef<[u8]>>(pairs: &[(&str, V)]) -> Vec<u8> {
+    pub fn serialize<N: AsRef<[u8]>, V: AsRef<[u8]>>(pairs: &[(N, V)]) -> Vec<u8> {
         let size = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
         let mut out = size(pairs.len()).to_vec();
         for (name, value) in pairs {
-            out.extend_from_slice(&size(name.len()));
+            out.extend_from_slice(&size(name.as_ref().len()));
             out.extend_from_slice(&size(value.as_ref().len()));
         }
         for (name, value) in pairs {
-            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(name.as_ref());
             out.push(0);
             out.extend_from_slice(value.as_ref());
             out.push(0);
         }
         out
+    }
+
+    /// The map of `pairs`, for hosts that hold a request in memory or read it as name–value
+    /// pairs (the playground, the native module): one copy into the layout [`parse`] reads.
+    ///
+    /// [`parse`]: HeaderPairs::parse
+    pub fn from_pairs<N: AsRef<[u8]>, V: AsRef<[u8]>>(pairs: &[(N, V)]) -> HeaderPairs {
+        // What `serialize` writes always follows the layout.
+        HeaderPairs::parse(HeaderPairs::serialize(pairs)).unwrap_or_default()
     }
 
     /// Reads `serialized`; `None` when the bytes do not follow the layout (nothing is guessed).
