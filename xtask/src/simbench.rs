@@ -27,13 +27,16 @@ pub fn bench_sim(root: &Path, requests: u64) -> Result<()> {
     let demo = absolute_policy_paths(root, demo);
     let day_scenario = day_scenario(root, &dir, demo.clone())?;
     let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
-    let runs = [("Azure conversation trace (1 h), demo scenario", &azure, &demo), ("synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario)];
+    let runs = [
+        ("azure", "Azure conversation trace (1 h), demo scenario", &azure, &demo),
+        ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario),
+    ];
     println!("| trace | tokens per event | requests | wall s | requests/s | peak RSS MiB |\n|---|---|---|---|---|---|");
-    for (name, trace, scenario) in runs {
+    for (stem, name, trace, scenario) in runs {
         for per_event in [1u64, 16] {
             let mut scenario = scenario.clone();
             scenario["tokens_per_event"] = per_event.into();
-            let path = dir.join(format!("scenario-{}-{per_event}.json", if trace == &day { "day" } else { "azure" }));
+            let path = dir.join(format!("scenario-{stem}-{per_event}.json"));
             std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
             let out = dir.join("out");
             let mut cmd = Command::new(root.join("target/release/sluice-sim"));
