@@ -27,7 +27,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 use crate::answer::{answer, prompt_tokens, CHUNK_NS};
-use crate::gateway::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
+use sluice_memory_host::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
 use crate::workload::{api_str, Request, Workload};
 
 /// Where json_to_metadata puts the body's user (the shipped gateways' configuration).
@@ -228,7 +228,10 @@ const IDLE_LIMIT_NS: u64 = 600_000_000_000;
 impl<'a> Engine<'a> {
     pub fn new(policies: Policies, workload: &'a Workload) -> Engine<'a> {
         let start_ns = workload.start_unix_ms.saturating_mul(MS);
-        let gateway = Gateway::new(policies.latency_guard, policies.model_router, policies.tenant_budget, start_ns);
+        // llm-metrics with its defaults, as in every shipped gateway: its first-token mark releases the
+        // response headers latency-guard holds.
+        let metrics = sluice_core::flow::metrics::config::Settings::parse(b"{}").ok();
+        let gateway = Gateway::new(policies.latency_guard, policies.model_router, policies.tenant_budget, metrics, start_ns);
         let metrics_key = gateway.metrics_stamp_key().map(str::to_string);
         let budget_key = gateway.budget_stamp_key().map(str::to_string);
         Engine {

@@ -3,7 +3,7 @@
 //! - [`compile`]: a policy of tenant-budget, model-router or latency-guard through core's own parser,
 //!   with the error (field path included) the plugin logs when Envoy hands it that policy.
 //! - [`run`]: a small workload ([`workload`]: a synthetic load or a slice of a generic JSONL trace)
-//!   through sluice-core's flows in the shipped gateways' order ([`gateway`]), in virtual time
+//!   through sluice-core's flows in the shipped gateways' order (`sluice_memory_host`), in virtual time
 //!   ([`engine`]), returning per-request verdicts, per-tenant counts, breaker transitions and
 //!   sampled series.
 //! - `bind` (wasm32 only): the same two functions for JavaScript, JSON in and JSON out.
@@ -14,7 +14,6 @@
 
 mod answer;
 pub mod engine;
-mod gateway;
 pub mod workload;
 
 #[cfg(target_arch = "wasm32")]

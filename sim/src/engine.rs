@@ -1,5 +1,6 @@
 //! The engine: a trace's requests through the production filter, `sluice.wasm`, in the shipped
-//! gateways' shape, on one virtual clock, against the modelled upstream.
+//! gateways' shape, on one virtual clock, against the modelled upstream — or through the same flows
+//! compiled natively ([`crate::gateway::Host::Native`]).
 //!
 //! The shape is the shipped one (envoy/templates/full-gateway.yaml): latency-guard's section alone
 //! in a filter in front (it holds response headers), then one filter with the scenario's other
@@ -16,12 +17,13 @@ use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
-use sluice_core::latency::breaker::State as BreakerState;
-use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_host::{Chain, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_memory_host::BREAKER_GAUGE_PREFIX;
 use sluice_workload::draw::{mix, unit};
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 
+use crate::gateway::{Callout, Gateway, Happened, Host};
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
@@ -30,31 +32,82 @@ use crate::verdict::{Decision, Quality, Sample, Stamps, Transition, UpstreamPlan
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
 
-/// `sluice.wasm` compiled once; every run starts fresh VMs from it.
+/// What runs the flows: `sluice.wasm` compiled once (every run starts fresh VMs from it), or the
+/// flows compiled into the simulator.
 pub struct Plugins {
-    sluice: Plugin,
+    sluice: Option<Plugin>,
 }
 
 impl Plugins {
     /// Compiles `sluice.wasm` found in `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
-        Ok(Self { sluice: Plugin::load(dir.join("sluice.wasm"))? })
+        Ok(Self { sluice: Some(Plugin::load(dir.join("sluice.wasm"))?) })
+    }
+
+    /// The native host: sluice-core's flows as compiled into the simulator; no `.wasm` needed.
+    pub fn native() -> Self {
+        Self { sluice: None }
+    }
+
+    /// Compiles `sluice.wasm` from `dir` for the wasm host; nothing for the native one.
+    pub fn for_host(host: Host, dir: &Path) -> Result<Self> {
+        match host {
+            Host::Wasm => Self::load(dir),
+            Host::Native => Ok(Self::native()),
+        }
+    }
+
+    pub fn host(&self) -> Host {
+        if self.sluice.is_some() {
+            Host::Wasm
+        } else {
+            Host::Native
+        }
     }
 }
 
 /// The scenario's policies as the shipped gateways' filters: latency-guard's section alone, then
 /// the others in one filter, in pipeline order; each with its `sluice.wasm` configuration.
-fn filters(scenario: &Scenario) -> Vec<(Vec<PluginKind>, String)> {
-    let (guard, rest): (Vec<_>, Vec<_>) = scenario.plugins.iter().partition(|(kind, _)| *kind == PluginKind::LatencyGuard);
-    [guard, rest]
-        .into_iter()
-        .filter(|sections| !sections.is_empty())
-        .map(|sections| {
-            let kinds = sections.iter().map(|(kind, _)| *kind).collect();
-            let body: Vec<String> = sections.iter().map(|(kind, policy)| format!("\"{}\": {policy}", kind.section())).collect();
-            (kinds, format!("{{{}}}", body.join(", ")))
-        })
-        .collect()
+fn filters(scenario: &Scenario) -> Vec<Vec<(PluginKind, String)>> {
+    let (guard, rest): (Vec<_>, Vec<_>) = scenario.plugins.iter().cloned().partition(|(kind, _)| *kind == PluginKind::LatencyGuard);
+    [guard, rest].into_iter().filter(|sections| !sections.is_empty()).collect()
+}
+
+/// A filter's `sluice.wasm` configuration: one member per section.
+fn filter_config(sections: &[(PluginKind, String)]) -> String {
+    let body: Vec<String> = sections.iter().map(|(kind, policy)| format!("\"{}\": {policy}", kind.section())).collect();
+    format!("{{{}}}", body.join(", "))
+}
+
+/// The wasm host's chain: one `sluice.wasm` filter per entry of `filters`, in one VM group.
+fn wasm_chain(sluice: &Plugin, filters: &[Vec<(PluginKind, String)>], options: &RunOptions) -> Result<Chain> {
+    let mut specs = Vec::new();
+    for sections in filters {
+        let guard = sections.iter().any(|(kind, _)| *kind == PluginKind::LatencyGuard);
+        // The root ids of the shipped gateways' two filters.
+        let name = if guard { "sluice_latency_guard" } else { "sluice" };
+        let mut spec = PluginSpec::new(filter_config(sections))
+            .name(name)
+            .root_id(name)
+            .vm_id("sluice")
+            .log_level(LogLevel::Info)
+            .keep_logs_from(LogLevel::Warn)
+            .echo_logs(false)
+            .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
+        if guard {
+            // Breaker transitions, as the state gauge Envoy exports changes.
+            spec = spec.watch_gauges(BREAKER_GAUGE_PREFIX);
+        }
+        specs.push((sluice, spec));
+    }
+    Chain::start(&specs).map_err(|e| anyhow::anyhow!("{e:#}"))
+}
+
+/// A callout's answer, due at its time.
+struct CalloutReply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
 }
 
 /// Options of one run that are not part of the scenario.
@@ -115,10 +168,10 @@ struct Upstreamed {
     released: bool,
 }
 
-/// One simulation: a chain of fresh VMs and the upstream's state.
+/// One simulation: a chain of fresh filters and the upstream's state.
 pub struct Engine<'a> {
     scenario: &'a Scenario,
-    chain: Chain,
+    chain: Gateway,
     /// The sections of each filter, in filter order.
     kinds: Vec<Vec<PluginKind>>,
     start_ns: u64,
@@ -129,37 +182,21 @@ pub struct Engine<'a> {
     queued: HashMap<u64, StreamId>,
     next_queue_ticket: u64,
     callouts: HashSet<(usize, u32)>,
-    callout_replies: HashMap<(usize, u32), HttpReply>,
+    callout_replies: HashMap<(usize, u32), CalloutReply>,
     filler: String,
     result: RunResult,
     last_event_ns: u64,
 }
 
 impl<'a> Engine<'a> {
-    /// Starts the scenario's plugins (fresh state) at `options.start_ns`.
+    /// Starts the scenario's plugins (fresh state) at `options.start_ns`, on `plugins`' host.
     pub fn new(scenario: &'a Scenario, plugins: &Plugins, options: &RunOptions) -> Result<Self> {
-        let mut specs = Vec::new();
-        let mut kinds = Vec::new();
-        for (sections, config) in filters(scenario) {
-            let guard = sections == [PluginKind::LatencyGuard];
-            // The root ids of the shipped gateways' two filters.
-            let name = if guard { "sluice_latency_guard" } else { "sluice" };
-            let mut spec = PluginSpec::new(config)
-                .name(name)
-                .root_id(name)
-                .vm_id("sluice")
-                .log_level(LogLevel::Info)
-                .keep_logs_from(LogLevel::Warn)
-                .echo_logs(false)
-                .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
-            if guard {
-                // Breaker transitions, as the state gauge Envoy exports changes.
-                spec = spec.watch_gauges(BREAKER_GAUGE_PREFIX);
-            }
-            specs.push((&plugins.sluice, spec));
-            kinds.push(sections);
-        }
-        let chain = Chain::start(&specs).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let filters = filters(scenario);
+        let kinds: Vec<Vec<PluginKind>> = filters.iter().map(|sections| sections.iter().map(|(kind, _)| *kind).collect()).collect();
+        let chain = match &plugins.sluice {
+            Some(sluice) => Gateway::Wasm(Box::new(wasm_chain(sluice, &filters, options)?)),
+            None => Gateway::native(&filters, options.start_ns)?,
+        };
         let mut engine = Engine {
             scenario,
             chain,
@@ -226,14 +263,8 @@ impl<'a> Engine<'a> {
         }
         progress(self.result.requests);
         self.result.span_ms = (self.last_event_ns.saturating_sub(self.start_ns)) as f64 / 1e6;
-        self.result.transitions.clear();
-        for (kinds, gateway) in self.kinds.iter().zip(self.chain.gateways()) {
-            if kinds.contains(&PluginKind::LatencyGuard) {
-                let t_ms = |at_ns: u64| at_ns.saturating_sub(self.start_ns) as f64 / 1e6;
-                self.result.transitions.extend(gateway.gauge_changes().iter().filter_map(|c| transition(c, t_ms(c.at_ns))));
-            }
-            self.result.warnings.extend(gateway.logs().into_iter().map(|line| line.message));
-        }
+        self.result.transitions = self.chain.transitions(self.start_ns);
+        self.result.warnings = self.chain.warnings();
         Ok(self.result)
     }
 
@@ -257,12 +288,11 @@ impl<'a> Engine<'a> {
     fn arrive(&mut self, request: TraceRequest) -> Result<()> {
         let now = self.chain.now_ns();
         let client = client_request(self.scenario, &request, &mut self.filler);
-        let mut properties: Vec<(&[&str], &[u8])> = vec![(&MODEL_METADATA, client.model.as_bytes())];
+        let mut metadata: Vec<(&[&str], &[u8])> = vec![(&MODEL_METADATA, client.model.as_bytes())];
         if let Some(user) = &client.user {
-            properties.push((&USER_METADATA, user.as_bytes()));
+            metadata.push((&USER_METADATA, user.as_bytes()));
         }
-        let id = self.chain.stream(&properties);
-        let headers = Headers::from_pairs(&client.headers);
+        let id = self.chain.request(&client.headers, &metadata, client.body)?;
         self.flights.insert(
             id,
             InFlight {
@@ -279,33 +309,32 @@ impl<'a> Engine<'a> {
                 first_content_ns: None,
             },
         );
-        self.chain.request_headers(id, headers, false)?;
-        self.chain.request_body(id, client.body, true)?;
+        // The request may have ended within the call (a refusal): its end waits in the events,
+        // handled once the flight is recorded.
         Ok(())
     }
 
     /// Handles what reached the upstream and the client, new callouts, and ended streams.
     fn drain(&mut self, emit: &mut impl FnMut(Verdict) -> Result<()>) -> Result<()> {
         loop {
-            let events = self.chain.take_events();
+            let events = self.chain.take_happened();
             if events.is_empty() {
                 break;
             }
             for event in events {
                 match event {
-                    ChainEvent::UpstreamRequest { stream, headers, body } => self.reach_upstream(stream, &headers, &body),
-                    ChainEvent::LocalReply { stream, filter, reply } => {
+                    Happened::Upstream { stream, route, body } => self.reach_upstream(stream, route, &body),
+                    Happened::LocalReply { stream, filter, status } => {
                         if let Some(f) = self.flights.get_mut(&stream) {
-                            f.local_reply = Some((filter, u16::try_from(reply.status).unwrap_or(0)));
+                            f.local_reply = Some((filter, status));
                         }
                     }
-                    ChainEvent::ClientHeaders { stream, status } => {
+                    Happened::ClientStatus { stream, status } => {
                         if let Some(f) = self.flights.get_mut(&stream) {
-                            f.client_status = u16::try_from(status).unwrap_or(0);
+                            f.client_status = status;
                         }
                     }
-                    ChainEvent::ClientBody { .. } | ChainEvent::Reset { .. } => {}
-                    ChainEvent::Ended { stream, properties } => {
+                    Happened::Ended { stream, properties } => {
                         if let Some(flight) = self.flights.remove(&stream) {
                             self.release_slot(&flight);
                             let verdict = self.verdict(flight, &properties);
@@ -319,9 +348,8 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    fn reach_upstream(&mut self, stream: StreamId, headers: &Headers, body: &[u8]) {
+    fn reach_upstream(&mut self, stream: StreamId, route_header: Option<String>, body: &[u8]) {
         let now = self.chain.now_ns();
-        let route_header = headers.get("x-sluice-route").map(str::to_string);
         let Some(flight) = self.flights.get_mut(&stream) else { return };
         let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         // The upstream a request reaches: the route model-router wrote, else its model.
@@ -416,10 +444,9 @@ impl<'a> Engine<'a> {
             }
             Event::Headers(stream) => {
                 let Some(answer) = self.flights.get(&stream).and_then(|f| f.upstream.as_ref()).and_then(|u| u.answer.as_ref()) else { return Ok(()) };
-                let mut headers = vec![(":status".to_string(), answer.status.to_string())];
-                headers.extend(answer.headers.iter().cloned());
                 if self.chain.is_open(stream) {
-                    self.chain.response_headers(stream, Headers::from_pairs(&headers), false)?;
+                    let (status, headers) = (answer.status, answer.headers.clone());
+                    self.chain.response_headers(stream, status, &headers)?;
                 }
             }
             Event::Piece(stream, n) => {
@@ -447,9 +474,7 @@ impl<'a> Engine<'a> {
             }
             Event::CalloutReply(filter, token) => {
                 if let Some(reply) = self.callout_replies.remove(&(filter, token)) {
-                    if self.chain.http_calls().iter().any(|(f, c)| *f == filter && c.token == token) {
-                        self.chain.respond_http_call(filter, token, reply)?;
-                    }
+                    self.chain.answer_callout(filter, token, reply.status, &reply.headers, reply.body)?;
                 }
                 self.callouts.remove(&(filter, token));
             }
@@ -460,58 +485,47 @@ impl<'a> Engine<'a> {
     /// Answers the shadow requests the plugins sent (model-router's callouts) from the shadow
     /// upstream's model, as a whole answer after its TTFT and decode time.
     fn pick_up_callouts(&mut self) {
-        let calls = self.chain.http_calls();
-        for (filter, call) in calls {
-            if !self.callouts.insert((filter, call.token)) {
+        for call in self.chain.callouts() {
+            if !self.callouts.insert((call.filter, call.token)) {
                 continue;
             }
+            let Callout { filter, token, ref path, .. } = call;
             let now = self.chain.now_ns();
-            let path = call.headers.get(":path").unwrap_or("/v1/chat/completions").to_string();
             let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
             let model = self.scenario.upstream(&call.upstream);
-            let prompt = upstream::api_of(&path).map_or(0, |api| sluice_mock_server::api::prompt_tokens(api, &body));
+            let prompt = upstream::api_of(path).map_or(0, |api| sluice_mock_server::api::prompt_tokens(api, &body));
             let running = self.loads.get(&call.upstream).map_or(0, |l| l.running);
             let (ttft_ms, tpot_ms) = service_times(model, prompt, running, &[]);
             let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
             let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
-            let answer = upstream::answer(&path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
+            let answer = upstream::answer(path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
             let end = answer.pieces.last().map_or(0, |(t, _)| *t);
             let body: Vec<u8> = answer.pieces.into_iter().flat_map(|(_, b)| b).collect();
-            let mut headers = Headers::from_pairs(&[(":status", answer.status.to_string())]);
-            for (k, v) in &answer.headers {
-                headers.add(k.as_bytes(), v.as_bytes());
-            }
-            self.callout_replies.insert((filter, call.token), HttpReply { headers, body, trailers: Headers::new() });
-            self.schedule(now + end, Event::CalloutReply(filter, call.token));
+            self.callout_replies.insert((filter, token), CalloutReply { status: answer.status, headers: answer.headers, body });
+            self.schedule(now + end, Event::CalloutReply(filter, token));
         }
     }
 
     fn sample(&mut self, at: u64) {
         let t_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
         let mut sample = Sample { t_ms, breakers: Vec::new(), in_flight: Vec::new(), budgets_remaining: Vec::new() };
-        let sections = self.kinds.iter().zip(self.chain.gateways()).flat_map(|(kinds, gateway)| kinds.iter().map(move |kind| (kind, gateway)));
-        for (kind, gateway) in sections {
-            match kind {
-                PluginKind::LatencyGuard => {
-                    for name in gateway.metric_names() {
-                        let Some(version) = name.strip_prefix("sluice.latency.breaker_state.version.") else { continue };
-                        let state = match gateway.gauge(&name) {
-                            Some(1) => "open",
-                            Some(2) => "half_open",
-                            _ => "closed",
-                        };
-                        sample.breakers.push((version.to_string(), state.to_string()));
-                    }
+        let has = |kind: PluginKind| self.kinds.iter().flatten().any(|k| *k == kind);
+        if has(PluginKind::LatencyGuard) {
+            for (name, value) in self.chain.gauges(BREAKER_GAUGE_PREFIX) {
+                let Some(version) = name.strip_prefix(BREAKER_GAUGE_PREFIX) else { continue };
+                let state = match value {
+                    1 => "open",
+                    2 => "half_open",
+                    _ => "closed",
+                };
+                sample.breakers.push((version.to_string(), state.to_string()));
+            }
+        }
+        if has(PluginKind::TenantBudget) {
+            for (name, value) in self.chain.gauges(BUDGET_REMAINING_PREFIX) {
+                if let Some(code) = name.strip_prefix(BUDGET_REMAINING_PREFIX) {
+                    sample.budgets_remaining.push((code.to_string(), value));
                 }
-                PluginKind::TenantBudget => {
-                    for name in gateway.metric_names() {
-                        let Some(code) = name.strip_prefix("sluice.budget.remaining.") else { continue };
-                        if let Some(v) = gateway.gauge(&name) {
-                            sample.budgets_remaining.push((code.to_string(), v));
-                        }
-                    }
-                }
-                _ => {}
             }
         }
         for (name, load) in &self.loads {
@@ -688,12 +702,5 @@ fn pick_tenant(traffic: &crate::scenario::Traffic, draw: u64) -> Option<String> 
     traffic.tenants.last().map(|t| t.name.clone())
 }
 
-/// latency-guard's breaker state gauge, one per version: `<prefix><version>`.
-const BREAKER_GAUGE_PREFIX: &str = "sluice.latency.breaker_state.version.";
-
-/// A breaker transition: a change of latency-guard's state gauge (0 closed, 1 open, 2 half-open).
-fn transition(change: &GaugeChange, t_ms: f64) -> Option<Transition> {
-    let version = change.name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
-    let state = |code: i64| u8::try_from(code).ok().and_then(BreakerState::from_code).map(|s| s.as_str().to_string());
-    Some(Transition { t_ms, version: version.to_string(), from: state(change.from)?, to: state(change.to)? })
-}
+/// tenant-budget's remaining gauge, one per budget: `<prefix><code>`.
+const BUDGET_REMAINING_PREFIX: &str = "sluice.budget.remaining.";

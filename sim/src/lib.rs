@@ -7,6 +7,7 @@
 //! the same verdicts.
 
 pub mod engine;
+pub mod gateway;
 pub mod observed;
 pub mod report;
 pub mod scenario;

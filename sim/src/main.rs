@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice_sim::engine::{Engine, Plugins, RunOptions};
+use sluice_sim::gateway::Host;
 use sluice_sim::observed::read_access_log;
 use sluice_sim::report::{compare, render_compare_html, render_html, summarize, ReportInput, Source, Summary};
 use sluice_sim::scenario::Scenario;
@@ -115,6 +116,11 @@ struct TraceArgs {
 
 #[derive(clap::Args)]
 struct RunArgs {
+    /// What runs the flows: `wasm` runs `sluice.wasm` itself under wasmtime (the file Envoy loads);
+    /// `native` runs the same sluice-core flows compiled into the simulator, many times faster, with
+    /// verdicts held equal to the wasm host's by the simulator's tests (docs/simulator.md).
+    #[arg(long, value_enum, default_value_t = Host::Wasm)]
+    host: Host,
     /// Where `sluice.wasm` is (default: the workspace's target/wasm32-wasip1/release).
     #[arg(long)]
     wasm_dir: Option<PathBuf>,
@@ -278,7 +284,7 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
         scenario.time_scale = scale;
     }
     let wasm_dir = run.wasm_dir.clone().unwrap_or_else(default_wasm_dir);
-    let plugins = Plugins::load(&wasm_dir).map_err(|e| fail(exit::USAGE, e))?;
+    let plugins = Plugins::for_host(run.host, &wasm_dir).map_err(|e| fail(exit::USAGE, e))?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
     let file = File::open(&args.trace).with_context(|| format!("cannot open trace {}", args.trace.display())).map_err(|e| fail(exit::TRACE, e))?;
@@ -421,7 +427,7 @@ fn side_titles(name_a: &str, a: &Path, name_b: &str, b: &Path) -> (String, Strin
 }
 
 fn clone_run(run: &RunArgs) -> RunArgs {
-    RunArgs { wasm_dir: run.wasm_dir.clone(), start_unix_ms: run.start_unix_ms, time_scale: run.time_scale, quiet: run.quiet, no_report: run.no_report }
+    RunArgs { host: run.host, wasm_dir: run.wasm_dir.clone(), start_unix_ms: run.start_unix_ms, time_scale: run.time_scale, quiet: run.quiet, no_report: run.no_report }
 }
 
 fn observe(path: &Path, out: &Path, skip_malformed: bool) -> Result<(), Failure> {

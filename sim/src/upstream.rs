@@ -95,6 +95,7 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
     // lies in ((k − 1)·chunk, k·chunk], sent when its last token is due.
     let mut current: Option<(u64, u64, Vec<u8>)> = None;
     let per_event = tokens_per_event.max(1);
+    let template = plan.token_template();
     let mut i = 0;
     while i < plan.tokens {
         // The first token alone, at the TTFT; then events of `per_event` tokens, each sent when
@@ -102,18 +103,19 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
         let n = if i == 0 { 1 } else { per_event.min(plan.tokens - i) };
         let last = i + n - 1;
         let at = service.ttft_ns + service.itl_ns * last;
-        let event = plan.tokens(i, n, &mut seq).render(false);
         let chunk = if i == 0 { 0 } else { (at - service.ttft_ns).div_ceil(chunk_ns.max(1)) };
         match &mut current {
             Some((k, t, bytes)) if *k == chunk => {
                 *t = at;
-                bytes.extend_from_slice(&event);
+                template.render(&plan, i, n, &mut seq, bytes);
             }
             _ => {
                 if let Some((_, t, bytes)) = current.take() {
                     pieces.push((t, bytes));
                 }
-                current = Some((chunk, at, event));
+                let mut bytes = Vec::new();
+                template.render(&plan, i, n, &mut seq, &mut bytes);
+                current = Some((chunk, at, bytes));
             }
         }
         i += n;

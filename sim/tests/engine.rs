@@ -1,6 +1,10 @@
 //! The engine in-process: small scenarios through the production `.wasm` plugins on the virtual
 //! clock, with exact figures derived from the policies (policies/*.json, docs/tenant-budget.md,
 //! docs/latency-guard.md) and the service model (workload/src/upstream.rs) — not from the engine itself.
+//!
+//! Every run here also goes through the native host (the same flows compiled in), which must give
+//! the same verdicts, breaker transitions, samples and warnings: each scenario is an agreement case
+//! of the two hosts as well.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -54,10 +58,22 @@ fn request(line: u64, t_ms: u64, tenant: &str, prompt: u64, max_tokens: u64, out
     }
 }
 
-/// Runs `trace` and returns the verdicts by line, each exactly once.
+/// Runs `trace` on both hosts and returns the wasm host's verdicts by line, each exactly once,
+/// after checking the native host's run is the same in every field.
 fn run(scenario: &Scenario, start_ns: u64, trace: Vec<TraceRequest>) -> (Vec<Verdict>, RunResult) {
+    let (verdicts, result) = run_on(plugins(), scenario, start_ns, trace.clone());
+    let (native, native_result) = run_on(&Plugins::native(), scenario, start_ns, trace);
+    assert_eq!(serialized(&native), serialized(&verdicts), "the native host's verdicts differ from the wasm host's");
+    assert_eq!(native_result.transitions, result.transitions, "breaker transitions differ between hosts");
+    assert_eq!(native_result.samples, result.samples, "samples differ between hosts");
+    assert_eq!(native_result.warnings, result.warnings, "warnings differ between hosts");
+    assert_eq!(native_result.span_ms, result.span_ms);
+    (verdicts, result)
+}
+
+fn run_on(plugins: &Plugins, scenario: &Scenario, start_ns: u64, trace: Vec<TraceRequest>) -> (Vec<Verdict>, RunResult) {
     let n = trace.len();
-    let engine = Engine::new(scenario, plugins(), &RunOptions { start_ns }).unwrap();
+    let engine = Engine::new(scenario, plugins, &RunOptions { start_ns }).unwrap();
     let mut verdicts = Vec::new();
     let result = engine
         .run(

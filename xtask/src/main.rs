@@ -585,12 +585,19 @@ fn run_envoy_matrix(root: &Path, phases: &mut Phases, versions: &[&str]) -> Resu
 
 fn bench(root: &Path, extra: &[String]) -> Result<()> {
     if let Some(at) = extra.iter().position(|a| a == "--sim") {
-        let requests = match extra.get(at + 1).map(|n| n.parse::<u64>()) {
+        const USAGE: &str = "cargo xtask bench --sim [REQUESTS] [--host wasm|native]";
+        let requests = match extra.get(at + 1).filter(|a| !a.starts_with("--")).map(|n| n.parse::<u64>()) {
             Some(Ok(n)) => n,
-            Some(Err(_)) => bail!("cargo xtask bench --sim [REQUESTS]: REQUESTS must be a number"),
+            Some(Err(_)) => bail!("{USAGE}: REQUESTS must be a number"),
             None => 1_000_000,
         };
-        return simbench::bench_sim(root, requests);
+        let hosts: &[&str] = match extra.iter().position(|a| a == "--host").map(|i| extra.get(i + 1).map(String::as_str)) {
+            None => &["wasm", "native"],
+            Some(Some("wasm")) => &["wasm"],
+            Some(Some("native")) => &["native"],
+            Some(_) => bail!("{USAGE}: --host takes wasm or native"),
+        };
+        return simbench::bench_sim(root, requests, hosts);
     }
     let only_load = extra.iter().any(|a| a == "--load-only");
     if !only_load {

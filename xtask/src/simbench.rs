@@ -3,7 +3,9 @@
 //! a platform's day: a diurnal arrival rate, 24 tenants by Zipf weight, two model versions split
 //! 70/30 and sticky per tenant, a one-hour TTFT incident on v1 that opens its breaker, minute and
 //! day budgets that bind for the busiest tenants. Each at 1 and 16 tokens per SSE event, with
-//! `--no-report`; prints requests/s, wall time and the simulator's peak resident memory.
+//! `--no-report`, on each host of the flows (`--host wasm`: sluice.wasm under wasmtime; `--host
+//! native`: the flows compiled in; `cargo xtask bench --sim [REQUESTS] --host H` runs one); prints
+//! requests/s, wall time and the simulator's peak resident memory.
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -17,7 +19,7 @@ const DAY_MS: f64 = 86_400_000.0;
 const DIURNAL_AMPLITUDE: f64 = 0.6;
 const TENANTS: usize = 24;
 
-pub fn bench_sim(root: &Path, requests: u64) -> Result<()> {
+pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
     crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
     let dir = root.join("target/sim-bench");
     std::fs::create_dir_all(&dir)?;
@@ -31,19 +33,19 @@ pub fn bench_sim(root: &Path, requests: u64) -> Result<()> {
         ("azure", "Azure conversation trace (1 h), demo scenario", &azure, &demo),
         ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario),
     ];
-    println!("| trace | tokens per event | requests | wall s | requests/s | peak RSS MiB |\n|---|---|---|---|---|---|");
+    println!("| trace | tokens per event | host | requests | wall s | requests/s | peak RSS MiB |\n|---|---|---|---|---|---|---|");
     for (stem, name, trace, scenario) in runs {
-        for per_event in [1u64, 16] {
+        for (per_event, host) in [1u64, 16].into_iter().flat_map(|n| hosts.iter().map(move |h| (n, *h))) {
             let mut scenario = scenario.clone();
             scenario["tokens_per_event"] = per_event.into();
             let path = dir.join(format!("scenario-{stem}-{per_event}.json"));
             std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
             let out = dir.join("out");
             let mut cmd = Command::new(root.join("target/release/sluice-sim"));
-            cmd.args(["run", "-q", "--no-report", "--scenario"]).arg(&path).arg("--trace").arg(trace).arg("--out").arg(&out);
+            cmd.args(["run", "-q", "--no-report", "--host", host, "--scenario"]).arg(&path).arg("--trace").arg(trace).arg("--out").arg(&out);
             let (seconds, peak_kib) = timed_with_peak_rss(&mut cmd).with_context(|| format!("sluice-sim on {name}"))?;
             let n = std::fs::read_to_string(out.join("verdicts.jsonl"))?.lines().count();
-            println!("| {name} | {per_event} | {n} | {seconds:.1} | {:.0} | {:.0} |", n as f64 / seconds, peak_kib as f64 / 1024.0);
+            println!("| {name} | {per_event} | {host} | {n} | {seconds:.1} | {:.0} | {:.0} |", n as f64 / seconds, peak_kib as f64 / 1024.0);
         }
     }
     Ok(())

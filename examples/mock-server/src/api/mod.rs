@@ -52,7 +52,41 @@ impl Api {
 
 /// The text of content token `i`.
 pub fn token_text(i: u64) -> String {
-    format!("tok{i} ")
+    let mut text = Vec::new();
+    push_token_text(i, &mut text);
+    String::from_utf8_lossy(&text).into_owned()
+}
+
+/// Appends [`token_text`]`(i)` to `out`: `tok<i> `, nothing JSON would escape.
+fn push_token_text(i: u64, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"tok");
+    out.extend_from_slice(i.to_string().as_bytes());
+    out.push(b' ');
+}
+
+/// The text a [`TokenTemplate`] is cut around.
+const TEMPLATE_MARK: &str = "\u{0}";
+
+/// A plan's content-token event with its text cut out (see [`Plan::token_template`]).
+#[derive(Debug, Clone)]
+pub struct TokenTemplate {
+    /// The wire bytes before and after the JSON-escaped text; `None`: render each event whole.
+    split: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl TokenTemplate {
+    /// Appends the wire form of the event carrying tokens `i .. i + n` of `plan` to `out`.
+    pub fn render(&self, plan: &Plan, i: u64, n: u64, seq: &mut u64, out: &mut Vec<u8>) {
+        let Some((before, after)) = &self.split else {
+            out.extend_from_slice(&plan.tokens(i, n, seq).render(false));
+            return;
+        };
+        out.extend_from_slice(before);
+        for t in i..i.saturating_add(n.max(1)) {
+            push_token_text(t, out);
+        }
+        out.extend_from_slice(after);
+    }
 }
 
 /// One SSE event: an optional `event:` line and one `data:` line.
@@ -232,6 +266,24 @@ impl Plan {
         self.text_event(&text, seq)
     }
 
+    /// A template of this plan's content-token events, for renderers of many events (the
+    /// simulator): [`TokenTemplate::render`] writes exactly `self.tokens(i, n, seq).render(false)`.
+    pub fn token_template(&self) -> TokenTemplate {
+        // Responses' token events carry a sequence number: rendered whole, one by one.
+        if self.api == Api::Responses {
+            return TokenTemplate { split: None };
+        }
+        let wire = String::from_utf8_lossy(&self.text_event(TEMPLATE_MARK, &mut 0).render(false)).into_owned();
+        // The mark (a NUL, escaped by JSON) must stand for the text alone: a model name holding one
+        // would make the split ambiguous, so such a plan renders whole too.
+        let escaped = "\\u0000";
+        let split = match wire.match_indices(escaped).count() {
+            1 => wire.split_once(escaped).map(|(before, after)| (before.as_bytes().to_vec(), after.as_bytes().to_vec())),
+            _ => None,
+        };
+        TokenTemplate { split }
+    }
+
     fn text_event(&self, text: &str, seq: &mut u64) -> Event {
         let text = text.to_string();
         match self.api {
@@ -404,6 +456,29 @@ mod tests {
         assert_eq!(prompt_tokens(Api::Messages, &messages), 14);
         // Multi-byte characters count once each.
         assert_eq!(prompt_tokens(Api::Completions, &json!({"prompt": "ééééé"})), 6);
+    }
+
+    #[test]
+    fn the_token_template_renders_the_events_byte_for_byte() {
+        let mut templated = 0;
+        for api in [Api::Chat, Api::Completions, Api::Responses, Api::Messages] {
+            for (model, usage) in [("m", true), ("llama-v1 \"quoted\" é", false), ("has \u{0} a nul", true)] {
+                let body = json!({"model": model, "stream": true, "stream_options": {"include_usage": usage}});
+                let plan = Plan::new(api, &body, &controls(), None).unwrap();
+                let template = plan.token_template();
+                templated += usize::from(template.split.is_some());
+                let (mut seq_whole, mut seq_templated) = (3, 3);
+                for (i, n) in [(0, 1), (1, 1), (2, 16), (99, 3), (12_345, 0)] {
+                    let mut out = Vec::new();
+                    template.render(&plan, i, n, &mut seq_templated, &mut out);
+                    assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(plan.tokens(i, n, &mut seq_whole).render(false)).unwrap(), "{api:?} {model} {i}+{n}");
+                    assert_eq!(seq_templated, seq_whole);
+                }
+            }
+        }
+        // Chat and completions with the two names that do not hold the mark; messages with all
+        // three (its token events do not carry the model).
+        assert_eq!(templated, 7);
     }
 
     #[test]

@@ -1,14 +1,14 @@
-//! The gateway the playground's requests pass: sluice-core's four flows (`sluice_core::flow`) in
-//! the shipped gateways' shape, driven as `plugins/engine`'s adapters drive them in Envoy and as
-//! `sluice-host` runs those adapters for the simulator — over a host that holds each request in
-//! memory. Nothing here decides anything: each event goes to the flows in order, their effects are
+//! sluice-memory-host: sluice-core's four flows (`sluice_core::flow`) in the shipped gateways'
+//! shape, driven as `plugins/engine`'s adapters drive them in Envoy and as `sluice-host` runs those
+//! adapters for the simulator — over a host that holds each request in memory, on a clock its
+//! caller drives. The playground's requests pass it, and so do `sluice-sim --host native`'s. Nothing here decides anything: each event goes to the flows in order, their effects are
 //! applied to the request, and what the flows wrote (filter state) is what the engine reports.
 //!
 //! The shape (envoy/templates/full-gateway.yaml, and the simulator's): latency-guard's section alone
 //! in a filter in front, then one filter running model-router, tenant-budget and llm-metrics in
-//! pipeline order on the request and reversed on the response. llm-metrics is always there, with its
-//! defaults, as in every shipped gateway: its first-token mark is what releases the response
-//! headers latency-guard holds. What the host does between them is what `sluice-host`'s chain does:
+//! pipeline order on the request and reversed on the response, each section when its policy is given
+//! (llm-metrics' first-token mark is what releases the response headers latency-guard holds, so every
+//! shipped gateway has it). What the host does between them is what `sluice-host`'s chain does:
 //!
 //! - a section that answers the request itself stops it there; its reply passes the response side
 //!   of the other filter, then the request ends (every filter's log event, the guard's first);
@@ -22,8 +22,11 @@
 //!   wait); shadow callouts are answered by the engine, or time out after [`SHADOW_TIMEOUT`].
 //!
 //! Shared data (windows, breakers, in-flight counters, budget counters, health marks) is core's
-//! [`MemoryStore`]. The sections of the back filter share one response observer per request, as in
-//! one VM; the guard, in a VM of its own as in the simulator's harness, observes on its own.
+//! [`MemoryStore`]. Gauges keep their last value, as Envoy's do ([`Gateway::gauge`]); breaker
+//! transitions are read off latency-guard's state gauge, as the simulator's wasm host reads them.
+//! Metric samples other than gauges (counters, histograms) are not kept: no caller reads them.
+//! The sections of the back filter share one response observer per request, as in one VM; the
+//! guard, in a VM of its own as in the simulator's harness, observes on its own.
 
 use std::collections::BTreeMap;
 
@@ -108,47 +111,66 @@ impl Timer {
     }
 }
 
-/// A breaker transition as latency-guard logs it.
+/// A breaker transition: a change of latency-guard's state gauge of one version.
 #[derive(Debug, Clone)]
 pub struct Transition {
     pub at_ns: u64,
+    /// The version's label in the gauge's name.
     pub version: String,
     pub from: &'static str,
     pub to: &'static str,
     pub reason: String,
 }
 
-/// What effects reach beyond one request: the guard's tick, its log of breaker transitions.
+/// latency-guard's breaker state gauge, one per version: `<prefix><version label>`.
+pub const BREAKER_GAUGE_PREFIX: &str = "sluice.latency.breaker_state.version.";
+
+/// What effects reach beyond one request: the guard's tick, gauges, breaker transitions, and log
+/// lines at warning or above.
 #[derive(Debug, Default)]
 struct Sink {
     guard_timer: Timer,
-    /// The guard policy's versions (a transition's log line names one).
-    versions: Vec<String>,
+    gauges: BTreeMap<String, i64>,
     transitions: Vec<Transition>,
+    warnings: Vec<String>,
 }
 
 impl Sink {
     fn take(&mut self, effect: Effect, now: u64) {
         match effect {
             Effect::SetTickPeriod { ms } => self.guard_timer.set(ms.saturating_mul(1_000_000), now),
-            Effect::Log { level: LogLevel::Warn, message } => self.transition(&message, now),
+            Effect::GaugeSet { name, value } => self.gauge(name, i64::try_from(value).unwrap_or(i64::MAX), now),
+            Effect::GaugeAdd { name, delta } => {
+                let value = self.gauges.get(&name).copied().unwrap_or(0).saturating_add(delta);
+                self.gauge(name, value, now);
+            }
+            Effect::Log { level: LogLevel::Warn | LogLevel::Error, message } => {
+                self.annotate(&message);
+                self.warnings.push(message);
+            }
             _ => {}
         }
     }
 
-    /// `sluice latency-guard: breaker of <version> <from> → <to>: <reason>`.
-    fn transition(&mut self, message: &str, now: u64) {
-        let Some(rest) = message.strip_prefix("sluice latency-guard: breaker of ") else { return };
-        let state = |name: &str| (0..3).filter_map(State::from_code).map(State::as_str).find(|s| *s == name);
-        for version in &self.versions {
-            let Some(rest) = rest.strip_prefix(version.as_str()).and_then(|r| r.strip_prefix(' ')) else { continue };
-            let Some((states, reason)) = rest.split_once(": ") else { continue };
-            let Some((from, to)) = states.split_once(" → ") else { continue };
-            if let (Some(from), Some(to)) = (state(from), state(to)) {
-                self.transitions.push(Transition { at_ns: now, version: version.clone(), from, to, reason: reason.to_string() });
+    /// A gauge's new value; a change of a breaker's state gauge is a transition (0 closed, 1 open,
+    /// 2 half-open; a gauge never set reads 0, as Envoy's).
+    fn gauge(&mut self, name: String, value: i64, now: u64) {
+        let before = self.gauges.insert(name.clone(), value).unwrap_or(0);
+        let Some(version) = name.strip_prefix(BREAKER_GAUGE_PREFIX) else { return };
+        let state = |code: i64| u8::try_from(code).ok().and_then(State::from_code).map(State::as_str);
+        if let (Some(from), Some(to)) = (state(before), state(value)) {
+            if from != to {
+                self.transitions.push(Transition { at_ns: now, version: version.to_string(), from, to, reason: String::new() });
             }
-            return;
         }
+    }
+
+    /// The guard's warning that follows a transition's gauge (`… breaker of <version> <from> → <to>:
+    /// <reason>`) gives it its reason, for people to read; nothing decides on it.
+    fn annotate(&mut self, message: &str) {
+        let Some(last) = self.transitions.last_mut().filter(|t| t.reason.is_empty()) else { return };
+        let Some((_, reason)) = message.split_once(&format!(" {} → {}: ", last.from, last.to)) else { return };
+        last.reason = reason.to_string();
     }
 
     /// Effects that act on no request (a root's tick, a shadow's answer).
@@ -354,15 +376,14 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Configures each policy given (and llm-metrics with its defaults) at `now`, creating the
-    /// shared state each creates before traffic. A Redis-ledger budget runs on its local ledger: one
-    /// gateway's counters, the same admission rules (there is no ledger service here).
-    pub fn new(guard: Option<LatencyPolicy>, router: Option<RoutingPolicy>, budget: Option<Policy>, now: u64) -> Gateway {
+    /// Configures each policy given at `now`, creating the shared state each creates before
+    /// traffic. A Redis-ledger budget runs on its local ledger: one gateway's counters, the same
+    /// admission rules (there is no ledger service here).
+    pub fn new(guard: Option<LatencyPolicy>, router: Option<RoutingPolicy>, budget: Option<Policy>, metrics: Option<Settings>, now: u64) -> Gateway {
         let mut store = MemoryStore::default();
         let mut sink = Sink::default();
         let guard = guard.map(|p| {
             let _ = guard::ensure_shared_state(&p, &mut store);
-            sink.versions = p.versions.iter().map(|v| v.name.clone()).collect();
             sink.guard_timer.set(IDLE_TICK_NS, now);
             GuardRoot::new(p, Some(RELEASE_QUEUE.to_string()), VM_ID.to_string())
         });
@@ -376,7 +397,7 @@ impl Gateway {
             guard,
             router: router.map(Router::new),
             budget,
-            metrics: Settings::parse(b"{}").ok().map(MetricsPolicy::new),
+            metrics: metrics.map(MetricsPolicy::new),
             store,
             fx: Effects::default(),
             sink,
@@ -405,6 +426,21 @@ impl Gateway {
 
     pub fn transitions(&self) -> &[Transition] {
         &self.vm.sink.transitions
+    }
+
+    /// Gauge `name`'s value, as Envoy would export it (`None`: never set).
+    pub fn gauge(&self, name: &str) -> Option<i64> {
+        self.vm.sink.gauges.get(name).copied()
+    }
+
+    /// Every gauge set so far, with its value, in name order.
+    pub fn gauges(&self) -> impl Iterator<Item = (&str, i64)> {
+        self.vm.sink.gauges.iter().map(|(k, v)| (k.as_str(), *v))
+    }
+
+    /// The flows' log lines at warning or above, in order.
+    pub fn warnings(&self) -> &[String] {
+        &self.vm.sink.warnings
     }
 
     pub fn is_open(&self, id: u32) -> bool {

@@ -1,0 +1,361 @@
+//! The gateway a simulation's requests pass, on either of two hosts of the same flows:
+//!
+//! - **wasm** (the default): `sluice.wasm` itself, the file Envoy loads, under wasmtime
+//!   (`sluice_host::Chain`): the proxy-wasm adapters, the ABI, one VM per filter. What the fidelity
+//!   tests hold against real Envoy.
+//! - **native**: the same sluice-core flows compiled into the simulator (`sluice_memory_host`, the
+//!   playground's host), in the same filter shape and event order, without the VM. Many times
+//!   faster; its verdicts are held equal to the wasm host's by `sim/tests/hosts.rs`.
+//!
+//! Both give the engine the same events in the same order: what reached the upstream, a filter's
+//! own reply, the status the client got, the end of a request with its filter state.
+
+use std::collections::BTreeMap;
+
+use anyhow::{anyhow, Result};
+use sluice_core::flow::metrics::config::Settings;
+use sluice_core::latency::breaker::State as BreakerState;
+use sluice_core::latency::LatencyPolicy;
+use sluice_core::routing::RoutingPolicy;
+use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, StreamId};
+use sluice_memory_host::{shadow_timeout_ns, Filter, Out, BREAKER_GAUGE_PREFIX};
+
+use crate::scenario::PluginKind;
+use crate::verdict::Transition;
+
+/// Which host runs the flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Host {
+    /// `sluice.wasm` under wasmtime: the file Envoy loads.
+    #[default]
+    Wasm,
+    /// sluice-core's flows compiled into the simulator: the same code, no VM.
+    Native,
+}
+
+/// What happened at the gateway's edges since the engine last looked.
+#[derive(Debug)]
+pub enum Happened {
+    /// The request reached the upstream: model-router's route header (if any) and the body.
+    Upstream { stream: StreamId, route: Option<String>, body: Vec<u8> },
+    /// Filter `filter` answered the request itself with `status`.
+    LocalReply { stream: StreamId, filter: usize, status: u16 },
+    /// The response headers reached the client with `status`.
+    ClientStatus { stream: StreamId, status: u16 },
+    /// The request's life ended in every filter; its filter state (the stamps).
+    Ended { stream: StreamId, properties: Vec<(String, Vec<u8>)> },
+}
+
+/// A callout a filter sent (model-router's shadow copies).
+#[derive(Debug, Clone)]
+pub struct Callout {
+    pub filter: usize,
+    pub token: u32,
+    pub upstream: String,
+    pub path: String,
+    pub body: Vec<u8>,
+}
+
+/// The chain of filters on one of the two hosts.
+pub enum Gateway {
+    Wasm(Box<Chain>),
+    Native(Box<Native>),
+}
+
+/// sluice-core's flows over the in-memory host, with the clock, the callouts' timeouts and the
+/// filter numbering the wasm chain has.
+pub struct Native {
+    gateway: sluice_memory_host::Gateway,
+    now: u64,
+    next_id: u32,
+    /// The engine's filter numbers of the guard's filter and of the one with the other sections.
+    guard_filter: usize,
+    sections_filter: usize,
+    /// Shadow callouts in flight: deadline and what was sent.
+    callouts: BTreeMap<u32, (u64, Callout)>,
+    happened: Vec<Happened>,
+}
+
+impl Gateway {
+    /// The native host for `filters` (each filter's sections and their policies, as the wasm chain
+    /// is configured) at `start_ns`. A policy the flows refuse is an error naming its section.
+    pub fn native(filters: &[Vec<(PluginKind, String)>], start_ns: u64) -> Result<Gateway> {
+        let (mut guard, mut router, mut budget, mut metrics) = (None, None, None, None);
+        let (mut guard_filter, mut sections_filter) = (0, 0);
+        for (n, sections) in filters.iter().enumerate() {
+            for (kind, policy) in sections {
+                let refused = |e: String| anyhow!("section `{}`: {e}", kind.section());
+                let bytes = policy.as_bytes();
+                match kind {
+                    PluginKind::LatencyGuard => {
+                        guard_filter = n;
+                        guard = Some(LatencyPolicy::from_json(bytes).map_err(|e| refused(e.to_string()))?);
+                    }
+                    PluginKind::ModelRouter => router = Some(RoutingPolicy::from_json(bytes).map_err(|e| refused(e.to_string()))?),
+                    PluginKind::TenantBudget => budget = Some(sluice_core::budget::Policy::from_json(bytes).map_err(|e| refused(e.to_string()))?),
+                    PluginKind::LlmMetrics => metrics = Some(Settings::parse(bytes).map_err(|e| refused(e.to_string()))?),
+                }
+                if *kind != PluginKind::LatencyGuard {
+                    sections_filter = n;
+                }
+            }
+        }
+        Ok(Gateway::Native(Box::new(Native {
+            gateway: sluice_memory_host::Gateway::new(guard, router, budget, metrics, start_ns),
+            now: start_ns,
+            next_id: 0,
+            guard_filter,
+            sections_filter,
+            callouts: BTreeMap::new(),
+            happened: Vec::new(),
+        })))
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        match self {
+            Gateway::Wasm(chain) => chain.now_ns(),
+            Gateway::Native(n) => n.now,
+        }
+    }
+
+    /// Moves the clock to `t`, firing the filters' ticks and callout timeouts due on the way.
+    pub fn advance_to(&mut self, t: u64) -> Result<()> {
+        match self {
+            Gateway::Wasm(chain) => chain.advance_to(t),
+            Gateway::Native(n) => {
+                n.advance_to(t);
+                Ok(())
+            }
+        }
+    }
+
+    /// A client request, headers then its whole body, with the metadata `json_to_metadata` set.
+    pub fn request(&mut self, headers: &[(String, String)], metadata: &[(&[&str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
+        match self {
+            Gateway::Wasm(chain) => {
+                let id = chain.stream(metadata);
+                chain.request_headers(id, Headers::from_pairs(headers), false)?;
+                chain.request_body(id, body, true)?;
+                Ok(id)
+            }
+            Gateway::Native(n) => {
+                n.next_id = n.next_id.wrapping_add(1);
+                let id = n.next_id;
+                let metadata = metadata
+                    .iter()
+                    .map(|(path, value)| (path.iter().map(|p| p.to_string()).collect(), String::from_utf8_lossy(value).into_owned()))
+                    .collect();
+                n.gateway.request(id, n.now, headers.to_vec(), metadata, body);
+                Ok(StreamId(u64::from(id)))
+            }
+        }
+    }
+
+    pub fn is_open(&self, stream: StreamId) -> bool {
+        match self {
+            Gateway::Wasm(chain) => chain.is_open(stream),
+            Gateway::Native(n) => native_id(stream).is_some_and(|id| n.gateway.is_open(id)),
+        }
+    }
+
+    /// The upstream's response headers.
+    pub fn response_headers(&mut self, stream: StreamId, status: u16, headers: &[(String, String)]) -> Result<()> {
+        match self {
+            Gateway::Wasm(chain) => {
+                let mut all = vec![(":status".to_string(), status.to_string())];
+                all.extend(headers.iter().cloned());
+                chain.response_headers(stream, Headers::from_pairs(&all), false)
+            }
+            Gateway::Native(n) => {
+                if let Some(id) = native_id(stream) {
+                    n.gateway.response_headers(id, n.now, status, headers);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A piece of the upstream's response body (`end`: the last).
+    pub fn response_body(&mut self, stream: StreamId, bytes: Vec<u8>, end: bool) -> Result<()> {
+        match self {
+            Gateway::Wasm(chain) => chain.response_body(stream, bytes, end),
+            Gateway::Native(n) => {
+                if let Some(id) = native_id(stream) {
+                    n.gateway.response_body(id, n.now, bytes, end);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// What happened since the last call, in order.
+    pub fn take_happened(&mut self) -> Vec<Happened> {
+        match self {
+            Gateway::Wasm(chain) => chain
+                .take_events()
+                .into_iter()
+                .filter_map(|event| match event {
+                    ChainEvent::UpstreamRequest { stream, headers, body } => {
+                        Some(Happened::Upstream { stream, route: headers.get("x-sluice-route").map(str::to_string), body })
+                    }
+                    ChainEvent::LocalReply { stream, filter, reply } => {
+                        Some(Happened::LocalReply { stream, filter, status: u16::try_from(reply.status).unwrap_or(0) })
+                    }
+                    ChainEvent::ClientHeaders { stream, status } => Some(Happened::ClientStatus { stream, status: u16::try_from(status).unwrap_or(0) }),
+                    ChainEvent::Ended { stream, properties } => Some(Happened::Ended { stream, properties }),
+                    ChainEvent::ClientBody { .. } | ChainEvent::Reset { .. } => None,
+                })
+                .collect(),
+            Gateway::Native(n) => {
+                n.collect();
+                std::mem::take(&mut n.happened)
+            }
+        }
+    }
+
+    /// The callouts waiting for an answer.
+    pub fn callouts(&mut self) -> Vec<Callout> {
+        match self {
+            Gateway::Wasm(chain) => chain
+                .http_calls()
+                .into_iter()
+                .map(|(filter, call)| Callout {
+                    filter,
+                    token: call.token,
+                    upstream: call.upstream.clone(),
+                    path: call.headers.get(":path").unwrap_or("/v1/chat/completions").to_string(),
+                    body: call.body,
+                })
+                .collect(),
+            Gateway::Native(n) => {
+                n.collect();
+                n.callouts.values().map(|(_, c)| c.clone()).collect()
+            }
+        }
+    }
+
+    /// Answers callout `token` of `filter`, if it still waits (it may have timed out).
+    pub fn answer_callout(&mut self, filter: usize, token: u32, status: u16, headers: &[(String, String)], body: Vec<u8>) -> Result<()> {
+        match self {
+            Gateway::Wasm(chain) => {
+                if !chain.http_calls().iter().any(|(f, c)| *f == filter && c.token == token) {
+                    return Ok(());
+                }
+                let mut reply = Headers::from_pairs(&[(":status", status.to_string())]);
+                for (k, v) in headers {
+                    reply.add(k.as_bytes(), v.as_bytes());
+                }
+                chain.respond_http_call(filter, token, HttpReply { headers: reply, body, trailers: Headers::new() })
+            }
+            Gateway::Native(n) => {
+                if n.callouts.remove(&token).is_some() {
+                    n.gateway.shadow_answer(token, n.now, status, &body);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Every gauge whose name starts with `prefix`, with its value, in name order.
+    pub fn gauges(&self, prefix: &str) -> Vec<(String, i64)> {
+        let mut found: Vec<(String, i64)> = match self {
+            Gateway::Wasm(chain) => chain
+                .gateways()
+                .iter()
+                .flat_map(|g| g.metric_names().into_iter().filter(|name| name.starts_with(prefix)).filter_map(|name| g.gauge(&name).map(|v| (name, v))))
+                .collect(),
+            Gateway::Native(n) => n.gateway.gauges().filter(|(name, _)| name.starts_with(prefix)).map(|(k, v)| (k.to_string(), v)).collect(),
+        };
+        found.sort();
+        found
+    }
+
+    /// The breakers' transitions so far, ms from `start_ns`.
+    pub fn transitions(&self, start_ns: u64) -> Vec<Transition> {
+        let t_ms = |at_ns: u64| at_ns.saturating_sub(start_ns) as f64 / 1e6;
+        match self {
+            Gateway::Wasm(chain) => chain.gateways().iter().flat_map(|g| g.gauge_changes()).filter_map(|c| transition(&c, t_ms(c.at_ns))).collect(),
+            Gateway::Native(n) => n
+                .gateway
+                .transitions()
+                .iter()
+                .map(|t| Transition { t_ms: t_ms(t.at_ns), version: t.version.clone(), from: t.from.to_string(), to: t.to.to_string() })
+                .collect(),
+        }
+    }
+
+    /// The plugins' log lines at warning or above.
+    pub fn warnings(&self) -> Vec<String> {
+        match self {
+            Gateway::Wasm(chain) => chain.gateways().iter().flat_map(|g| g.logs()).map(|line| line.message).collect(),
+            Gateway::Native(n) => n.gateway.warnings().to_vec(),
+        }
+    }
+}
+
+fn native_id(stream: StreamId) -> Option<u32> {
+    u32::try_from(stream.0).ok()
+}
+
+impl Native {
+    /// Fires, in time order, every tick and callout timeout due by `t`, then sets the clock to `t`.
+    fn advance_to(&mut self, t: u64) {
+        loop {
+            self.collect();
+            let timeout = self.callouts.iter().map(|(token, (deadline, _))| (*deadline, *token)).min();
+            let tick = self.gateway.next_tick();
+            match (timeout, tick) {
+                (Some((deadline, token)), tick) if deadline <= t && tick.is_none_or(|k| deadline < k) => {
+                    self.now = self.now.max(deadline);
+                    self.callouts.remove(&token);
+                    // No answer in time: the callout fails, as Envoy's timeout answers it.
+                    self.gateway.shadow_answer(token, self.now, 0, &[]);
+                }
+                (_, Some(k)) if k <= t => {
+                    self.now = self.now.max(k);
+                    self.gateway.tick(self.now);
+                }
+                _ => break,
+            }
+        }
+        self.now = self.now.max(t);
+    }
+
+    /// Turns what the host put out into the engine's events and the callouts in flight.
+    fn collect(&mut self) {
+        for out in self.gateway.take_out() {
+            match out {
+                Out::Upstream { id, headers, body } => {
+                    let route = headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("x-sluice-route")).map(|(_, v)| v.clone());
+                    self.happened.push(Happened::Upstream { stream: StreamId(u64::from(id)), route, body });
+                }
+                Out::Ended { id, end } => {
+                    let stream = StreamId(u64::from(id));
+                    if let Some((filter, status)) = end.reply {
+                        let filter = match filter {
+                            Filter::Guard => self.guard_filter,
+                            Filter::Sections => self.sections_filter,
+                        };
+                        self.happened.push(Happened::LocalReply { stream, filter, status });
+                    }
+                    if end.client_status != 0 {
+                        self.happened.push(Happened::ClientStatus { stream, status: end.client_status });
+                    }
+                    self.happened.push(Happened::Ended { stream, properties: end.state.into_iter().collect() });
+                }
+                Out::Shadow { token, cluster, path, body } => {
+                    let deadline = self.now.saturating_add(shadow_timeout_ns());
+                    let callout = Callout { filter: self.sections_filter, token, upstream: cluster, path, body };
+                    self.callouts.insert(token, (deadline, callout));
+                }
+            }
+        }
+    }
+}
+
+/// A breaker transition: a change of latency-guard's state gauge (0 closed, 1 open, 2 half-open).
+fn transition(change: &GaugeChange, t_ms: f64) -> Option<Transition> {
+    let version = change.name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
+    let state = |code: i64| u8::try_from(code).ok().and_then(BreakerState::from_code).map(|s| s.as_str().to_string());
+    Some(Transition { t_ms, version: version.to_string(), from: state(change.from)?, to: state(change.to)? })
+}
