@@ -27,8 +27,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 use crate::answer::{answer, prompt_tokens, CHUNK_NS};
-use sluice_memory_host::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
 use crate::workload::{api_str, Request, Workload};
+use sluice_memory_host::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
 
 /// Where json_to_metadata puts the body's user (the shipped gateways' configuration).
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];

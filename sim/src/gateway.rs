@@ -141,10 +141,8 @@ impl Gateway {
             Gateway::Native(n) => {
                 n.next_id = n.next_id.wrapping_add(1);
                 let id = n.next_id;
-                let metadata = metadata
-                    .iter()
-                    .map(|(path, value)| (path.iter().map(|p| p.to_string()).collect(), String::from_utf8_lossy(value).into_owned()))
-                    .collect();
+                let metadata =
+                    metadata.iter().map(|(path, value)| (path.iter().map(|p| p.to_string()).collect(), String::from_utf8_lossy(value).into_owned())).collect();
                 n.gateway.request(id, n.now, headers.to_vec(), metadata, body);
                 Ok(StreamId(u64::from(id)))
             }

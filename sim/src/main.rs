@@ -427,7 +427,14 @@ fn side_titles(name_a: &str, a: &Path, name_b: &str, b: &Path) -> (String, Strin
 }
 
 fn clone_run(run: &RunArgs) -> RunArgs {
-    RunArgs { host: run.host, wasm_dir: run.wasm_dir.clone(), start_unix_ms: run.start_unix_ms, time_scale: run.time_scale, quiet: run.quiet, no_report: run.no_report }
+    RunArgs {
+        host: run.host,
+        wasm_dir: run.wasm_dir.clone(),
+        start_unix_ms: run.start_unix_ms,
+        time_scale: run.time_scale,
+        quiet: run.quiet,
+        no_report: run.no_report,
+    }
 }
 
 fn observe(path: &Path, out: &Path, skip_malformed: bool) -> Result<(), Failure> {

@@ -76,4 +76,3 @@ fn the_mooncake_fidelity_scenario_is_the_same_on_both_hosts() {
     assert!(verdicts.iter().any(|v| v.contains("\"decision\":\"clamped\"")), "no clamp");
     assert!(result.transitions.len() >= 3, "{:?}", result.transitions);
 }
-

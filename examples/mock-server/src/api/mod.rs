@@ -471,7 +471,11 @@ mod tests {
                 for (i, n) in [(0, 1), (1, 1), (2, 16), (99, 3), (12_345, 0)] {
                     let mut out = Vec::new();
                     template.render(&plan, i, n, &mut seq_templated, &mut out);
-                    assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(plan.tokens(i, n, &mut seq_whole).render(false)).unwrap(), "{api:?} {model} {i}+{n}");
+                    assert_eq!(
+                        String::from_utf8(out).unwrap(),
+                        String::from_utf8(plan.tokens(i, n, &mut seq_whole).render(false)).unwrap(),
+                        "{api:?} {model} {i}+{n}"
+                    );
                     assert_eq!(seq_templated, seq_whole);
                 }
             }
