@@ -26,6 +26,7 @@
 mod children;
 mod fuzz;
 mod images;
+mod lanes;
 mod playground;
 mod simbench;
 mod soak;
@@ -492,46 +493,50 @@ fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
     // build of them beside the test build (157 s of a fresh clone's run).
     phases.time("build tests, linted (clippy)", || run(linted_cargo_test(root).args(["--workspace", "--all-targets", "--no-run"])))?;
 
-    let mut tests = linted_cargo_test(root);
-    tests
-        .args(["--workspace"])
-        .env("SLUICE_ENVOY", envoy_bin(root))
-        .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"))
-        // The fleet tests (e2e/tests/budget_fleet.rs) run it in front of Debian's redis-server.
-        .env("SLUICE_LEDGER_BIN", root.join("target/release/sluice-ledger"))
-        // The estimate calibration fails, not skips, when setup did not install the tokenizer.
-        .env("SLUICE_REQUIRE_TOKENIZER", "1");
-    tests.args(extra);
-    phases.time("cargo test --workspace", || run(&mut tests))?;
+    let workspace_tests = || {
+        let mut tests = linted_cargo_test(root);
+        tests
+            .args(["--workspace"])
+            .env("SLUICE_ENVOY", envoy_bin(root))
+            .env("SLUICE_MOCK_BIN", root.join("target/release/sluice-mock-server"))
+            // The fleet tests (e2e/tests/budget_fleet.rs) run it in front of Debian's redis-server.
+            .env("SLUICE_LEDGER_BIN", root.join("target/release/sluice-ledger"))
+            // The estimate calibration fails, not skips, when setup did not install the tokenizer.
+            .env("SLUICE_REQUIRE_TOKENIZER", "1");
+        tests
+    };
+    if !extra.is_empty() {
+        return phases.time("cargo test --workspace", || run(workspace_tests().args(extra)));
+    }
     // Every policy's harness suite again, against sluice.wasm with the same policy as its section
     // (host-tests/tests/common/mod.rs): one engine, two builds, one behaviour.
-    if extra.is_empty() {
-        let mut one_filter = linted_cargo_test(root);
-        // `--workspace` with the suites named, not `--package`: the workspace's feature set, so the
-        // build above is reused (per package, wasmtime and its dependencies were compiled again
-        // with other features: 95 s of a fresh clone's run).
-        one_filter.args(["--workspace"]);
-        for suite in [
-            "llm_metrics",
-            "llm_metrics_headers_only",
-            "llm_metrics_trailers",
-            "label_bounds",
-            "tenant_budget",
-            "budget_ledger",
-            "soak_findings",
-            "model_router",
-            "latency_guard",
-        ] {
-            one_filter.args(["--test", suite]);
-        }
-        phases.time("harness suites again, SLUICE_HARNESS_BUILD=sluice", || run(one_filter.env("SLUICE_HARNESS_BUILD", "sluice")))?;
+    let harness = [
+        "llm_metrics",
+        "llm_metrics_headers_only",
+        "llm_metrics_trailers",
+        "label_bounds",
+        "tenant_budget",
+        "budget_ledger",
+        "soak_findings",
+        "model_router",
+        "latency_guard",
+    ];
+    let mut reruns = vec![lanes::Rerun {
+        label: "SLUICE_HARNESS_BUILD=sluice".into(),
+        names: harness.to_vec(),
+        env: vec![("SLUICE_HARNESS_BUILD".into(), "sluice".into())],
+    }];
+    // The shipped gateways and the full chain on the older Envoy minors (`ENVOY_MATRIX`); the run
+    // above covers the 1.40 line (`.tools/venv`).
+    for version in ENVOY_MATRIX.iter().filter(|v| !v.starts_with("1.40.")) {
+        reruns.push(lanes::Rerun {
+            label: format!("Envoy {version}"),
+            names: vec!["shipped_configs", "full_chain_envoy"],
+            env: vec![("SLUICE_ENVOY".into(), matrix_envoy_bin(root, version).display().to_string())],
+        });
     }
-    // The shipped gateways and the full chain on the older Envoy minors; the run above covered the
-    // 1.40 line (`.tools/venv`).
-    if extra.is_empty() {
-        let older: Vec<&str> = ENVOY_MATRIX.iter().copied().filter(|v| !v.starts_with("1.40.")).collect();
-        run_envoy_matrix(root, phases, &older)?;
-    }
+    // The binaries `cargo test --workspace` would run one after another, and those reruns, two at a time.
+    phases.time("tests, two lanes (workspace; harness vs sluice.wasm; Envoy 1.36–1.39)", || lanes::run(root, workspace_tests, &reruns))?;
     // Every fuzz target for a few seconds (docs/fuzzing.md); the long runs are `cargo xtask fuzz`.
     phases.time("fuzz smoke", || fuzz::smoke(root))
 }
