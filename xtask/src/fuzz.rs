@@ -88,7 +88,7 @@ pub fn command(root: &Path, args: &[String]) -> Result<()> {
         targets = TARGETS.to_vec();
     }
     let started = Instant::now();
-    let binaries = prepare(root)?;
+    let binaries = prepare(root, false)?;
     let outcomes = run_all(root, &binaries, &targets, budget, jobs, false)?;
     report(&outcomes, started.elapsed())
 }
@@ -96,17 +96,31 @@ pub fn command(root: &Path, args: &[String]) -> Result<()> {
 /// A short run of every target, for `cargo xtask test`: builds them (a no-op when up to date) and
 /// runs each for [`SMOKE_RUNS`] executions from the seeds; fails on any finding.
 pub fn smoke(root: &Path) -> Result<()> {
+    let binaries = prepare(root, false)?;
+    smoke_built(root, &binaries)
+}
+
+/// The smoke run of targets already built in `binaries` ([`build_in_background`]).
+pub fn smoke_built(root: &Path, binaries: &Path) -> Result<()> {
     let started = Instant::now();
-    let binaries = prepare(root)?;
     // A fixed number of executions each, so running one per core changes no target's run, only the
     // wall time.
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let outcomes = run_all(root, &binaries, TARGETS, Budget::Runs(SMOKE_RUNS), jobs, true)?;
+    let outcomes = run_all(root, binaries, TARGETS, Budget::Runs(SMOKE_RUNS), jobs, true)?;
     report(&outcomes, started.elapsed())
 }
 
-/// Tools when missing, then the build; returns the directory of the target binaries.
-fn prepare(root: &Path) -> Result<PathBuf> {
+/// [`prepare`] on a thread of its own, the build at the lowest CPU priority (`nice -n 19`): it
+/// takes the CPU the tests leave idle while they wait on Envoy and Redis, and yields it to them
+/// when they want it. Its output goes to `target/xtask/fuzz-build.log`, shown if it fails.
+pub fn build_in_background(root: &Path) -> std::thread::JoinHandle<Result<PathBuf>> {
+    let root = root.to_path_buf();
+    std::thread::spawn(move || prepare(&root, true))
+}
+
+/// Tools when missing, then the build; returns the directory of the target binaries. `quiet`: the
+/// build at the lowest CPU priority, its output to a log file.
+fn prepare(root: &Path, quiet: bool) -> Result<PathBuf> {
     let toolchains = super::output(Command::new("rustup").args(["toolchain", "list"]))?;
     if !toolchains.lines().any(|l| l.starts_with("nightly")) {
         super::run(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
@@ -115,16 +129,35 @@ fn prepare(root: &Path) -> Result<PathBuf> {
     if !has_cargo_fuzz {
         super::run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))?;
     }
-    super::run(
+    let mut build = if quiet {
+        let mut nice = Command::new("nice");
+        nice.args(["-n", "19", "cargo"]);
+        nice
+    } else {
         Command::new("cargo")
-            .current_dir(root)
-            // The nightly toolchain is chosen by name; the environment cargo gives xtask would pin
-            // the stable one.
-            .env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("CARGO")
-            .env_remove("RUSTC")
-            .args(["+nightly", "fuzz", "build", "--fuzz-dir", "fuzz", "-O", "--debug-assertions", "--sanitizer", "none"]),
-    )?;
+    };
+    build
+        .current_dir(root)
+        // The nightly toolchain is chosen by name; the environment cargo gives xtask would pin
+        // the stable one.
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO")
+        .env_remove("RUSTC")
+        .args(["+nightly", "fuzz", "build", "--fuzz-dir", "fuzz", "-O", "--debug-assertions", "--sanitizer", "none"]);
+    if quiet {
+        let log = root.join("target/xtask/fuzz-build.log");
+        if let Some(dir) = log.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        eprintln!("xtask: (in the background, nice 19, output in {}) {}", log.display(), super::describe(&build));
+        let out = build.output().with_context(|| format!("could not start {}", super::describe(&build)))?;
+        std::fs::write(&log, [out.stdout.as_slice(), out.stderr.as_slice()].concat())?;
+        if !out.status.success() {
+            bail!("the fuzz targets' build failed with {}:\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        }
+    } else {
+        super::run(&mut build)?;
+    }
     let host = super::output(Command::new("rustc").env_remove("RUSTUP_TOOLCHAIN").args(["+nightly", "-vV"]))?;
     let triple = host.lines().find_map(|l| l.strip_prefix("host: ")).context("rustc -vV names no host")?.trim().to_owned();
     Ok(root.join("fuzz/target").join(triple).join("release"))

@@ -72,7 +72,9 @@ struct Ran {
 
 /// Runs the test binaries of `cargo` (a `cargo test --workspace` command, environment set) in
 /// lanes, then the solo ones, then the doc tests. Fails when any binary failed, naming them.
-pub fn run(root: &Path, cargo: impl Fn() -> Command, reruns: &[Rerun]) -> Result<()> {
+/// `before_solo` runs when the lanes are done, before the solo binaries (it waits for work started
+/// beside the lanes).
+pub fn run(root: &Path, cargo: impl Fn() -> Command, reruns: &[Rerun], before_solo: impl FnOnce()) -> Result<()> {
     let mut binaries = list(root, &cargo)?;
     for rerun in reruns {
         let again: Vec<Binary> = binaries
@@ -116,6 +118,7 @@ pub fn run(root: &Path, cargo: impl Fn() -> Command, reruns: &[Rerun]) -> Result
         }
     }
     eprintln!("xtask: lanes done in {:.1} s", started.elapsed().as_secs_f64());
+    before_solo();
     let mut ran = std::mem::take(&mut *done.lock().unwrap_or_else(|e| e.into_inner()));
     for binary in solo {
         let one = run_binary(binary, &env);

@@ -536,9 +536,20 @@ fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
         });
     }
     // The binaries `cargo test --workspace` would run one after another, and those reruns, two at a time.
-    phases.time("tests, two lanes (workspace; harness vs sluice.wasm; Envoy 1.36–1.39)", || lanes::run(root, workspace_tests, &reruns))?;
+    // The fuzz targets' nightly build (≈ 50–90 s of CPU whenever sluice-core changed) uses what the
+    // lanes leave idle, at the lowest priority, and is done before the solo binaries start.
+    let fuzz_build = fuzz::build_in_background(root);
+    let mut fuzz_built = None;
+    let fuzz_started = Instant::now();
+    let tests = phases.time("tests, two lanes (workspace; harness vs sluice.wasm; Envoy 1.36–1.39)", || {
+        lanes::run(root, workspace_tests, &reruns, || {
+            fuzz_built = Some(fuzz_build.join().map_err(|_| anyhow::anyhow!("the fuzz build's thread panicked")).and_then(|r| r));
+            eprintln!("xtask: the fuzz targets' background build ended {:.1} s after it started", fuzz_started.elapsed().as_secs_f64());
+        })
+    });
+    tests?;
     // Every fuzz target for a few seconds (docs/fuzzing.md); the long runs are `cargo xtask fuzz`.
-    phases.time("fuzz smoke", || fuzz::smoke(root))
+    phases.time("fuzz smoke", || fuzz::smoke_built(root, &fuzz_built.context("the fuzz build was not waited for")??))
 }
 
 /// `cargo xtask test --envoy-matrix`: the Envoy matrix alone, every version of `ENVOY_MATRIX`
