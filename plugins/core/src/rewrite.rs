@@ -470,6 +470,33 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     if serde_json::from_slice::<IgnoredAny>(data).is_err() {
         return Verdict::Keep;
     }
+    if let [(start, end)] = data_lines.as_slice() {
+        if let Some(json) = without_trailing_null_usage(data) {
+            return Verdict::Replace { start: *start, end: *end, json };
+        }
+    }
+    judge_scanned(data, &data_lines)
+}
+
+/// The usual shape of a chunk of a stream whose `include_usage` the budget turned on, decided
+/// without scanning its members: valid JSON (checked before) ending in `,"usage":null}` right after
+/// a value, naming `usage` nowhere else (and no `\u` escape that could spell it). That member is
+/// then the object's only `usage`, at the top level (the last member before the final `}`), and
+/// [`judge_scanned`] would cut exactly those bytes: the member with the comma before it.
+fn without_trailing_null_usage(data: &[u8]) -> Option<Vec<u8>> {
+    const TAIL: &[u8] = b",\"usage\":null}";
+    let head = data.strip_suffix(TAIL)?;
+    if head.last().is_none_or(|b| is_ws(*b)) || may_name_usage(head) {
+        return None;
+    }
+    let mut json = Vec::with_capacity(head.len().saturating_add(1));
+    json.extend_from_slice(head);
+    json.push(b'}');
+    Some(json)
+}
+
+/// [`judge_event`] on an event's valid JSON `data` (its data lines joined), by scanning the object.
+fn judge_scanned(data: &[u8], data_lines: &[(usize, usize)]) -> Verdict {
     let open = skip_ws(data, 0);
     if data.get(open) != Some(&b'{') {
         return Verdict::Keep;
@@ -487,33 +514,21 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     if usage != b"null" && no_choices {
         return Verdict::Remove;
     }
-    let [(start, end)] = data_lines.as_slice() else {
+    let [(start, end)] = data_lines else {
         return Verdict::Keep;
     };
     Verdict::Replace { start: *start, end: *end, json: remove_members(data, &obj, "usage") }
 }
 
-/// `usage` or a `\\u` escape occurs in `event`: one pass, no call per candidate.
+/// `usage` or a `\\u` escape occurs in `event` (two substring searches; each chunk of a stream
+/// whose usage the budget forced names `usage`, so this runs on every event).
 fn may_name_usage(event: &[u8]) -> bool {
-    let mut i = 0usize;
-    while let Some(&b) = event.get(i) {
-        let next = event.get(i.saturating_add(1)).copied();
-        if (b == b'u' && event.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage")) || (b == b'\\' && next == Some(b'u')) {
-            return true;
-        }
-        i = i.saturating_add(1);
-    }
-    false
+    memchr::memmem::find(event, b"usage").is_some() || memchr::memmem::find(event, b"\\u").is_some()
 }
 
 /// [`may_name_usage`], or a CR anywhere (whose line ends need the framing of [`UsageChunkStripper::push`]).
 fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
-    bytes.iter().enumerate().any(|(i, &b)| match b {
-        b'\r' => true,
-        b'u' => bytes.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage"),
-        b'\\' => bytes.get(i.saturating_add(1)) == Some(&b'u'),
-        _ => false,
-    })
+    memchr::memchr(b'\r', bytes).is_some() || may_name_usage(bytes)
 }
 
 /// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.
@@ -769,6 +784,76 @@ mod usage_hint_tests {
             (b"", false),
         ] {
             assert_eq!(super::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
+        }
+    }
+}
+
+#[cfg(test)]
+mod fast_path_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn replaced(v: Verdict) -> Option<Vec<u8>> {
+        match v {
+            Verdict::Replace { json, .. } => Some(json),
+            _ => None,
+        }
+    }
+
+    /// A JSON value: scalars, strings that may spell `usage` or hold escapes, nested objects.
+    fn value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<i32>().prop_map(serde_json::Value::from),
+            "[a-z\\\"u ]{0,8}".prop_map(serde_json::Value::from),
+            Just(serde_json::Value::from("usage")),
+        ];
+        leaf.prop_recursive(3, 12, 3, |inner| {
+            prop::collection::vec(("[a-z]{1,5}|usage", inner), 0..3).prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+        })
+    }
+
+    proptest! {
+        /// Whatever the members before it, an object ending in `,"usage":null}` is cut exactly as
+        /// the scanning path cuts it; and the fast path declines whatever it cannot decide alone.
+        #[test]
+        fn the_trailing_null_usage_fast_path_agrees_with_the_scan(members in prop::collection::vec(("[a-z]{1,6}|usage", value()), 0..4), space in prop::bool::ANY) {
+            let mut text = String::from("{");
+            for (i, (k, v)) in members.iter().enumerate() {
+                if i > 0 {
+                    text.push(',');
+                }
+                text.push_str(&serde_json::to_string(k).unwrap());
+                text.push(':');
+                text.push_str(&v.to_string());
+                if space {
+                    text.push(' ');
+                }
+            }
+            text.push_str(if members.is_empty() { "\"usage\":null}" } else { ",\"usage\":null}" });
+            let data = text.as_bytes();
+            prop_assume!(serde_json::from_slice::<IgnoredAny>(data).is_ok());
+            let lines = [(0, data.len())];
+            let scanned = replaced(judge_scanned(data, &lines));
+            if let Some(fast) = without_trailing_null_usage(data) {
+                prop_assert_eq!(Some(fast), scanned, "{}", text);
+            }
+        }
+    }
+
+    #[test]
+    fn the_fast_path_takes_the_usual_chunk_and_declines_the_rest() {
+        let usual = br#"{"id":"c1","choices":[{"index":0,"delta":{"content":"tok1 "}}],"usage":null}"#;
+        assert_eq!(without_trailing_null_usage(usual).as_deref(), Some(&br#"{"id":"c1","choices":[{"index":0,"delta":{"content":"tok1 "}}]}"#[..]));
+        for declined in [
+            &br#"{"usage":null}"#[..],
+            br#"{"a":1 ,"usage":null}"#,
+            br#"{"usage":1,"usage":null}"#,
+            br#"{"a":"usage","usage":null}"#,
+            br#"{"usage":1,"usage":null}"#,
+            br#"{"a":1,"usage":null} "#,
+        ] {
+            assert_eq!(without_trailing_null_usage(declined), None, "{}", String::from_utf8_lossy(declined));
         }
     }
 }
