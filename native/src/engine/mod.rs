@@ -390,6 +390,7 @@ impl Stream {
             };
             let held = self.held.as_ref().map(|h| h.bytes.as_slice());
             let Some(section) = self.sections.get_mut(i) else { continue };
+            let mut replaced = None;
             let verdict = match section {
                 Section::Guard { config, flow, .. } => {
                     if !flow.is_guarded() {
@@ -410,8 +411,10 @@ impl Stream {
                         continue;
                     }
                     let mut view = HeldBody { body: held.unwrap_or_default(), now };
-                    let mut host = EnvoyBudgetHost { envoy };
-                    flow.on_request_body(&mut lock(policy), &mut *store(), &mut host, &mut view, size, end_of_stream, now, &mut self.effects)
+                    let mut host = EnvoyBudgetHost { envoy, replaced: None };
+                    let verdict = flow.on_request_body(&mut lock(policy), &mut *store(), &mut host, &mut view, size, end_of_stream, now, &mut self.effects);
+                    replaced = host.replaced;
+                    verdict
                 }
                 Section::Metrics { policy, flow } => {
                     if flow.is_measured() {
@@ -421,6 +424,12 @@ impl Stream {
                     Verdict::Continue
                 }
             };
+            // The budget rewrote the body in Envoy (clamp, `include_usage`): the sections behind it
+            // read the new bytes, as they do in sluice.wasm.
+            if let (Some(bytes), Some(held)) = (replaced, self.held.as_mut()) {
+                held.size = bytes.len();
+                held.bytes = bytes;
+            }
             self.apply(envoy);
             if self.flags.replied {
                 return BodyStatus::StopIterationNoBuffer;

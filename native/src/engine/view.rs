@@ -174,6 +174,9 @@ impl View for HeldBody<'_> {
 /// earlier pieces Envoy buffered, then the last one); no ledger callouts (local mode only).
 pub struct EnvoyBudgetHost<'v, 'e> {
     pub envoy: &'v mut Envoy<'e>,
+    /// The bytes the budget put in place of the request body, for the held copy the sections
+    /// behind it read.
+    pub replaced: Option<Vec<u8>>,
 }
 
 impl sluice_core::flow::budget::BudgetHost for EnvoyBudgetHost<'_, '_> {
@@ -184,6 +187,10 @@ impl sluice_core::flow::budget::BudgetHost for EnvoyBudgetHost<'_, '_> {
 
     fn replace_request_body(&mut self, _size: usize, bytes: &[u8]) -> bool {
         let buffered_ok = self.envoy.body(BodyKind::BufferedRequest).is_empty() || self.envoy.drain_body(BodyKind::BufferedRequest, usize::MAX);
-        buffered_ok && self.envoy.drain_body(BodyKind::ReceivedRequest, usize::MAX) && self.envoy.append_body(BodyKind::ReceivedRequest, bytes)
+        let replaced = buffered_ok && self.envoy.drain_body(BodyKind::ReceivedRequest, usize::MAX) && self.envoy.append_body(BodyKind::ReceivedRequest, bytes);
+        if replaced {
+            self.replaced = Some(bytes.to_vec());
+        }
+        replaced
     }
 }
