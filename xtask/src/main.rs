@@ -486,44 +486,23 @@ fn test_command(root: &Path, args: &[String], phases: &mut Phases) -> Result<()>
         return envoy_matrix_command(root, phases);
     }
     phases.time("setup (installs but the Envoys)", setup_tools)?;
-    // Beside the release builds: the Envoys' installs (pip, mostly unpacking) and the tests' debug
-    // build (its own profile directory, so cargo does not make either wait for the other's lock);
-    // the release builds' serial steps (LTO, one codegen unit) leave a core idle that it fills.
+    // The Envoys' installs (pip, mostly unpacking: little CPU) run beside the release builds. The
+    // tests' debug build does not: run beside them it made a fresh clone's builds 29 s slower in
+    // all (550.6 s against 521.5 s one after the other; two cargos oversubscribe two cores).
     let envoys = {
         let root = root.to_path_buf();
         std::thread::spawn(move || install_envoys(&root))
     };
+    let built = phases.time("build (wasm, native, playground page)", || build(root));
+    let installed = phases
+        .time("installs: the Envoys, the part after the build", || envoys.join().map_err(|_| anyhow::anyhow!("the install thread panicked")).and_then(|r| r));
+    built?;
+    installed?;
     // The workspace's own crates, every target, are linted while the tests are built
     // ([`linted_cargo_test`]): one compile of the dependencies instead of a `cargo clippy` check
     // build of them beside the test build (157 s of a fresh clone's run).
-    let test_build = {
-        let root = root.to_path_buf();
-        std::thread::spawn(move || {
-            quiet(linted_cargo_test(&root).args(["--workspace", "--all-targets", "--no-run"]), &root.join("target/xtask/test-build.log"))
-        })
-    };
-    let built = phases.time("build (wasm, native, playground page)", || build(root));
-    let joined = |h: std::thread::JoinHandle<Result<()>>| h.join().map_err(|_| anyhow::anyhow!("a build thread panicked")).and_then(|r| r);
-    let tests_built = phases.time("build tests, linted (clippy), the part after the build", || joined(test_build));
-    let installed = phases.time("installs: the Envoys, the part after the build", || joined(envoys));
-    built?;
-    tests_built?;
-    installed?;
+    phases.time("build tests, linted (clippy)", || run(linted_cargo_test(root).args(["--workspace", "--all-targets", "--no-run"])))?;
     test(root, args, phases)
-}
-
-/// Runs `cmd` with its output to `log` (created), shown whole if it fails.
-fn quiet(cmd: &mut Command, log: &Path) -> Result<()> {
-    if let Some(dir) = log.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    eprintln!("xtask: (beside the build, output in {}) {}", log.display(), describe(cmd));
-    let out = cmd.output().with_context(|| format!("could not start {}", describe(cmd)))?;
-    std::fs::write(log, [out.stdout.as_slice(), out.stderr.as_slice()].concat())?;
-    if !out.status.success() {
-        bail!("{} failed with {}:\n{}{}", describe(cmd), out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(())
 }
 
 fn test(root: &Path, extra: &[String], phases: &mut Phases) -> Result<()> {
