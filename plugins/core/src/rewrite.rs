@@ -520,15 +520,46 @@ fn judge_scanned(data: &[u8], data_lines: &[(usize, usize)]) -> Verdict {
     Verdict::Replace { start: *start, end: *end, json: remove_members(data, &obj, "usage") }
 }
 
-/// `usage` or a `\\u` escape occurs in `event` (two substring searches; each chunk of a stream
-/// whose usage the budget forced names `usage`, so this runs on every event).
+/// `usage` or a `\\u` escape occurs in `event`. Natively two substring searches (SIMD); in wasm,
+/// which has no SIMD here, one pass over the bytes is fewer instructions (fuel measured:
+/// `host-tests/examples/profile.rs`), so the wasm build keeps [`bytewise::may_name_usage`].
+#[cfg(not(target_arch = "wasm32"))]
 fn may_name_usage(event: &[u8]) -> bool {
     memchr::memmem::find(event, b"usage").is_some() || memchr::memmem::find(event, b"\\u").is_some()
 }
 
 /// [`may_name_usage`], or a CR anywhere (whose line ends need the framing of [`UsageChunkStripper::push`]).
+#[cfg(not(target_arch = "wasm32"))]
 fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
     memchr::memchr(b'\r', bytes).is_some() || may_name_usage(bytes)
+}
+
+#[cfg(target_arch = "wasm32")]
+use bytewise::{may_name_usage, may_name_usage_or_cr};
+
+/// The one-pass forms of the two searches: the wasm build's, and the native tests' reference.
+#[cfg(any(target_arch = "wasm32", test))]
+mod bytewise {
+    pub(super) fn may_name_usage(event: &[u8]) -> bool {
+        let mut i = 0usize;
+        while let Some(&b) = event.get(i) {
+            let next = event.get(i.saturating_add(1)).copied();
+            if (b == b'u' && event.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage")) || (b == b'\\' && next == Some(b'u')) {
+                return true;
+            }
+            i = i.saturating_add(1);
+        }
+        false
+    }
+
+    pub(super) fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
+        bytes.iter().enumerate().any(|(i, &b)| match b {
+            b'\r' => true,
+            b'u' => bytes.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage"),
+            b'\\' => bytes.get(i.saturating_add(1)) == Some(&b'u'),
+            _ => false,
+        })
+    }
 }
 
 /// Offset of the value of a `data` field line (`data:x`, `data: x`, or a bare `data`), else `None`.
@@ -784,6 +815,16 @@ mod usage_hint_tests {
             (b"", false),
         ] {
             assert_eq!(super::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
+            assert_eq!(super::bytewise::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
+        }
+    }
+
+    proptest::proptest! {
+        /// The native searches and the wasm build's one pass agree on any bytes.
+        #[test]
+        fn both_forms_of_the_searches_agree(bytes in proptest::collection::vec(proptest::prop_oneof![proptest::sample::select(b"usage\\\r\n{}\" ".to_vec()), proptest::num::u8::ANY], 0..64)) {
+            proptest::prop_assert_eq!(super::may_name_usage(&bytes), super::bytewise::may_name_usage(&bytes));
+            proptest::prop_assert_eq!(super::may_name_usage_or_cr(&bytes), super::bytewise::may_name_usage_or_cr(&bytes));
         }
     }
 }
