@@ -1,4 +1,4 @@
-//! The engine: a workload's requests through the gateway ([`crate::gateway`]: sluice-core's flows
+//! The engine: a workload's requests through the gateway (`sluice_memory_host`: sluice-core's flows
 //! in the shipped gateways' filter order — latency-guard, then model-router, tenant-budget and
 //! llm-metrics) on one virtual clock, against the simulator's service model of the upstream.
 //!
