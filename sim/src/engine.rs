@@ -18,7 +18,7 @@ use std::path::Path;
 use anyhow::Result;
 use serde_json::Value;
 use sluice_host::{Chain, LogLevel, Plugin, PluginSpec, StreamId};
-use sluice_memory_host::BREAKER_GAUGE_PREFIX;
+use sluice_memory_host::{breaker_state, BREAKER_GAUGE_PREFIX};
 use sluice_workload::draw::{mix, unit};
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
@@ -195,7 +195,7 @@ impl<'a> Engine<'a> {
         let kinds: Vec<Vec<PluginKind>> = filters.iter().map(|sections| sections.iter().map(|(kind, _)| *kind).collect()).collect();
         let chain = match &plugins.sluice {
             Some(sluice) => Gateway::Wasm(Box::new(wasm_chain(sluice, &filters, options)?)),
-            None => Gateway::native(&filters, options.start_ns)?,
+            None => Gateway::native(&filters.iter().map(|sections| filter_config(sections)).collect::<Vec<_>>(), options.start_ns)?,
         };
         let mut engine = Engine {
             scenario,
@@ -513,11 +513,7 @@ impl<'a> Engine<'a> {
         if has(PluginKind::LatencyGuard) {
             for (name, value) in self.chain.gauges(BREAKER_GAUGE_PREFIX) {
                 let Some(version) = name.strip_prefix(BREAKER_GAUGE_PREFIX) else { continue };
-                let state = match value {
-                    1 => "open",
-                    2 => "half_open",
-                    _ => "closed",
-                };
+                let state = breaker_state(value).unwrap_or("closed");
                 sample.breakers.push((version.to_string(), state.to_string()));
             }
         }

@@ -13,14 +13,10 @@
 use std::collections::BTreeMap;
 
 use anyhow::{anyhow, Result};
-use sluice_core::flow::metrics::config::Settings;
-use sluice_core::latency::breaker::State as BreakerState;
-use sluice_core::latency::LatencyPolicy;
-use sluice_core::routing::RoutingPolicy;
-use sluice_host::{Chain, ChainEvent, GaugeChange, Headers, HttpReply, StreamId};
-use sluice_memory_host::{shadow_timeout_ns, Filter, Out, BREAKER_GAUGE_PREFIX};
+use sluice_core::flow::sections::{parse_sections, Policy};
+use sluice_host::{Chain, ChainEvent, Headers, HttpReply, StreamId};
+use sluice_memory_host::{breaker_change, shadow_timeout_ns, Filter, Out};
 
-use crate::scenario::PluginKind;
 use crate::verdict::Transition;
 
 /// Which host runs the flows.
@@ -77,27 +73,25 @@ pub struct Native {
 }
 
 impl Gateway {
-    /// The native host for `filters` (each filter's sections and their policies, as the wasm chain
-    /// is configured) at `start_ns`. A policy the flows refuse is an error naming its section.
-    pub fn native(filters: &[Vec<(PluginKind, String)>], start_ns: u64) -> Result<Gateway> {
+    /// The native host for `configs` (each filter's `sluice.wasm` configuration, parsed by the
+    /// parser sluice.wasm and the native module use, so a policy is refused in the same words) at
+    /// `start_ns`.
+    pub fn native(configs: &[String], start_ns: u64) -> Result<Gateway> {
         let (mut guard, mut router, mut budget, mut metrics) = (None, None, None, None);
         let (mut guard_filter, mut sections_filter) = (0, 0);
-        for (n, sections) in filters.iter().enumerate() {
-            for (kind, policy) in sections {
-                let refused = |e: String| anyhow!("section `{}`: {e}", kind.section());
-                let bytes = policy.as_bytes();
-                match kind {
-                    PluginKind::LatencyGuard => {
+        for (n, config) in configs.iter().enumerate() {
+            for policy in parse_sections(config.as_bytes()).map_err(|e| anyhow!("{e}"))? {
+                match policy {
+                    Policy::LatencyGuard(p) => {
                         guard_filter = n;
-                        guard = Some(LatencyPolicy::from_json(bytes).map_err(|e| refused(e.to_string()))?);
+                        guard = Some(*p);
+                        continue;
                     }
-                    PluginKind::ModelRouter => router = Some(RoutingPolicy::from_json(bytes).map_err(|e| refused(e.to_string()))?),
-                    PluginKind::TenantBudget => budget = Some(sluice_core::budget::Policy::from_json(bytes).map_err(|e| refused(e.to_string()))?),
-                    PluginKind::LlmMetrics => metrics = Some(Settings::parse(bytes).map_err(|e| refused(e.to_string()))?),
+                    Policy::ModelRouter(p) => router = Some(*p),
+                    Policy::TenantBudget(p) => budget = Some(*p),
+                    Policy::LlmMetrics(p) => metrics = Some(p.settings),
                 }
-                if *kind != PluginKind::LatencyGuard {
-                    sections_filter = n;
-                }
+                sections_filter = n;
             }
         }
         Ok(Gateway::Native(Box::new(Native {
@@ -272,7 +266,15 @@ impl Gateway {
     pub fn transitions(&self, start_ns: u64) -> Vec<Transition> {
         let t_ms = |at_ns: u64| at_ns.saturating_sub(start_ns) as f64 / 1e6;
         match self {
-            Gateway::Wasm(chain) => chain.gateways().iter().flat_map(|g| g.gauge_changes()).filter_map(|c| transition(&c, t_ms(c.at_ns))).collect(),
+            Gateway::Wasm(chain) => chain
+                .gateways()
+                .iter()
+                .flat_map(|g| g.gauge_changes())
+                .filter_map(|c| {
+                    let (version, from, to) = breaker_change(&c.name, c.from, c.to)?;
+                    Some(Transition { t_ms: t_ms(c.at_ns), version: version.to_string(), from: from.to_string(), to: to.to_string() })
+                })
+                .collect(),
             Gateway::Native(n) => n
                 .gateway
                 .transitions()
@@ -349,11 +351,4 @@ impl Native {
             }
         }
     }
-}
-
-/// A breaker transition: a change of latency-guard's state gauge (0 closed, 1 open, 2 half-open).
-fn transition(change: &GaugeChange, t_ms: f64) -> Option<Transition> {
-    let version = change.name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
-    let state = |code: i64| u8::try_from(code).ok().and_then(BreakerState::from_code).map(|s| s.as_str().to_string());
-    Some(Transition { t_ms, version: version.to_string(), from: state(change.from)?, to: state(change.to)? })
 }

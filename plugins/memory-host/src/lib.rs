@@ -1,8 +1,9 @@
 //! sluice-memory-host: sluice-core's four flows (`sluice_core::flow`) in the shipped gateways'
 //! shape, driven as `plugins/engine`'s adapters drive them in Envoy and as `sluice-host` runs those
 //! adapters for the simulator — over a host that holds each request in memory, on a clock its
-//! caller drives. The playground's requests pass it, and so do `sluice-sim --host native`'s. Nothing here decides anything: each event goes to the flows in order, their effects are
-//! applied to the request, and what the flows wrote (filter state) is what the engine reports.
+//! caller drives. The playground's requests pass it, and so do `sluice-sim --host native`'s.
+//! Nothing here decides anything: each event goes to the flows in order, their effects are applied
+//! to the request, and what the flows wrote (filter state) is what the engine reports.
 //!
 //! The shape (envoy/templates/full-gateway.yaml, and the simulator's): latency-guard's section alone
 //! in a filter in front, then one filter running model-router, tenant-budget and llm-metrics in
@@ -125,6 +126,19 @@ pub struct Transition {
 /// latency-guard's breaker state gauge, one per version: `<prefix><version label>`.
 pub const BREAKER_GAUGE_PREFIX: &str = "sluice.latency.breaker_state.version.";
 
+/// A breaker's state by its gauge value (0 closed, 1 open, 2 half-open).
+pub fn breaker_state(code: i64) -> Option<&'static str> {
+    u8::try_from(code).ok().and_then(State::from_code).map(State::as_str)
+}
+
+/// The transition a change of gauge `name` from `before` to `after` is, if `name` is a breaker's
+/// state gauge and the state changed: the version's label, from, to.
+pub fn breaker_change(name: &str, before: i64, after: i64) -> Option<(&str, &'static str, &'static str)> {
+    let version = name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
+    let (from, to) = (breaker_state(before)?, breaker_state(after)?);
+    (from != to).then_some((version, from, to))
+}
+
 /// What effects reach beyond one request: the guard's tick, gauges, breaker transitions, and log
 /// lines at warning or above.
 #[derive(Debug, Default)]
@@ -155,14 +169,11 @@ impl Sink {
     /// A gauge's new value; a change of a breaker's state gauge is a transition (0 closed, 1 open,
     /// 2 half-open; a gauge never set reads 0, as Envoy's).
     fn gauge(&mut self, name: String, value: i64, now: u64) {
-        let before = self.gauges.insert(name.clone(), value).unwrap_or(0);
-        let Some(version) = name.strip_prefix(BREAKER_GAUGE_PREFIX) else { return };
-        let state = |code: i64| u8::try_from(code).ok().and_then(State::from_code).map(State::as_str);
-        if let (Some(from), Some(to)) = (state(before), state(value)) {
-            if from != to {
-                self.transitions.push(Transition { at_ns: now, version: version.to_string(), from, to, reason: String::new() });
-            }
+        let before = self.gauges.get(&name).copied().unwrap_or(0);
+        if let Some((version, from, to)) = breaker_change(&name, before, value) {
+            self.transitions.push(Transition { at_ns: now, version: version.to_string(), from, to, reason: String::new() });
         }
+        self.gauges.insert(name, value);
     }
 
     /// The guard's warning that follows a transition's gauge (`… breaker of <version> <from> → <to>:
