@@ -17,8 +17,9 @@ use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
+use sluice_core::metrics::{BUDGET_REMAINING_PREFIX, LATENCY_BREAKER_STATE_PREFIX};
 use sluice_host::{Chain, LogLevel, Plugin, PluginSpec, StreamId};
-use sluice_memory_host::{breaker_state, BREAKER_GAUGE_PREFIX};
+use sluice_memory_host::breaker_state;
 use sluice_workload::draw::{mix, unit};
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
@@ -96,7 +97,7 @@ fn wasm_chain(sluice: &Plugin, filters: &[Vec<(PluginKind, String)>], options: &
             .start_time(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(options.start_ns));
         if guard {
             // Breaker transitions, as the state gauge Envoy exports changes.
-            spec = spec.watch_gauges(BREAKER_GAUGE_PREFIX);
+            spec = spec.watch_gauges(LATENCY_BREAKER_STATE_PREFIX);
         }
         specs.push((sluice, spec));
     }
@@ -511,8 +512,8 @@ impl<'a> Engine<'a> {
         let mut sample = Sample { t_ms, breakers: Vec::new(), in_flight: Vec::new(), budgets_remaining: Vec::new() };
         let has = |kind: PluginKind| self.kinds.iter().flatten().any(|k| *k == kind);
         if has(PluginKind::LatencyGuard) {
-            for (name, value) in self.chain.gauges(BREAKER_GAUGE_PREFIX) {
-                let Some(version) = name.strip_prefix(BREAKER_GAUGE_PREFIX) else { continue };
+            for (name, value) in self.chain.gauges(LATENCY_BREAKER_STATE_PREFIX) {
+                let Some(version) = name.strip_prefix(LATENCY_BREAKER_STATE_PREFIX) else { continue };
                 let state = breaker_state(value).unwrap_or("closed");
                 sample.breakers.push((version.to_string(), state.to_string()));
             }
@@ -697,6 +698,3 @@ fn pick_tenant(traffic: &crate::scenario::Traffic, draw: u64) -> Option<String> 
     }
     traffic.tenants.last().map(|t| t.name.clone())
 }
-
-/// tenant-budget's remaining gauge, one per budget: `<prefix><code>`.
-const BUDGET_REMAINING_PREFIX: &str = "sluice.budget.remaining.";

@@ -113,7 +113,7 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
                 if let Some((_, t, bytes)) = current.take() {
                     pieces.push((t, bytes));
                 }
-                let mut bytes = Vec::new();
+                let mut bytes = Vec::with_capacity(template.size_hint(n));
                 template.render(&plan, i, n, &mut seq, &mut bytes);
                 current = Some((chunk, at, bytes));
             }

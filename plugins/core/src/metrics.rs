@@ -308,6 +308,10 @@ fn counter_labels(spec: &CounterSpec) -> String {
     crate::text::join(&[".", spec.level.as_str(), ".", &spec.owner, ".window.", spec.window.as_str(), ".unit.", spec.limit.measure()])
 }
 
+/// What every [`budget_remaining`] gauge's flat name starts with (then the budget's code:
+/// `<level>.<owner>.window.<w>.unit.<u>`), for hosts that read the gauges back.
+pub const BUDGET_REMAINING_PREFIX: &str = "sluice.budget.remaining.";
+
 /// `sluice.budget.remaining{org|team|key,window,unit}` (gauge): limit − used − reserved.
 pub fn budget_remaining(spec: &CounterSpec) -> String {
     crate::text::join(&["sluice.budget.remaining", &counter_labels(spec)])
@@ -599,8 +603,12 @@ pub fn latency_breaker_transitions_total(version: &str, to: State) -> String {
 
 /// `sluice.latency.breaker_state{version}` (gauge: 0 closed, 1 open, 2 half-open).
 pub fn latency_breaker_state(version: &str) -> String {
-    crate::text::join(&["sluice.latency.breaker_state.version.", version])
+    crate::text::join(&[LATENCY_BREAKER_STATE_PREFIX, version])
 }
+
+/// What every [`latency_breaker_state`] gauge's flat name starts with (then the version), for hosts
+/// that read breaker transitions off the gauge.
+pub const LATENCY_BREAKER_STATE_PREFIX: &str = "sluice.latency.breaker_state.version.";
 
 /// `sluice.latency.in_flight{version}` (gauge).
 pub fn latency_in_flight(version: &str) -> String {

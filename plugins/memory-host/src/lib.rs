@@ -45,6 +45,7 @@ use sluice_core::headers::HeaderPairs;
 use sluice_core::latency::breaker::State;
 use sluice_core::latency::deadline::IDLE_TICK_NS;
 use sluice_core::latency::LatencyPolicy;
+use sluice_core::metrics::LATENCY_BREAKER_STATE_PREFIX;
 use sluice_core::observation::{Observer, SharedSlot};
 use sluice_core::report::Outcome;
 use sluice_core::routing::RoutingPolicy;
@@ -123,9 +124,6 @@ pub struct Transition {
     pub reason: String,
 }
 
-/// latency-guard's breaker state gauge, one per version: `<prefix><version label>`.
-pub const BREAKER_GAUGE_PREFIX: &str = "sluice.latency.breaker_state.version.";
-
 /// A breaker's state by its gauge value (0 closed, 1 open, 2 half-open).
 pub fn breaker_state(code: i64) -> Option<&'static str> {
     u8::try_from(code).ok().and_then(State::from_code).map(State::as_str)
@@ -134,7 +132,7 @@ pub fn breaker_state(code: i64) -> Option<&'static str> {
 /// The transition a change of gauge `name` from `before` to `after` is, if `name` is a breaker's
 /// state gauge and the state changed: the version's label, from, to.
 pub fn breaker_change(name: &str, before: i64, after: i64) -> Option<(&str, &'static str, &'static str)> {
-    let version = name.strip_prefix(BREAKER_GAUGE_PREFIX)?;
+    let version = name.strip_prefix(LATENCY_BREAKER_STATE_PREFIX)?;
     let (from, to) = (breaker_state(before)?, breaker_state(after)?);
     (from != to).then_some((version, from, to))
 }
@@ -204,7 +202,8 @@ struct Data {
     /// The response chunk being passed.
     chunk: Vec<u8>,
     code_details: Option<&'static str>,
-    /// The back filter's sections' shared response observer.
+    /// The stream's shared response observer: the back filter's sections and the guard in front
+    /// read it, as sluice.wasm's two instances in one VM do (the guard announces it at the request).
     slot: SharedSlot,
 }
 
@@ -212,12 +211,10 @@ struct Data {
 struct StreamView<'a> {
     data: &'a mut Data,
     now: u64,
-    /// A section of the back filter: it reads the response through the shared observer.
-    shared: bool,
 }
 
-fn view(data: &mut Data, now: u64, filter: Filter) -> StreamView<'_> {
-    StreamView { data, now, shared: filter == Filter::Sections }
+fn view(data: &mut Data, now: u64) -> StreamView<'_> {
+    StreamView { data, now }
 }
 
 fn find(pairs: &[(String, String)], name: &str) -> Option<String> {
@@ -258,11 +255,7 @@ impl View for StreamView<'_> {
         Outcome::of_unended(self.data.code_details.unwrap_or_default(), None)
     }
     fn response_observer(&mut self, kind: ApiKind) -> Observer {
-        if self.shared {
-            Observer::join(&self.data.slot, kind)
-        } else {
-            Observer::own(kind)
-        }
+        Observer::join(&self.data.slot, kind)
     }
 }
 
@@ -508,7 +501,7 @@ impl Gateway {
         let Vm { router, budget, metrics, store, fx, sink, .. } = &mut self.vm;
         let Stream { ctl, flows } = s;
         if let (Some(r), Some(flow)) = (router.as_mut(), flows.router.as_mut()) {
-            let mut v = view(&mut ctl.data, now, Filter::Sections);
+            let mut v = view(&mut ctl.data, now);
             if !body {
                 flow.on_request_headers(r, &mut v, store, false, &mut || now, fx);
             } else if flow.wants_request_body() {
@@ -529,7 +522,7 @@ impl Gateway {
             } else if flow.is_budgeted() {
                 let mut host = Host::default();
                 let size = ctl.data.request_body.len();
-                let verdict = flow.on_request_body(b, store, &mut host, &mut view(&mut ctl.data, now, Filter::Sections), size, true, now, fx);
+                let verdict = flow.on_request_body(b, store, &mut host, &mut view(&mut ctl.data, now), size, true, now, fx);
                 if let Some(bytes) = host.replaced.take() {
                     ctl.data.request_body = bytes;
                 }
@@ -543,7 +536,7 @@ impl Gateway {
             }
         }
         if let (Some(m), Some(flow)) = (metrics.as_mut(), flows.metrics.as_mut()) {
-            let mut v = view(&mut ctl.data, now, Filter::Sections);
+            let mut v = view(&mut ctl.data, now);
             if !body {
                 flow.on_request_headers(m, &mut v, now, fx);
             } else if flow.is_measured() {
@@ -673,25 +666,25 @@ impl Gateway {
         let Stream { ctl, flows } = &mut s;
         if let (Some(root), Some(flow)) = (guard.as_mut(), flows.guard.as_mut()) {
             if flow.is_guarded() {
-                flow.on_log(root, &mut view(&mut ctl.data, now, Filter::Guard), store, now, fx);
+                flow.on_log(root, &mut view(&mut ctl.data, now), store, now, fx);
                 apply(fx, ctl, Filter::Guard, sink, now);
             }
         }
         if let (Some(m), Some(flow)) = (metrics.as_mut(), flows.metrics.as_mut()) {
             if flow.is_measured() {
-                flow.on_log(m, &mut view(&mut ctl.data, now, Filter::Sections), fx);
+                flow.on_log(m, &mut view(&mut ctl.data, now), fx);
                 apply(fx, ctl, Filter::Sections, sink, now);
             }
         }
         if let (Some(b), Some(flow)) = (budget.as_mut(), flows.budget.as_mut()) {
             if flow.is_budgeted() {
-                flow.on_log(b, store, &mut view(&mut ctl.data, now, Filter::Sections), now, fx);
+                flow.on_log(b, store, &mut view(&mut ctl.data, now), now, fx);
                 apply(fx, ctl, Filter::Sections, sink, now);
             }
         }
         if let (Some(r), Some(flow)) = (router.as_mut(), flows.router.as_mut()) {
             if flow.is_routed() {
-                flow.on_log(r, &mut view(&mut ctl.data, now, Filter::Sections), store, &mut || now, fx);
+                flow.on_log(r, &mut view(&mut ctl.data, now), store, &mut || now, fx);
                 apply(fx, ctl, Filter::Sections, sink, now);
             }
         }
@@ -724,11 +717,11 @@ impl Gateway {
             let Some(root) = guard.as_mut() else { return };
             match self.streams.get_mut(&id) {
                 Some(s) => {
-                    root.on_tick_stream(id, now, &mut |i| i == id, &mut view(&mut s.ctl.data, now, Filter::Guard), store, fx);
+                    root.on_tick_stream(id, now, &mut |i| i == id, &mut view(&mut s.ctl.data, now), store, fx);
                     apply(fx, &mut s.ctl, Filter::Guard, sink, now);
                 }
                 None => {
-                    root.on_tick_stream(id, now, &mut |_| false, &mut view(&mut Data::default(), now, Filter::Guard), store, fx);
+                    root.on_tick_stream(id, now, &mut |_| false, &mut view(&mut Data::default(), now), store, fx);
                     sink.take_all(fx, now);
                 }
             }
@@ -778,7 +771,7 @@ impl Vm {
     /// latency-guard's filter on a request event (`body`: the whole body, else the headers).
     fn guard_request(&mut self, s: &mut Stream, now: u64, body: bool) {
         let (Some(root), Some(flow)) = (self.guard.as_mut(), s.flows.guard.as_mut()) else { return };
-        let mut v = view(&mut s.ctl.data, now, Filter::Guard);
+        let mut v = view(&mut s.ctl.data, now);
         if !body {
             flow.on_request_headers(root, &mut v, &mut self.store, false, now, &mut self.fx);
         } else if flow.is_guarded() {
@@ -794,7 +787,7 @@ impl Vm {
         if !flow.is_guarded() {
             return Verdict::Continue;
         }
-        let mut v = view(&mut s.ctl.data, now, Filter::Guard);
+        let mut v = view(&mut s.ctl.data, now);
         let verdict = match end {
             None => flow.on_response_headers(root, &mut v, &mut self.store, false, now, &mut self.fx),
             Some(end) => {
@@ -812,7 +805,7 @@ impl Vm {
         let Stream { ctl, flows } = s;
         if let (Some(m), Some(flow)) = (self.metrics.as_mut(), flows.metrics.as_mut()) {
             if flow.is_measured() {
-                let mut v = view(&mut ctl.data, now, Filter::Sections);
+                let mut v = view(&mut ctl.data, now);
                 match end {
                     None => flow.on_response_headers(m, &mut v, false, &mut self.fx),
                     Some(end) => {
@@ -825,7 +818,7 @@ impl Vm {
         }
         if let (Some(b), Some(flow)) = (self.budget.as_mut(), flows.budget.as_mut()) {
             if flow.is_budgeted() {
-                let mut v = view(&mut ctl.data, now, Filter::Sections);
+                let mut v = view(&mut ctl.data, now);
                 match end {
                     None => flow.on_response_headers(b, &mut v, now, &mut self.fx),
                     Some(end) => {
@@ -838,7 +831,7 @@ impl Vm {
         }
         if let (Some(r), Some(flow)) = (self.router.as_mut(), flows.router.as_mut()) {
             if flow.wants_response() {
-                let mut v = view(&mut ctl.data, now, Filter::Sections);
+                let mut v = view(&mut ctl.data, now);
                 match end {
                     None => flow.on_response_headers(r, &mut v, &mut self.fx),
                     Some(end) => {
@@ -857,7 +850,7 @@ impl Vm {
         let Some(root) = self.guard.as_mut() else { return };
         let Some(address) = s.ctl.data.state.get(RELEASE_PROPERTY).map(|v| String::from_utf8_lossy(v).into_owned()) else { return };
         let Some(item) = ReleaseAddress::decode(&address).map(|a| a.stream.to_string()) else { return };
-        root.on_release(item.as_bytes(), now, &mut |i| i == id, &mut view(&mut s.ctl.data, now, Filter::Guard), &mut self.store, &mut self.fx);
+        root.on_release(item.as_bytes(), now, &mut |i| i == id, &mut view(&mut s.ctl.data, now), &mut self.store, &mut self.fx);
         apply(&mut self.fx, &mut s.ctl, Filter::Guard, &mut self.sink, now);
     }
 }
