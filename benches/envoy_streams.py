@@ -10,12 +10,17 @@ window, CPU µs per event, and the added µs per event against no filter. Every 
 this one invocation, one after the other, loopback only, bounded in time (≈ 20 s per row).
 
 Configurations: Envoy with no filter; the trivial wasm filter (one response header); model-router +
-tenant-budget + llm-metrics (the full gateway without latency-guard); the full chain.
+tenant-budget + llm-metrics (the full gateway without latency-guard); the full chain; and the same
+four policies natively (libsluice.so, envoy/templates/native-full-gateway.yaml: the router without
+its shadow, which the native module refuses) beside the wasm full chain with the same router policy.
 
 With --before DIR the sluice rows also run with the `.wasm` files of DIR (an earlier build), as
 "<name> (before)".
 
-Usage: benches/envoy_streams.py [--streams 10,1000] [--before DIR]   (needs what benches/envoy_load.py needs)
+With --native-before DIR the native row also runs with the libsluice.so of DIR.
+
+Usage: benches/envoy_streams.py [--streams 10,1000] [--before DIR] [--native-before DIR]
+       (needs what benches/envoy_load.py needs)
 """
 
 import argparse
@@ -128,6 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="10,1000")
     ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
+    ap.add_argument("--native-before", default="", help="directory of an earlier libsluice.so: the native row runs with it too")
     args = ap.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     full = (ROOT / "envoy/templates/full-gateway.yaml").read_text()
@@ -136,9 +142,14 @@ def main():
         ("trivial wasm filter", (ROOT / "envoy/bench/floor.yaml").read_text()),
         ("router + budget + metrics", without_guard(full)),
         ("full chain", full),
+        # The wasm chain with the native chain's router policy (no shadow), then the native chain.
+        ("full chain, no shadow", full),
+        ("native full chain", (ROOT / "envoy/templates/native-full-gateway.yaml").read_text()),
     ]
     if args.before:
         configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "{{WASM_DIR}}/sluice" in t else [])]
+    if args.native_before:
+        configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if name.startswith("native") else [])]
     budget = load.yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
     policies = {
         "PLUGIN_CONFIG": load.yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text()),
@@ -157,14 +168,19 @@ def main():
                 for name, template in configs:
                     port, admin = load.free_port(), load.free_port()
                     path = Path(tmp) / "envoy.yaml"
-                    path.write_text(load.render(template, dict(policies, **{
+                    no_shadow = name.startswith("native") or "no shadow" in name
+                    router = load.yaml_string_body(load.router_policy(None if no_shadow else 0.0))
+                    path.write_text(load.render(template, dict(policies, ROUTER_CONFIG=router, **{
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port),
-                        "WASM_DIR": args.before if name.endswith("(before)") else str(load.WASM_DIR),
+                        "WASM_DIR": args.before if name.endswith("(before)") and not name.startswith("native") else str(load.WASM_DIR),
                         "ACCESS_LOG": "/dev/null", "FLOOR_CONFIG": ""})))
                     envoy = subprocess.Popen([load.ENVOY, "-c", str(path), "--concurrency", "1", "--log-level", "error",
                                               "--base-id", str(os.getpid() % 10000 + 700)],
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             env=dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(
+                                                 args.native_before if name.startswith("native") and name.endswith("(before)")
+                                                 else load.NATIVE_DIR)))
                     try:
                         load.wait_port(port)
                         # Warm-up, as a long-running gateway is: V8 compiles a module's hot functions

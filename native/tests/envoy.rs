@@ -1009,6 +1009,9 @@ fn engine_latency_guard_natively_holds_releases_and_fires_deadlines_as_sluice_wa
     for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
         assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
     }
+    // The guard's stamps above came from the observer the instance behind it read the response
+    // with (one scan of each event for both), as in sluice.wasm.
+    assert!(native.log().contains(SHARED_OBSERVER_LINE), "{}", native.log());
     let slow = &seen[0][1];
     assert_eq!((slow.1.as_deref(), slow.2.as_deref()), (Some("ttft"), Some("latency-guard")), "{slow:?}");
     assert!(slow.4.contains(r#""version":"slow""#), "{slow:?}");
@@ -1108,7 +1111,12 @@ fn native_full_gateway_stamps_one_streamed_request_alike_in_its_four_sections() 
     assert_eq!(stamp_string(&budget, "key").as_deref(), Some("acme"), "{stamps}");
     assert_eq!(stamp_string(&latency, "outcome").as_deref(), Some("ok"), "{stamps}");
     assert_eq!(stamp_string(&llm, "outcome").as_deref(), Some("completed"), "{stamps}");
+    assert!(envoy.log().contains(SHARED_OBSERVER_LINE), "{}", envoy.log());
 }
+
+/// The module's line at the first stream whose response the sluice instance reads through the
+/// observer latency-guard's instance in front announced.
+const SHARED_OBSERVER_LINE: &str = "the response is read once for latency-guard's instance and this one";
 
 #[test]
 fn engine_latency_guard_natively_refuses_before_the_upstream_with_the_router_behind_it() {

@@ -47,6 +47,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use sluice_core::contract::OBSERVATION_PROPERTY;
 use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_REQUEST_BODY_BYTES};
 use sluice_core::flow::guard::{self as guard_flow, GuardFlow, GuardRoot};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
@@ -55,7 +56,7 @@ use sluice_core::flow::sections::{self, ConfigError, Policy};
 use sluice_core::flow::{Dir, Effect, Effects, LogLevel as FlowLogLevel, Verdict};
 use sluice_core::headers::HeaderPairs;
 use sluice_core::metrics::Plugin;
-use sluice_core::observation::{shared_slot, SharedSlot};
+use sluice_core::observation::{shared_slot, SharedResponse, SharedSlot};
 use sluice_core::store::MemoryStore;
 
 use crate::filter::{log, BodyKind, BodyStatus, ConfigContext, Envoy, Filter, FilterConfig, HeadersStatus, LogLevel};
@@ -193,6 +194,7 @@ impl FilterConfig for EngineConfig {
             inner: Arc::clone(&self.inner),
             sections,
             shared,
+            announced: None,
             effects: Effects::default(),
             chunk: Chunk::default(),
             held: None,
@@ -272,6 +274,43 @@ struct Stream {
     response_held: bool,
     /// The guarded stream's id, while the module's tick thread ticks it ([`ticker`]).
     ticked: Option<u32>,
+    /// The number under which this guard's instance announced the stream's shared observer
+    /// ([`announce_observer`]), until the stream ends.
+    announced: Option<u64>,
+}
+
+thread_local! {
+    /// Shared response observers announced by guard instances on this worker, by number. The sluice
+    /// instance behind a guard runs on the same worker thread (one stream's filters always do), so
+    /// it finds the guard's observer here and the stream is framed and scanned once for both, as
+    /// sluice.wasm's two instances in one VM share theirs.
+    static ANNOUNCED: std::cell::RefCell<std::collections::HashMap<u64, std::rc::Weak<std::cell::RefCell<Option<SharedResponse>>>>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Filter state [`OBSERVATION_PROPERTY`] as the native module writes it: `native#<number>` (no
+/// space, so sluice.wasm, which writes `<vm token> <context id>`, never mistakes it for its own).
+const ANNOUNCED_PREFIX: &str = "native#";
+
+/// A guard's instance makes the stream's shared observer, keeps it under a new number and names
+/// it in filter state for the instance behind. `None` when the filter state could not be written.
+fn announce_observer(envoy: &mut Envoy<'_>) -> Option<(u64, SharedSlot)> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let number = NEXT.fetch_add(1, Ordering::Relaxed);
+    let value = format!("{ANNOUNCED_PREFIX}{number}");
+    if !envoy.set_filter_state(&state_key(OBSERVATION_PROPERTY), value.as_bytes()) {
+        return None;
+    }
+    let slot = shared_slot();
+    ANNOUNCED.with(|a| a.borrow_mut().insert(number, std::rc::Rc::downgrade(&slot)));
+    Some((number, slot))
+}
+
+/// The shared observer a guard in front announced on this stream, if it is on this thread and alive.
+fn announced_observer(envoy: &mut Envoy<'_>) -> Option<SharedSlot> {
+    let value = envoy.filter_state(&state_key(OBSERVATION_PROPERTY))?;
+    let number = std::str::from_utf8(value).ok()?.strip_prefix(ANNOUNCED_PREFIX)?.parse::<u64>().ok()?;
+    ANNOUNCED.with(|a| a.borrow().get(&number).and_then(std::rc::Weak::upgrade))
 }
 
 /// What the effects of an event asked for, beyond what they did at once.
@@ -289,6 +328,9 @@ impl Drop for Stream {
     fn drop(&mut self) {
         if let Some(id) = self.ticked.take() {
             ticker::forget(id);
+        }
+        if let Some(number) = self.announced.take() {
+            ANNOUNCED.with(|a| a.borrow_mut().remove(&number));
         }
     }
 }
@@ -309,11 +351,39 @@ enum ResponseEvent {
 }
 
 impl Stream {
+    /// One response observer for the guard's instance and the sluice instance behind it: the guard
+    /// (in front, first at the request) announces one; the instance behind, finding it, reads the
+    /// response through it instead of its own.
+    fn share_observer(&mut self, envoy: &mut Envoy<'_>) {
+        if self.announced.is_some() {
+            return;
+        }
+        if matches!(self.sections.as_slice(), [Section::Guard { .. }]) {
+            if self.shared.is_none() {
+                if let Some((number, slot)) = announce_observer(envoy) {
+                    self.announced = Some(number);
+                    self.shared = Some(slot);
+                }
+            }
+        } else if let Some(slot) = announced_observer(envoy) {
+            self.shared = Some(slot);
+            // Said once per process, at the first stream that shares (the deployment's layout works).
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                log(
+                    LogLevel::Info,
+                    "sluice: the response is read once for latency-guard's instance and this one (its shared observer, announced in filter state)",
+                );
+            }
+        }
+    }
+
     /// Runs the request headers through the sections in pipeline order until one stops them (with
     /// its local reply); they wait if a budget must read the whole body first.
     fn request_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
         let now = now_ns();
         self.chunk.forget();
+        self.share_observer(envoy);
         let mut pairs: Option<HeaderPairs> = None;
         for i in 0..self.sections.len() {
             let Some(section) = self.sections.get_mut(i) else { continue };
