@@ -1148,3 +1148,61 @@ fn engine_latency_guard_natively_refuses_before_the_upstream_with_the_router_beh
     let admitted = log_field(&envoy, "/v1/chat/completions?first", "latency");
     assert!(admitted.contains(r#""version":"v1""#) && admitted.contains(r#""outcome":"ok""#), "{admitted}");
 }
+
+#[test]
+fn engine_latency_guard_natively_opens_a_breaker_and_sheds_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    // Every answer's first content token comes after FIRST_CONTENT_MS (200 ms), past the 50 ms
+    // objective: after three samples v1's breaker opens, and a sheddable request is refused before
+    // the upstream (no fallback named).
+    let policy = r#"{"classes":[{"name":"batch","priority":"sheddable"}],"default_class":"batch","versions":[{"name":"v1","breaker":{"objective":{"percentile":95,"ttft_ms":50},"window_s":30,"min_samples":3,"open_for_ms":60000}}]}"#;
+    let sections = format!(r#"{{"latency_guard": {policy}}}{NEXT_INSTANCE}{{"llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+
+    let latency_timeless = |stamp: &str| {
+        let mut out = stamp.to_string();
+        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":", "\"retry_after_s\":"] {
+            out = countdown_masked(&out, key);
+        }
+        out
+    };
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        for n in 0..5 {
+            let path = format!("/v1/chat/completions?host={host}&n={n}");
+            let response = envoy.request(&model_request(&path, "v1", ""));
+            // The guard's stamp is written at the request's end, where its sample reaches the
+            // breaker: waiting for the access log line orders the next request after it.
+            let latency = latency_timeless(&log_field(envoy, &path, "latency"));
+            let refused_by = response.header("x-sluice-refused-by").map(str::to_string);
+            let reached = !upstream.heads_for(&path).is_empty();
+            of_host.push((response.status, refused_by, reached, latency));
+        }
+        seen.push(of_host);
+    }
+    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
+        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
+    }
+    let statuses: Vec<u16> = seen[0].iter().map(|r| r.0).collect();
+    assert_eq!(statuses, [200, 200, 200, 503, 503], "{:?}", seen[0]);
+    for refused in &seen[0][3..] {
+        assert_eq!(refused.1.as_deref(), Some("latency-guard"), "{refused:?}");
+        assert!(!refused.2, "a request refused with the breaker open reached the upstream: {refused:?}");
+        assert!(refused.3.contains(r#""outcome":"shed_breaker_open""#), "{refused:?}");
+    }
+    // The two refusals' histogram samples (under version "unknown") too: a count shows at a stats flush.
+    let families = [
+        ("sluice_latency_breaker_transitions_total", 1),
+        ("sluice_latency_shed_total", 2),
+        ("sluice_ttft_ms_count", 3),
+        ("sluice_request_duration_ms_count", 2),
+        ("sluice_input_tokens_count", 2),
+        ("sluice_output_tokens_count", 2),
+    ];
+    let series = native.sluice_series(&families);
+    assert_eq!(series, wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
+    let state = series.iter().find(|(k, _)| k.starts_with("sluice_latency_breaker_state{")).map(|(k, v)| format!("{k} {v}"));
+    assert_eq!(state.as_deref(), Some("sluice_latency_breaker_state{version=\"v1\"} 1"), "{series:?}");
+}
