@@ -585,7 +585,11 @@ fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
     let stats = match host {
         Host::Native => stats_config_of("native-gateway.yaml", "layered_runtime"),
         Host::Wasm => stats_config_of(
-            if sections.contains("tenant_budget") {
+            // The guard beside another policy: the full gateway's tags (the router's alone lacks
+            // the guard's `to`, the guard's alone the budget's).
+            if sections.contains("latency_guard") && (sections.contains("tenant_budget") || sections.contains("model_router")) {
+                "full-gateway.yaml"
+            } else if sections.contains("tenant_budget") {
                 "budget-gateway.yaml"
             } else if sections.contains("model_router") {
                 "router-gateway.yaml"
@@ -1205,4 +1209,52 @@ fn engine_latency_guard_natively_opens_a_breaker_and_sheds_as_sluice_wasm() {
     assert_eq!(series, wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
     let state = series.iter().find(|(k, _)| k.starts_with("sluice_latency_breaker_state{")).map(|(k, v)| format!("{k} {v}"));
     assert_eq!(state.as_deref(), Some("sluice_latency_breaker_state{version=\"v1\"} 1"), "{series:?}");
+}
+
+#[test]
+fn engine_latency_guard_natively_fails_over_to_the_fallback_version_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    // v1's breaker opens after three answers past its 50 ms objective; standard requests then go to
+    // its fallback v2: the guard names v1 in its avoid list and model-router (behind it) takes the
+    // next version of the model's fallback order.
+    let guard = r#"{"classes":[{"name":"default","priority":"standard"}],"default_class":"default","versions":[{"name":"v1","breaker":{"objective":{"percentile":95,"ttft_ms":50},"window_s":30,"min_samples":3,"open_for_ms":60000,"fallback":"v2"}},{"name":"v2"}]}"#;
+    let router = r#"{"route_header":"x-sluice-route","version_header":"x-model-version","models":[{"model":"llama-3-70b","versions":[{"name":"v1","weight":100,"upstream_model":"llama-3-70b","route":"llama-v1"},{"name":"v2","weight":0,"upstream_model":"llama-3-70b-v2","route":"llama-v2"}],"fallback":["v1","v2"]}]}"#;
+    let sections = format!(r#"{{"latency_guard": {guard}}}{NEXT_INSTANCE}{{"model_router": {router}, "llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+
+    let latency_timeless = |stamp: &str| {
+        let mut out = stamp.to_string();
+        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":"] {
+            out = countdown_masked(&out, key);
+        }
+        out
+    };
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        for n in 0..5 {
+            let path = format!("/v1/chat/completions?host={host}&n={n}");
+            let response = envoy.request(&model_request(&path, "llama-3-70b", ""));
+            // Waiting for the line orders the next request after this one's sample reached the breaker.
+            let latency = latency_timeless(&log_field(envoy, &path, "latency"));
+            let route = log_field(envoy, &path, "route");
+            let sent_version = upstream.heads_for(&path).first().and_then(|h| head_value(h, "x-model-version"));
+            of_host.push((response.status, sent_version, route, latency));
+        }
+        seen.push(of_host);
+    }
+    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
+        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
+    }
+    for (n, row) in seen[0].iter().enumerate() {
+        let want = if n < 3 { "v1" } else { "v2" };
+        assert_eq!((row.0, row.1.as_deref()), (200, Some(want)), "request {n}: {row:?}");
+        assert!(row.3.contains(&format!(r#""version":"{want}""#)), "request {n}: {row:?}");
+    }
+    for row in &seen[0][3..] {
+        assert!(row.2.contains(r#""reason":"fallback""#), "{row:?}");
+    }
+    let families = [("sluice_latency_breaker_transitions_total", 1), ("sluice_ttft_ms_count", 3), ("sluice_request_duration_ms_count", 2)];
+    assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
 }
