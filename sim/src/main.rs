@@ -277,6 +277,10 @@ struct RunOutput {
 
 fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) -> Result<RunOutput, Failure> {
     let mut scenario = Scenario::load(scenario_path).map_err(|e| fail(exit::USAGE, e))?;
+    // Said even with -q: the run is not of the policy as written.
+    for note in &scenario.notes {
+        eprintln!("sluice-sim: {}: {note}", scenario_path.display());
+    }
     if let Some(scale) = run.time_scale {
         if !(scale.is_finite() && scale > 0.0) {
             return Err(fail(exit::USAGE, anyhow::anyhow!("--time-scale must be a positive number, got {scale}")));

@@ -51,6 +51,26 @@ pub struct Scenario {
     /// TTFT, time per output token and token counts unchanged (the last event still comes at the
     /// last token's time, and usage carries the count).
     pub tokens_per_event: u64,
+    /// What the simulator changed in a policy to run it, one line each, for the user to read
+    /// (a tenant-budget ledger in Redis mode runs as the local ledger).
+    pub notes: Vec<String>,
+}
+
+/// A tenant-budget policy whose ledger is Redis, as the same policy on the local ledger; `None`
+/// for any other policy (a local ledger, or text that is not a JSON object: the plugin refuses it
+/// with its own message). The simulator has no Redis and no `sluice-ledger`: on the wasm host the
+/// ledger's callouts would be answered by the modelled upstream, natively not made at all, so the
+/// two hosts would decide differently and neither as a fleet does.
+fn as_local_ledger(text: &str) -> Option<String> {
+    let mut policy: Value = serde_json::from_str(text).ok()?;
+    let ledger = policy.get_mut("ledger")?.as_object_mut()?;
+    if ledger.get("mode").and_then(Value::as_str) != Some("redis") {
+        return None;
+    }
+    // Every other member of the ledger is about reaching Redis; the local mode takes none of them.
+    ledger.clear();
+    ledger.insert("mode".into(), "local".into());
+    Some(policy.to_string())
 }
 
 /// The four plugins, in the gateway's filter order.
@@ -213,6 +233,7 @@ impl Scenario {
         }
         let base = path.parent().unwrap_or(Path::new("."));
         let mut plugins = Vec::new();
+        let mut notes = Vec::new();
         let files = [
             (PluginKind::LatencyGuard, "plugins.latency_guard", file.plugins.latency_guard),
             (PluginKind::ModelRouter, "plugins.model_router", file.plugins.model_router),
@@ -228,6 +249,18 @@ impl Scenario {
                 }
                 Some(v @ Value::Object(_)) => v.to_string(),
                 Some(other) => return Err(invalid(field, format!("expected a path to the policy file or the policy object, got {other}"))),
+            };
+            let text = match kind {
+                PluginKind::TenantBudget => match as_local_ledger(&text) {
+                    Some(local) => {
+                        notes.push(format!(
+                            "{field}: the budget's ledger is Redis (\"ledger\": {{\"mode\": \"redis\"}}); the simulator runs it as one gateway's local ledger (\"mode\": \"local\"): the same limits and admission, counted exactly, without the ledger's round trips or its on_failure rule"
+                        ));
+                        local
+                    }
+                    None => text,
+                },
+                _ => text,
             };
             plugins.push((kind, text));
         }
@@ -269,6 +302,7 @@ impl Scenario {
             stream_chunk_ms: file.stream_chunk_ms,
             whole_milliseconds: file.whole_milliseconds,
             tokens_per_event: file.tokens_per_event,
+            notes,
         })
     }
 

@@ -241,6 +241,30 @@ fn budget_admits_what_fits_and_refreshes_with_the_window() {
     check(&v, 11..=16, after_three);
 }
 
+#[test]
+fn a_redis_ledger_runs_as_the_local_ledger_and_the_scenario_says_so() {
+    const PROMPT: u64 = 100;
+    const MAX: u64 = 200;
+    let reservation = chat_body_bytes(PROMPT, MAX) + MAX;
+    let upstream = json!({ "default_upstream": { "ttft_base_ms": 20, "prefill_tokens_per_s": 10000, "tpot_ms": 10 } });
+    let local = budget_and_metrics(minute_tokens(3 * reservation), json!({}), upstream.clone());
+    // `on_failure: allow` would admit all six if the ledger's callouts went unanswered.
+    let redis = budget_and_metrics(
+        minute_tokens(3 * reservation),
+        json!({ "ledger": { "mode": "redis", "cluster": "sluice_ledger", "timeout_ms": 50, "on_failure": "allow" } }),
+        upstream,
+    );
+    assert!(local.notes.is_empty(), "{:?}", local.notes);
+    assert_eq!(redis.notes.len(), 1, "{:?}", redis.notes);
+    assert!(redis.notes[0].starts_with("plugins.tenant_budget: the budget's ledger is Redis") && redis.notes[0].contains("local ledger"), "{:?}", redis.notes);
+    let trace: Vec<TraceRequest> = (1..=6).map(|n| request(n, 0, "k1", PROMPT, MAX, 50)).collect();
+    let (v, _) = run(&redis, MINUTE_BOUNDARY_NS, trace.clone());
+    let refused = v.iter().filter(|v| v.decision == Decision::Refused).count();
+    assert_eq!(refused, 3, "three reservations fit, the other three are refused: {v:#?}");
+    let (local_verdicts, _) = run(&local, MINUTE_BOUNDARY_NS, trace);
+    assert_eq!(serialized(&v), serialized(&local_verdicts), "the Redis-mode policy decides as the local one");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The service model: batch limit, queue, slowdown by batch size
 // ---------------------------------------------------------------------------------------------
