@@ -1258,3 +1258,50 @@ fn engine_latency_guard_natively_fails_over_to_the_fallback_version_as_sluice_wa
     let families = [("sluice_latency_breaker_transitions_total", 1), ("sluice_ttft_ms_count", 3), ("sluice_request_duration_ms_count", 2)];
     assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
 }
+
+#[test]
+fn engine_llm_metrics_natively_bounds_every_label_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    // One configured version and two more learned from traffic; one named tenant. Clients send six
+    // versions and four tenants: the rest must fold into the bounded values, alike on both hosts.
+    let policy = r#"{"model_version_header":"x-model-version","model_versions":["v1"],"max_dynamic_model_versions":2,"tenant":{"header":"x-sluice-tenant"},"tenants":["acme"]}"#;
+    let sections = format!(r#"{{"llm_metrics": {policy}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+    let versions = ["v1", "dyn-a", "dyn-b", "dyn-c", "dyn-d", "v1"];
+    let tenants = ["acme", "mallory-1", "mallory-2", "acme", "mallory-3", "mallory-4"];
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        for (n, (version, tenant)) in versions.iter().zip(tenants).enumerate() {
+            let path = format!("/v1/chat/completions?host={host}&n={n}");
+            let response = envoy.request(&model_request(&path, "llama-3-70b", &format!("x-model-version: {version}\r\nx-sluice-tenant: {tenant}\r\n")));
+            assert_eq!(response.status, 200, "{host} {n}: {}", response.head);
+        }
+    }
+    let families = [("sluice_ttft_ms_count", 1), ("sluice_request_duration_ms_count", 1)];
+    let series = native.sluice_series(&families);
+    // Every request's duration sample has flushed on both hosts before comparing.
+    let total = |s: &std::collections::BTreeMap<String, String>| -> u64 {
+        s.iter().filter(|(k, _)| k.starts_with("sluice_request_duration_ms_count{")).map(|(_, v)| v.parse::<u64>().unwrap_or(0)).sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut native_series, mut wasm_series) = (series, wasm.sluice_series(&families));
+    while total(&native_series) < 6 || total(&wasm_series) < 6 {
+        assert!(Instant::now() < deadline, "not every request's sample showed: native {native_series:?}\nwasm {wasm_series:?}");
+        std::thread::sleep(Duration::from_millis(200));
+        native_series = native.sluice_series(&families);
+        wasm_series = wasm.sluice_series(&families);
+    }
+    assert_eq!(native_series, wasm_series, "native (left) and sluice.wasm (right) Prometheus series differ");
+    let values_of = |label: &str| -> std::collections::BTreeSet<String> {
+        let marker = format!("{label}=\"");
+        native_series.keys().filter_map(|k| k.split_once(&marker).and_then(|(_, rest)| rest.split('"').next()).map(str::to_string)).collect()
+    };
+    let versions_seen = values_of("model_version");
+    let tenants_seen = values_of("tenant");
+    // v1, the two learned, and what the rest fold into; acme and what the rest fold into.
+    assert!(
+        versions_seen.len() <= 4 && versions_seen.contains("v1") && !versions_seen.contains("dyn-c") && !versions_seen.contains("dyn-d"),
+        "{versions_seen:?}"
+    );
+    assert!(tenants_seen.len() <= 2 && tenants_seen.contains("acme") && !tenants_seen.iter().any(|t| t.starts_with("mallory")), "{tenants_seen:?}");
+}
