@@ -124,6 +124,9 @@ pub struct RunOptions {
 pub struct RunResult {
     pub requests: u64,
     pub samples: Vec<Sample>,
+    /// Virtual time between two of `samples`, ms: the scenario's `sample_every_ms`, or a multiple
+    /// of it when a long span coarsened them ([`MAX_SAMPLES`]).
+    pub sample_every_ms: u64,
     pub transitions: Vec<Transition>,
     /// Virtual time from the first arrival to the last answer, ms.
     pub span_ms: f64,
@@ -187,7 +190,15 @@ pub struct Engine<'a> {
     filler: String,
     result: RunResult,
     last_event_ns: u64,
+    /// Virtual time between two samples: `sample_every_ms`, doubled each time the samples reach
+    /// [`MAX_SAMPLES`].
+    sample_every_ns: u64,
 }
+
+/// The most samples a run keeps. Past it, every other sample is dropped and the interval doubles,
+/// so a report's memory for samples is bounded whatever the trace's virtual span (a day at 1 s
+/// would be 86,400 of them); its charts need no more points than this.
+pub const MAX_SAMPLES: usize = 4096;
 
 impl<'a> Engine<'a> {
     /// Starts the scenario's plugins (fresh state) at `options.start_ns`, on `plugins`' host.
@@ -212,8 +223,9 @@ impl<'a> Engine<'a> {
             callouts: HashSet::new(),
             callout_replies: HashMap::new(),
             filler: String::new(),
-            result: RunResult::default(),
+            result: RunResult { sample_every_ms: scenario.sample_every_ms, ..RunResult::default() },
             last_event_ns: options.start_ns,
+            sample_every_ns: scenario.sample_every_ms.saturating_mul(1_000_000),
         };
         engine.schedule(options.start_ns, Event::Sample);
         Ok(engine)
@@ -441,7 +453,7 @@ impl<'a> Engine<'a> {
         match event {
             Event::Sample => {
                 self.sample(at);
-                self.schedule(at + self.scenario.sample_every_ms * 1_000_000, Event::Sample);
+                self.schedule(at + self.sample_every_ns, Event::Sample);
             }
             Event::Headers(stream) => {
                 let Some(answer) = self.flights.get(&stream).and_then(|f| f.upstream.as_ref()).and_then(|u| u.answer.as_ref()) else { return Ok(()) };
@@ -529,6 +541,17 @@ impl<'a> Engine<'a> {
             sample.in_flight.push((name.clone(), load.running + u32::try_from(load.queue.len()).unwrap_or(u32::MAX)));
         }
         self.result.samples.push(sample);
+        if self.result.samples.len() > MAX_SAMPLES {
+            // MAX_SAMPLES is even: the sample just taken (an even index) stays, the spacing doubles.
+            let mut index = 0usize;
+            self.result.samples.retain(|_| {
+                let keep = index.is_multiple_of(2);
+                index += 1;
+                keep
+            });
+            self.sample_every_ns = self.sample_every_ns.saturating_mul(2);
+            self.result.sample_every_ms = self.result.sample_every_ms.saturating_mul(2);
+        }
     }
 
     fn verdict(&self, flight: InFlight, properties: &[(String, Vec<u8>)]) -> Verdict {

@@ -699,6 +699,24 @@ fn samples_count_requests_running_and_queued() {
 }
 
 #[test]
+fn samples_of_a_long_span_are_coarsened_to_a_bound() {
+    let s = scenario(json!({
+        "plugins": { "llm_metrics": "../../policies/llm-metrics.demo.json" },
+        "sample_every_ms": 1
+    }));
+    // Two requests 20 s apart: 20,000 samples at 1 ms, more than the bound.
+    let (_, result) = run(&s, MINUTE_BOUNDARY_NS, vec![request(1, 0, "acme", 400, 10, 10), request(2, 20_000, "acme", 400, 10, 10)]);
+    let times: Vec<f64> = result.samples.iter().map(|s| s.t_ms).collect();
+    assert!(times.len() <= sluice_sim::engine::MAX_SAMPLES, "{} samples", times.len());
+    assert!(times.len() > sluice_sim::engine::MAX_SAMPLES / 4, "{} samples: coarsened more than needed", times.len());
+    // 1 ms doubled until 20 s fits: 8 ms apart, evenly, from the first arrival to the span's end.
+    assert_eq!(result.sample_every_ms, 8);
+    assert!(times.windows(2).all(|w| w[1] - w[0] == 8.0), "uneven spacing: {:?}", times.windows(2).find(|w| w[1] - w[0] != 8.0));
+    assert_eq!(times.first(), Some(&0.0));
+    assert!(*times.last().unwrap() >= result.span_ms - 8.0, "the last sample at {:?}, the span {}", times.last(), result.span_ms);
+}
+
+#[test]
 fn error_rate_draws_per_request_from_the_seed() {
     let with = |seed: u64| {
         scenario(json!({
