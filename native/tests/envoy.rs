@@ -662,6 +662,15 @@ fn countdown_masked(text: &str, marker: &str) -> String {
 }
 
 /// The stamp with the figures that depend on timing replaced by `#`.
+/// latency-guard's stamp with its timings (and a refusal's retry hint) masked.
+fn latency_timeless(stamp: &str) -> String {
+    let mut out = stamp.to_string();
+    for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":", "\"retry_after_s\":"] {
+        out = countdown_masked(&out, key);
+    }
+    out
+}
+
 fn timeless(stamp: &str) -> String {
     let mut out = stamp.to_string();
     for key in ["ttft_us", "tpot_us", "decode_tokens_per_s", "duration_us"] {
@@ -977,14 +986,6 @@ fn engine_latency_guard_natively_holds_releases_and_fires_deadlines_as_sluice_wa
     assert!(native.log().contains("sluice latency-guard: configured (1 classes, 2 versions, 0 with a breaker)"), "{}", native.log());
     assert!(native.log().contains("sluice llm-metrics: configured"), "{}", native.log());
 
-    // The guard's stamp with its timings masked.
-    let latency_timeless = |stamp: &str| {
-        let mut out = stamp.to_string();
-        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":"] {
-            out = countdown_masked(&out, key);
-        }
-        out
-    };
     let mut seen = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
@@ -1164,13 +1165,6 @@ fn engine_latency_guard_natively_opens_a_breaker_and_sheds_as_sluice_wasm() {
     let native = start_engine(Host::Native, &sections, upstream.port).up();
     let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
 
-    let latency_timeless = |stamp: &str| {
-        let mut out = stamp.to_string();
-        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":", "\"retry_after_s\":"] {
-            out = countdown_masked(&out, key);
-        }
-        out
-    };
     let mut seen = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
@@ -1223,13 +1217,6 @@ fn engine_latency_guard_natively_fails_over_to_the_fallback_version_as_sluice_wa
     let native = start_engine(Host::Native, &sections, upstream.port).up();
     let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
 
-    let latency_timeless = |stamp: &str| {
-        let mut out = stamp.to_string();
-        for key in ["\"ttft_ms\":", "\"tpot_ms\":", "\"duration_ms\":"] {
-            out = countdown_masked(&out, key);
-        }
-        out
-    };
     let mut seen = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
