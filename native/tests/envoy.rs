@@ -662,6 +662,29 @@ fn countdown_masked(text: &str, marker: &str) -> String {
 }
 
 /// The stamp with the figures that depend on timing replaced by `#`.
+/// Five requests for `model`, one after the other, through each host; each one's `row` (which reads
+/// its access log line: the guard's sample of a request has reached its breaker before the next
+/// request is sent). The two hosts' rows must be equal; returns the native host's.
+fn five_in_turn_alike<R: PartialEq + std::fmt::Debug>(native: &Envoy, wasm: &Envoy, model: &str, row: impl Fn(&Envoy, &str, &Response) -> R) -> Vec<R> {
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", native), ("wasm", wasm)] {
+        let rows: Vec<R> = (0..5)
+            .map(|n| {
+                let path = format!("/v1/chat/completions?host={host}&n={n}");
+                let response = envoy.request(&model_request(&path, model, ""));
+                row(envoy, &path, &response)
+            })
+            .collect();
+        seen.push(rows);
+    }
+    let wasm_rows = seen.pop().unwrap_or_default();
+    let native_rows = seen.pop().unwrap_or_default();
+    for (n, (native, wasm)) in native_rows.iter().zip(&wasm_rows).enumerate() {
+        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
+    }
+    native_rows
+}
+
 /// latency-guard's stamp with its timings (and a refusal's retry hint) masked.
 fn latency_timeless(stamp: &str) -> String {
     let mut out = stamp.to_string();
@@ -1165,27 +1188,14 @@ fn engine_latency_guard_natively_opens_a_breaker_and_sheds_as_sluice_wasm() {
     let native = start_engine(Host::Native, &sections, upstream.port).up();
     let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
 
-    let mut seen = Vec::new();
-    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
-        let mut of_host = Vec::new();
-        for n in 0..5 {
-            let path = format!("/v1/chat/completions?host={host}&n={n}");
-            let response = envoy.request(&model_request(&path, "v1", ""));
-            // The guard's stamp is written at the request's end, where its sample reaches the
-            // breaker: waiting for the access log line orders the next request after it.
-            let latency = latency_timeless(&log_field(envoy, &path, "latency"));
-            let refused_by = response.header("x-sluice-refused-by").map(str::to_string);
-            let reached = !upstream.heads_for(&path).is_empty();
-            of_host.push((response.status, refused_by, reached, latency));
-        }
-        seen.push(of_host);
-    }
-    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
-        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
-    }
-    let statuses: Vec<u16> = seen[0].iter().map(|r| r.0).collect();
-    assert_eq!(statuses, [200, 200, 200, 503, 503], "{:?}", seen[0]);
-    for refused in &seen[0][3..] {
+    let rows = five_in_turn_alike(&native, &wasm, "v1", |envoy, path, response| {
+        let refused_by = response.header("x-sluice-refused-by").map(str::to_string);
+        let reached = !upstream.heads_for(path).is_empty();
+        (response.status, refused_by, reached, latency_timeless(&log_field(envoy, path, "latency")))
+    });
+    let statuses: Vec<u16> = rows.iter().map(|r| r.0).collect();
+    assert_eq!(statuses, [200, 200, 200, 503, 503], "{rows:?}");
+    for refused in &rows[3..] {
         assert_eq!(refused.1.as_deref(), Some("latency-guard"), "{refused:?}");
         assert!(!refused.2, "a request refused with the breaker open reached the upstream: {refused:?}");
         assert!(refused.3.contains(r#""outcome":"shed_breaker_open""#), "{refused:?}");
@@ -1217,29 +1227,16 @@ fn engine_latency_guard_natively_fails_over_to_the_fallback_version_as_sluice_wa
     let native = start_engine(Host::Native, &sections, upstream.port).up();
     let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
 
-    let mut seen = Vec::new();
-    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
-        let mut of_host = Vec::new();
-        for n in 0..5 {
-            let path = format!("/v1/chat/completions?host={host}&n={n}");
-            let response = envoy.request(&model_request(&path, "llama-3-70b", ""));
-            // Waiting for the line orders the next request after this one's sample reached the breaker.
-            let latency = latency_timeless(&log_field(envoy, &path, "latency"));
-            let route = log_field(envoy, &path, "route");
-            let sent_version = upstream.heads_for(&path).first().and_then(|h| head_value(h, "x-model-version"));
-            of_host.push((response.status, sent_version, route, latency));
-        }
-        seen.push(of_host);
-    }
-    for (n, (native, wasm)) in seen[0].iter().zip(&seen[1]).enumerate() {
-        assert_eq!(native, wasm, "request {n}: native (left) and sluice.wasm (right) differ");
-    }
-    for (n, row) in seen[0].iter().enumerate() {
+    let rows = five_in_turn_alike(&native, &wasm, "llama-3-70b", |envoy, path, response| {
+        let sent_version = upstream.heads_for(path).first().and_then(|h| head_value(h, "x-model-version"));
+        (response.status, sent_version, log_field(envoy, path, "route"), latency_timeless(&log_field(envoy, path, "latency")))
+    });
+    for (n, row) in rows.iter().enumerate() {
         let want = if n < 3 { "v1" } else { "v2" };
         assert_eq!((row.0, row.1.as_deref()), (200, Some(want)), "request {n}: {row:?}");
         assert!(row.3.contains(&format!(r#""version":"{want}""#)), "request {n}: {row:?}");
     }
-    for row in &seen[0][3..] {
+    for row in &rows[3..] {
         assert!(row.2.contains(r#""reason":"fallback""#), "{row:?}");
     }
     let families = [("sluice_latency_breaker_transitions_total", 1), ("sluice_ttft_ms_count", 3), ("sluice_request_duration_ms_count", 2)];
