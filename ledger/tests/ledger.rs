@@ -231,6 +231,11 @@ fn a_charge_is_added_without_a_limit_once_per_id() {
     http.ok("/v1/charge", &charge("c2", "acme", &[("k", 0, now + 10_000)]));
     assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:c:k"]), (now + 10_000) as i64);
     assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:s:c2"]), (now + 10_000) as i64);
+    // A settlement under a charge's id finds no hold: `unknown`, and the charge's marker is kept as
+    // it was (a tombstone in its place would end its idempotency after two hours).
+    assert_eq!(http.ok("/v1/settle", &settle("c2", "acme", &[0]))["reason"], "unknown");
+    assert_eq!(redis.query::<String>(&["GET", "t:{acme}:s:c2"]), "charged");
+    assert_eq!(redis.query::<i64>(&["EXPIRETIME", "t:{acme}:s:c2"]), (now + 10_000) as i64);
     // Past the limit now: the hold settles on top, and the next reserve is refused.
     assert_eq!(http.ok("/v1/settle", &settle("r1", "acme", &[100])), json!({"settled": true, "counters": states(&[(130, 0)])}));
     let refused = http.ok("/v1/reserve", &reserve("r2", "acme", 600, &[("k", 100, 1, now + 3600)]));

@@ -15,6 +15,11 @@ if not raw then
     return { 'already_settled', swept }
   elseif marker == 'expired' then
     return { 'expired', swept }
+  elseif marker == 'charged' or marker == 'released' then
+    -- No hold was ever made under this id, and the marker already says what became of it: kept
+    -- as it is (a charge's lives until its last window ends; a tombstone in its place would end the
+    -- charge's idempotency after two hours).
+    return { 'unknown', swept }
   end
   -- Never held (yet): leave a tombstone, so that a reservation with this id still queued behind a
   -- stall (its caller already gave up and released it) holds nothing when it finally runs. Two
