@@ -190,9 +190,6 @@ pub struct Engine<'a> {
     filler: String,
     result: RunResult,
     last_event_ns: u64,
-    /// Virtual time between two samples: `sample_every_ms`, doubled each time the samples reach
-    /// [`MAX_SAMPLES`].
-    sample_every_ns: u64,
 }
 
 /// The most samples a run keeps. Past it, every other sample is dropped and the interval doubles,
@@ -225,7 +222,6 @@ impl<'a> Engine<'a> {
             filler: String::new(),
             result: RunResult { sample_every_ms: scenario.sample_every_ms, ..RunResult::default() },
             last_event_ns: options.start_ns,
-            sample_every_ns: scenario.sample_every_ms.saturating_mul(1_000_000),
         };
         engine.schedule(options.start_ns, Event::Sample);
         Ok(engine)
@@ -453,7 +449,7 @@ impl<'a> Engine<'a> {
         match event {
             Event::Sample => {
                 self.sample(at);
-                self.schedule(at + self.sample_every_ns, Event::Sample);
+                self.schedule(at + self.result.sample_every_ms.saturating_mul(1_000_000), Event::Sample);
             }
             Event::Headers(stream) => {
                 let Some(answer) = self.flights.get(&stream).and_then(|f| f.upstream.as_ref()).and_then(|u| u.answer.as_ref()) else { return Ok(()) };
@@ -549,7 +545,6 @@ impl<'a> Engine<'a> {
                 index += 1;
                 keep
             });
-            self.sample_every_ns = self.sample_every_ns.saturating_mul(2);
             self.result.sample_every_ms = self.result.sample_every_ms.saturating_mul(2);
         }
     }

@@ -242,11 +242,6 @@ enum Verdict {
         end: usize,
         json: Vec<u8>,
     },
-    /// Drop the bytes `from..to` of the event (one member, cut in place).
-    Cut {
-        from: usize,
-        to: usize,
-    },
 }
 
 impl UsageChunkStripper {
@@ -421,11 +416,6 @@ impl UsageChunkStripper {
                     out.extend_from_slice(&json);
                     out.extend_from_slice(event.get(end..).unwrap_or_default());
                 }
-                Verdict::Cut { from, to } => {
-                    self.stripped = self.stripped.saturating_add(1);
-                    out.extend_from_slice(event.get(..from).unwrap_or_default());
-                    out.extend_from_slice(event.get(to..).unwrap_or_default());
-                }
             }
         }
         // Give the allocation back (it never grew past the cap plus one chunk's tail).
@@ -493,7 +483,8 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
     }
     if let Some((start, _)) = single {
         if let Some(cut) = trailing_null_usage(data) {
-            return Verdict::Cut { from: start.saturating_add(cut.start), to: start.saturating_add(cut.end) };
+            // The member's bytes replaced by nothing (an empty vector allocates nothing).
+            return Verdict::Replace { start: start.saturating_add(cut.start), end: start.saturating_add(cut.end), json: Vec::new() };
         }
     }
     judge_scanned(data, single)
