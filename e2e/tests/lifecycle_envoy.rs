@@ -303,13 +303,14 @@ fn a_policy_pushed_by_lds_leaves_streams_in_flight_on_theirs_and_keeps_counters_
     c.eq("breaker transitions to open", &json!(metric(&m, "sluice_latency_breaker_transitions_total", &[("version", "v1"), ("to", "open")])), json!(1.0));
     for v in ["v1", "v2"] {
         // The last stream's end reaches the guard in Envoy's log callback, which may run after the
-        // client has read the whole answer: poll until the gauge settles (or report the last value).
+        // client has read the whole answer: poll until the gauge settles. A timeout is not an error
+        // here: the check below reports the last value read.
         let mut last = f64::NAN;
-        let settled = wait_until(Duration::from_secs(5), "the in-flight gauge to drop to 0", || {
+        let _ = wait_until(Duration::from_secs(5), "the in-flight gauge to drop to 0", || {
             last = metric(&envoy.metrics()?, "sluice_latency_in_flight", &[("version", v)]);
             Ok((last == 0.0).then_some(()))
         });
-        c.eq(&format!("sluice_latency_in_flight{{version={v}}} after everything ended"), &json!(if settled.is_ok() { 0.0 } else { last }), json!(0.0));
+        c.eq(&format!("sluice_latency_in_flight{{version={v}}} after everything ended"), &json!(last), json!(0.0));
     }
     eprintln!("LDS: {sent} requests, globex charged {charged} tokens, remaining {remaining}");
 

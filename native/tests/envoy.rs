@@ -661,7 +661,6 @@ fn countdown_masked(text: &str, marker: &str) -> String {
     format!("{}#{}", &text[..at], &text[at + len..])
 }
 
-/// The stamp with the figures that depend on timing replaced by `#`.
 /// Five requests for `model`, one after the other, through each host; each one's `row` (which reads
 /// its access log line: the guard's sample of a request has reached its breaker before the next
 /// request is sent). The two hosts' rows must be equal; returns the native host's.
@@ -694,6 +693,7 @@ fn latency_timeless(stamp: &str) -> String {
     out
 }
 
+/// The stamp with the figures that depend on timing replaced by `#`.
 fn timeless(stamp: &str) -> String {
     let mut out = stamp.to_string();
     for key in ["ttft_us", "tpot_us", "decode_tokens_per_s", "duration_us"] {
@@ -1250,7 +1250,7 @@ fn engine_latency_guard_natively_fails_over_to_the_fallback_version_as_sluice_wa
 fn engine_llm_metrics_natively_bounds_every_label_as_sluice_wasm() {
     let upstream = Upstream::start();
     // One configured version and two more learned from traffic; one named tenant. Clients send six
-    // versions and four tenants: the rest must fold into the bounded values, alike on both hosts.
+    // versions and five tenants: the rest must fold into the bounded values, alike on both hosts.
     let policy = r#"{"model_version_header":"x-model-version","model_versions":["v1"],"max_dynamic_model_versions":2,"tenant":{"header":"x-sluice-tenant"},"tenants":["acme"]}"#;
     let sections = format!(r#"{{"llm_metrics": {policy}}}"#);
     let native = start_engine(Host::Native, &sections, upstream.port).up();
@@ -1265,13 +1265,12 @@ fn engine_llm_metrics_natively_bounds_every_label_as_sluice_wasm() {
         }
     }
     let families = [("sluice_ttft_ms_count", 1), ("sluice_request_duration_ms_count", 1)];
-    let series = native.sluice_series(&families);
     // Every request's duration sample has flushed on both hosts before comparing.
     let total = |s: &std::collections::BTreeMap<String, String>| -> u64 {
         s.iter().filter(|(k, _)| k.starts_with("sluice_request_duration_ms_count{")).map(|(_, v)| v.parse::<u64>().unwrap_or(0)).sum()
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    let (mut native_series, mut wasm_series) = (series, wasm.sluice_series(&families));
+    let (mut native_series, mut wasm_series) = (native.sluice_series(&families), wasm.sluice_series(&families));
     while total(&native_series) < 6 || total(&wasm_series) < 6 {
         assert!(Instant::now() < deadline, "not every request's sample showed: native {native_series:?}\nwasm {wasm_series:?}");
         std::thread::sleep(Duration::from_millis(200));
