@@ -347,7 +347,7 @@ impl Sim {
         let (b, t) = breaker::update(&mut self.store, "b", &self.config, now, &stats).unwrap();
         if let Some(t) = t {
             if t.reset_window {
-                window::reset(&mut self.store, "w", &self.window).unwrap();
+                window::reset_since(&mut self.store, "w", &self.window, t.at_ns).unwrap();
             }
             eprintln!("{:>7.1} s  {} → {}: {}", now as f64 / S as f64 - 1000.0, t.from.as_str(), t.to.as_str(), t.reason);
             self.transitions.push(t);

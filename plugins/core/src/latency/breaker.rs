@@ -120,7 +120,8 @@ pub struct Transition {
     pub at_ns: u64,
     /// For the log: what was measured and against which threshold.
     pub reason: String,
-    /// The caller must empty the version's window ([`super::window::reset`]): set when probing starts.
+    /// The caller must empty the version's window as of `at_ns` ([`super::window::reset_since`]):
+    /// set when probing starts.
     pub reset_window: bool,
 }
 
@@ -324,6 +325,11 @@ impl Breaker {
                 Some(self.go(State::HalfOpen, now_ns, reason))
             }
             State::HalfOpen => {
+                // A window not emptied since probing began still holds the samples that opened
+                // the breaker (another worker read it just before the reset): nothing to judge.
+                if stats.started_ns < self.state.since_ns {
+                    return None;
+                }
                 let (checks, n) = self.measure(stats, self.config.probes.max(1));
                 if checks.iter().flatten().any(|c| c.breached) {
                     let reason = format!("probes breached the objective ({}): {}", counts(stats), self.describe(&checks, true));
@@ -480,6 +486,7 @@ mod tests {
             ttft,
             tpot: QuantileSketch::new(SketchParams::DEFAULT),
             window_ns: 60_000 * MS,
+            started_ns: 0,
         }
     }
 
@@ -498,6 +505,21 @@ mod tests {
         let mut b = Breaker::new(config());
         assert_eq!(b.evaluate(1, &stats(1000, 1000, 20)), None, "20‰ is within ≤ 20‰");
         assert!(b.evaluate(1, &stats(1000, 1000, 21)).is_some());
+    }
+
+    #[test]
+    fn half_open_judges_only_a_window_emptied_since_probing_began() {
+        let mut b = Breaker::new(config());
+        assert!(b.evaluate(1_000 * MS, &stats(60, 900_000, 0)).is_some_and(|t| t.to == State::Open));
+        let probing = b.evaluate(40_000 * MS, &WindowStats::default()).unwrap();
+        assert_eq!((probing.to, probing.reset_window), (State::HalfOpen, true));
+        // The samples that opened it, read by a worker just before the window was emptied.
+        let stale = stats(60, 900_000, 0);
+        assert_eq!(b.evaluate(40_001 * MS, &stale), None);
+        assert_eq!(b.state().state, State::HalfOpen);
+        // The emptied window's probes decide.
+        let probes = WindowStats { started_ns: probing.at_ns, ..stats(20, 900_000, 0) };
+        assert!(b.evaluate(41_000 * MS, &probes).is_some_and(|t| t.to == State::Open));
     }
 
     #[test]

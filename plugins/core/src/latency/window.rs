@@ -9,13 +9,19 @@
 //!
 //! The window is shared by every worker through a [`SharedStore`] value updated with
 //! compare-and-swap ([`update`]), like the budget ledger.
+//!
+//! A window remembers when it was last emptied ([`WindowStats::started_ns`]): a half-open breaker
+//! judges its probes only on a window emptied since it started probing. Without that, a worker that
+//! read the window a moment before another worker emptied it (the breaker's state and the window
+//! are two shared values, written one after the other) would judge the probes on the samples that
+//! opened the breaker.
 
 use super::codec::{put_varint, Reader};
 use super::sketch::{QuantileSketch, SketchParams};
 use super::UpdateError;
 use crate::store::{cas_update, SharedStore, Step, StoreError, Updated};
 
-const FORMAT_VERSION: u8 = 2;
+const FORMAT_VERSION: u8 = 3;
 
 /// Most slots a window may have.
 pub const MAX_SLOTS: u8 = 60;
@@ -92,6 +98,8 @@ impl Slot {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RollingWindow {
     config: WindowConfig,
+    /// When the window was last emptied ([`reset_since`]); 0 when never.
+    started_ns: u64,
     slots: Vec<Slot>,
 }
 
@@ -112,6 +120,8 @@ pub struct WindowStats {
     pub tpot: QuantileSketch,
     /// The window's nominal length.
     pub window_ns: u64,
+    /// When the window was last emptied (0: never): it holds nothing recorded before.
+    pub started_ns: u64,
 }
 
 impl WindowStats {
@@ -128,8 +138,18 @@ impl WindowStats {
 
 impl RollingWindow {
     pub fn new(config: WindowConfig) -> RollingWindow {
+        RollingWindow::started_at(config, 0)
+    }
+
+    /// An empty window emptied at `started_ns`.
+    pub fn started_at(config: WindowConfig, started_ns: u64) -> RollingWindow {
         let empty = QuantileSketch::new(config.sketch);
-        RollingWindow { config, slots: (0..config.slots).map(|_| Slot::new(0, &empty)).collect() }
+        RollingWindow { config, started_ns, slots: (0..config.slots).map(|_| Slot::new(0, &empty)).collect() }
+    }
+
+    /// When the window was last emptied (0: never).
+    pub fn started_ns(&self) -> u64 {
+        self.started_ns
     }
 
     fn empty_sketch(&self) -> QuantileSketch {
@@ -195,8 +215,15 @@ impl RollingWindow {
         let epoch = self.epoch(now_ns);
         let n = u64::from(self.config.slots);
         let empty = self.empty_sketch();
-        let mut stats =
-            WindowStats { samples: 0, errors: 0, error_rate_per_mille: 0, ttft: empty.empty_like(), tpot: empty, window_ns: self.config.window_ns() };
+        let mut stats = WindowStats {
+            samples: 0,
+            errors: 0,
+            error_rate_per_mille: 0,
+            ttft: empty.empty_like(),
+            tpot: empty,
+            window_ns: self.config.window_ns(),
+            started_ns: self.started_ns,
+        };
         // The slot just after `now` counts too: another worker may have read the clock a moment later.
         let inside = |s: &&Slot| s.used() && s.epoch.saturating_add(n) > epoch && s.epoch <= epoch.saturating_add(1);
         // One allocation per merged sketch: reserve the union of the slots' ranges first.
@@ -221,8 +248,8 @@ impl RollingWindow {
         stats
     }
 
-    /// Version, slot count, slot length, sketch parameters; then per slot: epoch, 0 for an empty slot
-    /// or requests + 1 followed by errors and the two sketches.
+    /// Version, slot count, slot length, sketch parameters, when it was emptied; then per slot:
+    /// epoch, 0 for an empty slot or requests + 1 followed by errors and the two sketches.
     pub fn encode(&self) -> Vec<u8> {
         let hint: usize = self.slots.iter().map(|s| 24 + s.ttft.encoded_len_hint() + s.tpot.encoded_len_hint()).sum();
         let mut out = Vec::with_capacity(16 + hint);
@@ -231,6 +258,7 @@ impl RollingWindow {
         out.extend_from_slice(&self.config.slot_ns.to_le_bytes());
         out.extend_from_slice(&self.config.sketch.accuracy_bp().to_le_bytes());
         out.extend_from_slice(&(self.config.sketch.max_buckets() as u16).to_le_bytes());
+        put_varint(&mut out, self.started_ns);
         for slot in &self.slots {
             put_varint(&mut out, slot.epoch);
             // 0: an empty slot; else requests + 1, then the rest (a slot may hold TTFTs of
@@ -257,7 +285,8 @@ impl RollingWindow {
         let slot_ns = r.u64_le()?;
         let sketch = SketchParams::new(r.u16_le()?, r.u16_le()?).ok()?;
         let config = WindowConfig::new(u32::from(slots), slot_ns, sketch).ok()?;
-        let mut window = RollingWindow { config, slots: Vec::with_capacity(usize::from(slots)) };
+        let started_ns = r.varint()?;
+        let mut window = RollingWindow { config, started_ns, slots: Vec::with_capacity(usize::from(slots)) };
         let empty = QuantileSketch::new(sketch);
         for _ in 0..slots {
             let epoch = r.varint()?;
@@ -343,10 +372,21 @@ pub fn update_ttft(store: &mut dyn SharedStore, key: &str, config: &WindowConfig
     update_with(store, key, config, |w| w.record_ttft(now_ns, ttft_us))
 }
 
-/// Replaces the shared window by an empty one (the breaker asks for it when it starts probing, so
-/// that the probes are judged on their own).
-pub fn reset(store: &mut dyn SharedStore, key: &str, config: &WindowConfig) -> Result<(), StoreError> {
-    store.set(key, &RollingWindow::new(*config).encode(), 0)
+/// Empties the shared window as of `since_ns` (the breaker asks for it when it starts probing, so
+/// that the probes are judged on their own), unless it was already emptied at or after that time:
+/// the worker whose transition it was and any worker that finds the window stale may both call
+/// it, and a sample recorded between the two calls is kept.
+pub fn reset_since(store: &mut dyn SharedStore, key: &str, config: &WindowConfig, since_ns: u64) -> Result<(), UpdateError> {
+    let fresh = || RollingWindow::started_at(*config, since_ns).encode();
+    cas_update(store, key, |bytes| {
+        let Some(bytes) = bytes else { return Step::Create(fresh()) };
+        if decode_or_fresh(Some(bytes), config).started_ns >= since_ns {
+            Step::Stop(())
+        } else {
+            Step::Write(fresh(), ())
+        }
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -423,8 +463,27 @@ mod tests {
         assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(100 * S).samples, 5);
         let other = WindowConfig::new(12, 5 * S, SketchParams::DEFAULT).unwrap();
         assert_eq!(read(&mut store, "k", &other).unwrap().snapshot(100 * S).samples, 0);
-        reset(&mut store, "k", &c).unwrap();
-        assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(100 * S).samples, 0);
+        reset_since(&mut store, "k", &c, 100 * S).unwrap();
+        let emptied = read(&mut store, "k", &c).unwrap().snapshot(100 * S);
+        assert_eq!((emptied.samples, emptied.started_ns), (0, 100 * S));
+    }
+
+    #[test]
+    fn a_reset_as_of_a_time_the_window_was_already_emptied_keeps_what_came_after() {
+        let mut store = MemoryStore::default();
+        let c = config();
+        update(&mut store, "k", &c, 100 * S, Some(1000), None, false).unwrap();
+        reset_since(&mut store, "k", &c, 101 * S).unwrap();
+        update(&mut store, "k", &c, 101 * S + MS, Some(2000), None, false).unwrap();
+        // A second worker asking for the same reset (or an older one) changes nothing.
+        reset_since(&mut store, "k", &c, 101 * S).unwrap();
+        reset_since(&mut store, "k", &c, 100 * S).unwrap();
+        let s = read(&mut store, "k", &c).unwrap().snapshot(101 * S + MS);
+        assert_eq!((s.samples, s.started_ns), (1, 101 * S));
+        // A later probing period empties it again.
+        reset_since(&mut store, "k", &c, 150 * S).unwrap();
+        let s = read(&mut store, "k", &c).unwrap().snapshot(150 * S);
+        assert_eq!((s.samples, s.started_ns), (0, 150 * S));
     }
 
     #[test]

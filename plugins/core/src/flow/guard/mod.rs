@@ -326,9 +326,14 @@ fn judge(vp: &VersionPolicy, b: &BreakerPolicy, now: u64, stats: &latency::Windo
     match breaker::update(store, &vp.breaker_key(), &b.config, now, stats) {
         Ok((breaker, transition)) => {
             let label = sanitize_label(name);
-            fx.push(Effect::GaugeSet { name: metrics::latency_breaker_state(&label), value: u64::from(breaker.state().state.code()) });
+            let state = breaker.state();
+            fx.push(Effect::GaugeSet { name: metrics::latency_breaker_state(&label), value: u64::from(state.state.code()) });
             if let Some(t) = transition {
                 on_transition(name, &vp.window_key(), b, &t, store, fx);
+            } else if state.state == State::HalfOpen && stats.started_ns < state.since_ns {
+                // Probing, on a window the transition's worker has not emptied yet (or failed to):
+                // empty it here, so that the probes are judged whatever became of that reset.
+                reset_window(name, &vp.window_key(), b, state.since_ns, store, fx);
             }
         }
         Err(e) => fx.log(LogLevel::Warn, format!("sluice latency-guard: breaker of {name} not evaluated: {e}")),
@@ -340,9 +345,13 @@ fn on_transition(name: &str, window_key: &str, b: &BreakerPolicy, t: &Transition
     fx.log(LogLevel::Warn, format!("sluice latency-guard: breaker of {name} {} → {}: {}", t.from.as_str(), t.to.as_str(), t.reason));
     fx.count(metrics::latency_breaker_transitions_total(&label, t.to), 1);
     if t.reset_window {
-        if let Err(e) = window::reset(store, window_key, &b.window) {
-            fx.log(LogLevel::Warn, format!("sluice latency-guard: window of {name} not reset: {e}"));
-        }
+        reset_window(name, window_key, b, t.at_ns, store, fx);
+    }
+}
+
+fn reset_window(name: &str, window_key: &str, b: &BreakerPolicy, since_ns: u64, store: &mut dyn SharedStore, fx: &mut Effects) {
+    if let Err(e) = window::reset_since(store, window_key, &b.window, since_ns) {
+        fx.log(LogLevel::Warn, format!("sluice latency-guard: window of {name} not reset: {e}"));
     }
 }
 

@@ -217,6 +217,36 @@ fn an_open_breaker_past_its_open_time_goes_half_open_at_the_request_that_finds_i
     assert_eq!(breaker::read(&mut store, &vp.breaker_key(), &vp.breaker.as_ref().unwrap().config).unwrap().state().state, State::HalfOpen);
 }
 
+/// Two workers: one turns the breaker half-open and is about to empty the window; the other
+/// records a first token on the window as it still is (the samples that opened the breaker). The
+/// second must not judge the probes on those samples, and empties the window itself.
+#[test]
+fn a_half_open_breaker_is_not_judged_on_a_window_another_worker_has_not_emptied_yet() {
+    let mut breaker_config = breaker_v1();
+    breaker_config["probes"] = json!(5);
+    let (mut root, mut store) = root(json!({"breaker": breaker_config}), json!({}));
+    let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
+    admit(&mut flow, &mut root, &mut view, &mut store);
+    let vp = root.policy().version("v1").unwrap().clone();
+    let b = vp.breaker.clone().unwrap();
+    for i in 0..10 {
+        window::update(&mut store, &vp.window_key(), &b.window, T0 + i * MS, Some(900_000), None, false).unwrap();
+    }
+    let probing_since = T0 + 50 * MS;
+    let half_open = BreakerState { state: State::HalfOpen, since_ns: probing_since, hold_closed_until_ns: 0 };
+    store.set(&vp.breaker_key(), &breaker::encode_state(&half_open), 0).unwrap();
+
+    event_stream(&mut view);
+    let mut fx = Effects::default();
+    flow.on_response_headers(&mut root, &mut view, &mut store, false, T0 + 100 * MS, &mut fx);
+    let size = view.response_body.len();
+    flow.on_response_body(&mut root, &mut view, &mut store, size, true, T0 + 250 * MS, &mut fx);
+    assert!(!fx.0.iter().any(|e| matches!(e, Effect::Log { .. })), "no transition: {fx:?}");
+    assert_eq!(breaker::read(&mut store, &vp.breaker_key(), &b.config).unwrap().state(), half_open);
+    let stats = window::read(&mut store, &vp.window_key(), &b.window).unwrap().snapshot(T0 + 250 * MS);
+    assert_eq!((stats.samples, stats.ttft.count(), stats.started_ns), (0, 0, probing_since), "emptied as of the probing's start");
+}
+
 /// The stream of one content event then `[DONE]`, with its usage.
 const SSE: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n\
 data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
