@@ -140,6 +140,10 @@ const TRAILERS_CONTINUE: u32 = 0;
 const LOCAL_REPLY_CONTINUE: u32 = 0;
 // envoy_dynamic_module_type_http_filter_stream_reset_reason_LocalReset (the enum's first value).
 const STREAM_RESET_LOCAL: u32 = 0;
+// envoy_dynamic_module_type_http_callout_init_result_Success.
+const CALLOUT_INIT_SUCCESS: u32 = 0;
+// envoy_dynamic_module_type_http_callout_result_Success (Reset = 1, ExceedResponseBufferLimit = 2).
+const CALLOUT_RESULT_SUCCESS: u32 = 0;
 
 // ----------------------------------------------------------------------------------------------
 // The callbacks: declared once, resolved by name at program init.
@@ -268,6 +272,30 @@ host_callbacks! {
         fn(FilterEnvoyPtr);
     reset_stream = "envoy_dynamic_module_callback_http_filter_reset_stream":
         fn(FilterEnvoyPtr, u32, ModuleBuffer);
+    // (filter, out: callout id Envoy chose, cluster, headers, headers_size, body, timeout_ms) ->
+    // envoy_dynamic_module_type_http_callout_init_result.
+    http_callout = "envoy_dynamic_module_callback_http_filter_http_callout":
+        fn(FilterEnvoyPtr, *mut u64, ModuleBuffer, *mut ModuleHttpHeader, usize, ModuleBuffer, u64) -> u32;
+    continue_decoding = "envoy_dynamic_module_callback_http_filter_continue_decoding":
+        fn(FilterEnvoyPtr);
+    config_scheduler_new = "envoy_dynamic_module_callback_http_filter_config_scheduler_new":
+        fn(ConfigEnvoyPtr) -> *mut c_void;
+    config_scheduler_commit = "envoy_dynamic_module_callback_http_filter_config_scheduler_commit":
+        fn(*mut c_void, u64);
+    config_scheduler_delete = "envoy_dynamic_module_callback_http_filter_config_scheduler_delete":
+        fn(*mut c_void);
+    config_http_callout = "envoy_dynamic_module_callback_http_filter_config_http_callout":
+        fn(ConfigEnvoyPtr, *mut u64, ModuleBuffer, *mut ModuleHttpHeader, usize, ModuleBuffer, u64) -> u32;
+    config_increment_counter = "envoy_dynamic_module_callback_http_filter_config_increment_counter":
+        fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    config_record_histogram_value = "envoy_dynamic_module_callback_http_filter_config_record_histogram_value":
+        fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    config_increment_gauge = "envoy_dynamic_module_callback_http_filter_config_increment_gauge":
+        fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    config_decrement_gauge = "envoy_dynamic_module_callback_http_filter_config_decrement_gauge":
+        fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
+    config_set_gauge = "envoy_dynamic_module_callback_http_filter_config_set_gauge":
+        fn(ConfigEnvoyPtr, usize, *mut ModuleBuffer, usize, u64) -> u32;
 }
 
 static HOST: OnceLock<Host> = OnceLock::new();
@@ -436,6 +464,255 @@ impl ConfigContext<'_> {
     }
 }
 
+impl ConfigContext<'_> {
+    /// A scheduler for this filter configuration: [`ConfigScheduler::commit`], from any thread, makes
+    /// Envoy call the configuration's `on_scheduled` on its main thread, where
+    /// [`ConfigHost::http_callout`] may be called. Envoy's scheduler holds the configuration weakly:
+    /// an event committed after the configuration is gone is dropped.
+    pub fn scheduler(&mut self) -> Option<ConfigScheduler> {
+        // SAFETY: a plain call with the live configuration; the scheduler it returns is the
+        // module's to delete.
+        let ptr = unsafe { (self.host.config_scheduler_new)(self.ptr) };
+        (!ptr.is_null()).then_some(ConfigScheduler { ptr, host: self.host })
+    }
+}
+
+/// A filter configuration's scheduler (`envoy_dynamic_module_callback_http_filter_config_scheduler_new`),
+/// deleted when dropped. Commit posts to Envoy's main-thread dispatcher (callable from any thread);
+/// the owner must not drop it while another thread commits (the engine keeps it in the
+/// configuration it belongs to, and commits through a borrow of it).
+pub struct ConfigScheduler {
+    ptr: *mut c_void,
+    host: &'static Host,
+}
+
+// SAFETY: Envoy's configuration scheduler posts to the main dispatcher (thread-safe) and checks the
+// configuration's weak pointer there; delete happens once, in `drop`.
+unsafe impl Send for ConfigScheduler {}
+// SAFETY: as above: `commit` takes `&self` and is thread-safe on Envoy's side.
+unsafe impl Sync for ConfigScheduler {}
+
+impl ConfigScheduler {
+    /// Makes Envoy call the configuration's `on_scheduled(event)` on its main thread.
+    pub fn commit(&self, event: u64) {
+        // SAFETY: a live scheduler (deleted only in drop).
+        unsafe { (self.host.config_scheduler_commit)(self.ptr, event) }
+    }
+}
+
+impl Drop for ConfigScheduler {
+    fn drop(&mut self) {
+        // SAFETY: made by config_scheduler_new, deleted once.
+        unsafe { (self.host.config_scheduler_delete)(self.ptr) }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Safe API: HTTP callouts (a stream's, and a configuration's on the main thread).
+
+/// Why Envoy did not start a callout (`envoy_dynamic_module_type_http_callout_init_result`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CalloutError {
+    /// `:method`, `:path` or `host`/`:authority` is missing.
+    MissingRequiredHeaders,
+    /// No cluster of that name.
+    ClusterNotFound,
+    /// The id is already in use.
+    DuplicateCalloutId,
+    /// The request could not be made (e.g. no healthy upstream host: Envoy answered it at once).
+    CannotCreateRequest,
+    /// A result this binding does not know.
+    Other(u32),
+}
+
+impl std::fmt::Display for CalloutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CalloutError::MissingRequiredHeaders => write!(f, "missing required headers"),
+            CalloutError::ClusterNotFound => write!(f, "cluster not found"),
+            CalloutError::DuplicateCalloutId => write!(f, "duplicate callout id"),
+            CalloutError::CannotCreateRequest => write!(f, "cannot create the request"),
+            CalloutError::Other(code) => write!(f, "callout init result {code}"),
+        }
+    }
+}
+
+fn callout_result(code: u32, id: u64) -> Result<u64, CalloutError> {
+    match code {
+        CALLOUT_INIT_SUCCESS => Ok(id),
+        1 => Err(CalloutError::MissingRequiredHeaders),
+        2 => Err(CalloutError::ClusterNotFound),
+        3 => Err(CalloutError::DuplicateCalloutId),
+        4 => Err(CalloutError::CannotCreateRequest),
+        other => Err(CalloutError::Other(other)),
+    }
+}
+
+/// One HTTP request a callout sends: cluster, headers (`:method`, `:path` and `:authority` among
+/// them), body, and how long Envoy waits for the whole answer.
+#[derive(Clone, Copy, Debug)]
+pub struct CalloutRequest<'a> {
+    pub cluster: &'a str,
+    pub headers: &'a [(&'a str, &'a [u8])],
+    pub body: &'a [u8],
+    pub timeout_ms: u64,
+}
+
+impl CalloutRequest<'_> {
+    fn raw_headers(&self) -> Vec<ModuleHttpHeader> {
+        self.headers
+            .iter()
+            .map(|(key, value)| ModuleHttpHeader {
+                key_ptr: key.as_ptr().cast::<c_char>(),
+                key_length: key.len(),
+                value_ptr: value.as_ptr().cast::<c_char>(),
+                value_length: value.len(),
+            })
+            .collect()
+    }
+}
+
+/// The answer to a callout, as the done hook gets it: `status` is the response's `:status`, 0 when
+/// there was none (reset, timed out, or the answer exceeded Envoy's buffer limit); `body` the
+/// whole answer body.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CalloutAnswer {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+thread_local! {
+    /// Set while this thread is inside a callout callback. Envoy answers a callout it cannot start
+    /// (no healthy upstream host) *inline*, calling the done hook before the callback returns, and
+    /// then reports `CannotCreateRequest`; that inline answer is dropped (its caller learns of the
+    /// failure from the result), so no hook re-enters module state the caller holds.
+    static SENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs a callout callback with [`SENDING`] set.
+fn sending<R>(call: impl FnOnce() -> R) -> R {
+    let before = SENDING.with(|s| s.replace(true));
+    let out = call();
+    SENDING.with(|s| s.set(before));
+    out
+}
+
+fn inside_send() -> bool {
+    SENDING.with(std::cell::Cell::get)
+}
+
+/// # Safety
+/// The arrays are Envoy's, valid during the done hook, with the given lengths (or null).
+unsafe fn callout_answer(result: u32, headers: *const EnvoyHttpHeader, headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) -> CalloutAnswer {
+    if result != CALLOUT_RESULT_SUCCESS {
+        return CalloutAnswer::default();
+    }
+    let headers: &[EnvoyHttpHeader] = if headers.is_null() || headers_size == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(headers, headers_size) }
+    };
+    let chunks: &[EnvoyBuffer] = if chunks.is_null() || chunks_size == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(chunks, chunks_size) }
+    };
+    let status = headers
+        .iter()
+        .find_map(|h| {
+            // SAFETY: Envoy's header bytes, valid during the hook.
+            let (key, value) = unsafe {
+                (EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.as_slice(), EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.as_slice())
+            };
+            (key == b":status").then(|| std::str::from_utf8(value).ok().and_then(|v| v.parse::<u16>().ok()))
+        })
+        .flatten()
+        .unwrap_or(0);
+    let mut body = Vec::with_capacity(chunks.iter().map(|c| c.length).sum());
+    for chunk in chunks {
+        // SAFETY: Envoy's body slices, valid during the hook.
+        body.extend_from_slice(unsafe { chunk.as_slice() });
+    }
+    CalloutAnswer { status, body }
+}
+
+/// What metrics are recorded through: a stream ([`Envoy`]) or a configuration on the main thread
+/// ([`ConfigHost`]); the ids are the configuration's either way.
+pub trait Metrics {
+    /// Adds `by` to a counter, with one value per label name of its definition.
+    fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError>;
+    /// Records `value` in a histogram.
+    fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError>;
+    /// Adds `delta` to a gauge (a negative delta subtracts).
+    fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError>;
+    /// Sets a gauge to `value`.
+    fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError>;
+}
+
+/// A filter configuration during one of its main-thread hooks (`on_scheduled`, a callout's done
+/// hook): where configuration-level callouts are sent and metrics recorded without a stream.
+pub struct ConfigHost<'a> {
+    ptr: ConfigEnvoyPtr,
+    host: &'static Host,
+    _hook: PhantomData<&'a mut ()>,
+}
+
+impl ConfigHost<'_> {
+    /// Sends `request` from the configuration (its answer comes to the configuration's
+    /// `on_callout_done` on the main thread, whatever became of the stream that asked for it): the
+    /// callout's id, or why Envoy did not start it.
+    pub fn http_callout(&mut self, request: &CalloutRequest<'_>) -> Result<u64, CalloutError> {
+        let mut raw = request.raw_headers();
+        let mut id = 0u64;
+        // SAFETY: every buffer outlives the call, which copies them; `id` is a valid out-pointer.
+        let code = sending(|| unsafe {
+            (self.host.config_http_callout)(
+                self.ptr,
+                &mut id,
+                ModuleBuffer::of(request.cluster.as_bytes()),
+                raw.as_mut_ptr(),
+                raw.len(),
+                ModuleBuffer::of(request.body),
+                request.timeout_ms,
+            )
+        });
+        callout_result(code, id)
+    }
+}
+
+impl Metrics for ConfigHost<'_> {
+    fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.config_increment_counter)(self.ptr, id.0, labels_ptr, labels_len, by) })
+    }
+
+    fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.config_record_histogram_value)(self.ptr, id.0, labels_ptr, labels_len, value) })
+    }
+
+    fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        let change = if delta < 0 { self.host.config_decrement_gauge } else { self.host.config_increment_gauge };
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { change(self.ptr, id.0, labels_ptr, labels_len, delta.unsigned_abs()) })
+    }
+
+    fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        let mut labels = Labels::of(label_values);
+        let (labels_ptr, labels_len) = labels.raw();
+        // SAFETY: the buffers outlive the call.
+        metrics_result(unsafe { (self.host.config_set_gauge)(self.ptr, id.0, labels_ptr, labels_len, value) })
+    }
+}
+
 // ----------------------------------------------------------------------------------------------
 // Safe API: one stream, during one hook.
 
@@ -597,6 +874,34 @@ impl Envoy<'_> {
         unsafe { (self.host.continue_encoding)(self.ptr) }
     }
 
+    /// Sends `request` from this stream (on its worker, during a hook): the callout's id, or why
+    /// Envoy did not start it. Its answer comes to the filter's `on_callout_done` on the same
+    /// worker; Envoy cancels it if the stream ends first (no answer then).
+    pub fn http_callout(&mut self, request: &CalloutRequest<'_>) -> Result<u64, CalloutError> {
+        let mut raw = request.raw_headers();
+        let mut id = 0u64;
+        // SAFETY: every buffer outlives the call, which copies them; `id` is a valid out-pointer.
+        let code = sending(|| unsafe {
+            (self.host.http_callout)(
+                self.ptr,
+                &mut id,
+                ModuleBuffer::of(request.cluster.as_bytes()),
+                raw.as_mut_ptr(),
+                raw.len(),
+                ModuleBuffer::of(request.body),
+                request.timeout_ms,
+            )
+        });
+        callout_result(code, id)
+    }
+
+    /// Lets the request this filter held (headers and body stopped) go on, with what Envoy
+    /// buffered; for a hook that is not the request's own (a callout's answer).
+    pub fn continue_request(&mut self) {
+        // SAFETY: a plain call on the live stream.
+        unsafe { (self.host.continue_decoding)(self.ptr) }
+    }
+
     /// Resets the stream (both directions), `details` in the access log's response code details.
     pub fn reset_stream(&mut self, details: &str) {
         // SAFETY: the buffer outlives the call, which copies it.
@@ -617,6 +922,21 @@ impl Envoy<'_> {
             )
             .then(|| out.as_slice())
         }
+    }
+}
+
+impl Metrics for Envoy<'_> {
+    fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError> {
+        Envoy::increment_counter(self, id, label_values, by)
+    }
+    fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        Envoy::record_histogram(self, id, label_values, value)
+    }
+    fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError> {
+        Envoy::add_gauge(self, id, label_values, delta)
+    }
+    fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
+        Envoy::set_gauge(self, id, label_values, value)
     }
 }
 
@@ -1085,24 +1405,38 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
     LOCAL_REPLY_CONTINUE
 }
 
-// Hooks of features sluice-native does not use yet (callouts, streams, configuration schedulers,
-// watermarks). Envoy 1.40 resolves them with the rest, so they exist, and do nothing: the module
-// never starts a callout, stream or configuration scheduler, so Envoy never calls them with
-// anything of the module's. (A stream's scheduled event is `envoy_dynamic_module_on_http_filter_scheduled`.)
+// Hooks of callouts and schedulers (a stream's and a configuration's), and of features sluice-native
+// does not use (HTTP streams, watermarks): Envoy 1.40 resolves them all with the rest, so they
+// exist; the unused ones do nothing, as the module never starts a stream.
 
+/// A stream's callout was answered (or failed: `result` is not Success). Called on the stream's
+/// worker while the stream lives; an answer Envoy gives inline, inside the callout callback, is
+/// dropped ([`SENDING`]).
+///
 /// # Safety
-/// Never dereferences its arguments.
+/// Envoy's pointers for a live stream, and its header and body arrays valid during the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
-    _envoy_ptr: FilterEnvoyPtr,
-    _filter_ptr: FilterModulePtr,
-    _callout_id: u64,
-    _result: u32,
-    _headers: *mut EnvoyHttpHeader,
-    _headers_size: usize,
-    _body_chunks: *mut EnvoyBuffer,
-    _body_chunks_size: usize,
+    envoy_ptr: FilterEnvoyPtr,
+    filter_ptr: FilterModulePtr,
+    callout_id: u64,
+    result: u32,
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
 ) {
+    if inside_send() {
+        log(LogLevel::Debug, &format!("sluice-native: callout {callout_id} answered inline (result {result}); its callback reports the failure"));
+        return;
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        run_hook(envoy_ptr, filter_ptr, "on_callout_done", (), |f, e| {
+            let answer = callout_answer(result, headers, headers_size, body_chunks, body_chunks_size);
+            f.on_callout_done(e, callout_id, &answer);
+        })
+    }
 }
 
 /// # Safety
@@ -1167,25 +1501,63 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(envoy_ptr
     unsafe { run_hook(envoy_ptr, filter_ptr, "on_scheduled", (), |f, e| f.on_scheduled(e, event_id)) }
 }
 
+/// Runs one configuration hook (main thread): the configuration handle for the call, the
+/// configuration, `catch_unwind`; a panic is logged.
+///
 /// # Safety
-/// Never dereferences its arguments.
-#[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(_config_envoy_ptr: ConfigEnvoyPtr, _config_ptr: ConfigModulePtr, _event_id: u64) {
+/// `config_ptr` is null or a live pointer from `envoy_dynamic_module_on_http_filter_config_new`.
+unsafe fn run_config_hook(
+    config_envoy_ptr: ConfigEnvoyPtr,
+    config_ptr: ConfigModulePtr,
+    hook: &str,
+    call: impl FnOnce(&dyn FilterConfig, &mut ConfigHost<'_>),
+) {
+    let Some(host) = HOST.get() else { return };
+    // SAFETY: the caller's contract; the configuration is only read through `&` (it is `Sync`).
+    let Some(config) = (unsafe { config_ptr.cast::<ConfigBox>().as_ref() }) else { return };
+    let mut config_host = ConfigHost { ptr: config_envoy_ptr, host, _hook: PhantomData };
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| call(config.0.as_ref(), &mut config_host))) {
+        log(LogLevel::Error, &format!("sluice-native: panic in the configuration's {hook}: {}", panic_text(payload.as_ref())));
+    }
 }
 
+/// An event committed through a [`ConfigScheduler`], on Envoy's main thread.
+///
 /// # Safety
-/// Never dereferences its arguments.
+/// Envoy's pointers for a live configuration.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(config_envoy_ptr: ConfigEnvoyPtr, config_ptr: ConfigModulePtr, event_id: u64) {
+    // SAFETY: forwarded contract.
+    unsafe { run_config_hook(config_envoy_ptr, config_ptr, "on_scheduled", |c, h| c.on_scheduled(h, event_id)) }
+}
+
+/// A configuration's callout was answered (or failed), on the main thread; an inline answer is
+/// dropped as for a stream's.
+///
+/// # Safety
+/// Envoy's pointers for a live configuration, and its arrays valid during the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
-    _config_envoy_ptr: ConfigEnvoyPtr,
-    _config_ptr: ConfigModulePtr,
-    _callout_id: u64,
-    _result: u32,
-    _headers: *mut EnvoyHttpHeader,
-    _headers_size: usize,
-    _body_chunks: *mut EnvoyBuffer,
-    _body_chunks_size: usize,
+    config_envoy_ptr: ConfigEnvoyPtr,
+    config_ptr: ConfigModulePtr,
+    callout_id: u64,
+    result: u32,
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
 ) {
+    if inside_send() {
+        log(LogLevel::Debug, &format!("sluice-native: configuration callout {callout_id} answered inline (result {result}); its callback reports the failure"));
+        return;
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        run_config_hook(config_envoy_ptr, config_ptr, "on_callout_done", |c, h| {
+            let answer = callout_answer(result, headers, headers_size, body_chunks, body_chunks_size);
+            c.on_callout_done(h, callout_id, &answer);
+        })
+    }
 }
 
 /// # Safety

@@ -2,7 +2,8 @@
 //! each under `catch_unwind`, with an [`Envoy`] handle valid for that call only.
 
 pub use crate::abi::{
-    log, log_enabled, Attribute, Body, BodyKind, ConfigContext, CounterId, Envoy, GaugeId, HeaderMap, HistogramId, LogLevel, MetricsError, Scheduler,
+    log, log_enabled, Attribute, Body, BodyKind, CalloutAnswer, CalloutError, CalloutRequest, ConfigContext, ConfigHost, ConfigScheduler, CounterId, Envoy,
+    GaugeId, HeaderMap, HistogramId, LogLevel, Metrics, MetricsError, Scheduler,
 };
 
 /// What a headers hook tells Envoy (`FilterHeadersStatus`).
@@ -60,6 +61,9 @@ pub trait Filter {
 
     /// An event committed through the stream's [`Scheduler`] (on the stream's worker).
     fn on_scheduled(&mut self, _envoy: &mut Envoy<'_>, _event: u64) {}
+
+    /// The answer to callout `id` this stream sent ([`Envoy::http_callout`]), on its worker.
+    fn on_callout_done(&mut self, _envoy: &mut Envoy<'_>, _id: u64, _answer: &CalloutAnswer) {}
 }
 
 /// A validated filter configuration: made on Envoy's main thread, shared by the workers, each of
@@ -67,4 +71,10 @@ pub trait Filter {
 pub trait FilterConfig: Send + Sync {
     /// The filter of a new stream.
     fn new_filter(&self) -> Box<dyn Filter>;
+
+    /// An event committed through the configuration's [`ConfigScheduler`], on Envoy's main thread.
+    fn on_scheduled(&self, _config: &mut ConfigHost<'_>, _event: u64) {}
+
+    /// The answer to configuration callout `id` ([`ConfigHost::http_callout`]), on the main thread.
+    fn on_callout_done(&self, _config: &mut ConfigHost<'_>, _id: u64, _answer: &CalloutAnswer) {}
 }

@@ -530,6 +530,11 @@ const NEXT_INSTANCE: &str = "\n---\n";
 /// Starts Envoy with the engine configured with `sections` (sluice.wasm's configuration JSON) on
 /// `host`, with the shipped gateway's `stats_config` for that host.
 fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
+    start_engine_with_ledger(host, sections, upstream_port, 9)
+}
+
+/// [`start_engine`] with cluster `sluice_ledger` on `ledger_port` (a [`LedgerService`]).
+fn start_engine_with_ledger(host: Host, sections: &str, upstream_port: u16, ledger_port: u16) -> Started {
     // Several filter instances, in order, when `sections` holds several documents separated by
     // [`NEXT_INSTANCE`] (latency-guard runs in an instance of its own, in front of the others).
     let instance = |name: &str, sections: &str| -> String {
@@ -612,6 +617,7 @@ fn start_engine(host: Host, sections: &str, upstream_port: u16) -> Started {
     let filter = filter.trim_end_matches('\n');
     let config =
         ENGINE_TEMPLATE.replace("{{HTTP_FILTER}}", filter).replace("{{STATS_CONFIG}}", &stats).replace("{{UPSTREAM_PORT}}", &upstream_port.to_string());
+    let config = config.replace("{{LEDGER_PORT}}", &ledger_port.to_string());
     start_with(&module_dir(None), &config)
 }
 
@@ -878,6 +884,177 @@ fn engine_tenant_budget_natively_refuses_before_the_upstream_as_sluice_wasm() {
     assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
 }
 
+// ------------------------------------------------------------------------------------------------
+// tenant-budget's Redis ledger: a real `redis-server` and `sluice-ledger` in front of it.
+
+/// A free loopback port (bound, then released).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `redis-server` on a free port and `sluice-ledger` in front of it (docs/ledger.md), each killed on
+/// drop: one per host, so the two hosts' budgets do not share counters.
+struct LedgerService {
+    redis: Child,
+    ledger: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Drop for LedgerService {
+    fn drop(&mut self) {
+        for child in [&mut self.ledger, &mut self.redis] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl LedgerService {
+    fn start() -> LedgerService {
+        let dir = scratch_dir();
+        let redis_port = free_port();
+        let redis_bin = std::env::var_os("SLUICE_REDIS_SERVER").map_or_else(|| PathBuf::from("redis-server"), PathBuf::from);
+        let redis = Command::new(&redis_bin)
+            .args(["--port", &redis_port.to_string(), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {} (cargo xtask setup installs it): {e}", redis_bin.display()));
+        let ledger_bin = std::env::var_os("SLUICE_LEDGER_BIN").map_or_else(|| root().join("target/release/sluice-ledger"), PathBuf::from);
+        let port = free_port();
+        let wait = |what: &str, ready: &dyn Fn() -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ready() {
+                assert!(Instant::now() < deadline, "{what} did not come up in 10 s");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        wait("redis-server", &|| TcpStream::connect(("127.0.0.1", redis_port)).is_ok());
+        let ledger = Command::new(&ledger_bin)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--redis", &format!("redis://127.0.0.1:{redis_port}/"), "--threads", "1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {} (cargo xtask build makes it): {e}", ledger_bin.display()));
+        let service = LedgerService { redis, ledger, dir, port };
+        wait("sluice-ledger", &|| get(port, "/healthz").is_some_and(|r| r.status == 200));
+        service
+    }
+}
+
+/// A budget stamp with the Redis hold id (unique to the proxy, the stream and the time) masked.
+fn hold_masked(stamp: &str) -> String {
+    let Some(at) = stamp.find(r#""ledger_hold":""#).map(|at| at + r#""ledger_hold":""#.len()) else { return stamp.to_string() };
+    let len = stamp[at..].find('"').unwrap_or(0);
+    format!("{}#{}", &stamp[..at], &stamp[at + len..])
+}
+
+/// The value of family `family`'s series with (at least) the labels `labels` (`call="reserve"`) in
+/// `/stats/prometheus`, once it shows at least `at_least`; what it shows after 10 s otherwise.
+fn series_value(envoy: &Envoy, family: &str, labels: &[&str], at_least: u64) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = get(envoy.admin_port, "/stats/prometheus").map(|r| String::from_utf8_lossy(&r.body).into_owned()).unwrap_or_default();
+        let value = text.lines().find_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (name, rest) = series.split_once('{').unwrap_or((series, "}"));
+            let have: Vec<&str> = rest.trim_end_matches('}').split(',').collect();
+            (name == family && labels.iter().all(|want| have.contains(want))).then(|| value.parse::<u64>().ok()).flatten()
+        });
+        if value.is_some_and(|v| v >= at_least) || Instant::now() >= deadline {
+            return value;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    // Key k1 may send 2 requests a day, counted in Redis through sluice-ledger: the third is
+    // refused by the ledger's answer, before the upstream sees anything.
+    let budget = |on_failure: &str| {
+        format!(
+            r#"{{"identity":{{"header":"x-sluice-key"}},"ledger":{{"mode":"redis","cluster":"sluice_ledger","timeout_ms":2000,"on_failure":"{on_failure}"}},"orgs":[{{"id":"acme","teams":[{{"id":"search","keys":[{{"id":"k1","budgets":[{{"window":"day","requests":2}}]}}]}}]}}]}}"#
+        )
+    };
+    let sections = format!(r#"{{"tenant_budget": {}, "llm_metrics": {{}}}}"#, budget("deny"));
+    let (native_ledger, wasm_ledger) = (LedgerService::start(), LedgerService::start());
+    let native = start_engine_with_ledger(Host::Native, &sections, upstream.port, native_ledger.port).up();
+    let wasm = start_engine_with_ledger(Host::Wasm, &sections, upstream.port, wasm_ledger.port).up();
+    assert!(native.log().contains("tenant-budget: Redis hold ids of this proxy start with"), "{}", native.log());
+
+    // What a client sees (status, sluice headers, the refusal's body; countdowns masked) and the
+    // budget's stamp (its hold id masked).
+    let seen = |r: &Response| {
+        let headers: Vec<String> = r
+            .head
+            .lines()
+            .skip(1)
+            .map(str::to_ascii_lowercase)
+            .filter(|l| (l.starts_with("x-ratelimit") || l.starts_with("retry-after") || l.starts_with("x-sluice")) && !l.starts_with("x-ratelimit-reset"))
+            .map(|h| countdown_masked(&h, "retry-after: "))
+            .collect();
+        let body = if r.status == 200 { String::new() } else { countdown_masked(&String::from_utf8_lossy(&r.body), "resets in ") };
+        (r.status, headers, body)
+    };
+    let mut answers = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        for n in 1..=3 {
+            let path = format!("/v1/chat/completions?host={host}&redis={n}");
+            let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
+            let expected = if n <= 2 { 200 } else { 429 };
+            assert_eq!(response.status, expected, "{host} request {n}: {}\n{}\n{}", response.head, String::from_utf8_lossy(&response.body), envoy.log());
+            assert_eq!(upstream.heads_for(&path).len(), usize::from(n <= 2), "{host} request {n}");
+            let stamp = hold_masked(&budget_stamp(envoy, &path));
+            assert!(stamp.contains(r##""ledger_hold":"#""##), "{host} request {n}: the Redis ledger's hold is not named: {stamp}");
+            of_host.push((seen(&response), timeless(&stamp)));
+        }
+        answers.push(of_host);
+    }
+    for (n, (native, wasm)) in answers[0].iter().zip(&answers[1]).enumerate() {
+        assert_eq!(native, wasm, "request {}: native (left) and sluice.wasm (right) differ", n + 1);
+    }
+    assert!(answers[0][2].1.contains(r#""outcome":"refused""#), "{:?}", answers[0][2]);
+
+    // Three reservations answered by the ledger, and the two admitted requests settled there (by
+    // the configuration's callouts, on the main thread), as sluice.wasm's root settles them.
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let calls = |call: &str, at_least| series_value(envoy, "sluice_budget_ledger_calls_total", &[&format!("call=\"{call}\""), "result=\"ok\""], at_least);
+        assert_eq!(calls("reserve", 3), Some(3), "{host}");
+        assert_eq!(calls("settle", 2), Some(2), "{host}: the settlements did not reach the ledger");
+        assert_eq!(series_value(envoy, "sluice_budget_ledger_up", &[], 1), Some(1), "{host}");
+    }
+    let rejections = |envoy: &Envoy| -> Vec<(String, String)> {
+        envoy.sluice_series(&[("sluice_budget_rejections_total", 1)]).into_iter().filter(|(k, _)| k.starts_with("sluice_budget_rejections_total{")).collect()
+    };
+    assert_eq!(rejections(&native), rejections(&wasm), "native (left) and sluice.wasm (right) Prometheus series differ");
+
+    // The ledger unreachable (nothing listens on its port), `on_failure: deny`: both hosts answer
+    // 503 `budget_ledger_unavailable`, and the request never reaches the upstream.
+    drop((native, wasm));
+    let sections = format!(r#"{{"tenant_budget": {}}}"#, budget("deny"));
+    let closed = free_port();
+    let mut down = Vec::new();
+    for (host, kind) in [("native", Host::Native), ("wasm", Host::Wasm)] {
+        let envoy = start_engine_with_ledger(kind, &sections, upstream.port, closed).up();
+        let path = format!("/v1/chat/completions?host={host}&ledger=down");
+        let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
+        assert!(upstream.heads_for(&path).is_empty(), "{host}: the request reached the upstream with the ledger down");
+        down.push((seen(&response), timeless(&hold_masked(&budget_stamp(&envoy, &path)))));
+    }
+    assert_eq!(down[0], down[1], "ledger down: native (left) and sluice.wasm (right) differ");
+    assert_eq!(down[0].0 .0, 503, "{:?}", down[0]);
+    assert!(down[0].0 .2.contains("budget_ledger_unavailable"), "{:?}", down[0]);
+}
+
 /// The access log's field `key` of `path`'s line (its values have no spaces, but the last one).
 fn log_field(envoy: &Envoy, path: &str, key: &str) -> String {
     let line = envoy.access_log_line(path);
@@ -989,15 +1166,86 @@ fn engine_model_router_natively_routes_to_the_cluster_sluice_wasm_does() {
     assert_eq!(native.sluice_series(&families), wasm.sluice_series(&families), "native (left) and sluice.wasm (right) Prometheus series differ");
 }
 
+/// A router policy of one model on v1, every request shadowed to version `s1` (another upstream
+/// model, sent to cluster `llama_v2`: the same upstream).
+const SHADOW_POLICY: &str = r#"{"route_header":"x-sluice-route","version_header":"x-model-version","models":[
+  {"model":"llama-3-70b","versions":[{"name":"v1","weight":100,"upstream_model":"llama-3-70b","route":"llama-v1"}],
+   "shadow":{"version":{"name":"s1","upstream_model":"llama-shadow","route":"llama-shadow","cluster":"llama_v2","authority":"shadow.internal"},"fraction":1.0,"max_concurrent":8}}]}"#;
+
+/// The `shadow comparison {…}` lines of an Envoy log, with timings and the request id masked.
+fn shadow_comparisons(log: &str) -> Vec<String> {
+    log.lines()
+        .filter_map(|l| l.find("shadow comparison {").map(|at| &l[at..]))
+        .map(|line| {
+            let mut out = line.to_string();
+            for key in ["\"duration_ms\":[", "\"ttft_ms\":["] {
+                if let Some(from) = out.find(key).map(|at| at + key.len()) {
+                    let len = out[from..].find(']').unwrap_or(0);
+                    out.replace_range(from..from + len, "#");
+                }
+            }
+            if let Some(from) = out.find("\"request_id\":\"").map(|at| at + "\"request_id\":\"".len()) {
+                let len = out[from..].find('"').unwrap_or(0);
+                out.replace_range(from..from + len, "#");
+            }
+            out
+        })
+        .collect()
+}
+
 #[test]
-fn engine_model_router_with_a_shadow_is_refused_natively_by_name() {
-    let policy = std::fs::read_to_string(root().join("policies/model-router.demo.json")).unwrap();
-    let Started::Exited { code, log } = start_engine(Host::Native, &format!(r#"{{"model_router": {policy}}}"#), 9) else {
-        panic!("Envoy started with a shadowed router");
+fn engine_model_router_natively_sends_shadows_and_compares_as_sluice_wasm() {
+    let upstream = Upstream::start();
+    let sections = format!(r#"{{"model_router": {SHADOW_POLICY}, "llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
+    let mut seen = Vec::new();
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        let mut of_host = Vec::new();
+        for n in 0..2 {
+            let path = format!("/v1/chat/completions?host={host}&shadow={n}");
+            let response = envoy.request(&model_request(&path, "llama-3-70b", ""));
+            assert_eq!(response.status, 200, "{host} request {n}: {}", response.head);
+            // The shadow copy leaves from the main thread (natively) or the root (wasm), after the
+            // primary's request: wait for it at the upstream.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while upstream.heads_for(&path).len() < 2 {
+                assert!(Instant::now() < deadline, "{host} request {n}: no shadow copy reached the upstream:\n{}", envoy.log());
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let shadow = upstream.heads_for(&path).into_iter().find(|h| head_value(h, "x-sluice-shadow").is_some()).unwrap_or_default();
+            of_host.push((timeless(&log_field(envoy, &path, "route")), head_value(&shadow, "host"), head_value(&shadow, "x-sluice-shadow")));
+        }
+        // Both sides of each comparison are in: the log line, then the metrics.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while shadow_comparisons(&envoy.log()).len() < 2 {
+            assert!(Instant::now() < deadline, "{host}: no shadow comparisons in the log:\n{}", envoy.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        of_host.push((shadow_comparisons(&envoy.log()).join("\n"), None, None));
+        seen.push(of_host);
+    }
+    assert_eq!(seen[0], seen[1], "native (left) and sluice.wasm (right) differ");
+    let rows = &seen[0];
+    assert!(rows[0].0.contains(r#""shadow":"s1""#), "{rows:?}");
+    assert_eq!((rows[0].1.as_deref(), rows[0].2.as_deref()), (Some("shadow.internal"), Some("1")), "{rows:?}");
+    assert!(rows[2].0.contains(r#""primary":"v1""#) && rows[2].0.contains(r#""shadow":"s1""#) && rows[2].0.contains(r#""status":[200,200]"#), "{rows:?}");
+
+    // The shadows' and the comparisons' metrics, as sluice.wasm's.
+    for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
+        assert_eq!(series_value(envoy, "sluice_router_shadow_total", &["result=\"sent\""], 2), Some(2), "{host}");
+        let compared = series_value(envoy, "sluice_router_compare_total", &["primary=\"v1\"", "shadow=\"s1\""], 2);
+        assert_eq!(compared, Some(2), "{host}");
+    }
+    let families = [("sluice_router_shadow_total", 2), ("sluice_router_compare_total", 2), ("sluice_router_compare_similarity_per_mille_count", 2)];
+    let router_series = |envoy: &Envoy| -> Vec<(String, String)> {
+        envoy
+            .sluice_series(&families)
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("sluice_router_shadow_total") || k.starts_with("sluice_router_compare_"))
+            .collect()
     };
-    assert_ne!(code, Some(0));
-    let reason = "sluice-native: filter configuration refused: sluice: configuration refused: section `model_router`: models[0] (`llama-3-70b`) has a `shadow`: shadow requests need HTTP callouts, which the native module does not make yet";
-    assert!(log.contains(reason), "the reason is missing:\n{log}");
+    assert_eq!(router_series(&native), router_series(&wasm), "native (left) and sluice.wasm (right) Prometheus series differ");
 }
 
 #[test]

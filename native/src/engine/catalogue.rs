@@ -16,14 +16,14 @@ use std::collections::HashMap;
 
 use sluice_core::metrics::{Family, MetricKind, Plugin, FAMILIES};
 
-use crate::filter::{ConfigContext, CounterId, Envoy, GaugeId, HistogramId, MetricsError};
+use crate::filter::{ConfigContext, CounterId, GaugeId, HistogramId, Metrics, MetricsError};
 
 /// The most labels a family has (`sluice.requests_total`: nine).
 const MAX_LABELS: usize = 12;
 
-/// tenant-budget's Redis-ledger families, not defined: the native module runs budgets in local
-/// mode only, and a family without labels exists from its definition on — `ledger_up` would read
-/// 0 (down) on a gateway that has no ledger.
+/// tenant-budget's Redis-ledger families, defined only when a budget has a Redis ledger: a family
+/// without labels exists from its definition on — `ledger_up` would read 0 (down) on a gateway that
+/// has no ledger.
 const LEDGER_FAMILIES: &str = "sluice.budget.ledger_";
 
 /// One defined metric.
@@ -80,10 +80,11 @@ fn variants(family: &Family) -> Vec<Vec<&'static str>> {
 }
 
 impl Catalogue {
-    /// Defines every family of `plugins` in the configuration being made.
-    pub fn define(context: &mut ConfigContext<'_>, plugins: &[Plugin]) -> Result<Catalogue, String> {
+    /// Defines every family of `plugins` in the configuration being made (the Redis ledger's with
+    /// `ledger`).
+    pub fn define(context: &mut ConfigContext<'_>, plugins: &[Plugin], ledger: bool) -> Result<Catalogue, String> {
         let mut families: HashMap<&'static str, Vec<Variant>> = HashMap::new();
-        for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin) && !f.name.starts_with(LEDGER_FAMILIES)) {
+        for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin) && (ledger || !f.name.starts_with(LEDGER_FAMILIES))) {
             for keys in variants(family) {
                 let defined: Result<MetricId, MetricsError> = match family.kind {
                     MetricKind::Counter => context.define_counter(family.name, &keys).map(MetricId::Counter),
@@ -130,7 +131,7 @@ impl Catalogue {
     }
 
     /// Records one flow sample: `delta` for a counter or gauge, `value` for a histogram.
-    pub fn record(&self, envoy: &mut Envoy<'_>, name: &str, sample: Sample) -> Result<(), String> {
+    pub fn record(&self, envoy: &mut dyn Metrics, name: &str, sample: Sample) -> Result<(), String> {
         let mut values = [""; MAX_LABELS];
         let Some((id, count)) = self.resolve(name, &mut values) else {
             return Err(format!("metric {name} is not one of the configured families"));

@@ -35,8 +35,21 @@
 //!   scheduler ([`ticker`]), so deadlines, releases and resets happen in the stream's own callback;
 //!   a held response is let go in the hook where llm-metrics (behind it) marked the first token.
 //!
-//! Supported so far: every section but a budget's Redis ledger and a router's shadows, which are
-//! refused at configuration time, naming them.
+//! - tenant-budget with a Redis ledger (`ledger.mode: redis`) sends a request's reservation as the
+//!   stream's own callout and holds the request (headers and body) until the answer, on the same
+//!   worker, decides; the sections behind it then see the body, as sluice.wasm's composite resumes
+//!   it. Settlements and write-backs leave from the configuration, on Envoy's main thread: a thread
+//!   of the module commits the configuration's scheduler every `SETTLE_TICK_MS` while some wait
+//!   ([`EVENT_SETTLE`]), and the main thread sends them as the configuration's callouts and reads
+//!   their answers — sluice.wasm's root tick, with one settlement queue per configuration for every
+//!   worker instead of one per worker's VM.
+//! - model-router's shadow copies are queued by the stream in the configuration's router and sent
+//!   from the main thread as the configuration's callouts ([`EVENT_SHADOWS`], committed by the
+//!   stream that queued one), so a copy outlives its stream; the answers are compared there, as
+//!   sluice.wasm's root does. Metrics of those main-thread events are recorded through the
+//!   configuration (Envoy's `http_filter_config_*` metric callbacks), on the same series.
+//!
+//! Every section of sluice.wasm's configuration is supported.
 
 pub mod catalogue;
 pub mod ticker;
@@ -48,10 +61,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use sluice_core::contract::OBSERVATION_PROPERTY;
-use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_REQUEST_BODY_BYTES};
+use sluice_core::flow::budget::{next_vm_number, BudgetFlow, BudgetPolicy, MAX_LEDGER_ANSWER_BYTES, MAX_REQUEST_BODY_BYTES};
 use sluice_core::flow::guard::{self as guard_flow, GuardFlow, GuardRoot};
 use sluice_core::flow::metrics::{MetricsFlow, MetricsPolicy};
-use sluice_core::flow::router::{Router, RouterFlow};
+use sluice_core::flow::router::{Router, RouterFlow, MAX_WHOLE_BODY_BYTES, SHADOW_TIMEOUT};
 use sluice_core::flow::sections::{self, ConfigError, Policy};
 use sluice_core::flow::{Dir, Effect, Effects, LogLevel as FlowLogLevel, Verdict};
 use sluice_core::headers::HeaderPairs;
@@ -59,9 +72,12 @@ use sluice_core::metrics::Plugin;
 use sluice_core::observation::{shared_slot, SharedResponse, SharedSlot};
 use sluice_core::store::MemoryStore;
 
-use crate::filter::{log, BodyKind, BodyStatus, ConfigContext, Envoy, Filter, FilterConfig, HeadersStatus, LogLevel};
+use crate::filter::{
+    log, BodyKind, BodyStatus, CalloutAnswer, CalloutRequest, ConfigContext, ConfigHost, ConfigScheduler, Envoy, Filter, FilterConfig, HeadersStatus, LogLevel,
+    Metrics,
+};
 use catalogue::{Catalogue, Sample};
-use view::{now_ns, state_key, Chunk, EnvoyBudgetHost, HeldBody, NativeView};
+use view::{now_ns, replace_request_body, state_key, Chunk, ConfigBudgetHost, EnvoyBudgetHost, HeldBody, NativeView};
 
 /// State across requests, one per process as proxy-wasm's shared data is: every worker and every
 /// `sluice` filter configuration reads and writes it (keys are namespaced by policy, as there).
@@ -103,6 +119,62 @@ struct Inner {
     /// In pipeline (request) order.
     sections: Vec<SectionConfig>,
     catalogue: Catalogue,
+    /// Posts to the main thread, where the configuration's callouts are sent ([`EVENT_SETTLE`],
+    /// [`EVENT_SHADOWS`]); only with a Redis ledger or a shadow.
+    scheduler: Option<ConfigScheduler>,
+}
+
+/// The configuration's event: send the budget's due settlements (its tick, every
+/// `SETTLE_TICK_MS` while settlements or write-backs wait).
+const EVENT_SETTLE: u64 = 1;
+/// The configuration's event: send the router's queued shadow requests.
+const EVENT_SHADOWS: u64 = 2;
+
+impl Inner {
+    /// Whether a budget has settlements or write-backs waiting to be sent (the tick then commits
+    /// [`EVENT_SETTLE`]).
+    fn settlements_wait(&self) -> bool {
+        self.sections.iter().any(|s| match s {
+            SectionConfig::Budget(policy) => {
+                let policy = lock(policy);
+                policy.queued_settlements() > 0 || policy.pending_write_backs() > 0
+            }
+            _ => false,
+        })
+    }
+
+    fn commit(&self, event: u64) {
+        if let Some(scheduler) = &self.scheduler {
+            scheduler.commit(event);
+        }
+    }
+}
+
+/// The settlement tick of a configuration with a Redis ledger: a thread of its own that, every
+/// `SETTLE_TICK_MS` while settlements wait, commits [`EVENT_SETTLE`] to the main thread (Envoy's
+/// ABI has no timer for a configuration; sluice.wasm's root ticks as often). It holds the
+/// configuration weakly and ends with it.
+mod settle_tick {
+    use std::sync::Weak;
+    use std::time::Duration;
+
+    use sluice_core::flow::budget::SETTLE_TICK_MS;
+
+    use super::{Inner, EVENT_SETTLE};
+
+    pub(super) fn start(inner: Weak<Inner>) -> Result<(), String> {
+        std::thread::Builder::new()
+            .name("sluice-settle-tick".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(SETTLE_TICK_MS));
+                let Some(inner) = inner.upgrade() else { return };
+                if inner.settlements_wait() {
+                    inner.commit(EVENT_SETTLE);
+                }
+            })
+            .map(drop)
+            .map_err(|e| format!("sluice: configuration refused: tenant-budget: cannot start the settlement tick thread: {e}"))
+    }
 }
 
 /// Parses `config` as `sluice.wasm` does and defines the configured policies' metrics; the reason,
@@ -115,6 +187,8 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
     })?;
     let mut configured = Vec::with_capacity(policies.len());
     let mut plugins = Vec::with_capacity(policies.len());
+    // A Redis ledger's settlements, and shadow copies, are the configuration's callouts.
+    let (mut settles, mut shadows) = (false, false);
     for policy in policies {
         match policy {
             Policy::LlmMetrics(p) => {
@@ -128,23 +202,20 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                     log(LogLevel::Warn, &format!("creating budget counters failed: {e}"));
                 }
                 log(LogLevel::Info, &format!("tenant-budget configured: {} keys, {} budget counters", p.keys.len(), p.counters.len()));
-                // No node id natively; it only tells Envoys apart in a Redis ledger's hold ids.
+                // No node id natively (the ABI gives none); it only tells Envoys apart in a Redis
+                // ledger's hold ids, which the configure time and the VM number tell apart too.
                 let budget = BudgetPolicy::new(*p, "", now_ns(), next_vm_number(&mut *store));
                 if budget.needs_tick() {
-                    return Err("sluice: configuration refused: section `tenant_budget`: a Redis ledger (`ledger.mode`) needs HTTP callouts, which the native module does not make yet (use sluice.wasm, or local mode)".to_string());
+                    log(LogLevel::Info, &format!("tenant-budget: Redis hold ids of this proxy start with {}", budget.hold_prefix()));
+                    settles = true;
                 }
                 configured.push(SectionConfig::Budget(Arc::new(Mutex::new(budget))));
                 plugins.push(Plugin::TenantBudget);
             }
             Policy::ModelRouter(p) => {
                 // A shadow copy is sent by a callout that must outlive its stream (sluice.wasm's
-                // root sends it); the native module makes no callouts yet.
-                if let Some((i, m)) = p.models().iter().enumerate().find(|(_, m)| m.shadow.is_some()) {
-                    return Err(format!(
-                        "sluice: configuration refused: section `model_router`: models[{i}] (`{}`) has a `shadow`: shadow requests need HTTP callouts, which the native module does not make yet (use sluice.wasm for shadows, or remove `shadow`)",
-                        m.pattern
-                    ));
-                }
+                // root sends it): the configuration's, on the main thread ([`EngineConfig::on_scheduled`]).
+                shadows |= p.models().iter().any(|m| m.shadow.is_some());
                 log(LogLevel::Info, &format!("model-router configured: {} models", p.models().len()));
                 configured.push(SectionConfig::Router(Arc::new(Mutex::new(Router::new(*p)))));
                 plugins.push(Plugin::ModelRouter);
@@ -168,8 +239,22 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
             }
         }
     }
-    let catalogue = Catalogue::define(context, &plugins)?;
-    Ok(EngineConfig { inner: Arc::new(Inner { sections: configured, catalogue }) })
+    let catalogue = Catalogue::define(context, &plugins, settles)?;
+    let scheduler = if settles || shadows {
+        let Some(scheduler) = context.scheduler() else {
+            return Err(
+                "sluice: configuration refused: Envoy gave no configuration scheduler (a Redis ledger's settlements and shadow requests need one)".to_string()
+            );
+        };
+        Some(scheduler)
+    } else {
+        None
+    };
+    let inner = Arc::new(Inner { sections: configured, catalogue, scheduler });
+    if settles {
+        settle_tick::start(Arc::downgrade(&inner))?;
+    }
+    Ok(EngineConfig { inner })
 }
 
 impl FilterConfig for EngineConfig {
@@ -201,7 +286,90 @@ impl FilterConfig for EngineConfig {
             flags: Flags::default(),
             response_held: false,
             ticked: None,
+            paused_at: None,
         })
+    }
+
+    /// On the main thread: the budget's settlement tick, or the router's queued shadows, sent as
+    /// the configuration's callouts (as sluice.wasm's root sends them).
+    fn on_scheduled(&self, config: &mut ConfigHost<'_>, event: u64) {
+        let mut fx = Effects::default();
+        for section in &self.inner.sections {
+            match (section, event) {
+                (SectionConfig::Budget(policy), EVENT_SETTLE) => {
+                    let now = now_ns();
+                    lock(policy).on_tick(&mut ConfigBudgetHost { config }, now, &mut fx);
+                }
+                (SectionConfig::Router(router), EVENT_SHADOWS) => {
+                    // Sent with the router unlocked: the streams go on queueing meanwhile.
+                    let jobs = lock(router).take_queued();
+                    for job in jobs {
+                        let headers: Vec<(&str, &[u8])> = job.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
+                        let timeout_ms = u64::try_from(SHADOW_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+                        let sent = config.http_callout(&CalloutRequest { cluster: &job.cluster, headers: &headers, body: &job.body, timeout_ms });
+                        drop(headers);
+                        let mut router = lock(router);
+                        match sent.map_err(|e| e.to_string()).and_then(|id| u32::try_from(id).map_err(|_| format!("callout id {id} is past 32 bits"))) {
+                            Ok(token) => router.shadow_sent(token, job, now_ns(), &mut fx),
+                            Err(why) => router.shadow_not_started(job, &why, &mut fx),
+                        }
+                    }
+                }
+                _ => {}
+            }
+            apply_config(config, &self.inner.catalogue, &mut fx);
+        }
+    }
+
+    /// On the main thread: a settlement's or a shadow's answer.
+    fn on_callout_done(&self, config: &mut ConfigHost<'_>, id: u64, answer: &CalloutAnswer) {
+        let Ok(token) = u32::try_from(id) else { return };
+        let mut fx = Effects::default();
+        let now = now_ns();
+        for section in &self.inner.sections {
+            match section {
+                SectionConfig::Budget(policy) => {
+                    let mut policy = lock(policy);
+                    if policy.awaits_settlement(token) {
+                        let body = answer.body.get(..MAX_LEDGER_ANSWER_BYTES).unwrap_or(&answer.body);
+                        policy.on_settle_answer(token, answer.status, body, now, &mut fx);
+                    }
+                }
+                SectionConfig::Router(router) => {
+                    let body = answer.body.get(..MAX_WHOLE_BODY_BYTES).unwrap_or(&answer.body);
+                    lock(router).on_shadow_answer(token, answer.status, body, now, &mut fx);
+                }
+                _ => {}
+            }
+            apply_config(config, &self.inner.catalogue, &mut fx);
+        }
+    }
+}
+
+/// Applies the effects of a configuration-level event (no stream: metrics and log lines only).
+fn apply_config(config: &mut ConfigHost<'_>, catalogue: &Catalogue, effects: &mut Effects) {
+    for effect in effects.drain() {
+        let failed = match effect {
+            Effect::Count { name, delta } | Effect::GaugeAdd { name, delta } => catalogue.record(config as &mut dyn Metrics, &name, Sample::Add(delta)).err(),
+            Effect::GaugeSet { name, value } | Effect::Record { name, value } => catalogue.record(config as &mut dyn Metrics, &name, Sample::Set(value)).err(),
+            Effect::Log { level, message } => {
+                log(log_level(level), &message);
+                None
+            }
+            other => Some(format!("{other:?} has no stream to act on at the configuration level")),
+        };
+        if let Some(problem) = failed {
+            log(LogLevel::Warn, &format!("sluice: {problem}"));
+        }
+    }
+}
+
+fn log_level(level: FlowLogLevel) -> LogLevel {
+    match level {
+        FlowLogLevel::Debug => LogLevel::Debug,
+        FlowLogLevel::Info => LogLevel::Info,
+        FlowLogLevel::Warn => LogLevel::Warn,
+        FlowLogLevel::Error => LogLevel::Error,
     }
 }
 
@@ -277,6 +445,9 @@ struct Stream {
     /// The number under which this guard's instance announced the stream's shared observer
     /// ([`announce_observer`]), until the stream ends.
     announced: Option<u64>,
+    /// The section whose callout (a Redis ledger's reservation) holds the whole request: the
+    /// sections after it see the body when it answers.
+    paused_at: Option<usize>,
 }
 
 thread_local! {
@@ -453,7 +624,13 @@ impl Stream {
                 }
             }
         }
-        for i in 0..self.sections.len() {
+        self.run_request_body(envoy, 0, end_of_stream, now)
+    }
+
+    /// Runs a request body event through the sections from position `from` until one pauses it.
+    fn run_request_body(&mut self, envoy: &mut Envoy<'_>, from: usize, end_of_stream: bool, now: u64) -> BodyStatus {
+        self.paused_at = None;
+        for i in from..self.sections.len() {
             let size = match &self.held {
                 Some(held) => held.size,
                 None => envoy.body(BodyKind::ReceivedRequest).len(),
@@ -474,7 +651,15 @@ impl Stream {
                         continue;
                     }
                     let mut view = NativeView { envoy, now, shared: self.shared.as_ref(), chunk: &mut self.chunk, held };
-                    flow.on_request_body(&mut lock(router), &mut view, size, end_of_stream, &mut self.effects)
+                    let mut router = lock(router);
+                    let queued = router.queued();
+                    let verdict = flow.on_request_body(&mut router, &mut view, size, end_of_stream, &mut self.effects);
+                    // A queued shadow is sent from the main thread, as the configuration's callout.
+                    if router.queued() > queued {
+                        drop(router);
+                        self.inner.commit(EVENT_SHADOWS);
+                    }
+                    verdict
                 }
                 Section::Budget { policy, flow } => {
                     if !flow.is_budgeted() {
@@ -505,12 +690,48 @@ impl Stream {
                 return BodyStatus::StopIterationNoBuffer;
             }
             if verdict == Verdict::Pause {
+                if end_of_stream {
+                    self.paused_at = Some(i);
+                }
                 return BodyStatus::StopIterationAndBuffer;
             }
         }
         // Every section let the request go: the held headers and body go on together.
         self.held = None;
         BodyStatus::Continue
+    }
+
+    /// A callout this stream sent was answered: a Redis ledger's answer to a budget's reservation.
+    /// The budget decides; if it admits, the sections after it see the body, and the request goes
+    /// on when every one has let it (as sluice.wasm's composite resumes it).
+    fn callout_done(&mut self, envoy: &mut Envoy<'_>, id: u64, answer: &CalloutAnswer) {
+        let Ok(token) = u32::try_from(id) else { return };
+        let Some(i) = self.sections.iter().position(|s| matches!(s, Section::Budget { flow, .. } if flow.awaits_reserve(token))) else {
+            return;
+        };
+        let now = now_ns();
+        self.chunk.forget();
+        let (verdict, replaced) = match self.sections.get_mut(i) {
+            Some(Section::Budget { policy, flow }) => {
+                let body = answer.body.get(..MAX_LEDGER_ANSWER_BYTES).unwrap_or(&answer.body);
+                let mut host = EnvoyBudgetHost { envoy, replaced: None };
+                let verdict = flow.on_reserve_answer(&mut lock(policy), &mut *store(), &mut host, answer.status, body, now, &mut self.effects);
+                (verdict, host.replaced)
+            }
+            _ => return,
+        };
+        if let (Some(bytes), Some(held)) = (replaced, self.held.as_mut()) {
+            held.size = bytes.len();
+            held.bytes = bytes;
+        }
+        self.apply(envoy);
+        if self.flags.replied || verdict == Verdict::Pause || self.paused_at != Some(i) {
+            // Refused (its local reply is out), or asking the ledger again (a clamped retry).
+            return;
+        }
+        if self.run_request_body(envoy, i + 1, true, now) == BodyStatus::Continue && !self.flags.replied {
+            envoy.continue_request();
+        }
     }
 
     /// Applies the effects one section's event returned.
@@ -675,6 +896,10 @@ impl Filter for Stream {
     fn on_scheduled(&mut self, envoy: &mut Envoy<'_>, event: u64) {
         self.tick(envoy, event);
     }
+
+    fn on_callout_done(&mut self, envoy: &mut Envoy<'_>, id: u64, answer: &CalloutAnswer) {
+        self.callout_done(envoy, id, answer);
+    }
 }
 
 fn received(dir: Dir) -> BodyKind {
@@ -713,15 +938,16 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
             Effect::ReplaceBody { dir, bytes } => {
                 chunk.forget();
                 let kind = received(dir);
-                let whole = match (dir, held.as_deref_mut()) {
+                let replaced = match (dir, held.as_deref_mut()) {
                     (Dir::Request, Some(held)) => {
                         held.size = bytes.len();
                         held.bytes.clone_from(&bytes);
-                        envoy.body(BodyKind::BufferedRequest).is_empty() || envoy.drain_body(BodyKind::BufferedRequest, usize::MAX)
+                        // The whole body (in the body hook, or after a callout's answer).
+                        replace_request_body(envoy, &bytes)
                     }
-                    _ => true,
+                    _ => envoy.drain_body(kind, usize::MAX) && envoy.append_body(kind, &bytes),
                 };
-                (!(whole && envoy.drain_body(kind, usize::MAX) && envoy.append_body(kind, &bytes))).then(|| "replacing a body chunk failed".to_string())
+                (!replaced).then(|| "replacing a body chunk failed".to_string())
             }
             Effect::AppendBody { dir, bytes } => {
                 chunk.forget();
@@ -738,13 +964,7 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
                 None
             }
             Effect::Log { level, message } => {
-                let level = match level {
-                    FlowLogLevel::Debug => LogLevel::Debug,
-                    FlowLogLevel::Info => LogLevel::Info,
-                    FlowLogLevel::Warn => LogLevel::Warn,
-                    FlowLogLevel::Error => LogLevel::Error,
-                };
-                log(level, &message);
+                log(log_level(level), &message);
                 None
             }
             Effect::WakeGuard => {

@@ -9,7 +9,9 @@ use sluice_core::flow::{Dir, View};
 use sluice_core::observation::{Observer, SharedSlot};
 use sluice_core::report::Outcome;
 
-use crate::filter::{Attribute, BodyKind, Envoy};
+use sluice_core::budget::policy::LedgerConfig;
+
+use crate::filter::{Attribute, BodyKind, CalloutError, CalloutRequest, ConfigHost, Envoy};
 
 /// The prefix Envoy's wasm filter gives the filter state a plugin writes (`set_property(["k"])` is
 /// filter state `wasm.k`, and `get_property(["k"])` reads it back). The native host writes and reads
@@ -170,8 +172,9 @@ impl View for HeldBody<'_> {
     }
 }
 
-/// What tenant-budget asks of the host natively: its held request body replaced in place (the
-/// earlier pieces Envoy buffered, then the last one); no ledger callouts (local mode only).
+/// What tenant-budget asks of a stream natively: its held request body replaced in place, and a
+/// Redis ledger's reservation sent as the stream's callout (its answer comes to the stream's
+/// `on_callout_done`, on its worker, while the request waits).
 pub struct EnvoyBudgetHost<'v, 'e> {
     pub envoy: &'v mut Envoy<'e>,
     /// The bytes the budget put in place of the request body, for the held copy the sections
@@ -180,17 +183,59 @@ pub struct EnvoyBudgetHost<'v, 'e> {
 }
 
 impl sluice_core::flow::budget::BudgetHost for EnvoyBudgetHost<'_, '_> {
-    fn ledger_call(&mut self, _ledger: &sluice_core::budget::policy::LedgerConfig, _path: &str, _body: &[u8]) -> Result<u32, String> {
-        // Refused at configuration time (a ledger policy is not accepted natively yet).
-        Err("the native module has no ledger callouts yet".to_string())
+    fn ledger_call(&mut self, ledger: &LedgerConfig, path: &str, body: &[u8]) -> Result<u32, String> {
+        ledger_call(ledger, path, body, |request| self.envoy.http_callout(request))
     }
 
     fn replace_request_body(&mut self, _size: usize, bytes: &[u8]) -> bool {
-        let buffered_ok = self.envoy.body(BodyKind::BufferedRequest).is_empty() || self.envoy.drain_body(BodyKind::BufferedRequest, usize::MAX);
-        let replaced = buffered_ok && self.envoy.drain_body(BodyKind::ReceivedRequest, usize::MAX) && self.envoy.append_body(BodyKind::ReceivedRequest, bytes);
+        let replaced = replace_request_body(self.envoy, bytes);
         if replaced {
             self.replaced = Some(bytes.to_vec());
         }
         replaced
+    }
+}
+
+/// Replaces the whole request body the filter holds by `bytes`: what Envoy buffered is drained and
+/// the bytes go in the current piece, in a body hook; outside one (a callout's answer, all of the
+/// body buffered) they go in Envoy's buffer. Whether Envoy took them.
+pub fn replace_request_body(envoy: &mut Envoy<'_>, bytes: &[u8]) -> bool {
+    let buffered_ok = envoy.body(BodyKind::BufferedRequest).is_empty() || envoy.drain_body(BodyKind::BufferedRequest, usize::MAX);
+    if !buffered_ok {
+        return false;
+    }
+    if envoy.drain_body(BodyKind::ReceivedRequest, usize::MAX) {
+        envoy.append_body(BodyKind::ReceivedRequest, bytes)
+    } else {
+        envoy.append_body(BodyKind::BufferedRequest, bytes)
+    }
+}
+
+/// One call to the Redis ledger service (`POST path`, JSON `body`), as sluice.wasm sends it, through
+/// `send` (a stream's callout, or the configuration's): the callout's token for the flow.
+pub fn ledger_call(ledger: &LedgerConfig, path: &str, body: &[u8], send: impl FnOnce(&CalloutRequest<'_>) -> Result<u64, CalloutError>) -> Result<u32, String> {
+    let cluster = ledger.cluster.as_deref().unwrap_or_default();
+    let headers: [(&str, &[u8]); 4] =
+        [(":method", b"POST"), (":path", path.as_bytes()), (":authority", ledger.authority.as_bytes()), ("content-type", b"application/json")];
+    let request = CalloutRequest { cluster, headers: &headers, body, timeout_ms: u64::from(ledger.timeout_ms) };
+    let id = send(&request).map_err(|e| e.to_string())?;
+    // Envoy numbers callouts with a counter per stream and per configuration: a token past u32
+    // would take four billion callouts of one configuration.
+    u32::try_from(id).map_err(|_| format!("callout id {id} is past the flows' 32-bit tokens"))
+}
+
+/// The budget's host on the main thread (its settlement tick, the answers to settlements): ledger
+/// calls are the configuration's callouts; there is no request body there.
+pub struct ConfigBudgetHost<'v, 'c> {
+    pub config: &'v mut ConfigHost<'c>,
+}
+
+impl sluice_core::flow::budget::BudgetHost for ConfigBudgetHost<'_, '_> {
+    fn ledger_call(&mut self, ledger: &LedgerConfig, path: &str, body: &[u8]) -> Result<u32, String> {
+        ledger_call(ledger, path, body, |request| self.config.http_callout(request))
+    }
+
+    fn replace_request_body(&mut self, _size: usize, _bytes: &[u8]) -> bool {
+        false
     }
 }
