@@ -361,7 +361,7 @@ impl Measured {
     }
 
     fn record(&self, policy: &MetricsPolicy, view: &mut dyn View, end_ns: u64, outcome: Outcome) -> RequestRecord {
-        let response = match &self.response {
+        let mut response = match &self.response {
             ResponseBody::Observed(observer, _) => observer.summary(),
             ResponseBody::Collected(body) if !body.is_empty() => inspect_response_body(self.kind, body),
             _ => Default::default(),
@@ -370,6 +370,12 @@ impl Measured {
         // A reply another sluice policy generated (a refusal, a deadline) is that status and
         // outcome, whatever the upstream's headers said before it.
         let gateway = view.gateway_reply();
+        if gateway.is_some() {
+            // The error in that reply's body (or the deadline's error event) is the gateway's own
+            // message, not the upstream's; a host that does not pass it through this filter (the
+            // native module) never sees it, so reporting it would make the two disagree.
+            response.upstream_error = None;
+        }
         let status = gateway.map_or(self.status, |g| g.status);
         let outcome = Outcome::classify(gateway, outcome, self.status, response.upstream_error.is_some());
         let prompt_tokens = if response.usage_reported { response.usage.input_tokens } else { request.prompt_tokens_estimate };

@@ -120,6 +120,28 @@ fn a_gateway_refusal_is_reported_with_the_gateways_status_whatever_the_headers_s
     assert!(names(&fx).iter().any(|n| n.starts_with("count sluice.gateway_replies_total.") && n.contains("refused")), "{:?}", names(&fx));
 }
 
+/// The body of a reply the gateway sent itself is the gateway's error, not the upstream's: the stamp
+/// says `upstream_error: null`, as the native module (which never sees that body) does.
+#[test]
+fn a_gateway_refusals_own_error_body_is_not_reported_as_an_upstream_error() {
+    let mut p = policy("{}");
+    let body = r#"{"model":"m1","messages":[]}"#;
+    let mut view = chat_view(body);
+    let (mut flow, mut fx) = (MetricsFlow::default(), Effects::default());
+    flow.on_request_headers(&mut p, &mut view, 0, &mut fx);
+    flow.on_request_body(&mut p, &mut view, body.len(), true, &mut fx);
+    view.gateway_reply = Some(GatewayReply { status: 429, end: GatewayEnd::Refused });
+    view.response_headers = vec![(":status".into(), "429".into()), ("content-type".into(), "application/json".into())];
+    view.now_ns = 2 * MS;
+    flow.on_response_headers(&mut p, &mut view, false, &mut fx);
+    view.response_body = br#"{"error":{"message":"sluice: budget exhausted","type":"rate_limit_exceeded","code":"key:k1:day:tokens"}}"#.to_vec();
+    let n = view.response_body.len();
+    flow.on_response_body(&mut p, &mut view, n, true, 3 * MS, &mut fx);
+    let s = stamp(&fx, "sluice_llm");
+    assert_eq!((s["status"].as_u64(), s["outcome"].as_str()), (Some(429), Some("refused")));
+    assert!(s["upstream_error"].is_null(), "{s}");
+}
+
 #[test]
 fn a_stream_the_client_left_is_reported_at_teardown_with_the_hosts_outcome() {
     let mut p = policy("{}");
