@@ -1037,22 +1037,28 @@ fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
     };
     assert_eq!(rejections(&native), rejections(&wasm), "native (left) and sluice.wasm (right) Prometheus series differ");
 
-    // The ledger unreachable (nothing listens on its port), `on_failure: deny`: both hosts answer
-    // 503 `budget_ledger_unavailable`, and the request never reaches the upstream.
+    // The ledger unreachable, `on_failure: deny`: both hosts answer 503 `budget_ledger_unavailable`,
+    // and the request never reaches the upstream. Twice: nothing listens on the ledger's port (the
+    // callout fails later), and the ledger's cluster has no endpoint (Envoy fails the callout inline,
+    // inside the call that starts it).
     drop((native, wasm));
-    let sections = format!(r#"{{"tenant_budget": {}}}"#, budget("deny"));
     let closed = free_port();
-    let mut down = Vec::new();
-    for (host, kind) in [("native", Host::Native), ("wasm", Host::Wasm)] {
-        let envoy = start_engine_with_ledger(kind, &sections, upstream.port, closed).up();
-        let path = format!("/v1/chat/completions?host={host}&ledger=down");
-        let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
-        assert!(upstream.heads_for(&path).is_empty(), "{host}: the request reached the upstream with the ledger down");
-        down.push((seen(&response), timeless(&hold_masked(&budget_stamp(&envoy, &path)))));
+    for (case, sections) in [
+        ("closed", format!(r#"{{"tenant_budget": {}}}"#, budget("deny"))),
+        ("no-endpoint", format!(r#"{{"tenant_budget": {}}}"#, budget("deny").replace(r#""cluster":"sluice_ledger""#, r#""cluster":"qwen_dead""#))),
+    ] {
+        let mut down = Vec::new();
+        for (host, kind) in [("native", Host::Native), ("wasm", Host::Wasm)] {
+            let envoy = start_engine_with_ledger(kind, &sections, upstream.port, closed).up();
+            let path = format!("/v1/chat/completions?host={host}&ledger={case}");
+            let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
+            assert!(upstream.heads_for(&path).is_empty(), "{host}, {case}: the request reached the upstream with the ledger down");
+            down.push((seen(&response), timeless(&hold_masked(&budget_stamp(&envoy, &path)))));
+        }
+        assert_eq!(down[0], down[1], "ledger down ({case}): native (left) and sluice.wasm (right) differ");
+        assert_eq!(down[0].0 .0, 503, "{case}: {:?}", down[0]);
+        assert!(down[0].0 .2.contains("budget_ledger_unavailable"), "{case}: {:?}", down[0]);
     }
-    assert_eq!(down[0], down[1], "ledger down: native (left) and sluice.wasm (right) differ");
-    assert_eq!(down[0].0 .0, 503, "{:?}", down[0]);
-    assert!(down[0].0 .2.contains("budget_ledger_unavailable"), "{:?}", down[0]);
 }
 
 /// The access log's field `key` of `path`'s line (its values have no spaces, but the last one).
