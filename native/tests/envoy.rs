@@ -1545,3 +1545,73 @@ fn engine_llm_metrics_natively_bounds_every_label_as_sluice_wasm() {
     );
     assert!(tenants_seen.len() <= 2 && tenants_seen.contains("acme") && !tenants_seen.iter().any(|t| t.starts_with("mallory")), "{tenants_seen:?}");
 }
+
+/// Envoy's CPU time so far (user + system), µs, from `/proc/<pid>/stat` (10 ms ticks).
+fn envoy_cpu_us(envoy: &Envoy) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", envoy.child.id())).unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    // utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the command's `)`.
+    (fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()) * 10_000
+}
+
+/// A measurement, not a check (docs/native.md, "Callouts"): Envoy's CPU per request and the
+/// client's median latency, native against sluice.wasm, with a Redis-ledger budget (a reservation
+/// callout per request, a settlement per request from the tick) and with a router shadowing every
+/// request. Run with `cargo test -p sluice-native --test envoy -- --ignored --nocapture measure_callouts`.
+#[test]
+#[ignore = "a measurement: run by hand"]
+fn measure_callouts() {
+    const REQUESTS: usize = 2000;
+    const CLIENTS: usize = 16;
+    let upstream = Upstream::start();
+    let budget = r#"{"identity":{"header":"x-sluice-key"},"ledger":{"mode":"redis","cluster":"sluice_ledger","timeout_ms":2000},"orgs":[{"id":"acme","teams":[{"id":"search","keys":[{"id":"k1","budgets":[{"window":"day","requests":100000000}]}]}]}]}"#;
+    let local = budget.replace(r#""ledger":{"mode":"redis","cluster":"sluice_ledger","timeout_ms":2000},"#, "");
+    let unshadowed = SHADOW_POLICY.replace(r#""fraction":1.0"#, r#""fraction":0.0"#);
+    let configurations = [
+        ("llm-metrics alone", r#"{"llm_metrics": {}}"#.to_string(), ""),
+        ("budget, local ledger", format!(r#"{{"tenant_budget": {local}}}"#), "x-sluice-key: k1\r\n"),
+        ("budget, Redis ledger", format!(r#"{{"tenant_budget": {budget}}}"#), "x-sluice-key: k1\r\n"),
+        ("router, shadow at fraction 0", format!(r#"{{"model_router": {unshadowed}}}"#), ""),
+        ("router, every request shadowed", format!(r#"{{"model_router": {SHADOW_POLICY}}}"#), ""),
+    ];
+    for (name, sections, extra) in configurations {
+        for (host, kind) in [("native", Host::Native), ("wasm", Host::Wasm)] {
+            let ledger = LedgerService::start();
+            let envoy = start_engine_with_ledger(kind, &sections, upstream.port, ledger.port).up();
+            let round = |count: usize| -> Vec<Duration> {
+                let next = std::sync::atomic::AtomicUsize::new(0);
+                let latencies = Mutex::new(Vec::with_capacity(count));
+                std::thread::scope(|scope| {
+                    for _ in 0..CLIENTS {
+                        scope.spawn(|| loop {
+                            let n = next.fetch_add(1, Ordering::Relaxed);
+                            if n >= count {
+                                return;
+                            }
+                            let raw = model_request(&format!("/v1/chat/completions?m={n}"), "llama-3-70b", extra).replace("x-test-script: llm\r\n", "");
+                            let start = Instant::now();
+                            let response = envoy.request(&raw);
+                            assert_eq!(response.status, 200, "{}", response.head);
+                            latencies.lock().unwrap().push(start.elapsed());
+                        });
+                    }
+                });
+                latencies.into_inner().unwrap()
+            };
+            round(200);
+            std::thread::sleep(Duration::from_secs(1));
+            let before = envoy_cpu_us(&envoy);
+            let mut latencies = round(REQUESTS);
+            // The settlements and shadow answers after the last request, too.
+            std::thread::sleep(Duration::from_secs(1));
+            let cpu = envoy_cpu_us(&envoy) - before;
+            latencies.sort_unstable();
+            let median = latencies[latencies.len() / 2];
+            eprintln!(
+                "{name}, {host}: Envoy CPU {:.1} µs per request, client median {:.1} ms ({REQUESTS} requests, {CLIENTS} clients)",
+                cpu as f64 / REQUESTS as f64,
+                median.as_secs_f64() * 1000.0
+            );
+        }
+    }
+}
