@@ -19,6 +19,23 @@
 //! - the event hooks' C signatures agree with the function-pointer types Envoy 1.40.0 resolves them
 //!   as (its binary carries them in `getFunctionPointer<…>` strings), and the hook set is the one
 //!   Envoy's own statically linked Rust module exports.
+//! - the callout callbacks (`…_http_filter_http_callout`, `…_http_filter_config_http_callout`)
+//!   take `(envoy ptr, uint64_t* callout_id_out, module_buffer cluster, module_http_header* headers,
+//!   size_t headers_size, module_buffer body, uint64_t timeout_ms)` and return the init result: the
+//!   form of abi.h and its SDKs since the module-buffer rework (Envoy chooses the id and writes it
+//!   through the out-pointer; before, the module passed a `uint32_t` id and pointer/length pairs).
+//!   The 1.40.0 header text itself was not at hand; the binary confirms the form: the function
+//!   stores the 64-bit id through its second argument, reads 32-byte header entries from the fifth
+//!   with their count in the sixth, and the body's pointer and length and the timeout from the
+//!   stack. The configuration's metric callbacks (`…_http_filter_config_increment_counter`, …) are
+//!   the stream's with the configuration pointer first (the same code, reading the configuration
+//!   directly instead of through the filter), and the configuration scheduler's `new` copies the
+//!   configuration's weak pointer, `commit(scheduler, uint64_t event)` posts to the main thread.
+//!
+//! Threads (abi.h): a stream's callout is sent on its worker during one of its hooks and answered on
+//! it; a configuration's callout is sent on the main thread (the module sends them only from the
+//! configuration's scheduled hook) and answered there; a scheduler's commit may come from any
+//! thread.
 //!
 //! Ownership rules from the header that this module relies on: Envoy-owned buffers handed to a
 //! hook or returned by a getter are valid until the hook returns or a setter is called (the safe
