@@ -24,10 +24,11 @@
 //!   size_t headers_size, module_buffer body, uint64_t timeout_ms)` and return the init result: the
 //!   form of abi.h and its SDKs since the module-buffer rework (Envoy chooses the id and writes it
 //!   through the out-pointer; before, the module passed a `uint32_t` id and pointer/length pairs).
-//!   The 1.40.0 header text itself was not at hand; the binary confirms the form: the function
-//!   stores the 64-bit id through its second argument, reads 32-byte header entries from the fifth
-//!   with their count in the sixth, and the body's pointer and length and the timeout from the
-//!   stack. The configuration's metric callbacks (`…_http_filter_config_increment_counter`, …) are
+//!   Read in abi.h of envoyproxy/envoy at 0199da4a13cb999df12ad32db7d03942cfbf9abb (a main-branch
+//!   header of that form; the 1.40.0 tag's text was not at hand), and confirmed in the 1.40.0
+//!   binary: the function stores the 64-bit id through its second argument, reads 32-byte header
+//!   entries from the fifth with their count in the sixth, and the body's pointer and length and
+//!   the timeout from the stack. The configuration's metric callbacks (`…_http_filter_config_increment_counter`, …) are
 //!   the stream's with the configuration pointer first (the same code, reading the configuration
 //!   directly instead of through the filter), and the configuration scheduler's `new` copies the
 //!   configuration's weak pointer, `commit(scheduler, uint64_t event)` posts to the main thread.
