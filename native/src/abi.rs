@@ -1687,6 +1687,49 @@ mod tests {
     }
 
     #[test]
+    fn a_callout_answer_is_its_status_and_whole_body() {
+        let header = |key: &'static str, value: &'static str| EnvoyHttpHeader {
+            key_ptr: key.as_ptr().cast::<c_char>(),
+            key_length: key.len(),
+            value_ptr: value.as_ptr().cast::<c_char>(),
+            value_length: value.len(),
+        };
+        let chunk = |bytes: &'static str| EnvoyBuffer { ptr: bytes.as_ptr().cast::<c_char>(), length: bytes.len() };
+        let headers = [header("content-type", "application/json"), header(":status", "429")];
+        let chunks = [chunk("{\"admitted\":"), chunk("false}")];
+        // SAFETY: arrays and bytes that outlive the calls, with their lengths.
+        let (answered, reset, bare) = unsafe {
+            (
+                callout_answer(CALLOUT_RESULT_SUCCESS, headers.as_ptr(), headers.len(), chunks.as_ptr(), chunks.len()),
+                callout_answer(1, headers.as_ptr(), headers.len(), chunks.as_ptr(), chunks.len()),
+                callout_answer(CALLOUT_RESULT_SUCCESS, std::ptr::null(), 0, std::ptr::null(), 0),
+            )
+        };
+        assert_eq!(answered, CalloutAnswer { status: 429, body: b"{\"admitted\":false}".to_vec() });
+        // Reset (or a response over Envoy's buffer limit): no answer, status 0, as proxy-wasm's.
+        assert_eq!(reset, CalloutAnswer::default());
+        assert_eq!(bare, CalloutAnswer::default());
+    }
+
+    #[test]
+    fn callout_init_results_are_the_headers_enum() {
+        assert_eq!(callout_result(0, 7), Ok(7));
+        assert_eq!(callout_result(1, 7), Err(CalloutError::MissingRequiredHeaders));
+        assert_eq!(callout_result(2, 7), Err(CalloutError::ClusterNotFound));
+        assert_eq!(callout_result(3, 7), Err(CalloutError::DuplicateCalloutId));
+        assert_eq!(callout_result(4, 7), Err(CalloutError::CannotCreateRequest));
+        assert_eq!(callout_result(9, 7), Err(CalloutError::Other(9)));
+    }
+
+    #[test]
+    fn an_inline_answer_is_told_apart_while_sending() {
+        assert!(!inside_send());
+        assert!(sending(inside_send));
+        assert!(sending(|| sending(|| true) && inside_send()));
+        assert!(!inside_send());
+    }
+
+    #[test]
     fn panic_text_reads_both_payload_kinds() {
         let from_str: Box<dyn Any + Send> = Box::new("static");
         let from_string: Box<dyn Any + Send> = Box::new(String::from("owned"));
