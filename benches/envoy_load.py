@@ -76,8 +76,8 @@ CONFIGS = [
     # bench policy), llm-metrics, Envoy's buffer filter.
     ("full chain", ROOT / "envoy/templates/full-gateway.yaml"),
     # The same four policies natively (libsluice.so, docs/native.md): json_to_metadata, latency-guard
-    # in its own module filter instance, then model-router (50/50, without the shadow: the native
-    # module refuses one), tenant-budget (the bench policy, local mode), llm-metrics in one instance;
+    # in its own module filter instance, then model-router (50/50, without the shadow, as when this
+    # row was first measured, so that runs compare), tenant-budget (the bench policy, local mode), llm-metrics in one instance;
     # no buffer filter (the native budget holds the headers while it reads the body).
     ("native full chain", ROOT / "envoy/templates/native-full-gateway.yaml"),
     # The same with tracing on (`cargo xtask render --otlp`): Envoy's OpenTelemetry tracer, every
@@ -99,7 +99,7 @@ EXTPROC = ROOT / "target/extproc-noop/release/sluice-bench-extproc-noop"
 
 def router_policy(shadow_fraction):
     """The demo router policy with an even split (so both routes carry load) and the given shadow share;
-    without its shadow when shadow_fraction is None (the native module refuses a shadow)."""
+    without its shadow when shadow_fraction is None (the native rows, as first measured)."""
     policy = json.loads((ROOT / "policies/model-router.demo.json").read_text())
     model = policy["models"][0]
     model["model"] = "llama-3-70b*"

@@ -11,8 +11,9 @@ this one invocation, one after the other, loopback only, bounded in time (≈ 20
 
 Configurations: Envoy with no filter; the trivial wasm filter (one response header); model-router +
 tenant-budget + llm-metrics (the full gateway without latency-guard); the full chain; and the same
-four policies natively (libsluice.so, envoy/templates/native-full-gateway.yaml: the router without
-its shadow, which the native module refuses) beside the wasm full chain with the same router policy.
+four policies natively (libsluice.so, envoy/templates/native-full-gateway.yaml; the router without
+its shadow, as when these rows were first measured, so that runs compare) beside the wasm full chain
+with the same router policy.
 
 With --before DIR the sluice rows also run with the `.wasm` files of DIR (an earlier build), as
 "<name> (before)".

@@ -1346,7 +1346,8 @@ fn stamp_string(stamp: &str, key: &str) -> Option<String> {
 fn native_full_gateway_stamps_one_streamed_request_alike_in_its_four_sections() {
     let upstream = Upstream::start();
     // The shipped file as `cargo xtask render` wrote it: the demo ports (admin 9901, listener 10000,
-    // v1 18000, v2 18001) become free ones and this test's upstream, the access log a file.
+    // v1 18000, v2 18001, the shadow 18002) become free ones and this test's upstream, the access
+    // log a file.
     let rendered = std::fs::read_to_string(root().join("envoy/rendered/native-full-gateway.yaml")).unwrap();
     let upstream_port = format!("port_value: {} ", upstream.port);
     let mut config = rendered;
@@ -1355,6 +1356,7 @@ fn native_full_gateway_stamps_one_streamed_request_alike_in_its_four_sections() 
         ("port_value: 10000 ", "port_value: 0 "),
         ("port_value: 18000 ", upstream_port.as_str()),
         ("port_value: 18001 ", upstream_port.as_str()),
+        ("port_value: 18002 ", upstream_port.as_str()),
         (r#"path: "/dev/stdout""#, r#"path: "{{ACCESS_LOG}}""#),
     ] {
         assert_eq!(config.matches(from).count(), 1, "{from:?} is not in native-full-gateway.yaml once");

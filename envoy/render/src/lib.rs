@@ -156,15 +156,15 @@ pub const GATEWAYS: &[Gateway] = &[
     },
     Gateway {
         name: "native-full-gateway",
-        // full-gateway's policies, the router's without its shadow (the native module refuses one).
+        // full-gateway's policies, the router's shadow included.
         policies: &[
             ("LATENCY_CONFIG", "latency-guard.demo.json"),
-            ("ROUTER_CONFIG", "model-router.native.json"),
+            ("ROUTER_CONFIG", "model-router.demo.json"),
             ("BUDGET_CONFIG", "tenant-budget.full.json"),
             ("PLUGIN_CONFIG", "llm-metrics.demo.json"),
         ],
-        // v1 and v2; no shadow model.
-        mocks: 2,
+        // v1, v2 and the shadow model.
+        mocks: 3,
         example_headers: &["x-sluice-tenant: acme"],
         ledger: false,
         native: true,
