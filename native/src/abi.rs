@@ -36,7 +36,23 @@
 //! Threads (abi.h): a stream's callout is sent on its worker during one of its hooks and answered on
 //! it; a configuration's callout is sent on the main thread (the module sends them only from the
 //! configuration's scheduled hook) and answered there; a scheduler's commit may come from any
-//! thread.
+//! thread, but abi.h asks that a thread that commits be joined before what it posts to goes away.
+//! In Envoy 1.40.0's binary both schedulers' `commit` lock the filter's or configuration's weak
+//! pointer and post to its dispatcher (a no-op once it is gone); `new` copies the weak pointer,
+//! `delete` frees it. The module's threads commit under a lock that a stream's destroy (for the
+//! tick thread) or the configuration's destroy (for the settlement thread, joined there) takes, so
+//! no commit follows those hooks (engine/ticker.rs, engine/mod.rs `settle_tick`).
+//!
+//! Re-entry: Envoy runs hooks of a filter from inside some of the calls the module makes to it. A
+//! local reply calls `on_http_filter_local_reply` before it returns (seen in Envoy 1.40.0 under
+//! gdb); continuing a held request can reach a router that answers at once (no healthy upstream),
+//! and its local reply runs through this filter's `on_http_filter_response_headers` and
+//! `on_http_filter_stream_complete` before `continue_decoding` returns (seen the same way, inside
+//! a ledger answer's `on_http_filter_http_callout_done`). So those calls (`send_response`,
+//! `continue_request`, `continue_response`, `reset_stream`) are deferred until the hook's Rust has
+//! returned ([`Deferred`], as proxy-wasm defers them until the VM call returns), the filter is
+//! reached through a `RefCell` one hook at a time, and a destroy that comes inside a hook's
+//! deferred call frees the filter when that hook returns ([`run_hook`]).
 //!
 //! Ownership rules from the header that this module relies on: Envoy-owned buffers handed to a
 //! hook or returned by a getter are valid until the hook returns or a setter is called (the safe
@@ -53,6 +69,7 @@
 #![allow(unsafe_code)]
 
 use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_void, CStr};
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -740,7 +757,53 @@ impl Metrics for ConfigHost<'_> {
 pub struct Envoy<'a> {
     ptr: FilterEnvoyPtr,
     host: &'static Host,
+    /// Calls that can make Envoy call this filter's hooks again before they return, made once the
+    /// hook's Rust has returned ([`Deferred`]).
+    deferred: Vec<Deferred>,
     _hook: PhantomData<&'a mut ()>,
+}
+
+/// A call to Envoy made when the hook's Rust has returned and its borrow of the filter has ended,
+/// as proxy-wasm makes them after the VM call. Each can run hooks of this filter before it returns:
+/// a local reply calls `on_http_filter_local_reply`, continuing a held request can reach a router
+/// that answers it at once (its local reply then runs through this filter's response hooks), a
+/// reset or a reply can end the stream. Made inside the hook, those would reach the filter while
+/// the hook's `&mut` of it lives.
+#[derive(Debug, PartialEq, Eq)]
+enum Deferred {
+    Reply { status: u32, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>, details: String },
+    ContinueRequest,
+    ContinueResponse,
+    Reset { details: String },
+}
+
+impl Deferred {
+    /// # Safety
+    /// `ptr` is the live stream of the hook that deferred the call.
+    unsafe fn make(self, ptr: FilterEnvoyPtr, host: &Host) {
+        match self {
+            Deferred::Reply { status, headers, body, details } => {
+                let mut raw: Vec<ModuleHttpHeader> = headers
+                    .iter()
+                    .map(|(key, value)| ModuleHttpHeader {
+                        key_ptr: key.as_ptr().cast::<c_char>(),
+                        key_length: key.len(),
+                        value_ptr: value.as_ptr().cast::<c_char>(),
+                        value_length: value.len(),
+                    })
+                    .collect();
+                let headers_ptr = if raw.is_empty() { std::ptr::null_mut() } else { raw.as_mut_ptr() };
+                // SAFETY: every buffer outlives the call, which copies them.
+                unsafe { (host.send_response)(ptr, status, headers_ptr, raw.len(), ModuleBuffer::of(&body), ModuleBuffer::of(details.as_bytes())) }
+            }
+            // SAFETY: plain calls on the live stream.
+            Deferred::ContinueRequest => unsafe { (host.continue_decoding)(ptr) },
+            // SAFETY: as above.
+            Deferred::ContinueResponse => unsafe { (host.continue_encoding)(ptr) },
+            // SAFETY: the buffer outlives the call, which copies it.
+            Deferred::Reset { details } => unsafe { (host.reset_stream)(ptr, STREAM_RESET_LOCAL, ModuleBuffer::of(details.as_bytes())) },
+        }
+    }
 }
 
 /// Which body a [`Body`] reads (`envoy_dynamic_module_type_http_body_type`).
@@ -774,21 +837,10 @@ impl Envoy<'_> {
 
     /// Answers the stream locally (Envoy's `sendLocalReply`): status, extra headers, body, and the
     /// response code details (`%RESPONSE_CODE_DETAILS%`). The hook should then stop iteration.
+    /// Sent when the hook returns ([`Deferred`]), after what else the hook does.
     pub fn send_response(&mut self, status: u32, headers: &[(&str, &[u8])], body: &[u8], details: &str) {
-        let mut raw: Vec<ModuleHttpHeader> = headers
-            .iter()
-            .map(|(key, value)| ModuleHttpHeader {
-                key_ptr: key.as_ptr().cast::<c_char>(),
-                key_length: key.len(),
-                value_ptr: value.as_ptr().cast::<c_char>(),
-                value_length: value.len(),
-            })
-            .collect();
-        let headers_ptr = if raw.is_empty() { std::ptr::null_mut() } else { raw.as_mut_ptr() };
-        // SAFETY: every buffer outlives the call, which copies them.
-        unsafe {
-            (self.host.send_response)(self.ptr, status, headers_ptr, raw.len(), ModuleBuffer::of(body), ModuleBuffer::of(details.as_bytes()));
-        }
+        let headers = headers.iter().map(|(key, value)| ((*key).to_string(), value.to_vec())).collect();
+        self.deferred.push(Deferred::Reply { status, headers, body: body.to_vec(), details: details.to_string() });
     }
 
     /// Sets filter state `key` to bytes (a string accessor: `%FILTER_STATE(key:PLAIN)%` prints it).
@@ -886,10 +938,10 @@ impl Envoy<'_> {
     }
 
     /// Lets the response this filter held (headers stopped) go on, with what Envoy buffered behind
-    /// them; for a hook that is not the response's own (a scheduled event).
+    /// them; for a hook that is not the response's own (a scheduled event). When the hook returns
+    /// ([`Deferred`]).
     pub fn continue_response(&mut self) {
-        // SAFETY: a plain call on the live stream.
-        unsafe { (self.host.continue_encoding)(self.ptr) }
+        self.deferred.push(Deferred::ContinueResponse);
     }
 
     /// Sends `request` from this stream (on its worker, during a hook): the callout's id, or why
@@ -914,16 +966,16 @@ impl Envoy<'_> {
     }
 
     /// Lets the request this filter held (headers and body stopped) go on, with what Envoy
-    /// buffered; for a hook that is not the request's own (a callout's answer).
+    /// buffered; for a hook that is not the request's own (a callout's answer). When the hook
+    /// returns ([`Deferred`]).
     pub fn continue_request(&mut self) {
-        // SAFETY: a plain call on the live stream.
-        unsafe { (self.host.continue_decoding)(self.ptr) }
+        self.deferred.push(Deferred::ContinueRequest);
     }
 
     /// Resets the stream (both directions), `details` in the access log's response code details.
+    /// When the hook returns ([`Deferred`]).
     pub fn reset_stream(&mut self, details: &str) {
-        // SAFETY: the buffer outlives the call, which copies it.
-        unsafe { (self.host.reset_stream)(self.ptr, STREAM_RESET_LOCAL, ModuleBuffer::of(details.as_bytes())) }
+        self.deferred.push(Deferred::Reset { details: details.to_string() });
     }
 
     /// A string value of the stream's dynamic metadata: `key` of namespace `namespace`.
@@ -1183,11 +1235,36 @@ fn program_init() -> *const c_char {
 /// The in-module filter configuration behind `ConfigModulePtr`.
 struct ConfigBox(Box<dyn FilterConfig>);
 
-/// The in-module filter behind `FilterModulePtr`.
+/// The in-module filter behind `FilterModulePtr`. Only ever reached through `&`: Envoy can call a
+/// hook of a filter from inside another of its hooks (a deferred call, [`Deferred`], runs its
+/// hooks), and the filter itself is borrowed mutably by one hook at a time ([`run_hook`]).
 struct StreamBox {
-    filter: Box<dyn Filter>,
+    filter: RefCell<Box<dyn Filter>>,
     /// Set after a panic: the filter is skipped, the stream continues.
-    bypassed: bool,
+    bypassed: Cell<bool>,
+    /// Hooks of this stream on the worker's stack.
+    active: Cell<u32>,
+    /// Envoy destroyed the filter while a hook of it was on the stack (a deferred reply or reset
+    /// that ended the stream): the outermost hook frees it when it returns.
+    destroyed: Cell<bool>,
+}
+
+impl StreamBox {
+    fn new(filter: Box<dyn Filter>, bypassed: bool) -> StreamBox {
+        StreamBox { filter: RefCell::new(filter), bypassed: Cell::new(bypassed), active: Cell::new(0), destroyed: Cell::new(false) }
+    }
+}
+
+/// Frees a stream's box (its filter dropped under `catch_unwind`).
+///
+/// # Safety
+/// `ptr` was made by `Box::into_raw` in filter_new, is freed once, and nothing uses it after.
+unsafe fn free_stream(ptr: *const StreamBox) {
+    // SAFETY: the caller's contract.
+    let stream = unsafe { Box::from_raw(ptr.cast_mut()) };
+    if catch_unwind(AssertUnwindSafe(move || drop(stream))).is_err() {
+        log(LogLevel::Error, "sluice-native: panic while dropping a filter");
+    }
 }
 
 /// A filter that does nothing: what a stream gets when creating its filter panicked.
@@ -1259,17 +1336,21 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config_ptr: Con
         return std::ptr::null();
     };
     let stream = match catch_unwind(AssertUnwindSafe(|| config.0.new_filter())) {
-        Ok(filter) => StreamBox { filter, bypassed: false },
+        Ok(filter) => StreamBox::new(filter, false),
         Err(payload) => {
             log(LogLevel::Error, &format!("sluice-native: panic creating a filter: {}; the stream continues without it", panic_text(payload.as_ref())));
-            StreamBox { filter: Box::new(PassThrough), bypassed: true }
+            StreamBox::new(Box::new(PassThrough), true)
         }
     };
     Box::into_raw(Box::new(stream)).cast_const().cast::<c_void>()
 }
 
 /// Runs one filter hook: the stream handle for the call, the filter, `catch_unwind`; a panic logs,
-/// bypasses the filter for the rest of the stream and answers `pass` (continue).
+/// bypasses the filter for the rest of the stream and answers `pass` (continue). Then the calls the
+/// hook deferred ([`Deferred`]), in order, with the filter no longer borrowed: a hook Envoy runs
+/// inside one of them gets the filter in turn. A hook that still finds the filter borrowed (Envoy
+/// calling it from inside a call the hook's Rust makes, none of which was seen to) passes without
+/// it, logged, rather than make a second `&mut` of it.
 ///
 /// # Safety
 /// `filter_ptr` is a live pointer from `envoy_dynamic_module_on_http_filter_new`, used by one thread.
@@ -1283,19 +1364,45 @@ unsafe fn run_hook<R>(
     let Some(host) = HOST.get() else {
         return pass;
     };
-    // SAFETY: the caller's contract; Envoy calls a stream's hooks one at a time on its worker.
-    let Some(stream) = (unsafe { filter_ptr.cast_mut().cast::<StreamBox>().as_mut() }) else {
+    let ptr = filter_ptr.cast::<StreamBox>();
+    // SAFETY: the caller's contract; Envoy calls a stream's hooks on its worker only. Shared
+    // references only: destroy leaves the box to this frame while `active` counts it.
+    let Some(stream) = (unsafe { ptr.as_ref() }) else {
         return pass;
     };
-    if stream.bypassed {
+    stream.active.set(stream.active.get().saturating_add(1));
+    let out = stream_hook(stream, envoy_ptr, host, hook, pass, call);
+    let left = stream.active.get().saturating_sub(1);
+    stream.active.set(left);
+    if left == 0 && stream.destroyed.get() {
+        // SAFETY: destroy came during this hook and left the box to it; `stream` is not used after.
+        unsafe { free_stream(ptr) };
+    }
+    out
+}
+
+fn stream_hook<R>(
+    stream: &StreamBox,
+    envoy_ptr: FilterEnvoyPtr,
+    host: &'static Host,
+    hook: &str,
+    pass: R,
+    call: impl FnOnce(&mut dyn Filter, &mut Envoy<'_>) -> R,
+) -> R {
+    if stream.bypassed.get() || stream.destroyed.get() {
         return pass;
     }
-    let mut envoy = Envoy { ptr: envoy_ptr, host, _hook: PhantomData };
-    let filter = stream.filter.as_mut();
-    match catch_unwind(AssertUnwindSafe(|| call(filter, &mut envoy))) {
-        Ok(result) => result,
+    let Ok(mut filter) = stream.filter.try_borrow_mut() else {
+        log(LogLevel::Warn, &format!("sluice-native: Envoy called {hook} while another hook of the stream ran; it passes without reaching the filter"));
+        return pass;
+    };
+    let mut envoy = Envoy { ptr: envoy_ptr, host, deferred: Vec::new(), _hook: PhantomData };
+    let result = catch_unwind(AssertUnwindSafe(|| call(filter.as_mut(), &mut envoy)));
+    drop(filter);
+    let out = match result {
+        Ok(out) => out,
         Err(payload) => {
-            stream.bypassed = true;
+            stream.bypassed.set(true);
             log(
                 LogLevel::Error,
                 &format!(
@@ -1303,9 +1410,19 @@ unsafe fn run_hook<R>(
                     panic_text(payload.as_ref())
                 ),
             );
-            pass
+            // What the hook deferred before it panicked is dropped with it.
+            return pass;
         }
+    };
+    for deferred in std::mem::take(&mut envoy.deferred) {
+        if stream.destroyed.get() {
+            // An earlier call ended the stream: Envoy has no stream left to call.
+            break;
+        }
+        // SAFETY: the hook's stream, alive (not destroyed, checked above).
+        unsafe { deferred.make(envoy_ptr, host) };
     }
+    out
 }
 
 fn headers_status(status: HeadersStatus) -> u32 {
@@ -1401,10 +1518,19 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter_ptr:
     if filter_ptr.is_null() {
         return;
     }
+    let ptr = filter_ptr.cast::<StreamBox>();
     // SAFETY: made by `Box::into_raw` in filter_new; Envoy destroys it once.
-    let stream = unsafe { Box::from_raw(filter_ptr.cast_mut().cast::<StreamBox>()) };
-    if catch_unwind(AssertUnwindSafe(move || drop(stream))).is_err() {
-        log(LogLevel::Error, "sluice-native: panic while dropping a filter");
+    let during_hook = unsafe { ptr.as_ref() }.is_some_and(|stream| {
+        let active = stream.active.get() > 0;
+        if active {
+            // A deferred call of a hook ended the stream: that hook frees the box when it returns.
+            stream.destroyed.set(true);
+        }
+        active
+    });
+    if !during_hook {
+        // SAFETY: as above; no hook of the stream is running.
+        unsafe { free_stream(ptr) };
     }
 }
 

@@ -1609,3 +1609,84 @@ fn measure_callouts() {
         }
     }
 }
+
+/// Sends SIGTERM to Envoy and waits (30 s at most) for it to exit; its exit status.
+fn terminate(envoy: &mut Envoy) -> std::process::ExitStatus {
+    let pid = envoy.child.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success(), "kill -TERM {pid} failed");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = envoy.child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "Envoy did not exit in 30 s after SIGTERM:\n{}", envoy.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What Envoy's log shows after a crash (its signal handler's lines), an abort or a panic.
+const CRASH_MARKERS: [&str; 6] = ["Caught ", "Backtrace", "panicked at", "sluice-native: panic", "terminate called", "assert failure"];
+
+#[test]
+fn envoy_exits_cleanly_on_sigterm_while_the_module_threads_commit() {
+    let upstream = Upstream::start();
+    let rounds: usize = std::env::var("SLUICE_EXIT_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(20);
+    // latency-guard's tick thread (a held stream is in flight at SIGTERM), and a Redis ledger that
+    // never answers with `on_failure: local`, so write-backs always wait and the settlement thread
+    // commits the configuration's scheduler every SETTLE_TICK_MS until Envoy destroys it.
+    let guard = r#"{"classes":[{"name":"default","priority":"standard"}],"default_class":"default","versions":[{"name":"fast","ttft_deadline_ms":2000}]}"#;
+    let budget = r#"{"identity":{"header":"x-sluice-key"},"ledger":{"mode":"redis","cluster":"sluice_ledger","timeout_ms":200,"on_failure":"local"},"orgs":[{"id":"acme","teams":[{"id":"search","keys":[{"id":"k1","budgets":[{"window":"day","requests":100000}]}]}]}]}"#;
+    let sections = format!(r#"{{"latency_guard": {guard}}}{NEXT_INSTANCE}{{"tenant_budget": {budget}, "llm_metrics": {{}}}}"#);
+    let closed = free_port();
+    for round in 0..rounds {
+        let mut envoy = start_engine_with_ledger(Host::Native, &sections, upstream.port, closed).up();
+        for n in 0..3 {
+            let path = format!("/v1/chat/completions?exit={round}&n={n}");
+            let response = envoy.request(&model_request(&path, "fast", "x-sluice-key: k1\r\n"));
+            assert_eq!(response.status, 200, "round {round}: {}\n{}", response.head, envoy.log());
+        }
+        // One more, held by the guard until its first token when SIGTERM comes.
+        let held = format!("/v1/chat/completions?exit={round}&held");
+        let port = envoy.listen_port;
+        let request = model_request(&held, "fast", "x-sluice-key: k1\r\n");
+        let in_flight = std::thread::spawn(move || send(port, request.as_bytes()).map(|r| r.status));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while upstream.heads_for(&held).is_empty() {
+            assert!(Instant::now() < deadline, "round {round}: the held request did not reach the upstream:\n{}", envoy.log());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let status = terminate(&mut envoy);
+        let log = envoy.log();
+        let _ = in_flight.join();
+        assert!(status.success(), "round {round}: Envoy exited with {status} after SIGTERM:\n{log}");
+        for marker in CRASH_MARKERS {
+            assert!(!log.contains(marker), "round {round}: {marker:?} in Envoy's log after SIGTERM:\n{log}");
+        }
+    }
+}
+
+#[test]
+fn a_held_request_continued_into_a_router_reply_reaches_the_filter_after_its_hook() {
+    // The ledger never answers (`on_failure: local`): the callout's failure comes to the done hook,
+    // the budget admits locally and the request goes on, to a cluster without endpoints, whose
+    // router answers 503 at once. Envoy runs that reply through the filter's response hooks inside
+    // `continue_decoding`; the module makes that call after the done hook has returned, so they
+    // reach the filter (llm-metrics stamps the 503) rather than find it borrowed.
+    let upstream = Upstream::start();
+    let budget = r#"{"identity":{"header":"x-sluice-key"},"ledger":{"mode":"redis","cluster":"sluice_ledger","timeout_ms":500,"on_failure":"local"},"orgs":[{"id":"acme","teams":[{"id":"search","keys":[{"id":"k1","budgets":[{"window":"day","requests":100}]}]}]}]}"#;
+    let sections = format!(r#"{{"tenant_budget": {budget}, "llm_metrics": {{}}}}"#);
+    let envoy = start_engine_with_ledger(Host::Native, &sections, upstream.port, free_port()).up();
+    let path = "/v1/chat/completions?reentry";
+    let response = envoy.request(&scripted_request_with(path, "llm", "x-sluice-key: k1\r\nx-sluice-route: qwen-dead\r\n"));
+    assert_eq!(response.status, 503, "{}\n{}", response.head, envoy.log());
+    assert_eq!(log_field(&envoy, path, "details"), "no_healthy_upstream");
+    let llm = stamp(&envoy, path);
+    assert!(llm.contains(r#""status":503"#), "llm-metrics did not see the router's reply: {llm}");
+    let log = envoy.log();
+    assert!(log.contains("the Redis ledger is failing"), "the request did not wait for the ledger:\n{log}");
+    assert!(!log.contains("while another hook of the stream ran"), "{log}");
+    for marker in CRASH_MARKERS {
+        assert!(!log.contains(marker), "{marker:?} in Envoy's log:\n{log}");
+    }
+}

@@ -108,11 +108,22 @@ enum SectionConfig {
 struct GuardConfig {
     root: Mutex<GuardRoot>,
     last_tick: AtomicU64,
+    /// Keeps the module's tick thread running while this configuration lives.
+    _ticks: ticker::Users,
 }
 
 /// The validated configuration of one `sluice` filter.
 pub struct EngineConfig {
+    /// The settlement tick (a Redis ledger), stopped and joined before `inner` (and the
+    /// configuration's scheduler in it) is dropped.
+    settle_tick: Option<settle_tick::SettleTick>,
     inner: Arc<Inner>,
+}
+
+impl Drop for EngineConfig {
+    fn drop(&mut self) {
+        drop(self.settle_tick.take());
+    }
 }
 
 struct Inner {
@@ -152,28 +163,139 @@ impl Inner {
 
 /// The settlement tick of a configuration with a Redis ledger: a thread of its own that, every
 /// `SETTLE_TICK_MS` while settlements wait, commits [`EVENT_SETTLE`] to the main thread (Envoy's
-/// ABI has no timer for a configuration; sluice.wasm's root ticks as often). It holds the
-/// configuration weakly and ends with it.
+/// ABI has no timer for a configuration; sluice.wasm's root ticks as often).
+///
+/// It commits under a lock that its stop takes, and the configuration's destruction stops and
+/// joins it before the scheduler is deleted (the `inner` it upgrades is dropped after the join),
+/// so no commit reaches a deleted scheduler or a destroyed configuration. One case cannot be
+/// joined: Envoy 1.40's `config_scheduler_commit` holds the configuration (it locks its weak
+/// pointer) while it posts, so if Envoy lets go of the configuration at that moment, the
+/// configuration is destroyed on this thread, inside the commit; the stop then only flags the
+/// thread, which ends when the commit returns, commits nothing more, and deletes the scheduler
+/// as it lets go of `inner`.
 mod settle_tick {
-    use std::sync::Weak;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+    use std::thread::JoinHandle;
     use std::time::Duration;
 
     use sluice_core::flow::budget::SETTLE_TICK_MS;
 
     use super::{Inner, EVENT_SETTLE};
+    use crate::filter::{log, LogLevel};
 
-    pub(super) fn start(inner: Weak<Inner>) -> Result<(), String> {
-        std::thread::Builder::new()
-            .name("sluice-settle-tick".into())
-            .spawn(move || loop {
-                std::thread::sleep(Duration::from_millis(SETTLE_TICK_MS));
-                let Some(inner) = inner.upgrade() else { return };
-                if inner.settlements_wait() {
-                    inner.commit(EVENT_SETTLE);
+    struct Gate {
+        /// Held while the thread waits and commits.
+        lock: Mutex<()>,
+        stop: AtomicBool,
+        wake: Condvar,
+    }
+
+    /// The running thread; dropping it stops the thread and joins it.
+    pub(super) struct SettleTick {
+        gate: Arc<Gate>,
+        thread: Option<JoinHandle<()>>,
+    }
+
+    pub(super) fn start(inner: Weak<Inner>) -> Result<SettleTick, String> {
+        every(Duration::from_millis(SETTLE_TICK_MS), move || {
+            let Some(inner) = inner.upgrade() else { return false };
+            if inner.settlements_wait() {
+                inner.commit(EVENT_SETTLE);
+            }
+            true
+        })
+        .map_err(|e| format!("sluice: configuration refused: tenant-budget: cannot start the settlement tick thread: {e}"))
+    }
+
+    /// Runs `tick` every `period` on a thread of its own, under the gate's lock, until it returns
+    /// false or the [`SettleTick`] is dropped.
+    fn every(period: Duration, mut tick: impl FnMut() -> bool + Send + 'static) -> std::io::Result<SettleTick> {
+        let gate = Arc::new(Gate { lock: Mutex::new(()), stop: AtomicBool::new(false), wake: Condvar::new() });
+        let theirs = Arc::clone(&gate);
+        let thread = std::thread::Builder::new().name("sluice-settle-tick".into()).spawn(move || {
+            let gate = theirs;
+            let mut held = gate.lock.lock().unwrap_or_else(PoisonError::into_inner);
+            loop {
+                held = gate.wake.wait_timeout_while(held, period, |()| !gate.stop.load(Ordering::SeqCst)).unwrap_or_else(PoisonError::into_inner).0;
+                if gate.stop.load(Ordering::SeqCst) || !tick() {
+                    return;
                 }
+            }
+        })?;
+        Ok(SettleTick { gate, thread: Some(thread) })
+    }
+
+    impl Drop for SettleTick {
+        fn drop(&mut self) {
+            let Some(thread) = self.thread.take() else { return };
+            if thread.thread().id() == std::thread::current().id() {
+                // Destroyed inside this thread's own commit (see the module's docs): it holds the
+                // lock up the stack; the flag ends it when the commit returns.
+                self.gate.stop.store(true, Ordering::SeqCst);
+                return;
+            }
+            {
+                // Waits for a commit under way; none starts after.
+                let _held = self.gate.lock.lock().unwrap_or_else(PoisonError::into_inner);
+                self.gate.stop.store(true, Ordering::SeqCst);
+            }
+            self.gate.wake.notify_all();
+            if thread.join().is_err() {
+                log(LogLevel::Error, "sluice: the settlement tick thread panicked");
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::sync::atomic::AtomicU32;
+
+        #[test]
+        fn dropping_it_stops_and_joins_the_thread_between_ticks() {
+            let ticks = Arc::new(AtomicU32::new(0));
+            let counted = Arc::clone(&ticks);
+            let tick = every(Duration::from_millis(1), move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                true
             })
-            .map(drop)
-            .map_err(|e| format!("sluice: configuration refused: tenant-budget: cannot start the settlement tick thread: {e}"))
+            .ok();
+            assert!(tick.is_some(), "the thread did not start");
+            while ticks.load(Ordering::SeqCst) < 3 {
+                std::thread::yield_now();
+            }
+            drop(tick);
+            let stopped_at = ticks.load(Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(ticks.load(Ordering::SeqCst), stopped_at, "a tick ran after the drop returned");
+        }
+
+        #[test]
+        fn dropped_on_its_own_thread_inside_a_tick_it_ends_after_that_tick() {
+            // What happens when Envoy destroys the configuration inside the thread's own commit.
+            let slot: Arc<Mutex<Option<SettleTick>>> = Arc::new(Mutex::new(None));
+            let (dropped, after) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU32::new(0)));
+            let (theirs, dropped_in_tick, ticks_after) = (Arc::clone(&slot), Arc::clone(&dropped), Arc::clone(&after));
+            let tick = every(Duration::from_millis(1), move || {
+                let mine = theirs.lock().unwrap_or_else(PoisonError::into_inner).take();
+                if mine.is_some() {
+                    drop(mine);
+                    dropped_in_tick.store(true, Ordering::SeqCst);
+                } else if dropped_in_tick.load(Ordering::SeqCst) {
+                    ticks_after.fetch_add(1, Ordering::SeqCst);
+                }
+                true
+            })
+            .ok();
+            assert!(tick.is_some(), "the thread did not start");
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = tick;
+            while !dropped.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(after.load(Ordering::SeqCst), 0, "the thread ticked again after it was dropped in its tick");
+        }
     }
 }
 
@@ -234,7 +356,7 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                 // No release queue: llm-metrics' first-token mark releases a held stream in the same
                 // hook (the sections share the filter), and the module's tick does the rest.
                 let root = GuardRoot::new(*p, None, String::new());
-                configured.push(SectionConfig::Guard(Arc::new(GuardConfig { root: Mutex::new(root), last_tick: AtomicU64::new(0) })));
+                configured.push(SectionConfig::Guard(Arc::new(GuardConfig { root: Mutex::new(root), last_tick: AtomicU64::new(0), _ticks: ticker::start() })));
                 plugins.push(Plugin::LatencyGuard);
             }
         }
@@ -251,10 +373,8 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
         None
     };
     let inner = Arc::new(Inner { sections: configured, catalogue, scheduler });
-    if settles {
-        settle_tick::start(Arc::downgrade(&inner))?;
-    }
-    Ok(EngineConfig { inner })
+    let settle_tick = if settles { Some(settle_tick::start(Arc::downgrade(&inner))?) } else { None };
+    Ok(EngineConfig { settle_tick, inner })
 }
 
 impl FilterConfig for EngineConfig {

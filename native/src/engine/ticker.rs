@@ -8,11 +8,20 @@
 //!
 //! The schedulers live in one registry behind a mutex: the thread commits while holding it, and a
 //! stream removes (and so deletes) its scheduler under the same lock, so no commit reaches a
-//! deleted scheduler.
+//! deleted scheduler, nor a filter Envoy has destroyed (the filter's `on_http_filter_destroy`
+//! removes it, and Envoy keeps the filter alive until that hook returns, so the commit's own hold
+//! on the filter is never the last one).
+//!
+//! The thread runs while a configuration with latency-guard lives ([`Users`], one per such
+//! configuration): the last one's destruction stops it and joins it, so no thread of the module
+//! outlives the configurations that need it (abi.h: a thread that commits must be joined before
+//! the workers it posts to go away). Envoy destroys a configuration only after its streams, so the
+//! registry is empty by then.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use sluice_core::latency::deadline;
@@ -27,43 +36,98 @@ struct Ticker {
     period_ms: AtomicU64,
     /// Ticks so far.
     ticks: AtomicU64,
-    streams: Mutex<BTreeMap<u32, Scheduler>>,
+    state: Mutex<State>,
     changed: Condvar,
 }
 
-fn ticker() -> &'static Ticker {
-    static TICKER: OnceLock<Ticker> = OnceLock::new();
-    static STARTED: OnceLock<()> = OnceLock::new();
-    let ticker = TICKER.get_or_init(|| Ticker {
-        period_ms: AtomicU64::new(deadline::IDLE_TICK_NS / 1_000_000),
-        ticks: AtomicU64::new(0),
-        streams: Mutex::new(BTreeMap::new()),
-        changed: Condvar::new(),
-    });
-    STARTED.get_or_init(|| {
-        let spawned = std::thread::Builder::new().name("sluice-guard-tick".into()).spawn(move || run(ticker));
-        if let Err(e) = spawned {
-            log(LogLevel::Error, &format!("sluice latency-guard: cannot start the tick thread ({e}); deadlines will not fire"));
-        }
-    });
-    ticker
+struct State {
+    streams: BTreeMap<u32, Scheduler>,
+    /// Configurations with latency-guard alive.
+    users: usize,
+    /// The run the thread now running belongs to; `None` once it is told to stop. A thread whose
+    /// run is not this one ends (so a quick stop and start never leaves two threads ticking).
+    run: Option<u64>,
+    runs: u64,
+    thread: Option<JoinHandle<()>>,
 }
 
-fn run(ticker: &'static Ticker) {
-    let mut streams = ticker.streams.lock().unwrap_or_else(PoisonError::into_inner);
+static TICKER: Ticker = Ticker {
+    period_ms: AtomicU64::new(deadline::IDLE_TICK_NS / 1_000_000),
+    ticks: AtomicU64::new(0),
+    state: Mutex::new(State { streams: BTreeMap::new(), users: 0, run: None, runs: 0, thread: None }),
+    changed: Condvar::new(),
+};
+
+fn state() -> MutexGuard<'static, State> {
+    TICKER.state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A configuration's use of the tick thread: the thread runs while one exists, and dropping the
+/// last stops and joins it.
+pub struct Users(());
+
+/// Starts the tick thread if it is not running; it runs until every [`Users`] is dropped.
+pub fn start() -> Users {
+    let mut state = state();
+    state.users += 1;
+    if state.run.is_none() {
+        state.runs += 1;
+        let run = state.runs;
+        match std::thread::Builder::new().name("sluice-guard-tick".into()).spawn(move || tick_thread(run)) {
+            Ok(thread) => {
+                state.run = Some(run);
+                // A thread of a run stopped before and not joined yet ends on its own (its run is
+                // not the current one); it is detached here.
+                state.thread = Some(thread);
+            }
+            Err(e) => log(LogLevel::Error, &format!("sluice latency-guard: cannot start the tick thread ({e}); deadlines will not fire")),
+        }
+    }
+    Users(())
+}
+
+impl Drop for Users {
+    fn drop(&mut self) {
+        let thread = {
+            let mut state = state();
+            state.users = state.users.saturating_sub(1);
+            if state.users > 0 {
+                return;
+            }
+            // Under the lock the thread commits under: no commit starts after this.
+            state.run = None;
+            state.thread.take()
+        };
+        TICKER.changed.notify_all();
+        if let Some(thread) = thread {
+            // Never the tick thread itself (it destroys no configuration), but a self-join would
+            // fail, so it is checked.
+            if thread.thread().id() != std::thread::current().id() && thread.join().is_err() {
+                log(LogLevel::Error, "sluice latency-guard: the tick thread panicked");
+            }
+        }
+    }
+}
+
+fn tick_thread(run: u64) {
+    let mut state = state();
     let mut last = Instant::now();
     loop {
-        let period = Duration::from_millis(ticker.period_ms.load(Ordering::Relaxed).max(1));
+        if state.run != Some(run) {
+            return;
+        }
+        let period = Duration::from_millis(TICKER.period_ms.load(Ordering::Relaxed).max(1));
         let due = last + period;
         let now = Instant::now();
         if now < due {
-            // Woken early when the period changes: the tick is then due a new period after the last.
-            streams = ticker.changed.wait_timeout(streams, due - now).unwrap_or_else(PoisonError::into_inner).0;
+            // Woken early when the period changes or the thread is told to stop: the tick is then
+            // due a new period after the last.
+            state = TICKER.changed.wait_timeout(state, due - now).unwrap_or_else(PoisonError::into_inner).0;
             continue;
         }
         last = now;
-        let tick = ticker.ticks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        for scheduler in streams.values() {
+        let tick = TICKER.ticks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        for scheduler in state.streams.values() {
             scheduler.commit(tick);
         }
     }
@@ -71,21 +135,48 @@ fn run(ticker: &'static Ticker) {
 
 /// Ticks stream `id` through `scheduler` from now on (until [`forget`]).
 pub fn watch(id: u32, scheduler: Scheduler) {
-    let ticker = ticker();
-    ticker.streams.lock().unwrap_or_else(PoisonError::into_inner).insert(id, scheduler);
+    state().streams.insert(id, scheduler);
 }
 
 /// Stops ticking stream `id` and deletes its scheduler.
 pub fn forget(id: u32) {
-    let ticker = ticker();
-    let removed = ticker.streams.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+    let removed = state().streams.remove(&id);
     drop(removed);
 }
 
 /// Sets the tick period (ms), waking the thread to wait the new one.
 pub fn set_period(ms: u64) {
-    let ticker = ticker();
-    if ticker.period_ms.swap(ms, Ordering::Relaxed) != ms {
-        ticker.changed.notify_all();
+    if TICKER.period_ms.swap(ms, Ordering::Relaxed) != ms {
+        TICKER.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running() -> bool {
+        let state = state();
+        state.run.is_some() && state.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    #[test]
+    fn the_thread_runs_while_a_configuration_uses_it_and_is_joined_after_the_last() {
+        let first = start();
+        let second = start();
+        assert!(running());
+        drop(first);
+        assert!(running(), "one configuration still uses the tick");
+        let thread = state().thread.as_ref().map(|t| t.thread().id());
+        drop(second);
+        let state = state();
+        assert!(state.run.is_none() && state.thread.is_none(), "the last use stops and joins the thread");
+        assert!(thread.is_some());
+        drop(state);
+        // And it starts again for a configuration that comes after (a reload).
+        let again = start();
+        assert!(running());
+        drop(again);
+        assert!(!running());
     }
 }
