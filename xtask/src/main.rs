@@ -112,7 +112,7 @@ fn run_command() -> Result<()> {
             Some("--native") => {
                 setup_demo(&root)?;
                 run(cargo().current_dir(&root).args(["build", "--profile", "native", "--package", "sluice-native"]))?;
-                up_command(&root, up_native, "Envoy and the mock model server have")
+                up_command(&root, up_native, "Envoy and the three mock model servers have")
             }
             Some(other) => bail!("unknown option {other}: cargo xtask up [--fleet [--cluster] | --native]"),
         },
@@ -824,7 +824,23 @@ fn demo_envoy(root: &Path, config: &Path, base_id: usize) -> Command {
 }
 
 fn up(root: &Path, children: &mut Children) -> Result<()> {
-    let run_dir = root.join(".run/demo");
+    // The latency gateway: latency-guard, model-router (with its shadow) and llm-metrics.
+    up_demo(root, children, "latency-gateway", ".run/demo", "")
+}
+
+/// `cargo xtask up --native`: the same demo with sluice as an Envoy dynamic module
+/// (`libsluice.so`, docs/native.md): envoy/templates/native-full-gateway.yaml, the four sections
+/// (latency-guard in an instance of its own in front, then model-router with its shadow,
+/// tenant-budget and llm-metrics), Envoy finding the module in `target/native/`.
+fn up_native(root: &Path, children: &mut Children) -> Result<()> {
+    up_demo(root, children, "native-full-gateway", ".run/demo-native", " natively (libsluice.so, docs/native.md; tenant-budget too)")
+}
+
+/// Starts the three mock model servers and Envoy with the shipped `gateway` (rendered as
+/// envoy/rendered/ has it, but for the access log, a file under `run_dir`, and the module's
+/// directory, absolute: Envoy may run from anywhere), then prints what to try.
+fn up_demo(root: &Path, children: &mut Children, gateway: &str, run_dir: &str, how: &str) -> Result<()> {
+    let run_dir = root.join(run_dir);
     std::fs::create_dir_all(&run_dir)?;
     // Three mock model servers: the current version, the canary, and the shadow model.
     for mock in &MOCKS {
@@ -833,21 +849,23 @@ fn up(root: &Path, children: &mut Children) -> Result<()> {
         children.wait_for_port(mock.port, Duration::from_secs(10))?;
     }
 
-    // The demo is the latency gateway rendered as envoy/rendered/ has it, but for the access log,
-    // which goes to a file, and the wasm directory, absolute (Envoy may run from anywhere).
-    let gateway = sluice_envoy_render::gateway("latency-gateway").context("the latency gateway is not in the catalogue")?;
+    let gateway = sluice_envoy_render::gateway(gateway).with_context(|| format!("{gateway} is not in the catalogue"))?;
     let access_log = run_dir.join("access.log");
     let (access_log_text, wasm_dir) = (access_log.display().to_string(), root.join(sluice_envoy_render::WASM_DIR).display().to_string());
     let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text), ("WASM_DIR", &wasm_dir)], &[])?;
     let config_path = run_dir.join("envoy.yaml");
     std::fs::write(&config_path, config)?;
-    children.spawn("Envoy", &mut demo_envoy(root, &config_path, 18))?;
+    let mut envoy = demo_envoy(root, &config_path, 18);
+    if gateway.native {
+        envoy.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", root.join("target/native"));
+    }
+    children.spawn("Envoy", &mut envoy)?;
     children.wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
 
     let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
     println!(
         r#"
-sluice demo gateway is up: Envoy on {base}, admin on http://127.0.0.1:{DEMO_ADMIN_PORT},
+sluice demo gateway is up{how}: Envoy on {base}, admin on http://127.0.0.1:{DEMO_ADMIN_PORT},
 mock model servers: llama-3-70b v1 on 127.0.0.1:{DEMO_UPSTREAM_PORT} (99 %), the v2 canary on :{} (1 %,
 sticky per tenant / API key / user), and a shadow qwen-72b on :{} for 5 % of requests (tenants
 bank-* excluded). First token after 140–220 ms, then one every 25 ms.
@@ -878,50 +896,6 @@ Stop with Ctrl-C."#,
         DEMO_UPSTREAM_PORT + 2,
         log = access_log.display(),
         breaker = breaker_walkthrough(root, &base, &access_log)?,
-    );
-    children.wait()
-}
-
-/// `cargo xtask up --native`: envoy/templates/native-gateway.yaml (sluice's llm-metrics section run
-/// by `libsluice.so`, Envoy's dynamic-module filter, docs/native.md) in front of one mock model
-/// server, Envoy finding the module in `target/native/`.
-fn up_native(root: &Path, children: &mut Children) -> Result<()> {
-    let run_dir = root.join(".run/demo-native");
-    std::fs::create_dir_all(&run_dir)?;
-    let mock = &MOCKS[0];
-    children.spawn(
-        &format!("the mock model server on :{}", mock.port),
-        Command::new(root.join("target/release/sluice-mock-server")).args(mock.args()).stdout(Stdio::null()),
-    )?;
-    children.wait_for_port(mock.port, Duration::from_secs(10))?;
-
-    let gateway = sluice_envoy_render::gateway("native-gateway").context("the native gateway is not in the catalogue")?;
-    let access_log = run_dir.join("access.log");
-    let access_log_text = access_log.display().to_string();
-    let config = gateway.render_with(root, &[("ACCESS_LOG", &access_log_text)], &[])?;
-    let config_path = run_dir.join("envoy.yaml");
-    std::fs::write(&config_path, config)?;
-    let mut envoy = demo_envoy(root, &config_path, 18);
-    envoy.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", root.join("target/native"));
-    children.spawn("Envoy", &mut envoy)?;
-    children.wait_for_port(DEMO_LISTEN_PORT, Duration::from_secs(20))?;
-
-    let base = format!("http://127.0.0.1:{DEMO_LISTEN_PORT}");
-    println!(
-        r#"
-sluice demo gateway is up natively (libsluice.so, docs/native.md): Envoy on {base}, admin on
-http://127.0.0.1:{DEMO_ADMIN_PORT}, llm-metrics measuring in front of the mock model server on
-127.0.0.1:{DEMO_UPSTREAM_PORT}.
-
-Send a streaming request with curl:
-  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \
-       -H 'x-sluice-tenant: acme' \
-       -d '{{"model":"llama-3-70b","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"Hello"}}]}}'
-
-Read the metrics:      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep sluice_
-Per-request stamps:    tail -f {log}
-Stop with Ctrl-C."#,
-        log = access_log.display(),
     );
     children.wait()
 }
@@ -962,9 +936,9 @@ over to {fallback} and batch-* tenants get 503):
   3. the breaker is open (gauge 0 closed, 1 open, 2 half-open; Envoy's log above says why):
      curl -s http://127.0.0.1:{DEMO_ADMIN_PORT}/stats/prometheus | grep 'sluice_latency_breaker_state{{'
      → sluice_latency_breaker_state{{version="v1"}} 1
-  4. acme is now served by {fallback} (200), batch-7 is refused (503 breaker_open):
-     for t in acme batch-7; do curl -s -o /dev/null -w "$t %{{http_code}}\n" {base}/v1/chat/completions -H 'content-type: application/json' -H "x-sluice-tenant: $t" -d {body}; done
-     their stamps: acme's route has "reason":"fallback","version":"{fallback}"; batch-7's latency has "outcome":"shed_breaker_open":
+  4. acme is now served by {fallback} (200), batch-nightly is refused (503 breaker_open):
+     for t in acme batch-nightly; do curl -s -o /dev/null -w "$t %{{http_code}}\n" {base}/v1/chat/completions -H 'content-type: application/json' -H "x-sluice-tenant: $t" -d {body}; done
+     their stamps: acme's route has "reason":"fallback","version":"{fallback}"; batch-nightly's latency has "outcome":"shed_breaker_open":
      tail -n 2 {log} | python3 -c 'import json,sys; [print(d["status"], d["route"], d["latency"]) for d in map(json.loads, sys.stdin)]'
   5. back to normal:
      curl -s -XPOST {upstream}/mock/ttft -d '{{"ms":180}}'
