@@ -508,37 +508,7 @@ impl ConfigContext<'_> {
         // SAFETY: a plain call with the live configuration; the scheduler it returns is the
         // module's to delete.
         let ptr = unsafe { (self.host.config_scheduler_new)(self.ptr) };
-        (!ptr.is_null()).then_some(ConfigScheduler { ptr, host: self.host })
-    }
-}
-
-/// A filter configuration's scheduler (`envoy_dynamic_module_callback_http_filter_config_scheduler_new`),
-/// deleted when dropped. Commit posts to Envoy's main-thread dispatcher (callable from any thread);
-/// the owner must not drop it while another thread commits (the engine keeps it in the
-/// configuration it belongs to, and commits through a borrow of it).
-pub struct ConfigScheduler {
-    ptr: *mut c_void,
-    host: &'static Host,
-}
-
-// SAFETY: Envoy's configuration scheduler posts to the main dispatcher (thread-safe) and checks the
-// configuration's weak pointer there; delete happens once, in `drop`.
-unsafe impl Send for ConfigScheduler {}
-// SAFETY: as above: `commit` takes `&self` and is thread-safe on Envoy's side.
-unsafe impl Sync for ConfigScheduler {}
-
-impl ConfigScheduler {
-    /// Makes Envoy call the configuration's `on_scheduled(event)` on its main thread.
-    pub fn commit(&self, event: u64) {
-        // SAFETY: a live scheduler (deleted only in drop).
-        unsafe { (self.host.config_scheduler_commit)(self.ptr, event) }
-    }
-}
-
-impl Drop for ConfigScheduler {
-    fn drop(&mut self) {
-        // SAFETY: made by config_scheduler_new, deleted once.
-        unsafe { (self.host.config_scheduler_delete)(self.ptr) }
+        (!ptr.is_null()).then_some(Scheduler { ptr, commit: self.host.config_scheduler_commit, delete: self.host.config_scheduler_delete })
     }
 }
 
@@ -934,7 +904,7 @@ impl Envoy<'_> {
     pub fn scheduler(&mut self) -> Option<Scheduler> {
         // SAFETY: a plain call on the live stream; the scheduler it returns is the module's to delete.
         let ptr = unsafe { (self.host.scheduler_new)(self.ptr) };
-        (!ptr.is_null()).then_some(Scheduler { ptr, host: self.host })
+        (!ptr.is_null()).then_some(Scheduler { ptr, commit: self.host.scheduler_commit, delete: self.host.scheduler_delete })
     }
 
     /// Lets the response this filter held (headers stopped) go on, with what Envoy buffered behind
@@ -1010,33 +980,43 @@ impl Metrics for Envoy<'_> {
     }
 }
 
-/// A stream's scheduler (`envoy_dynamic_module_callback_http_filter_scheduler_new`), deleted when
-/// dropped. Envoy's scheduler holds the filter weakly and posts to the worker's dispatcher, so
-/// [`Scheduler::commit`] may be called from any thread; the owner must not drop it while another
-/// thread commits (the engine keeps schedulers in one registry behind a mutex).
+/// A scheduler Envoy made — a stream's (`envoy_dynamic_module_callback_http_filter_scheduler_new`)
+/// or a filter configuration's (`…_config_scheduler_new`); the two differ only in the callbacks that
+/// commit to and delete them — deleted when dropped. Commit posts to a dispatcher (the stream's
+/// worker, or the main thread for a configuration's), so it may be called from any thread; Envoy's
+/// scheduler holds the stream or configuration weakly and drops an event that comes after it is
+/// gone. The owner must not drop it while another thread commits (the engine keeps stream
+/// schedulers in one registry behind a mutex, and a configuration's in the configuration, whose
+/// destroy joins the thread that commits to it first).
 pub struct Scheduler {
     ptr: *mut c_void,
-    host: &'static Host,
+    commit: unsafe extern "C" fn(*mut c_void, u64),
+    delete: unsafe extern "C" fn(*mut c_void),
 }
 
-// SAFETY: Envoy's `DynamicModuleHttpFilterScheduler::commit` posts to a dispatcher (thread-safe) and
-// checks the filter's weak pointer there; delete happens once, in `drop`.
+/// A filter configuration's scheduler: [`Scheduler::commit`] makes Envoy call the configuration's
+/// `on_scheduled(event)` on its main thread.
+pub type ConfigScheduler = Scheduler;
+
+// SAFETY: Envoy's scheduler commit posts to a dispatcher (thread-safe) and checks the stream's or
+// configuration's weak pointer there; delete happens once, in `drop`.
 unsafe impl Send for Scheduler {}
 // SAFETY: as above: `commit` takes `&self` and is thread-safe on Envoy's side.
 unsafe impl Sync for Scheduler {}
 
 impl Scheduler {
-    /// Makes Envoy call the stream's `on_scheduled(event)` on its worker.
+    /// Makes Envoy call the stream's `on_scheduled(event)` on its worker (a configuration's: on the
+    /// main thread).
     pub fn commit(&self, event: u64) {
-        // SAFETY: a live scheduler (deleted only in drop).
-        unsafe { (self.host.scheduler_commit)(self.ptr, event) }
+        // SAFETY: a live scheduler (deleted only in drop), with the commit callback of its kind.
+        unsafe { (self.commit)(self.ptr, event) }
     }
 }
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
-        // SAFETY: made by scheduler_new, deleted once.
-        unsafe { (self.host.scheduler_delete)(self.ptr) }
+        // SAFETY: made by the `…_scheduler_new` of its kind, deleted once with that kind's delete.
+        unsafe { (self.delete)(self.ptr) }
     }
 }
 
