@@ -661,6 +661,21 @@ fn stamp_number(stamp: &str, key: &str) -> Option<u64> {
 }
 
 /// `text` with the number after `marker` replaced by `#`.
+/// What a client sees of an answer: its status, rate-limit and sluice headers, and a refusal's body,
+/// with the times to a window's end masked (they count down between two runs).
+fn seen_by_client(r: &Response) -> (u16, Vec<String>, String) {
+    let headers: Vec<String> = r
+        .head
+        .lines()
+        .skip(1)
+        .map(str::to_ascii_lowercase)
+        .filter(|l| (l.starts_with("x-ratelimit") || l.starts_with("retry-after") || l.starts_with("x-sluice")) && !l.starts_with("x-ratelimit-reset"))
+        .map(|h| countdown_masked(&h, "retry-after: "))
+        .collect();
+    let body = if r.status == 200 { String::new() } else { countdown_masked(&String::from_utf8_lossy(&r.body), "resets in ") };
+    (r.status, headers, body)
+}
+
 fn countdown_masked(text: &str, marker: &str) -> String {
     let Some(at) = text.find(marker).map(|at| at + marker.len()) else { return text.to_string() };
     let len = text[at..].find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len() - at);
@@ -835,19 +850,6 @@ fn engine_tenant_budget_natively_refuses_before_the_upstream_as_sluice_wasm() {
     let wasm = start_engine(Host::Wasm, &sections, upstream.port).up();
     assert!(native.log().contains("tenant-budget configured: 1 keys"), "{}", native.log());
 
-    // What a client sees of each answer: status, rate and sluice headers, the refusal's body (the
-    // times to the window's end aside: they count down between the two runs).
-    let seen = |r: &Response| {
-        let headers: Vec<String> = r
-            .head
-            .lines()
-            .skip(1)
-            .map(str::to_ascii_lowercase)
-            .filter(|l| (l.starts_with("x-ratelimit") || l.starts_with("retry-after") || l.starts_with("x-sluice")) && !l.starts_with("x-ratelimit-reset"))
-            .collect();
-        let body = if r.status == 200 { String::new() } else { String::from_utf8_lossy(&r.body).into_owned() };
-        (r.status, headers.iter().map(|h| countdown_masked(h, "retry-after: ")).collect::<Vec<_>>(), countdown_masked(&body, "resets in "))
-    };
     let mut answers = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
@@ -858,7 +860,7 @@ fn engine_tenant_budget_natively_refuses_before_the_upstream_as_sluice_wasm() {
             assert_eq!(response.status, expected, "{host} request {n}: {}\n{}", response.head, String::from_utf8_lossy(&response.body));
             // A refusal reaches the upstream in no form; an admitted request arrives whole.
             assert_eq!(upstream.heads_for(&path).len(), usize::from(n <= 2), "{host} request {n}");
-            of_host.push((seen(&response), timeless(&budget_stamp(envoy, &path)), timeless(&stamp(envoy, &path))));
+            of_host.push((seen_by_client(&response), timeless(&budget_stamp(envoy, &path)), timeless(&stamp(envoy, &path))));
         }
         answers.push(of_host);
     }
@@ -982,20 +984,7 @@ fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
     let wasm = start_engine_with_ledger(Host::Wasm, &sections, upstream.port, wasm_ledger.port).up();
     assert!(native.log().contains("tenant-budget: Redis hold ids of this proxy start with"), "{}", native.log());
 
-    // What a client sees (status, sluice headers, the refusal's body; countdowns masked) and the
-    // budget's stamp (its hold id masked).
-    let seen = |r: &Response| {
-        let headers: Vec<String> = r
-            .head
-            .lines()
-            .skip(1)
-            .map(str::to_ascii_lowercase)
-            .filter(|l| (l.starts_with("x-ratelimit") || l.starts_with("retry-after") || l.starts_with("x-sluice")) && !l.starts_with("x-ratelimit-reset"))
-            .map(|h| countdown_masked(&h, "retry-after: "))
-            .collect();
-        let body = if r.status == 200 { String::new() } else { countdown_masked(&String::from_utf8_lossy(&r.body), "resets in ") };
-        (r.status, headers, body)
-    };
+    // What a client sees ([`seen_by_client`]) and the budget's stamp (its hold id masked).
     let mut answers = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
@@ -1007,7 +996,7 @@ fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
             assert_eq!(upstream.heads_for(&path).len(), usize::from(n <= 2), "{host} request {n}");
             let stamp = hold_masked(&budget_stamp(envoy, &path));
             assert!(stamp.contains(r##""ledger_hold":"#""##), "{host} request {n}: the Redis ledger's hold is not named: {stamp}");
-            of_host.push((seen(&response), timeless(&stamp)));
+            of_host.push((seen_by_client(&response), timeless(&stamp)));
         }
         answers.push(of_host);
     }
@@ -1045,7 +1034,7 @@ fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
             let path = format!("/v1/chat/completions?host={host}&ledger={case}");
             let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
             assert!(upstream.heads_for(&path).is_empty(), "{host}, {case}: the request reached the upstream with the ledger down");
-            down.push((seen(&response), timeless(&hold_masked(&budget_stamp(&envoy, &path)))));
+            down.push((seen_by_client(&response), timeless(&hold_masked(&budget_stamp(&envoy, &path)))));
         }
         assert_eq!(down[0], down[1], "ledger down ({case}): native (left) and sluice.wasm (right) differ");
         assert_eq!(down[0].0 .0, 503, "{case}: {:?}", down[0]);
