@@ -314,7 +314,9 @@ pub const BUDGET_REMAINING_PREFIX: &str = "sluice.budget.remaining.";
 
 /// `sluice.budget.remaining{org|team|key,window,unit}` (gauge): limit − used − reserved.
 pub fn budget_remaining(spec: &CounterSpec) -> String {
-    crate::text::join(&["sluice.budget.remaining", &counter_labels(spec)])
+    // The labels start with the dot the prefix ends with.
+    let labels = counter_labels(spec);
+    crate::text::join(&[BUDGET_REMAINING_PREFIX, labels.get(1..).unwrap_or_default()])
 }
 
 /// `sluice.budget.soft_limit_crossings_total{org|team|key,window,unit}`.
