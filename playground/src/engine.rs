@@ -27,7 +27,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 use crate::answer::{answer, prompt_tokens, CHUNK_NS};
-use crate::workload::{api_str, Request, Workload};
+use crate::workload::{Request, Workload};
 use sluice_memory_host::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
 
 /// Where json_to_metadata puts the body's user (the shipped gateways' configuration).
@@ -490,7 +490,7 @@ impl<'a> Engine<'a> {
             tenant: f.and_then(|f| f.tenant.clone()),
             key: text(budget, "key"),
             user: f.and_then(|f| f.user.clone()),
-            api: request.map_or("chat_completions", |r| api_str(r.api)),
+            api: request.map_or("chat_completions", |r| r.api.as_str()),
             stream,
             prompt_tokens: request.map_or(0, |r| r.prompt_tokens),
             decision,

@@ -152,27 +152,7 @@ pub struct Request {
 }
 
 fn api_name<S: serde::Serializer>(api: &ApiKind, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(api_str(*api))
-}
-
-/// The API's name in the generic trace format.
-pub fn api_str(api: ApiKind) -> &'static str {
-    match api {
-        ApiKind::ChatCompletions => "chat_completions",
-        ApiKind::Completions => "completions",
-        ApiKind::Responses => "responses",
-        ApiKind::AnthropicMessages => "messages",
-    }
-}
-
-fn api_of(name: &str) -> Option<ApiKind> {
-    match name {
-        "chat_completions" => Some(ApiKind::ChatCompletions),
-        "completions" => Some(ApiKind::Completions),
-        "responses" => Some(ApiKind::Responses),
-        "messages" => Some(ApiKind::AnthropicMessages),
-        _ => None,
-    }
+    s.serialize_str(api.as_str())
 }
 
 impl Workload {
@@ -213,7 +193,7 @@ impl Workload {
                 return Err(invalid(f("users"), "must be at least 1"));
             }
             if let Some(api) = &t.api {
-                if api_of(api).is_none() {
+                if ApiKind::from_label(api).is_none() {
                     return Err(invalid(f("api"), format!("unknown API {api:?}: chat_completions, completions, responses or messages")));
                 }
             }
@@ -264,7 +244,7 @@ impl Workload {
                         tenant: Some(t.name.clone()),
                         key: None,
                         user: Some(format!("{}-u{}", t.name, k % t.users)),
-                        api: t.api.as_deref().and_then(api_of).unwrap_or(ApiKind::ChatCompletions),
+                        api: t.api.as_deref().and_then(ApiKind::from_label).unwrap_or(ApiKind::ChatCompletions),
                         model: t.model.clone(),
                         prompt_tokens: t.prompt_tokens,
                         max_tokens: t.max_tokens,
@@ -304,7 +284,7 @@ pub fn to_generic_jsonl(requests: &[Request]) -> String {
                 line.insert(k.into(), Value::from(v.clone()));
             }
         }
-        line.insert("api".into(), api_str(r.api).into());
+        line.insert("api".into(), r.api.as_str().into());
         line.insert("prompt_tokens".into(), r.prompt_tokens.into());
         if let Some(m) = r.max_tokens {
             line.insert("max_tokens".into(), m.into());
@@ -383,7 +363,7 @@ pub fn read_generic_jsonl(text: &str) -> Result<Vec<Request>, WorkloadError> {
         let prompt_tokens = u64_field("prompt_tokens")?.ok_or_else(|| err(Some("prompt_tokens"), "missing".into()))?;
         let api = match str_field("api")? {
             None => ApiKind::ChatCompletions,
-            Some(a) => api_of(&a).ok_or_else(|| err(Some("api"), format!("unknown API {a:?}")))?,
+            Some(a) => ApiKind::from_label(&a).ok_or_else(|| err(Some("api"), format!("unknown API {a:?}")))?,
         };
         let stream = get("stream").map(|v| v.as_bool().ok_or_else(|| err(Some("stream"), format!("invalid type: {v}, expected a boolean")))).transpose()?;
         if out.len() >= MAX_REQUESTS {

@@ -55,6 +55,11 @@ impl ApiKind {
             ApiKind::AnthropicMessages => "messages",
         }
     }
+
+    /// The kind whose [`ApiKind::as_str`] is `label`.
+    pub fn from_label(label: &str) -> Option<ApiKind> {
+        ApiKind::ALL.into_iter().find(|k| k.as_str() == label)
+    }
 }
 
 impl std::fmt::Display for ApiKind {

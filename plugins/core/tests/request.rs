@@ -40,6 +40,16 @@ fn kind_from_path() {
 }
 
 #[test]
+fn kind_labels_round_trip_and_nothing_else_is_a_kind() {
+    for kind in ApiKind::ALL {
+        assert_eq!(ApiKind::from_label(kind.as_str()), Some(kind));
+    }
+    for other in ["", "chat", "Messages", "chat_completions ", "anthropic_messages"] {
+        assert_eq!(ApiKind::from_label(other), None, "{other:?}");
+    }
+}
+
+#[test]
 fn kind_labels() {
     let labels: Vec<&str> = ApiKind::ALL.iter().map(|k| k.as_str()).collect();
     assert_eq!(labels, ["chat_completions", "completions", "responses", "messages"]);
