@@ -515,6 +515,23 @@ impl ConfigContext<'_> {
 // ----------------------------------------------------------------------------------------------
 // Safe API: HTTP callouts (a stream's, and a configuration's on the main thread).
 
+/// Starts a callout with `callout` (a stream's or a configuration's: they take the same arguments
+/// after the handle `ptr` of their kind): the callout's id, or why Envoy did not start it.
+fn send_callout<P>(
+    callout: unsafe extern "C" fn(P, *mut u64, ModuleBuffer, *mut ModuleHttpHeader, usize, ModuleBuffer, u64) -> u32,
+    ptr: P,
+    request: &CalloutRequest<'_>,
+) -> Result<u64, CalloutError> {
+    let mut raw = request.raw_headers();
+    let mut id = 0u64;
+    // SAFETY: `ptr` is the live handle `callout` expects (the caller's, during its hook); every
+    // buffer outlives the call, which copies them; `id` is a valid out-pointer.
+    let code = sending(|| unsafe {
+        callout(ptr, &mut id, ModuleBuffer::of(request.cluster.as_bytes()), raw.as_mut_ptr(), raw.len(), ModuleBuffer::of(request.body), request.timeout_ms)
+    });
+    callout_result(code, id)
+}
+
 /// Why Envoy did not start a callout (`envoy_dynamic_module_type_http_callout_init_result`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CalloutError {
@@ -669,21 +686,7 @@ impl ConfigHost<'_> {
     /// `on_callout_done` on the main thread, whatever became of the stream that asked for it): the
     /// callout's id, or why Envoy did not start it.
     pub fn http_callout(&mut self, request: &CalloutRequest<'_>) -> Result<u64, CalloutError> {
-        let mut raw = request.raw_headers();
-        let mut id = 0u64;
-        // SAFETY: every buffer outlives the call, which copies them; `id` is a valid out-pointer.
-        let code = sending(|| unsafe {
-            (self.host.config_http_callout)(
-                self.ptr,
-                &mut id,
-                ModuleBuffer::of(request.cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                ModuleBuffer::of(request.body),
-                request.timeout_ms,
-            )
-        });
-        callout_result(code, id)
+        send_callout(self.host.config_http_callout, self.ptr, request)
     }
 }
 
@@ -918,21 +921,7 @@ impl Envoy<'_> {
     /// Envoy did not start it. Its answer comes to the filter's `on_callout_done` on the same
     /// worker; Envoy cancels it if the stream ends first (no answer then).
     pub fn http_callout(&mut self, request: &CalloutRequest<'_>) -> Result<u64, CalloutError> {
-        let mut raw = request.raw_headers();
-        let mut id = 0u64;
-        // SAFETY: every buffer outlives the call, which copies them; `id` is a valid out-pointer.
-        let code = sending(|| unsafe {
-            (self.host.http_callout)(
-                self.ptr,
-                &mut id,
-                ModuleBuffer::of(request.cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                ModuleBuffer::of(request.body),
-                request.timeout_ms,
-            )
-        });
-        callout_result(code, id)
+        send_callout(self.host.http_callout, self.ptr, request)
     }
 
     /// Lets the request this filter held (headers and body stopped) go on, with what Envoy
