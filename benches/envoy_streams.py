@@ -135,6 +135,8 @@ def main():
     ap.add_argument("--streams", default="10,1000")
     ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
     ap.add_argument("--native-before", default="", help="directory of an earlier libsluice.so: the native row runs with it too")
+    ap.add_argument("--only", default="", help="comma-separated exact names: run only those configurations "
+                    "(plus 'no filter', the baseline)")
     args = ap.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     full = (ROOT / "envoy/templates/full-gateway.yaml").read_text()
@@ -147,6 +149,12 @@ def main():
         ("full chain, no shadow", full),
         ("native full chain", (ROOT / "envoy/templates/native-full-gateway.yaml").read_text()),
     ]
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+    if wanted:
+        unknown = wanted - {name for name, _ in configs}
+        if unknown:
+            sys.exit(f"--only: no configuration named {', '.join(sorted(unknown))}")
+        configs = [(name, t) for name, t in configs if name in wanted or name == "no filter"]
     if args.before:
         configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "{{WASM_DIR}}/sluice" in t else [])]
     if args.native_before:
