@@ -149,6 +149,19 @@ struct ModuleHttpHeader {
     value_length: usize,
 }
 
+impl ModuleHttpHeader {
+    /// A header the module hands Envoy: pointers into `key` and `value`, which must outlive the call
+    /// it is passed to.
+    fn of(key: &[u8], value: &[u8]) -> ModuleHttpHeader {
+        ModuleHttpHeader {
+            key_ptr: key.as_ptr().cast::<c_char>(),
+            key_length: key.len(),
+            value_ptr: value.as_ptr().cast::<c_char>(),
+            value_length: value.len(),
+        }
+    }
+}
+
 type FilterEnvoyPtr = *mut c_void;
 type FilterModulePtr = *const c_void;
 type ConfigEnvoyPtr = *mut c_void;
@@ -429,6 +442,23 @@ fn metrics_result(code: u32) -> Result<(), MetricsError> {
     }
 }
 
+/// One labelled metric callback (a stream's or a configuration's: they take the same arguments
+/// after the handle `ptr` of their kind) for metric `id`, with one value per label name of its
+/// definition.
+fn labelled<P>(
+    callback: unsafe extern "C" fn(P, usize, *mut ModuleBuffer, usize, u64) -> u32,
+    ptr: P,
+    id: usize,
+    label_values: &[&str],
+    value: u64,
+) -> Result<(), MetricsError> {
+    let mut labels = Labels::of(label_values);
+    let (labels_ptr, labels_len) = labels.raw();
+    // SAFETY: `ptr` is the live handle `callback` expects (the caller's, during its hook); the
+    // label buffers outlive the call.
+    metrics_result(unsafe { callback(ptr, id, labels_ptr, labels_len, value) })
+}
+
 /// Label names or values as module buffers: on the stack up to eight, else on the heap.
 enum Labels {
     Stack([ModuleBuffer; 8], usize),
@@ -582,15 +612,7 @@ pub struct CalloutRequest<'a> {
 
 impl CalloutRequest<'_> {
     fn raw_headers(&self) -> Vec<ModuleHttpHeader> {
-        self.headers
-            .iter()
-            .map(|(key, value)| ModuleHttpHeader {
-                key_ptr: key.as_ptr().cast::<c_char>(),
-                key_length: key.len(),
-                value_ptr: value.as_ptr().cast::<c_char>(),
-                value_length: value.len(),
-            })
-            .collect()
+        self.headers.iter().map(|(key, value)| ModuleHttpHeader::of(key.as_bytes(), value)).collect()
     }
 }
 
@@ -692,32 +714,20 @@ impl ConfigHost<'_> {
 
 impl Metrics for ConfigHost<'_> {
     fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.config_increment_counter)(self.ptr, id.0, labels_ptr, labels_len, by) })
+        labelled(self.host.config_increment_counter, self.ptr, id.0, label_values, by)
     }
 
     fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.config_record_histogram_value)(self.ptr, id.0, labels_ptr, labels_len, value) })
+        labelled(self.host.config_record_histogram_value, self.ptr, id.0, label_values, value)
     }
 
     fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
         let change = if delta < 0 { self.host.config_decrement_gauge } else { self.host.config_increment_gauge };
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { change(self.ptr, id.0, labels_ptr, labels_len, delta.unsigned_abs()) })
+        labelled(change, self.ptr, id.0, label_values, delta.unsigned_abs())
     }
 
     fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.config_set_gauge)(self.ptr, id.0, labels_ptr, labels_len, value) })
+        labelled(self.host.config_set_gauge, self.ptr, id.0, label_values, value)
     }
 }
 
@@ -756,15 +766,7 @@ impl Deferred {
     unsafe fn make(self, ptr: FilterEnvoyPtr, host: &Host) {
         match self {
             Deferred::Reply { status, headers, body, details } => {
-                let mut raw: Vec<ModuleHttpHeader> = headers
-                    .iter()
-                    .map(|(key, value)| ModuleHttpHeader {
-                        key_ptr: key.as_ptr().cast::<c_char>(),
-                        key_length: key.len(),
-                        value_ptr: value.as_ptr().cast::<c_char>(),
-                        value_length: value.len(),
-                    })
-                    .collect();
+                let mut raw: Vec<ModuleHttpHeader> = headers.iter().map(|(key, value)| ModuleHttpHeader::of(key.as_bytes(), value)).collect();
                 let headers_ptr = if raw.is_empty() { std::ptr::null_mut() } else { raw.as_mut_ptr() };
                 // SAFETY: every buffer outlives the call, which copies them.
                 unsafe { (host.send_response)(ptr, status, headers_ptr, raw.len(), ModuleBuffer::of(&body), ModuleBuffer::of(details.as_bytes())) }
@@ -833,35 +835,23 @@ impl Envoy<'_> {
 
     /// Adds `by` to a counter, with one value per label name of its definition.
     pub fn increment_counter(&mut self, id: CounterId, label_values: &[&str], by: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.increment_counter)(self.ptr, id.0, labels_ptr, labels_len, by) })
+        labelled(self.host.increment_counter, self.ptr, id.0, label_values, by)
     }
 
     /// Records `value` in a histogram, with one value per label name of its definition.
     pub fn record_histogram(&mut self, id: HistogramId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.record_histogram_value)(self.ptr, id.0, labels_ptr, labels_len, value) })
+        labelled(self.host.record_histogram_value, self.ptr, id.0, label_values, value)
     }
 
     /// Adds `delta` to a gauge (a negative delta subtracts), with one value per label name.
     pub fn add_gauge(&mut self, id: GaugeId, label_values: &[&str], delta: i64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
         let change = if delta < 0 { self.host.decrement_gauge } else { self.host.increment_gauge };
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { change(self.ptr, id.0, labels_ptr, labels_len, delta.unsigned_abs()) })
+        labelled(change, self.ptr, id.0, label_values, delta.unsigned_abs())
     }
 
     /// Sets a gauge to `value`, with one value per label name.
     pub fn set_gauge(&mut self, id: GaugeId, label_values: &[&str], value: u64) -> Result<(), MetricsError> {
-        let mut labels = Labels::of(label_values);
-        let (labels_ptr, labels_len) = labels.raw();
-        // SAFETY: the buffers outlive the call.
-        metrics_result(unsafe { (self.host.set_gauge)(self.ptr, id.0, labels_ptr, labels_len, value) })
+        labelled(self.host.set_gauge, self.ptr, id.0, label_values, value)
     }
 
     /// Appends `bytes` to a body (the current chunk for `Received…`); false if that body is not

@@ -325,9 +325,7 @@ impl Breaker {
                 Some(self.go(State::HalfOpen, now_ns, reason))
             }
             State::HalfOpen => {
-                // A window not emptied since probing began still holds the samples that opened
-                // the breaker (another worker read it just before the reset): nothing to judge.
-                if stats.started_ns < self.state.since_ns {
+                if self.probes_on_a_stale_window(stats) {
                     return None;
                 }
                 let (checks, n) = self.measure(stats, self.config.probes.max(1));
@@ -342,6 +340,13 @@ impl Breaker {
                 None
             }
         }
+    }
+
+    /// Half-open, and `stats` are of a window not emptied since probing began: it still holds the
+    /// samples that opened the breaker (a worker read it just before another's transition emptied
+    /// it), so there is nothing to judge yet, and the window is to be emptied as of `since_ns`.
+    pub fn probes_on_a_stale_window(&self, stats: &WindowStats) -> bool {
+        self.state.state == State::HalfOpen && stats.started_ns < self.state.since_ns
     }
 
     /// Whether a request may go to the version. `draw` is any per-request number spread evenly (a

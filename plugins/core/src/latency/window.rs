@@ -147,11 +147,6 @@ impl RollingWindow {
         RollingWindow { config, started_ns, slots: (0..config.slots).map(|_| Slot::new(0, &empty)).collect() }
     }
 
-    /// When the window was last emptied (0: never).
-    pub fn started_ns(&self) -> u64 {
-        self.started_ns
-    }
-
     fn empty_sketch(&self) -> QuantileSketch {
         match self.slots.first() {
             Some(slot) => slot.ttft.empty_like(),

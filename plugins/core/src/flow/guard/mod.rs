@@ -330,7 +330,7 @@ fn judge(vp: &VersionPolicy, b: &BreakerPolicy, now: u64, stats: &latency::Windo
             fx.push(Effect::GaugeSet { name: metrics::latency_breaker_state(&label), value: u64::from(state.state.code()) });
             if let Some(t) = transition {
                 on_transition(name, &vp.window_key(), b, &t, store, fx);
-            } else if state.state == State::HalfOpen && stats.started_ns < state.since_ns {
+            } else if breaker.probes_on_a_stale_window(stats) {
                 // Probing, on a window the transition's worker has not emptied yet (or failed to):
                 // empty it here, so that the probes are judged whatever became of that reset.
                 reset_window(name, &vp.window_key(), b, state.since_ns, store, fx);
