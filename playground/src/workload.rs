@@ -158,8 +158,8 @@ fn api_name<S: serde::Serializer>(api: &ApiKind, s: S) -> Result<S::Ok, S::Error
 impl Workload {
     /// Parses a workload, naming the field of any error.
     pub fn from_json(text: &str) -> Result<Workload, WorkloadError> {
-        let de = &mut serde_json::Deserializer::from_str(text);
-        let w: Workload = serde_path_to_error::deserialize(de).map_err(|e| invalid(e.path().to_string(), e.into_inner().to_string()))?;
+        let w: Workload =
+            sluice_core::json::parse_config_at(text.as_bytes()).map_err(|e| invalid(if e.path.is_empty() { ".".to_string() } else { e.path }, e.message))?;
         w.check()?;
         Ok(w)
     }

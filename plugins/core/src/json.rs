@@ -85,18 +85,253 @@ pub(crate) fn error_message(v: &Value) -> Option<&str> {
 /// Deserializes a configuration document. On failure the message starts with the path of the
 /// offending member (`versions[0].breaker: unknown field ...`), which serde alone does not give.
 pub fn parse_config<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        if path.is_empty() || path == "." {
-            e.inner().to_string()
+    parse_config_at(bytes).map_err(|e| e.to_string())
+}
+
+/// A configuration document that did not deserialize: serde_json's error and the path of the
+/// member it is about (empty for the document itself).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigJsonError {
+    /// `versions[0].breaker.p95_ttft_ms`; empty for the document itself, and for a text that is
+    /// not JSON (its message gives the line and column).
+    pub path: String,
+    /// serde_json's message, with its line and column.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigJsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
         } else {
-            format!("{path}: {}", e.inner())
+            write!(f, "{}: {}", self.path, self.message)
         }
-    })?;
-    // Trailing characters after the document are an error too.
-    de.end().map_err(|e| e.to_string())?;
+    }
+}
+
+/// [`parse_config`], with the path apart from the message.
+///
+/// The path is found after the fact, from the error's line and column: the text is walked up to
+/// that point, and the members and elements open there are the path. A deserializer that tracks
+/// the path as it goes (`serde_path_to_error`, used before) wraps every configuration type's
+/// deserialization in its own: 90 KB of `sluice.wasm` (7 %) and 88 KiB of the playground's page. The
+/// paths are the ones it gave, held to that by `tests/config_paths.rs` over every shipped policy
+/// broken in every place.
+pub fn parse_config_at<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ConfigJsonError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = T::deserialize(&mut de).map_err(|e| ConfigJsonError { path: error_path(bytes, &e), message: e.to_string() })?;
+    // Trailing characters after the document are an error too, of the document.
+    de.end().map_err(|e| ConfigJsonError { path: String::new(), message: e.to_string() })?;
     Ok(value)
+}
+
+/// Where `text` stands at serde_json's error `e`: the keys and indexes open there.
+fn error_path(text: &[u8], e: &serde_json::Error) -> String {
+    if e.line() == 0 {
+        return String::new();
+    }
+    // A broken text is located by the line and column alone: where it broke, the member being
+    // read is not known yet (a key not read, a value not begun).
+    if e.classify() != serde_json::error::Category::Data {
+        return String::new();
+    }
+    let offset = byte_offset(text, e.line(), e.column());
+    let frames = PathWalk::up_to(text, offset);
+    let message = e.to_string();
+    // A repeated field is refused by its object once the key is read: the key is not the path. A
+    // name that is not one of an enum's variants is the enum's own error, where the key was the
+    // variant's name. (serde's derive words both; tests/config_paths.rs sees a change.)
+    let duplicate = message.starts_with("duplicate field");
+    let not_a_variant = message.starts_with("unknown variant");
+    // A value of the wrong type is refused as it starts: an element begun but not entered.
+    let element_begins = text.get(offset..).and_then(|rest| rest.iter().find(|b| !b.is_ascii_whitespace())).is_some_and(|&b| b != b']');
+    let mut path = String::new();
+    let last = frames.len().saturating_sub(1);
+    for (i, frame) in frames.iter().enumerate() {
+        let innermost = i == last;
+        let segment = match frame {
+            Frame::Object { key, phase } => match (phase, innermost) {
+                (ObjectPhase::Key, _) => None,
+                (ObjectPhase::Value, true) if duplicate || not_a_variant => None,
+                (ObjectPhase::AfterValue, true) if duplicate => None,
+                _ => key.clone(),
+            },
+            Frame::Array { index, phase } => match (phase, innermost) {
+                (ArrayPhase::Element, true) if element_begins => Some(format!("[{index}]")),
+                (ArrayPhase::Element, _) => None,
+                _ => Some(format!("[{index}]")),
+            },
+        };
+        if let Some(segment) = segment {
+            if !path.is_empty() && !segment.starts_with('[') {
+                path.push('.');
+            }
+            path.push_str(&segment);
+        }
+    }
+    path
+}
+
+/// The byte offset of serde_json's 1-based line and its column (bytes into the line).
+fn byte_offset(text: &[u8], line: usize, column: usize) -> usize {
+    let mut line_start = 0usize;
+    let mut lines = 1usize;
+    for (i, &b) in text.iter().enumerate() {
+        if lines == line {
+            break;
+        }
+        if b == b'\n' {
+            lines = lines.saturating_add(1);
+            line_start = i.saturating_add(1);
+        }
+    }
+    line_start.saturating_add(column).min(text.len())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ObjectPhase {
+    /// Before a key (after `{` or a comma).
+    Key,
+    /// The key read, its value not finished.
+    Value,
+    /// The value finished, before a comma or `}`.
+    AfterValue,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArrayPhase {
+    /// Before an element (after `[` or a comma).
+    Element,
+    /// Inside an element.
+    InElement,
+    /// The element finished, before a comma or `]`.
+    AfterElement,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Frame {
+    Object { key: Option<String>, phase: ObjectPhase },
+    Array { index: usize, phase: ArrayPhase },
+}
+
+/// The containers open at a point of a JSON text, found by a lenient walk: only what comes before
+/// the point is read, and it may be broken there.
+struct PathWalk<'a> {
+    s: &'a [u8],
+    i: usize,
+    frames: Vec<Frame>,
+}
+
+impl<'a> PathWalk<'a> {
+    fn up_to(text: &'a [u8], offset: usize) -> Vec<Frame> {
+        let mut walk = PathWalk { s: text.get(..offset).unwrap_or(text), i: 0, frames: Vec::new() };
+        walk.run();
+        walk.frames
+    }
+
+    fn run(&mut self) {
+        while let Some(&b) = self.s.get(self.i) {
+            match b {
+                b' ' | b'\t' | b'\n' | b'\r' => self.i = self.i.saturating_add(1),
+                b'{' => {
+                    self.start_value();
+                    self.frames.push(Frame::Object { key: None, phase: ObjectPhase::Key });
+                    self.i = self.i.saturating_add(1);
+                }
+                b'[' => {
+                    self.start_value();
+                    self.frames.push(Frame::Array { index: 0, phase: ArrayPhase::Element });
+                    self.i = self.i.saturating_add(1);
+                }
+                b'}' | b']' => {
+                    self.frames.pop();
+                    self.end_value();
+                    self.i = self.i.saturating_add(1);
+                }
+                b',' => {
+                    match self.frames.last_mut() {
+                        Some(Frame::Object { key, phase }) => {
+                            *key = None;
+                            *phase = ObjectPhase::Key;
+                        }
+                        Some(Frame::Array { index, phase }) => {
+                            *index = index.saturating_add(1);
+                            *phase = ArrayPhase::Element;
+                        }
+                        None => {}
+                    }
+                    self.i = self.i.saturating_add(1);
+                }
+                b':' => self.i = self.i.saturating_add(1),
+                b'"' => {
+                    let start = self.i;
+                    let (end, closed) = self.string_end(start);
+                    let is_key = matches!(self.frames.last(), Some(Frame::Object { phase: ObjectPhase::Key, .. }));
+                    if is_key {
+                        let raw = self.s.get(start..end).unwrap_or_default();
+                        // A key cut off by the point is still the key being read.
+                        let name = serde_json::from_slice::<String>(raw)
+                            .unwrap_or_else(|_| String::from_utf8_lossy(raw.get(1..).unwrap_or_default()).trim_end_matches('"').to_string());
+                        if let Some(Frame::Object { key, phase }) = self.frames.last_mut() {
+                            *key = Some(name);
+                            *phase = ObjectPhase::Value;
+                        }
+                    } else {
+                        self.start_value();
+                        if closed {
+                            self.end_value();
+                        }
+                    }
+                    self.i = end.max(self.i.saturating_add(1));
+                }
+                _ => {
+                    // A number or a literal: its bytes up to a delimiter.
+                    let start = self.i;
+                    while self.s.get(self.i).is_some_and(|b| !matches!(b, b',' | b'}' | b']' | b':' | b'"' | b'{' | b'[' | b' ' | b'\t' | b'\n' | b'\r')) {
+                        self.i = self.i.saturating_add(1);
+                    }
+                    self.start_value();
+                    // Finished only if something follows it before the point.
+                    if self.i < self.s.len() || self.i == start {
+                        self.end_value();
+                    }
+                    if self.i == start {
+                        self.i = self.i.saturating_add(1);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Index just past the string starting at `start` (a quote), and whether its closing quote
+    /// comes before the end of the text.
+    fn string_end(&self, start: usize) -> (usize, bool) {
+        let mut j = start.saturating_add(1);
+        while let Some(&b) = self.s.get(j) {
+            match b {
+                b'\\' => j = j.saturating_add(2),
+                b'"' => return (j.saturating_add(1), true),
+                _ => j = j.saturating_add(1),
+            }
+        }
+        (self.s.len(), false)
+    }
+
+    /// A value begins in the innermost container.
+    fn start_value(&mut self) {
+        if let Some(Frame::Array { phase, .. }) = self.frames.last_mut() {
+            *phase = ArrayPhase::InElement;
+        }
+    }
+
+    /// The innermost container's current value is finished.
+    fn end_value(&mut self) {
+        match self.frames.last_mut() {
+            Some(Frame::Object { phase, .. }) if *phase == ObjectPhase::Value => *phase = ObjectPhase::AfterValue,
+            Some(Frame::Array { phase, .. }) => *phase = ArrayPhase::AfterElement,
+            Some(Frame::Object { .. }) | None => {}
+        }
+    }
 }
 
 #[cfg(test)]
