@@ -4,6 +4,8 @@
 //! Checks, besides never panicking:
 //! - it holds at most the cap after every chunk;
 //! - where the chunk boundaries fall changes neither the bytes sent on nor the counters;
+//! - taking the word of an observer of the same chunks for the texts it found to be JSON
+//!   (`push_knowing`, as tenant-budget does) changes neither;
 //! - a stream that never spells `usage` (and has no escapes) passes byte for byte;
 //! - against the SSE framer reading its input and its output: every complete event whose data is a
 //!   JSON object with a non-null `usage` and empty, `null` or absent `choices` is gone; every other
@@ -14,6 +16,8 @@
 use libfuzzer_sys::fuzz_target;
 use serde::de::IgnoredAny;
 use serde_json::Value;
+use sluice_core::api::ApiKind;
+use sluice_core::response::StreamObserver;
 use sluice_core::rewrite::UsageChunkStripper;
 use sluice_core::sse::{SseEvent, SseFramer, DEFAULT_MAX_EVENT_BYTES};
 use sluice_core_fuzz::chunks;
@@ -24,6 +28,20 @@ fn strip(parts: &[&[u8]], cap: usize) -> (Vec<u8>, u64, u64, u64) {
     for part in parts {
         out.extend_from_slice(&s.push(part));
         assert!(s.held_bytes() <= cap, "stripper holds {} > cap {cap}", s.held_bytes());
+    }
+    out.extend_from_slice(&s.finish());
+    (out, s.removed_usage_events(), s.stripped_usage_members(), s.overflowed_events())
+}
+
+/// [`strip`], with an observer of the same chunks vouching for the JSON it read.
+fn strip_knowing(parts: &[&[u8]], cap: usize) -> (Vec<u8>, u64, u64, u64) {
+    let mut s = UsageChunkStripper::new(cap);
+    let mut observer = StreamObserver::with_max_event_bytes(ApiKind::ChatCompletions, cap);
+    observer.keep_validated();
+    let mut out = Vec::new();
+    for part in parts {
+        observer.push(part);
+        out.extend_from_slice(&s.push_knowing(part, observer.validated()));
     }
     out.extend_from_slice(&s.finish());
     (out, s.removed_usage_events(), s.stripped_usage_members(), s.overflowed_events())
@@ -95,6 +113,7 @@ fuzz_target!(|data: &[u8]| {
     for cap in [64, DEFAULT_MAX_EVENT_BYTES] {
         let whole = strip(&[body], cap);
         assert_eq!(strip(&split, cap), whole, "stripper result depends on chunk boundaries (cap {cap})");
+        assert_eq!(strip_knowing(&split, cap), whole, "the observer's word changed the stripper's result (cap {cap})");
         full = Some(whole);
     }
     let Some((out, _, _, overflowed)) = full else { return };

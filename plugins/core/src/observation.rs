@@ -15,7 +15,7 @@
 //! Hosts without several readers (tests, the playground) use [`Observer::Own`].
 
 use crate::api::ApiKind;
-use crate::response::{ChunkOutcome, ResponseSummary, StreamObserver};
+use crate::response::{ChunkOutcome, ResponseSummary, StreamObserver, ValidatedJson};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -155,6 +155,34 @@ impl Observer {
                 }
                 catch_up(shared, bytes, seen)
             }
+        }
+    }
+
+    /// Keep the data of the events each push finds to be valid JSON, for a policy that rewrites them
+    /// ([`StreamObserver::keep_validated`]; a shared observer keeps it for every reader).
+    pub fn keep_validated(&mut self) {
+        match self {
+            Observer::Own(o) => o.keep_validated(),
+            Observer::Shared(r) => {
+                if let Ok(mut slot) = r.shared.try_borrow_mut() {
+                    if let Some(s) = slot.as_mut() {
+                        s.observer.keep_validated();
+                    }
+                }
+            }
+        }
+    }
+
+    /// `f` with the event data the observer's last push found to be valid JSON (`None` if not
+    /// kept or not at hand). For a reader behind, that push was the front reader's of the same
+    /// chunk, or of the last of several merged ones: the texts hold either way, some may be missing.
+    pub fn with_validated<R>(&self, f: impl FnOnce(Option<&ValidatedJson>) -> R) -> R {
+        match self {
+            Observer::Own(o) => f(o.validated()),
+            Observer::Shared(r) => match r.shared.try_borrow() {
+                Ok(slot) => f(slot.as_ref().and_then(|s| s.observer.validated())),
+                Err(_) => f(None),
+            },
         }
     }
 

@@ -102,6 +102,65 @@ struct State {
     json_overflowed: u64,
     /// The visible answer's text (content, completions text, output text, Anthropic text), as read.
     repetition: Repetition,
+    /// Kept only when a policy asked for it ([`StreamObserver::keep_validated`]).
+    validated: Option<ValidatedJson>,
+}
+
+/// The event data the last [`StreamObserver::push`] found to be valid JSON, kept for a policy that
+/// rewrites the same events (the usage stripper, [`crate::rewrite::UsageChunkStripper`]) so that it
+/// need not validate them a second time. It knows texts, not positions: a text it holds is valid
+/// JSON whoever framed it. Bounded, and emptied at every push: what does not fit is not known, and
+/// the stripper then validates it itself.
+#[derive(Debug, Clone, Default)]
+pub struct ValidatedJson {
+    bytes: Vec<u8>,
+    /// Where each text ends in `bytes`.
+    ends: Vec<usize>,
+}
+
+impl ValidatedJson {
+    /// Data bytes held for one push.
+    pub const MAX_BYTES: usize = 16 * 1024;
+    /// Events held for one push.
+    pub const MAX_EVENTS: usize = 64;
+
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.ends.clear();
+    }
+
+    fn record(&mut self, data: &[u8]) {
+        if self.ends.len() >= Self::MAX_EVENTS || self.bytes.len().saturating_add(data.len()) > Self::MAX_BYTES {
+            return;
+        }
+        let extra = crate::sse::bounded_growth(self.bytes.capacity(), self.bytes.len(), data.len(), Self::MAX_BYTES);
+        self.bytes.reserve_exact(extra);
+        self.bytes.extend_from_slice(data);
+        self.ends.push(self.bytes.len());
+    }
+
+    /// `data`, JSON whitespace around it aside, is a text found to be valid JSON.
+    pub fn contains(&self, data: &[u8]) -> bool {
+        let is_ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        let start = data.iter().position(|b| !is_ws(b)).unwrap_or(data.len());
+        let end = data.iter().rposition(|b| !is_ws(b)).map_or(start, |i| i.saturating_add(1));
+        let data = data.get(start..end).unwrap_or_default();
+        let mut from = 0usize;
+        self.ends.iter().any(|&to| {
+            let held = self.bytes.get(from..to);
+            from = to;
+            held == Some(data)
+        })
+    }
+
+    /// Texts held.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
 }
 
 impl StreamObserver {
@@ -124,8 +183,20 @@ impl StreamObserver {
                 anthropic_output_reported: false,
                 json_overflowed: 0,
                 repetition: Repetition::default(),
+                validated: None,
             },
         }
+    }
+
+    /// From now on, keep the data of the events each push finds to be valid JSON
+    /// ([`Self::validated`]).
+    pub fn keep_validated(&mut self) {
+        self.state.validated.get_or_insert_with(ValidatedJson::default);
+    }
+
+    /// The event data the last push found to be valid JSON, if asked to keep it.
+    pub fn validated(&self) -> Option<&ValidatedJson> {
+        self.state.validated.as_ref()
     }
 
     /// The API kind this observer parses.
@@ -137,6 +208,9 @@ impl StreamObserver {
     pub fn push(&mut self, chunk: &[u8]) -> ChunkOutcome {
         let mut out = ChunkOutcome::default();
         let Self { framer, state } = self;
+        if let Some(v) = &mut state.validated {
+            v.clear();
+        }
         let mut rest = chunk;
         if matches!(state.mode, Mode::Undecided) {
             match rest.iter().position(|b| !b.is_ascii_whitespace()) {
@@ -336,6 +410,12 @@ impl State {
             ApiKind::Responses => false,
         };
         if handled {
+            // The OpenAI fast path read the whole text as JSON (the Anthropic one is not asked).
+            if matches!(self.kind, ApiKind::ChatCompletions | ApiKind::Completions) {
+                if let Some(v) = &mut self.validated {
+                    v.record(data.as_bytes());
+                }
+            }
             return;
         }
         self.value_path(data, ev.event.as_deref(), out);
@@ -343,7 +423,11 @@ impl State {
 
     /// The general path: every event shape, through a `Value`.
     fn value_path(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) {
-        let v = match serde_json::from_str::<Value>(data) {
+        let parsed = serde_json::from_str::<Value>(data);
+        if let (Ok(_), Some(v)) = (&parsed, &mut self.validated) {
+            v.record(data.as_bytes());
+        }
+        let v = match parsed {
             Ok(v) if v.is_object() => v,
             _ => {
                 self.summary.malformed_events = self.summary.malformed_events.saturating_add(1);

@@ -9,6 +9,7 @@
 //! corrupted by a round-trip.
 
 use crate::api::ApiKind;
+use crate::response::ValidatedJson;
 use crate::sse::{bounded_growth, find_line_end};
 use serde::de::IgnoredAny;
 
@@ -263,6 +264,12 @@ impl UsageChunkStripper {
 
     /// Feed one upstream body chunk; returns the bytes to send downstream now.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        self.push_knowing(chunk, None)
+    }
+
+    /// [`Self::push`], taking `known`'s word that the texts it holds are valid JSON (the observer
+    /// of the same stream read them: [`crate::response::StreamObserver::keep_validated`]).
+    pub fn push_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Vec<u8> {
         let mut out = Vec::with_capacity(chunk.len().saturating_add(self.held.len()));
         if chunk.is_empty() {
             return out;
@@ -295,7 +302,7 @@ impl UsageChunkStripper {
             self.line_nonempty = false;
             if blank {
                 let event = rest.get(event_start..pos).unwrap_or_default();
-                let removed = self.complete_event(event, term_len, &mut out);
+                let removed = self.complete_event(event, term_len, known, &mut out);
                 event_start = pos;
                 if cr_at_end {
                     self.pending_cr = PendingCr::AfterEvent { removed };
@@ -316,6 +323,11 @@ impl UsageChunkStripper {
     /// Most chunks are whole content events naming no `usage`, between events: those are passed
     /// without framing or copying them (one scan of the chunk).
     pub fn push_changed(&mut self, chunk: &[u8]) -> Option<Vec<u8>> {
+        self.push_changed_knowing(chunk, None)
+    }
+
+    /// [`Self::push_changed`] with [`Self::push_knowing`]'s `known`.
+    pub fn push_changed_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Option<Vec<u8>> {
         let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
         if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") && !may_name_usage_or_cr(chunk) {
             // Whole events ended by LF line ends only, none over the cap, none naming `usage`:
@@ -323,7 +335,7 @@ impl UsageChunkStripper {
             self.at_stream_start = false;
             return None;
         }
-        let out = self.push(chunk);
+        let out = self.push_knowing(chunk, known);
         (out != chunk).then_some(out)
     }
 
@@ -382,7 +394,7 @@ impl UsageChunkStripper {
 
     /// The current event ends with `tail` (its blank line included, whose line end is
     /// `blank_term_len` bytes). Returns whether it was removed.
-    fn complete_event(&mut self, tail: &[u8], blank_term_len: usize, out: &mut Vec<u8>) -> bool {
+    fn complete_event(&mut self, tail: &[u8], blank_term_len: usize, known: Option<&ValidatedJson>, out: &mut Vec<u8>) -> bool {
         let at_start = std::mem::replace(&mut self.at_stream_start, false);
         if self.passthrough {
             self.passthrough = false;
@@ -404,7 +416,7 @@ impl UsageChunkStripper {
             self.overflowed = self.overflowed.saturating_add(1);
             out.extend_from_slice(event);
         } else {
-            match judge_event(event, at_start) {
+            match judge_event(event, at_start, known) {
                 Verdict::Keep => out.extend_from_slice(event),
                 Verdict::Remove => {
                     self.removed = self.removed.saturating_add(1);
@@ -428,7 +440,7 @@ impl UsageChunkStripper {
 }
 
 /// Decide what happens to one complete event (raw bytes, blank line included).
-fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
+fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson>) -> Verdict {
     // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
     // with a `\u` escape, so an event with neither is kept without parsing it.
     if !may_name_usage(event) {
@@ -478,7 +490,9 @@ fn judge_event(event: &[u8], at_stream_start: bool) -> Verdict {
             (&joined, None)
         }
     };
-    if serde_json::from_slice::<IgnoredAny>(data).is_err() {
+    // The observer's word for the text, or serde_json's: valid JSON either way.
+    let valid = known.is_some_and(|k| k.contains(data)) || serde_json::from_slice::<IgnoredAny>(data).is_ok();
+    if !valid {
         return Verdict::Keep;
     }
     if let Some((start, _)) = single {

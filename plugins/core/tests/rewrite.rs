@@ -658,3 +658,85 @@ proptest! {
         prop_assert_eq!(fast.overflowed_events(), plain.overflowed_events());
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// The stripper taking the observer's word for the JSON it read (tenant-budget's way)
+// ------------------------------------------------------------------------------------------------
+
+/// Events of every kind the stripper decides on: the usual chunk with a trailing `"usage":null`, the
+/// usage report, texts that only look like JSON (a broken member, a number too large for a `Value`
+/// but JSON all the same, a no-break space around it, bytes that are not UTF-8), several data lines.
+fn knowing_cases() -> Vec<Vec<u8>> {
+    let mut events: Vec<Vec<u8>> = vec![
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"index\":0}],\"id\":\"c1\",\"usage\":null}\n\n".to_vec(),
+        b"data:{\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}\n\n".to_vec(),
+        b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"total_tokens\":5}}\n\n".to_vec(),
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}],\"broken\":,\"usage\":null}\n\n".to_vec(),
+        b"data: {\"choices\":[],\"big\":1e400,\"usage\":null}\n\n".to_vec(),
+        "data: \u{a0}{\"choices\":[],\"usage\":null}\u{a0}\n\n".as_bytes().to_vec(),
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"\xff\"}}],\"usage\":null}\n\n".to_vec(),
+        b"data: {\"choices\":[],\ndata: \"usage\":null}\n\n".to_vec(),
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}] ,  \"usage\" : null }  \n\n".to_vec(),
+        b"data: [DONE]\n\n".to_vec(),
+    ];
+    events.push(events.concat());
+    events
+}
+
+fn strip_with_observer(parts: &[&[u8]], knowing: bool) -> (Vec<u8>, u64, u64) {
+    let mut stripper = UsageChunkStripper::new(sluice_core::sse::DEFAULT_MAX_EVENT_BYTES);
+    let mut observer = sluice_core::response::StreamObserver::new(ApiKind::ChatCompletions);
+    observer.keep_validated();
+    let mut out = Vec::new();
+    for part in parts {
+        observer.push(part);
+        let known = if knowing { observer.validated() } else { None };
+        out.extend_from_slice(&stripper.push_knowing(part, known));
+    }
+    out.extend_from_slice(&stripper.finish());
+    (out, stripper.removed_usage_events(), stripper.stripped_usage_members())
+}
+
+#[test]
+fn the_observers_word_changes_nothing_the_stripper_decides() {
+    let cases = knowing_cases();
+    let stream = cases.concat();
+    for size in 1..=stream.len() {
+        let parts: Vec<&[u8]> = stream.chunks(size).collect();
+        assert_eq!(strip_with_observer(&parts, true), strip_with_observer(&parts, false), "chunks of {size} bytes");
+    }
+    let (out, removed, stripped) = strip_with_observer(&[&stream], true);
+    // Per copy: the report removed; the usual chunk, the finish with its usage, the large number,
+    // the text that is not UTF-8 (JSON to a skipping parse) and the spaced one stripped.
+    assert_eq!((removed, stripped), (2, 10), "{}", String::from_utf8_lossy(&out));
+}
+
+#[test]
+fn the_observer_vouches_only_for_texts_it_read_as_json_in_its_last_push() {
+    let mut observer = sluice_core::response::StreamObserver::new(ApiKind::ChatCompletions);
+    assert!(observer.validated().is_none(), "kept only when asked");
+    observer.keep_validated();
+    let cases = knowing_cases();
+    observer.push(&cases[0]);
+    let known = observer.validated().unwrap();
+    assert_eq!(known.len(), 1);
+    let data = &cases[0][b"data: ".len()..cases[0].len() - 2];
+    assert!(known.contains(data));
+    assert!(known.contains(format!(" \t{}\r\n", std::str::from_utf8(data).unwrap()).as_bytes()), "JSON whitespace around it is the same text");
+    assert!(!known.contains(&data[..data.len() - 1]), "a text cut short is another text");
+    // Vouched for: what the observer read as JSON, byte for byte. Not: a broken text, one with
+    // no-break spaces around it (JSON to the observer once it trimmed them, not as the stripper
+    // sees it), one that is not UTF-8 (the observer reads it with replacement characters).
+    for (case, vouched) in cases[3..7].iter().zip([false, true, false, false]) {
+        observer.push(case);
+        let data = &case[b"data: ".len()..case.len() - 2];
+        let known = observer.validated().unwrap();
+        assert_eq!(known.contains(data), vouched, "{}", String::from_utf8_lossy(case));
+        assert!(!known.contains(data) || serde_json::from_slice::<serde::de::IgnoredAny>(data).is_ok());
+    }
+    assert!(!observer.validated().unwrap().contains(&cases[0][b"data: ".len()..cases[0].len() - 2]), "each push starts afresh");
+    // Bounded: at most MAX_EVENTS texts a push.
+    let many = cases[0].repeat(200);
+    observer.push(&many);
+    assert_eq!(observer.validated().unwrap().len(), sluice_core::response::ValidatedJson::MAX_EVENTS);
+}

@@ -772,7 +772,12 @@ impl BudgetFlow {
         let streaming = view.response_header("content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
         if streaming {
             let stripper = a.injected_usage.then(|| UsageChunkStripper::new(DEFAULT_MAX_EVENT_BYTES));
-            a.response = ResponseBody::Observed { observer: view.response_observer(*kind), stripper };
+            let mut observer = view.response_observer(*kind);
+            if stripper.is_some() {
+                // The stripper takes the observer's word for the events it found to be JSON.
+                observer.keep_validated();
+            }
+            a.response = ResponseBody::Observed { observer, stripper };
         }
         let mut set = |name: String, value: String| fx.push(Effect::SetHeader { dir: Dir::Response, name, value: Some(value) });
         for (name, value) in rate_headers(&policy.policy, &a.admission, now) {
@@ -813,7 +818,7 @@ impl BudgetFlow {
                     observer.finish();
                 }
                 if let Some(stripper) = stripper {
-                    let changed = stripper.push_changed(&chunk);
+                    let changed = observer.with_validated(|known| stripper.push_changed_knowing(&chunk, known));
                     let held = if end_of_stream { stripper.finish() } else { Vec::new() };
                     if changed.is_some() || !held.is_empty() {
                         let mut out = changed.unwrap_or_else(|| chunk.clone());
