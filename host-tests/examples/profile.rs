@@ -4,7 +4,9 @@
 //! callback the wasm fuel (≈ instructions executed) and the hostcalls made, per request.
 //!
 //! `cargo run --release -p sluice-host --example profile [TOKENS] [REQUESTS]` (after `cargo xtask build`);
-//! with `PROFILE_COMMENTS=1` the events are keep-alive comments instead: the cost of framing alone.
+//! with `PROFILE_COMMENTS=1` the events are keep-alive comments instead: the cost of framing alone;
+//! with `PROFILE_USAGE_NULL=1` every content event ends in `"usage":null`, as OpenAI sends them
+//! when `include_usage` is on (the member tenant-budget cuts, when it turned the option on).
 //! The shipped shape is profiled (`Chain::sluice_gateway`: the guard's `sluice.wasm` filter, then one
 //! with the three other sections); `PROFILE_SHAPE=four` profiles one filter per policy instead.
 
@@ -78,7 +80,8 @@ fn run(chain: &Chain, tokens: u64, requests: u64, first_id: u64) -> anyhow::Resu
             let chunk = if std::env::var_os("PROFILE_COMMENTS").is_some_and(|v| !v.is_empty()) {
                 format!(": keep-alive {n}\n\n")
             } else {
-                format!("data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"llama-3-70b\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{n}\"}},\"finish_reason\":null}}]}}\n\n")
+                let usage = if std::env::var_os("PROFILE_USAGE_NULL").is_some_and(|v| !v.is_empty()) { ",\"usage\":null" } else { "" };
+                format!("data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"llama-3-70b\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{n}\"}},\"finish_reason\":null}}]{usage}}}\n\n")
             };
             chain.response_body(stream, chunk.into_bytes(), false)?;
         }

@@ -129,8 +129,14 @@ impl ValidatedJson {
         self.ends.clear();
     }
 
+    /// Kept only in the shape the stripper cuts without reading the members: a chunk ending in
+    /// `,"usage":null}` (OpenAI's with `include_usage`). Other events naming `usage` are rare (the
+    /// report itself), and a stream without the member pays one comparison an event, not a copy.
     fn record(&mut self, data: &[u8]) {
-        if self.ends.len() >= Self::MAX_EVENTS || self.bytes.len().saturating_add(data.len()) > Self::MAX_BYTES {
+        if !data.ends_with(crate::rewrite::TRAILING_NULL_USAGE)
+            || self.ends.len() >= Self::MAX_EVENTS
+            || self.bytes.len().saturating_add(data.len()) > Self::MAX_BYTES
+        {
             return;
         }
         let extra = crate::sse::bounded_growth(self.bytes.capacity(), self.bytes.len(), data.len(), Self::MAX_BYTES);

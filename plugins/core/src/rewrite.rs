@@ -329,11 +329,36 @@ impl UsageChunkStripper {
     /// [`Self::push_changed`] with [`Self::push_knowing`]'s `known`.
     pub fn push_changed_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Option<Vec<u8>> {
         let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
-        if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") && !may_name_usage_or_cr(chunk) {
-            // Whole events ended by LF line ends only, none over the cap, none naming `usage`:
-            // every one is kept as it is, and the stripper ends between events again.
-            self.at_stream_start = false;
-            return None;
+        if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") {
+            let scan = scan_chunk(chunk);
+            if !scan.cr {
+                let Some(first_hint) = scan.first_hint else {
+                    // Whole events ended by LF line ends only, none over the cap, none naming
+                    // `usage`: every one is kept as it is, and the stripper ends between events again.
+                    self.at_stream_start = false;
+                    return None;
+                };
+                if !scan.blank_line_inside && chunk.first() != Some(&b'\n') {
+                    // One whole event (the usual chunk): judged as `push` would judge it, without
+                    // framing it or searching it again.
+                    let at_start = std::mem::replace(&mut self.at_stream_start, false);
+                    return match judge_hinted(chunk, at_start, known, first_hint) {
+                        Verdict::Keep => None,
+                        Verdict::Remove => {
+                            self.removed = self.removed.saturating_add(1);
+                            Some(Vec::new())
+                        }
+                        Verdict::Replace { start, end, json } => {
+                            self.stripped = self.stripped.saturating_add(1);
+                            let mut out = Vec::with_capacity(chunk.len());
+                            out.extend_from_slice(chunk.get(..start).unwrap_or_default());
+                            out.extend_from_slice(&json);
+                            out.extend_from_slice(chunk.get(end..).unwrap_or_default());
+                            Some(out)
+                        }
+                    };
+                }
+            }
         }
         let out = self.push_knowing(chunk, known);
         (out != chunk).then_some(out)
@@ -443,9 +468,14 @@ impl UsageChunkStripper {
 fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson>) -> Verdict {
     // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
     // with a `\u` escape, so an event with neither is kept without parsing it.
-    if !may_name_usage(event) {
-        return Verdict::Keep;
+    match first_usage_hint(event) {
+        None => Verdict::Keep,
+        Some(first_hint) => judge_hinted(event, at_stream_start, known, first_hint),
     }
+}
+
+/// [`judge_event`] on an event where `usage` or a `\u` escape first occurs at `first_hint`.
+fn judge_hinted(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson>, first_hint: usize) -> Verdict {
     // Most events have one data line: it is kept apart, a vector only made for a second.
     let mut first_line: Option<(usize, usize)> = None;
     let mut more_lines: Vec<(usize, usize)> = Vec::new();
@@ -496,7 +526,7 @@ fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson
         return Verdict::Keep;
     }
     if let Some((start, _)) = single {
-        if let Some(cut) = trailing_null_usage(data) {
+        if let Some(cut) = trailing_null_usage(data, first_hint.checked_sub(start)) {
             // The member's bytes replaced by nothing (an empty vector allocates nothing).
             return Verdict::Replace { start: start.saturating_add(cut.start), end: start.saturating_add(cut.end), json: Vec::new() };
         }
@@ -504,15 +534,19 @@ fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson
     judge_scanned(data, single)
 }
 
+/// How the usual chunk of a stream with `include_usage` on ends.
+pub(crate) const TRAILING_NULL_USAGE: &[u8] = b",\"usage\":null}";
+
 /// The usual shape of a chunk of a stream whose `include_usage` the budget turned on, decided
 /// without scanning its members: valid JSON (checked before) ending in `,"usage":null}` right after
-/// a value, naming `usage` nowhere else (and no `\u` escape that could spell it). That member is
-/// then the object's only `usage`, at the top level (the last member before the final `}`), and
+/// a value, naming `usage` nowhere else (and no `\u` escape that could spell it): the first hint in
+/// `data` ([`first_usage_hint`], `first_hint`) is the tail's own `usage`. That member is then the
+/// object's only `usage`, at the top level (the last member before the final `}`), and
 /// [`judge_scanned`] would cut exactly those bytes: the member with the comma before it.
-fn trailing_null_usage(data: &[u8]) -> Option<std::ops::Range<usize>> {
-    const TAIL: &[u8] = b",\"usage\":null}";
-    let head = data.strip_suffix(TAIL)?;
-    if head.last().is_none_or(|b| is_ws(*b)) || may_name_usage(head) {
+fn trailing_null_usage(data: &[u8], first_hint: Option<usize>) -> Option<std::ops::Range<usize>> {
+    let head = data.strip_suffix(TRAILING_NULL_USAGE)?;
+    // `,"` then `usage`: no hint can start in the head and run into the tail.
+    if head.last().is_none_or(|b| is_ws(*b)) || first_hint != Some(head.len().saturating_add(2)) {
         return None;
     }
     // The member and the comma before it; the object's closing brace stays.
@@ -544,48 +578,74 @@ fn judge_scanned(data: &[u8], single_line: Option<(usize, usize)>) -> Verdict {
     Verdict::Replace { start, end, json: remove_members(data, &obj, "usage") }
 }
 
-/// `usage` or a `\\u` escape occurs in `event`. Natively two substring searches (SIMD); in wasm,
-/// which has no SIMD here, one pass over the bytes is fewer instructions (fuel measured:
-/// `host-tests/examples/profile.rs`), so the wasm build keeps [`bytewise::may_name_usage`].
+/// Where `usage` or a `\\u` escape first occurs in `event`. Natively two substring searches
+/// (SIMD); in wasm, which has no SIMD here, one pass over the bytes is fewer instructions (fuel
+/// measured: `host-tests/examples/profile.rs`), so the wasm build keeps [`bytewise::first_usage_hint`].
 #[cfg(not(target_arch = "wasm32"))]
-fn may_name_usage(event: &[u8]) -> bool {
+fn first_usage_hint(event: &[u8]) -> Option<usize> {
     // Finders built once: building one per search was a third of the searches' time on events of a
     // few hundred bytes (the simulator's profile).
     static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> = std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"usage"));
-    USAGE.find(event).is_some() || memchr::memchr_iter(b'\\', event).any(|i| event.get(i.saturating_add(1)) == Some(&b'u'))
+    let word = USAGE.find(event);
+    let before = event.get(..word.unwrap_or(event.len())).unwrap_or_default();
+    let escape = memchr::memchr_iter(b'\\', before).find(|&i| event.get(i.saturating_add(1)) == Some(&b'u'));
+    escape.or(word)
 }
 
-/// [`may_name_usage`], or a CR anywhere (whose line ends need the framing of [`UsageChunkStripper::push`]).
+/// What [`UsageChunkStripper::push_changed`] learns of a chunk before framing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ChunkScan {
+    /// A CR anywhere (its line ends need the framing of [`UsageChunkStripper::push`]).
+    cr: bool,
+    /// [`first_usage_hint`] of the chunk.
+    first_hint: Option<usize>,
+    /// A blank line (`\n\n`) before the chunk's last two bytes: more than one event.
+    blank_line_inside: bool,
+}
+
 #[cfg(not(target_arch = "wasm32"))]
-fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
-    memchr::memchr(b'\r', bytes).is_some() || may_name_usage(bytes)
+fn scan_chunk(bytes: &[u8]) -> ChunkScan {
+    // A pair starting before the last two bytes: all but the last byte.
+    let inside = bytes.get(..bytes.len().saturating_sub(1)).unwrap_or_default();
+    ChunkScan {
+        cr: memchr::memchr(b'\r', bytes).is_some(),
+        first_hint: first_usage_hint(bytes),
+        blank_line_inside: memchr::memmem::find(inside, b"\n\n").is_some(),
+    }
 }
 
 #[cfg(target_arch = "wasm32")]
-use bytewise::{may_name_usage, may_name_usage_or_cr};
+use bytewise::{first_usage_hint, scan_chunk};
 
 /// The one-pass forms of the two searches: the wasm build's, and the native tests' reference.
 #[cfg(any(target_arch = "wasm32", test))]
 mod bytewise {
-    pub(super) fn may_name_usage(event: &[u8]) -> bool {
+    pub(super) fn first_usage_hint(event: &[u8]) -> Option<usize> {
         let mut i = 0usize;
         while let Some(&b) = event.get(i) {
             let next = event.get(i.saturating_add(1)).copied();
             if (b == b'u' && event.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage")) || (b == b'\\' && next == Some(b'u')) {
-                return true;
+                return Some(i);
             }
             i = i.saturating_add(1);
         }
-        false
+        None
     }
 
-    pub(super) fn may_name_usage_or_cr(bytes: &[u8]) -> bool {
-        bytes.iter().enumerate().any(|(i, &b)| match b {
-            b'\r' => true,
-            b'u' => bytes.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage"),
-            b'\\' => bytes.get(i.saturating_add(1)) == Some(&b'u'),
-            _ => false,
-        })
+    /// [`super::scan_chunk`] in one pass.
+    pub(super) fn scan_chunk(bytes: &[u8]) -> super::ChunkScan {
+        let mut scan = super::ChunkScan { cr: false, first_hint: None, blank_line_inside: false };
+        let inside = bytes.len().saturating_sub(2);
+        for (i, &b) in bytes.iter().enumerate() {
+            match b {
+                b'\r' => return super::ChunkScan { cr: true, ..scan },
+                b'u' if scan.first_hint.is_none() && bytes.get(i.saturating_add(1)..i.saturating_add(5)) == Some(b"sage") => scan.first_hint = Some(i),
+                b'\\' if scan.first_hint.is_none() && bytes.get(i.saturating_add(1)) == Some(&b'u') => scan.first_hint = Some(i),
+                b'\n' if i < inside && bytes.get(i.saturating_add(1)) == Some(&b'\n') => scan.blank_line_inside = true,
+                _ => {}
+            }
+        }
+        scan
     }
 }
 
@@ -841,8 +901,8 @@ mod usage_hint_tests {
             (b"usag", false),
             (b"", false),
         ] {
-            assert_eq!(super::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
-            assert_eq!(super::bytewise::may_name_usage(event), want, "{}", String::from_utf8_lossy(event));
+            assert_eq!(super::first_usage_hint(event).is_some(), want, "{}", String::from_utf8_lossy(event));
+            assert_eq!(super::bytewise::first_usage_hint(event).is_some(), want, "{}", String::from_utf8_lossy(event));
         }
     }
 
@@ -850,8 +910,13 @@ mod usage_hint_tests {
         /// The native searches and the wasm build's one pass agree on any bytes.
         #[test]
         fn both_forms_of_the_searches_agree(bytes in proptest::collection::vec(proptest::prop_oneof![proptest::sample::select(b"usage\\\r\n{}\" ".to_vec()), proptest::num::u8::ANY], 0..64)) {
-            proptest::prop_assert_eq!(super::may_name_usage(&bytes), super::bytewise::may_name_usage(&bytes));
-            proptest::prop_assert_eq!(super::may_name_usage_or_cr(&bytes), super::bytewise::may_name_usage_or_cr(&bytes));
+            proptest::prop_assert_eq!(super::first_usage_hint(&bytes), super::bytewise::first_usage_hint(&bytes));
+            let (native, one_pass) = (super::scan_chunk(&bytes), super::bytewise::scan_chunk(&bytes));
+            // The one pass stops at a CR: the rest is not needed then.
+            proptest::prop_assert_eq!(native.cr, one_pass.cr);
+            if !native.cr {
+                proptest::prop_assert_eq!(native, one_pass);
+            }
         }
     }
 }
@@ -910,7 +975,7 @@ mod fast_path_tests {
 
     /// The fast path's cut applied to `data`: the bytes it leaves.
     fn without_trailing_null_usage(data: &[u8]) -> Option<Vec<u8>> {
-        let cut = trailing_null_usage(data)?;
+        let cut = trailing_null_usage(data, first_usage_hint(data))?;
         let mut out = data.get(..cut.start)?.to_vec();
         out.extend_from_slice(data.get(cut.end..)?);
         Some(out)

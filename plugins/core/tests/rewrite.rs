@@ -630,12 +630,24 @@ proptest! {
             Just(": keep-alive\n\n".to_string()),
             Just("data: [DONE]\n\n".to_string()),
             "[a-z ]{0,40}".prop_map(|t| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{t}\"}}}}]}}\n\n")),
+            // Whole events the one-event path must decline or judge as the framing does.
+            Just("\ndata: {\"choices\":[],\"usage\":null}\n\n".to_string()),
+            Just("data: {\"choices\":[],\"usage\":null}\n\n\n".to_string()),
+            Just("\u{feff}data: {\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n".to_string()),
+            Just("data: {\"choices\":[],\"us\\u0061ge\":null,\"usage\":null}\n\n".to_string()),
+            Just("data: {\"choices\":[],\ndata: \"usage\":{\"total_tokens\":1}}\n\n".to_string()),
+            Just("event: chunk\ndata: {\"choices\":[{\"delta\":{\"content\":\"usage\"}}],\"usage\":null}\n\n".to_string()),
+            Just("data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}],\"broken\":,\"usage\":null}\n\n".to_string()),
         ], 0..12),
         cuts in proptest::collection::vec(0usize..400, 0..6),
         cap in prop_oneof![Just(CAP), Just(48usize)],
+        at_events in any::<bool>(),
     ) {
         let stream = events.concat();
         let bytes = stream.as_bytes();
+        // Cut anywhere, or only where an event ends (each chunk whole events, as servers flush).
+        let ends: Vec<usize> = events.iter().scan(0, |at, e| { *at += e.len(); Some(*at) }).collect();
+        let cuts: Vec<usize> = if at_events { cuts.iter().filter_map(|c| ends.get(c % ends.len().max(1)).copied()).chain(ends.iter().copied().step_by(2)).collect() } else { cuts };
         let mut points: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
         points.push(0);
         points.push(bytes.len());
