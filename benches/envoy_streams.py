@@ -20,7 +20,11 @@ With --before DIR the sluice rows also run with the `.wasm` files of DIR (an ear
 
 With --native-before DIR the native row also runs with the libsluice.so of DIR.
 
-Usage: benches/envoy_streams.py [--streams 10,1000] [--before DIR] [--native-before DIR]
+With --injected-usage the clients do not ask for `include_usage`: tenant-budget turns it on
+(`"include_usage": true` in its policy), and every event the mock sends then ends in
+`"usage":null`, a member the budget cuts from each one before the client sees it (OpenAI's shape).
+
+Usage: benches/envoy_streams.py [--streams 10,1000] [--before DIR] [--native-before DIR] [--injected-usage]
        (needs what benches/envoy_load.py needs)
 """
 
@@ -75,11 +79,17 @@ def without_guard(template):
     return text
 
 
+# Whether the clients ask for the usage report themselves (--injected-usage: they do not).
+CLIENT_ASKS_USAGE = True
+
+
 async def one_stream(port, i, start_at, counts, clock):
     await asyncio.sleep(max(0.0, start_at - clock()))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": "llama-3-70b", "stream": True, "stream_options": {"include_usage": True},
-                       "messages": [{"role": "user", "content": "Say hello."}]})
+    request = {"model": "llama-3-70b", "stream": True, "messages": [{"role": "user", "content": "Say hello."}]}
+    if CLIENT_ASKS_USAGE:
+        request["stream_options"] = {"include_usage": True}
+    body = json.dumps(request)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
             f"x-mock-tokens: {EVENTS}\r\nx-mock-ttft-ms: {ITL_MS}\r\nx-mock-itl-ms: {ITL_MS}\r\n"
             f"x-sluice-tenant: tenant-{i % 1000}\r\nx-sluice-key: search-prod\r\nx-request-id: stream-{i}\r\n"
@@ -134,6 +144,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="10,1000")
     ap.add_argument("--before", default="", help="directory of earlier .wasm files: sluice rows run with them too")
+    ap.add_argument("--injected-usage", action="store_true",
+                    help="clients do not ask for include_usage: tenant-budget turns it on and cuts usage:null from every event")
     ap.add_argument("--native-before", default="", help="directory of an earlier libsluice.so: the native row runs with it too")
     ap.add_argument("--only", default="", help="comma-separated exact names: run only those configurations "
                     "(plus 'no filter', the baseline)")
@@ -159,7 +171,12 @@ def main():
         configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if "{{WASM_DIR}}/sluice" in t else [])]
     if args.native_before:
         configs = [c for name, t in configs for c in [(name, t)] + ([(name + " (before)", t)] if name.startswith("native") else [])]
-    budget = load.yaml_string_body((ROOT / "policies/tenant-budget.bench.json").read_text())
+    budget_policy = json.loads((ROOT / "policies/tenant-budget.bench.json").read_text())
+    if args.injected_usage:
+        global CLIENT_ASKS_USAGE
+        CLIENT_ASKS_USAGE = False
+        budget_policy["include_usage"] = True
+    budget = load.yaml_string_body(json.dumps(budget_policy))
     policies = {
         "PLUGIN_CONFIG": load.yaml_string_body((ROOT / "policies/llm-metrics.demo.json").read_text()),
         "BUDGET_CONFIG": budget,
