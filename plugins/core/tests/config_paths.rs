@@ -124,28 +124,27 @@ fn break_everywhere<T: DeserializeOwned>(file: &str) -> Checked {
     checked
 }
 
-#[test]
-fn paths_agree_with_a_tracking_deserializer_on_broken_latency_policies() {
-    for file in ["latency-guard.example.json", "latency-guard.demo.json", "latency-guard.e2e.json"] {
-        let checked = break_everywhere::<LatencyPolicyConfig>(file);
+/// [`break_everywhere`] on each file, each broken into hundreds of documents of both kinds.
+fn break_each<T: DeserializeOwned>(files: &[&str]) {
+    for file in files {
+        let checked = break_everywhere::<T>(file);
         assert!(checked.with_path > 500 && checked.without_path > 500 && checked.valid > 0, "{file}: {checked:?}");
     }
+}
+
+#[test]
+fn paths_agree_with_a_tracking_deserializer_on_broken_latency_policies() {
+    break_each::<LatencyPolicyConfig>(&["latency-guard.example.json", "latency-guard.demo.json", "latency-guard.e2e.json"]);
 }
 
 #[test]
 fn paths_agree_with_a_tracking_deserializer_on_broken_routing_policies() {
-    for file in ["model-router.demo.json", "model-router.latency-e2e.json"] {
-        let checked = break_everywhere::<RoutingConfig>(file);
-        assert!(checked.with_path > 500 && checked.without_path > 500 && checked.valid > 0, "{file}: {checked:?}");
-    }
+    break_each::<RoutingConfig>(&["model-router.demo.json", "model-router.latency-e2e.json"]);
 }
 
 #[test]
 fn paths_agree_with_a_tracking_deserializer_on_broken_budget_policies() {
-    for file in ["tenant-budget.example.json", "tenant-budget.full.json", "tenant-budget.fleet.json"] {
-        let checked = break_everywhere::<PolicyConfig>(file);
-        assert!(checked.with_path > 500 && checked.without_path > 500 && checked.valid > 0, "{file}: {checked:?}");
-    }
+    break_each::<PolicyConfig>(&["tenant-budget.example.json", "tenant-budget.full.json", "tenant-budget.fleet.json"]);
 }
 
 #[test]
