@@ -645,6 +645,16 @@ fn inside_send() -> bool {
     SENDING.with(std::cell::Cell::get)
 }
 
+/// Whether a callout's done hook is Envoy's inline answer ([`SENDING`]), to be dropped: logged as
+/// such. `whose` names the callout's owner in the line.
+fn answered_inline(whose: &str, callout_id: u64, result: u32) -> bool {
+    let inline = inside_send();
+    if inline {
+        log(LogLevel::Debug, &format!("sluice-native: {whose}callout {callout_id} answered inline (result {result}); its callback reports the failure"));
+    }
+    inline
+}
+
 /// # Safety
 /// The arrays are Envoy's, valid during the done hook, with the given lengths (or null).
 unsafe fn callout_answer(result: u32, headers: *const EnvoyHttpHeader, headers_size: usize, chunks: *const EnvoyBuffer, chunks_size: usize) -> CalloutAnswer {
@@ -1529,8 +1539,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     body_chunks: *mut EnvoyBuffer,
     body_chunks_size: usize,
 ) {
-    if inside_send() {
-        log(LogLevel::Debug, &format!("sluice-native: callout {callout_id} answered inline (result {result}); its callback reports the failure"));
+    if answered_inline("", callout_id, result) {
         return;
     }
     // SAFETY: forwarded contract.
@@ -1650,8 +1659,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
     body_chunks: *mut EnvoyBuffer,
     body_chunks_size: usize,
 ) {
-    if inside_send() {
-        log(LogLevel::Debug, &format!("sluice-native: configuration callout {callout_id} answered inline (result {result}); its callback reports the failure"));
+    if answered_inline("configuration ", callout_id, result) {
         return;
     }
     // SAFETY: forwarded contract.

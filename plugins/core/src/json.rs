@@ -119,14 +119,18 @@ impl std::fmt::Display for ConfigJsonError {
 /// broken in every place.
 pub fn parse_config_at<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ConfigJsonError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    let value = T::deserialize(&mut de).map_err(|e| ConfigJsonError { path: error_path(bytes, &e), message: e.to_string() })?;
+    let value = T::deserialize(&mut de).map_err(|e| {
+        let message = e.to_string();
+        ConfigJsonError { path: error_path(bytes, &e, &message), message }
+    })?;
     // Trailing characters after the document are an error too, of the document.
     de.end().map_err(|e| ConfigJsonError { path: String::new(), message: e.to_string() })?;
     Ok(value)
 }
 
-/// Where `text` stands at serde_json's error `e`: the keys and indexes open there.
-fn error_path(text: &[u8], e: &serde_json::Error) -> String {
+/// Where `text` stands at serde_json's error `e` (whose text is `message`): the keys and indexes
+/// open there.
+fn error_path(text: &[u8], e: &serde_json::Error, message: &str) -> String {
     if e.line() == 0 {
         return String::new();
     }
@@ -137,7 +141,6 @@ fn error_path(text: &[u8], e: &serde_json::Error) -> String {
     }
     let offset = byte_offset(text, e.line(), e.column());
     let frames = PathWalk::up_to(text, offset);
-    let message = e.to_string();
     // A repeated field is refused by its object once the key is read: the key is not the path. A
     // name that is not one of an enum's variants is the enum's own error, where the key was the
     // variant's name. (serde's derive words both; tests/config_paths.rs sees a change.)

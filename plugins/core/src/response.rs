@@ -147,9 +147,8 @@ impl ValidatedJson {
 
     /// `data`, JSON whitespace around it aside, is a text found to be valid JSON.
     pub fn contains(&self, data: &[u8]) -> bool {
-        let is_ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
-        let start = data.iter().position(|b| !is_ws(b)).unwrap_or(data.len());
-        let end = data.iter().rposition(|b| !is_ws(b)).map_or(start, |i| i.saturating_add(1));
+        let start = data.iter().position(|&b| !crate::rewrite::is_ws(b)).unwrap_or(data.len());
+        let end = data.iter().rposition(|&b| !crate::rewrite::is_ws(b)).map_or(start, |i| i.saturating_add(1));
         let data = data.get(start..end).unwrap_or_default();
         let mut from = 0usize;
         self.ends.iter().any(|&to| {

@@ -342,21 +342,13 @@ impl UsageChunkStripper {
                     // One whole event (the usual chunk): judged as `push` would judge it, without
                     // framing it or searching it again.
                     let at_start = std::mem::replace(&mut self.at_stream_start, false);
-                    return match judge_hinted(chunk, at_start, known, first_hint) {
-                        Verdict::Keep => None,
-                        Verdict::Remove => {
-                            self.removed = self.removed.saturating_add(1);
-                            Some(Vec::new())
-                        }
-                        Verdict::Replace { start, end, json } => {
-                            self.stripped = self.stripped.saturating_add(1);
-                            let mut out = Vec::with_capacity(chunk.len());
-                            out.extend_from_slice(chunk.get(..start).unwrap_or_default());
-                            out.extend_from_slice(&json);
-                            out.extend_from_slice(chunk.get(end..).unwrap_or_default());
-                            Some(out)
-                        }
-                    };
+                    let verdict = judge_hinted(chunk, at_start, known, first_hint);
+                    if matches!(verdict, Verdict::Keep) {
+                        return None;
+                    }
+                    let mut out = Vec::with_capacity(chunk.len());
+                    self.apply(chunk, verdict, &mut out);
+                    return Some(out);
                 }
             }
         }
@@ -441,19 +433,7 @@ impl UsageChunkStripper {
             self.overflowed = self.overflowed.saturating_add(1);
             out.extend_from_slice(event);
         } else {
-            match judge_event(event, at_start, known) {
-                Verdict::Keep => out.extend_from_slice(event),
-                Verdict::Remove => {
-                    self.removed = self.removed.saturating_add(1);
-                    removed = true;
-                }
-                Verdict::Replace { start, end, json } => {
-                    self.stripped = self.stripped.saturating_add(1);
-                    out.extend_from_slice(event.get(..start).unwrap_or_default());
-                    out.extend_from_slice(&json);
-                    out.extend_from_slice(event.get(end..).unwrap_or_default());
-                }
-            }
+            removed = self.apply(event, judge_event(event, at_start, known), out);
         }
         // Give the allocation back (it never grew past the cap plus one chunk's tail).
         held.clear();
@@ -461,6 +441,24 @@ impl UsageChunkStripper {
             self.held = held;
         }
         removed
+    }
+
+    /// Sends `event` on as `verdict` says, counting it. Returns whether it was removed.
+    fn apply(&mut self, event: &[u8], verdict: Verdict, out: &mut Vec<u8>) -> bool {
+        match verdict {
+            Verdict::Keep => out.extend_from_slice(event),
+            Verdict::Remove => {
+                self.removed = self.removed.saturating_add(1);
+                return true;
+            }
+            Verdict::Replace { start, end, json } => {
+                self.stripped = self.stripped.saturating_add(1);
+                out.extend_from_slice(event.get(..start).unwrap_or_default());
+                out.extend_from_slice(&json);
+                out.extend_from_slice(event.get(end..).unwrap_or_default());
+            }
+        }
+        false
     }
 }
 
@@ -765,7 +763,8 @@ impl Object {
     }
 }
 
-fn is_ws(b: u8) -> bool {
+/// JSON's whitespace.
+pub(crate) fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
