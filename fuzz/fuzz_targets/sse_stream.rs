@@ -6,11 +6,15 @@
 //! - where the chunk boundaries fall changes nothing: the framer dispatches the same events and
 //!   counts the same comments and overflows, and every observer ends with the same summary, as when
 //!   the body arrives in one chunk (the framer's promise, sse.rs);
-//! - the per-chunk outcomes add up to the summary (content events, done).
+//! - the per-chunk outcomes add up to the summary (content events, done);
+//! - reading events by stencil (the bytes around a repeated event's one text member compared, the
+//!   new string alone scanned) gives every push the same outcome and the stream the same summary as
+//!   parsing every event whole.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use sluice_core::api::ApiKind;
+use sluice_core::response::fuzzing::with_and_without_stencil;
 use sluice_core::response::{inspect_response_body, ChunkOutcome, StreamObserver};
 use sluice_core::sse::{SseEvent, SseFramer, StreamTail, DEFAULT_MAX_EVENT_BYTES};
 use sluice_core_fuzz::chunks;
@@ -59,6 +63,8 @@ fuzz_target!(|data: &[u8]| {
     let whole: [&[u8]; 1] = [body];
     assert_eq!(frame(&split, cap), frame(&whole, cap), "framer result depends on chunk boundaries (cap {cap})");
     assert_eq!(observe(kind, &split, cap), observe(kind, &whole, cap), "{kind} observer result depends on chunk boundaries (cap {cap})");
+    let (stencil, whole_parse) = with_and_without_stencil(kind, &split);
+    assert_eq!(stencil, whole_parse, "{kind} observer reads the stream differently by stencil");
     let _ = inspect_response_body(kind, body);
     let mut tail = StreamTail::default();
     for part in &split {

@@ -14,6 +14,7 @@
 use crate::api::ApiKind;
 use crate::json::{chars, error_message, json_chars, nonempty_str_at, str_at, truncate_utf8};
 use crate::quality::{Repetition, RepetitionFigure};
+use crate::scan::{RawStr, Scanner};
 use crate::sse::{SseEvent, SseFramer, DEFAULT_MAX_EVENT_BYTES};
 use crate::usage::{AnthropicUsage, Usage};
 use serde_json::Value;
@@ -104,6 +105,65 @@ struct State {
     repetition: Repetition,
     /// Kept only when a policy asked for it ([`StreamObserver::keep_validated`]).
     validated: Option<ValidatedJson>,
+    stencil: Stencil,
+}
+
+/// The last event the fast path read whole whose one string that counts is a single text member
+/// (an OpenAI chunk's `delta.content`, an Anthropic `content_block_delta`'s text). Servers send a
+/// stream's events as the same bytes around a new string (the same id, model and choice), so an
+/// event that starts and ends with this one's bytes around the member is read by comparing them
+/// and scanning the new string alone: the same reading as the whole parse (the JSON around a string
+/// is valid whatever valid string sits there), several times cheaper. Any other event the fast or
+/// general path reads replaces or drops it, so what its bytes set (the model) is still what was set
+/// last. One event's data, at most [`Stencil::MAX_BYTES`] a stream.
+#[derive(Debug, Clone, Default)]
+struct Stencil {
+    /// The event's data; empty when there is no stencil.
+    text: Vec<u8>,
+    /// The member's string: its first byte, and its closing quote.
+    open: usize,
+    close: usize,
+    /// The member is the visible answer (read for repetition).
+    visible: bool,
+    /// The fuzz targets compare the observer with and without it.
+    #[cfg_attr(not(feature = "fuzzing"), allow(dead_code))]
+    off: bool,
+}
+
+impl Stencil {
+    /// Longer events are parsed whole each time (an OpenAI chunk is a few hundred bytes).
+    const MAX_BYTES: usize = 2048;
+
+    fn clear(&mut self) {
+        self.text.clear();
+    }
+
+    /// Keeps `data` with `member`, a string scanned from it, as the stencil (or none, if it is too
+    /// long or the string is not `data`'s).
+    fn keep(&mut self, data: &str, member: RawStr<'_>, visible: bool) {
+        self.text.clear();
+        let bytes = data.as_bytes();
+        let Some(open) = member.offset_in(bytes).filter(|&o| o > 0 && bytes.len() <= Self::MAX_BYTES && !self.off) else { return };
+        self.text.extend_from_slice(bytes);
+        self.open = open;
+        self.close = open.saturating_add(member.len());
+        self.visible = visible;
+    }
+
+    /// The member's new string when `data` is the stencil's bytes around one valid JSON string.
+    fn fill<'a>(&self, data: &'a str) -> Option<RawStr<'a>> {
+        let head = self.text.get(..self.open).filter(|h| !h.is_empty())?;
+        let tail = self.text.get(self.close..)?;
+        let bytes = data.as_bytes();
+        let tail_at = bytes.len().checked_sub(tail.len()).filter(|&t| t >= head.len())?;
+        if !bytes.starts_with(head) || !bytes.ends_with(tail) {
+            return None;
+        }
+        // From the opening quote: the string must end exactly at the tail's first byte, its quote.
+        let mut sc = Scanner::at(data, self.open.checked_sub(1)?);
+        let member = sc.string()?;
+        (sc.position() == tail_at.saturating_add(1)).then_some(member)
+    }
 }
 
 /// The event data the last [`StreamObserver::push`] found to be valid JSON, kept for a policy that
@@ -189,6 +249,7 @@ impl StreamObserver {
                 json_overflowed: 0,
                 repetition: Repetition::default(),
                 validated: None,
+                stencil: Stencil::default(),
             },
         }
     }
@@ -428,6 +489,7 @@ impl State {
 
     /// The general path: every event shape, through a `Value`.
     fn value_path(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) {
+        self.stencil.clear();
         let parsed = serde_json::from_str::<Value>(data);
         if let (Ok(_), Some(v)) = (&parsed, &mut self.validated) {
             v.record(data.as_bytes());
@@ -453,9 +515,19 @@ impl State {
 
     /// Fast path for an OpenAI chat / completions chunk; `false` if the general path must decide.
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
+        if let Some(member) = self.stencil.fill(data) {
+            let visible = self.stencil.visible;
+            self.text_member(member, visible, out);
+            return true;
+        }
         let Some(chunk) = fast::openai_chunk(data) else {
+            self.stencil.clear();
             return false;
         };
+        match chunk.only_text {
+            Some((member, visible)) if chunk.usage.is_none() && chunk.finish_reason.is_none() => self.stencil.keep(data, member, visible),
+            _ => self.stencil.clear(),
+        }
         if let Some(m) = chunk.model.filter(|m| !m.is_empty()) {
             set_string(&mut self.summary.response_model, &m.text());
         }
@@ -478,10 +550,21 @@ impl State {
     /// Fast path for the hot Anthropic events (`content_block_delta`, `ping`, `content_block_stop`,
     /// `message_stop`); everything else takes the general path.
     fn anthropic_fast(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) -> bool {
+        if let Some(member) = self.stencil.fill(data) {
+            let visible = self.stencil.visible;
+            self.text_member(member, visible, out);
+            return true;
+        }
         let Some(ev) = fast::anthropic_event(data) else {
+            self.stencil.clear();
             return false;
         };
         let ty = ev.ty.map(|t| t.text());
+        // A delta whose own `type` member says so: the stencil must not depend on the SSE event name.
+        match ev.delta_text {
+            Some(member) if ty.as_deref() == Some("content_block_delta") => self.stencil.keep(data, member, ev.delta_is_text),
+            _ => self.stencil.clear(),
+        }
         match ty.as_deref().or(event) {
             Some("content_block_delta") => {
                 if let Some(t) = ev.delta_text.filter(|t| !t.is_empty()) {
@@ -498,6 +581,17 @@ impl State {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// A stencil's member: what the fast paths do with an event's one text member.
+    fn text_member(&mut self, member: RawStr<'_>, visible: bool, out: &mut ChunkOutcome) {
+        let chars = member.chars();
+        if chars > 0 {
+            self.content(chars, out);
+            if visible {
+                member.feed(&mut self.repetition);
+            }
         }
     }
 
@@ -790,10 +884,22 @@ mod fast {
         pub visible_text: Option<RawStr<'a>>,
         /// The raw `usage` value, when not null.
         pub usage: Option<&'a [u8]>,
+        /// The chunk's text member (content, reasoning, refusal, completions text) and whether it is
+        /// the visible one, when it has exactly one string-valued text member and no tool calls.
+        pub only_text: Option<(RawStr<'a>, bool)>,
+        text_members: u32,
+        tool_calls: bool,
+    }
+
+    impl<'a> OpenAiChunk<'a> {
+        fn text_member(&mut self, member: RawStr<'a>, visible: bool) {
+            self.text_members = self.text_members.saturating_add(1);
+            self.only_text = (self.text_members == 1 && !self.tool_calls).then_some((member, visible));
+        }
     }
 
     pub(super) fn openai_chunk(data: &str) -> Option<OpenAiChunk<'_>> {
-        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, visible_text: None, usage: None };
+        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, visible_text: None, usage: None, only_text: None, text_members: 0, tool_calls: false };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;
         sc.object(|sc, key| {
@@ -834,10 +940,13 @@ mod fast {
                 }
             } else if key.is("text") {
                 first_time(&mut seen, 2)?;
-                if let Some(t) = sc.opt_string().ok()?.filter(|t| !t.is_empty()) {
-                    chunk.has_content = true;
-                    chunk.content_chars = chunk.content_chars.saturating_add(t.chars());
-                    chunk.visible_text.get_or_insert(t);
+                if let Some(t) = sc.opt_string().ok()? {
+                    chunk.text_member(t, true);
+                    if !t.is_empty() {
+                        chunk.has_content = true;
+                        chunk.content_chars = chunk.content_chars.saturating_add(t.chars());
+                        chunk.visible_text.get_or_insert(t);
+                    }
                 }
             } else if key.is("finish_reason") {
                 first_time(&mut seen, 4)?;
@@ -858,6 +967,7 @@ mod fast {
             if let Some(bit) = text_bit {
                 first_time(&mut seen, 1 << bit)?;
                 if let Some(t) = sc.opt_string().ok()? {
+                    chunk.text_member(t, bit == 0);
                     let c = t.chars();
                     chunk.has_content |= c > 0;
                     chunk.content_chars = chunk.content_chars.saturating_add(c);
@@ -867,6 +977,8 @@ mod fast {
                 }
             } else if key.is("tool_calls") || key.is("function_call") {
                 first_time(&mut seen, if key.is("tool_calls") { 16 } else { 32 })?;
+                chunk.tool_calls = true;
+                chunk.only_text = None;
                 let raw = sc.value()?;
                 if matches!(raw.first(), Some(b'[' | b'{')) {
                     let calls: Value = serde_json::from_slice(raw).ok()?;
@@ -1043,5 +1155,124 @@ mod tests {
             assert_eq!(same_both_ways(ApiKind::AnthropicMessages, None, data), fast, "{data}");
         }
         assert!(same_both_ways(ApiKind::AnthropicMessages, Some("content_block_delta"), r#"{"delta":{"type":"text_delta","text":"no type field"}}"#));
+    }
+
+    /// Runs `events` (each one event's data) as `data:` events through an observer that reads by
+    /// stencil and one that parses every event whole, the body cut into chunks every `cut` bytes
+    /// (0: a chunk per event). Returns both runs' outcomes and summaries, and how many events the
+    /// stencil would have read as they came.
+    fn stencil_both_ways(kind: ApiKind, events: &[String], cut: usize) -> (Vec<ChunkOutcome>, Vec<ChunkOutcome>, ResponseSummary, ResponseSummary, usize) {
+        let body: Vec<Vec<u8>> = events.iter().map(|e| format!("data: {e}\n\n").into_bytes()).collect();
+        let chunks: Vec<Vec<u8>> = if cut == 0 { body.clone() } else { body.concat().chunks(cut).map(<[u8]>::to_vec).collect() };
+        let mut reads = 0;
+        let mut runs = Vec::new();
+        for stencil in [true, false] {
+            let mut observer = StreamObserver::new(kind);
+            observer.state.stencil.off = !stencil;
+            let mut outcomes = Vec::new();
+            for chunk in &chunks {
+                if stencil && cut == 0 {
+                    let data = std::str::from_utf8(chunk).unwrap_or_default().trim_start_matches("data: ").trim();
+                    reads += usize::from(observer.state.stencil.fill(data).is_some());
+                }
+                outcomes.push(observer.push(chunk));
+            }
+            outcomes.push(observer.finish());
+            runs.push((outcomes, observer.summary()));
+        }
+        let (without_outcomes, without) = runs.pop().unwrap_or_default();
+        let (with_outcomes, with) = runs.pop().unwrap_or_default();
+        (with_outcomes, without_outcomes, with, without, reads)
+    }
+
+    fn openai_delta(model: &str, content: &str) -> String {
+        format!(r#"{{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"{model}","choices":[{{"index":0,"delta":{{"content":{content}}},"logprobs":null,"finish_reason":null}}],"usage":null}}"#)
+    }
+
+    #[test]
+    fn the_stencil_reads_a_servers_stream_as_the_whole_parse_does() {
+        let contents = ["\"Hello\"", "\" wörld\"", "\"\"", "\" \\\"quoted\\\" \"", "\"a\\\\b\"", "\"line\\n\"", "\"\\u00e9t\\u00e9\"", "\"\\ud83d\\ude00\"", "\"😀\"", "\"usage\"", "\"x\""];
+        let mut events = vec![r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}"#.to_string()];
+        events.extend(contents.iter().map(|c| openai_delta("m", c)));
+        // Another model mid-stream, then back: the model each event names is the one kept.
+        events.push(openai_delta("other", "\"o\""));
+        events.push(openai_delta("m", "\"back\""));
+        events.push(r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}],"usage":null}"#.to_string());
+        events.push(openai_delta("m", "\"after stop\""));
+        events.push(r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":12,"total_tokens":17}}"#.to_string());
+        events.push("[DONE]".to_string());
+        for cut in [0, 1, 7, 64] {
+            let (with_outcomes, without_outcomes, with, without, reads) = stencil_both_ways(ApiKind::ChatCompletions, &events, cut);
+            assert_eq!(with_outcomes, without_outcomes, "cut {cut}");
+            assert_eq!(with, without, "cut {cut}");
+            if cut == 0 {
+                // Every content event after the first (its bytes differ from the role event's)
+                // but two: the surrogate pair's, which the fast path leaves to the general one, and
+                // the next, the stencil dropped then; none after another model's or the finish.
+                assert_eq!(reads, contents.len() - 1 - 2, "cut {cut}");
+            }
+        }
+        let (_, _, with, _, _) = stencil_both_ways(ApiKind::ChatCompletions, &events, 0);
+        assert_eq!(with.response_model.as_deref(), Some("m"));
+        assert_eq!(with.finish_reason.as_deref(), Some("stop"));
+        assert!(with.repetition.is_some() || with.content_chunks > 0);
+
+        let anthropic: Vec<String> = ["\"Hi\"", "\" there\"", "\"\\\"q\\\"\"", "\"\""]
+            .iter()
+            .map(|t| format!(r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":{t}}}}}"#))
+            .chain([r#"{"type": "ping"}"#.to_string(), r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"after ping"}}"#.to_string()])
+            .collect();
+        let (with_outcomes, without_outcomes, with, without, reads) = stencil_both_ways(ApiKind::AnthropicMessages, &anthropic, 0);
+        assert_eq!(with_outcomes, without_outcomes);
+        assert_eq!(with, without);
+        assert_eq!(reads, 3);
+
+        let completions: Vec<String> = ["\"a\"", "\"b c\"", "\"\""].iter().map(|t| format!(r#"{{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{{"index":0,"text":{t},"finish_reason":null}}]}}"#)).collect();
+        let (with_outcomes, without_outcomes, with, without, reads) = stencil_both_ways(ApiKind::Completions, &completions, 0);
+        assert_eq!(with_outcomes, without_outcomes);
+        assert_eq!(with, without);
+        assert_eq!(reads, 2);
+    }
+
+    /// Pieces a stencil's string (or its surroundings) may hold: escapes of every kind, a lone
+    /// surrogate, a raw control byte and a raw quote (both invalid in a string), multi-byte text,
+    /// and words enough for the repetition figure (it needs ten trigrams).
+    const PIECES: [&str; 17] = ["a ", "word ", "é ", "😀", "\\\"", "\\\\", "\\n", "\\u00e9", "\\ud83d\\ude00", "\\ud800", "\u{1}", "\"", "\\", "usage", "x ", "y ", "z "];
+
+    fn text_from(picks: &[u8]) -> String {
+        picks.iter().map(|&p| PIECES[usize::from(p) % PIECES.len()]).collect()
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_stencil_never_changes_what_a_stream_is_read_as(
+            kind in 0usize..3,
+            shapes in proptest::collection::vec((0u8..13, proptest::collection::vec(0u8..17, 0..6)), 1..40),
+            cut in 0usize..40,
+        ) {
+            let kind = [ApiKind::ChatCompletions, ApiKind::Completions, ApiKind::AnthropicMessages][kind];
+            let events: Vec<String> = shapes
+                .iter()
+                .map(|(shape, picks)| {
+                    let t = text_from(picks);
+                    match shape {
+                        0..=3 => openai_delta("m", &format!("\"{t}\"")),
+                        4 => openai_delta("n", &format!("\"{t}\"")),
+                        5 => format!(r#"{{"model":"m","choices":[{{"delta":{{"content":"{t}","reasoning_content":"r"}}}}]}}"#),
+                        6 => format!(r#"{{"model":"m","choices":[{{"delta":{{"reasoning_content":"{t}"}},"finish_reason":null}}]}}"#),
+                        7 => format!(r#"{{"model":"m","choices":[{{"delta":{{"content":"{t}","tool_calls":[{{"index":0,"function":{{"arguments":"x"}}}}]}}}}]}}"#),
+                        8 => format!(r#"{{"model":"m","choices":[{{"index":0,"text":"{t}","finish_reason":null}}]}}"#),
+                        9 => format!(r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":"{t}"}}}}"#),
+                        10 => format!(r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"thinking_delta","thinking":"{t}"}}}}"#),
+                        11 => format!(r#"{{"model":"m","choices":[{{"delta":{{"content":"{t}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":1,"completion_tokens":2}}}}"#),
+                        // Content as parts: the general path's, which sets the model too.
+                        _ => format!(r#"{{"model":"n","choices":[{{"delta":{{"content":[{{"type":"text","text":"{t}"}}]}}}}]}}"#),
+                    }
+                })
+                .collect();
+            let (with_outcomes, without_outcomes, with, without, _) = stencil_both_ways(kind, &events, cut);
+            proptest::prop_assert_eq!(with_outcomes, without_outcomes);
+            proptest::prop_assert_eq!(with, without);
+        }
     }
 }

@@ -51,6 +51,18 @@ impl<'a> RawStr<'a> {
         self.inner.is_empty()
     }
 
+    /// Bytes as written, escapes undecoded.
+    pub(crate) fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Where the string's first byte (after its opening quote) is in `outer`, the text it was
+    /// scanned from; `None` for a string from another text.
+    pub(crate) fn offset_in(&self, outer: &[u8]) -> Option<usize> {
+        let at = (self.inner.as_ptr() as usize).checked_sub(outer.as_ptr() as usize)?;
+        (at.checked_add(self.inner.len())? <= outer.len()).then_some(at)
+    }
+
     /// The string, unescaped when it has to be (the borrowed text otherwise).
     pub(crate) fn text(&self) -> std::borrow::Cow<'a, str> {
         if !self.escaped {
@@ -112,6 +124,16 @@ impl<'a> Scanner<'a> {
     /// A scanner over `text`: valid UTF-8 already, so strings need no second check.
     pub(crate) fn new(text: &'a str) -> Self {
         Self { s: text.as_bytes(), i: 0, depth: 0 }
+    }
+
+    /// A scanner over `text` positioned at byte `at` (a value's start).
+    pub(crate) fn at(text: &'a str, at: usize) -> Self {
+        Self { s: text.as_bytes(), i: at, depth: 0 }
+    }
+
+    /// The byte after what was consumed.
+    pub(crate) fn position(&self) -> usize {
+        self.i
     }
 
     fn peek(&self) -> Option<u8> {

@@ -29,3 +29,24 @@ pub fn fast_and_value_paths(kind: ApiKind, event: Option<&str>, data: &str) -> O
     slow.state.value_path(data, event, &mut out_s);
     Some((PathResult { outcome: out_f, summary: fast.summary() }, PathResult { outcome: out_s, summary: slow.summary() }))
 }
+
+/// What a whole stream made of an observer: every push's outcome, the finish's, the summary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamResult {
+    pub outcomes: Vec<ChunkOutcome>,
+    pub summary: ResponseSummary,
+}
+
+/// Runs `chunks` as one response body through an observer that reads by stencil (the default) and
+/// through one that parses every event whole; both must give the same results.
+pub fn with_and_without_stencil(kind: ApiKind, chunks: &[&[u8]]) -> (StreamResult, StreamResult) {
+    let run = |stencil: bool| {
+        let mut observer = StreamObserver::new(kind);
+        observer.state.stencil.off = !stencil;
+        let mut outcomes: Vec<ChunkOutcome> = chunks.iter().map(|c| observer.push(c)).collect();
+        outcomes.push(observer.finish());
+        StreamResult { outcomes, summary: observer.summary() }
+    };
+    (run(true), run(false))
+}
+
