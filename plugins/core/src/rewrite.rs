@@ -603,12 +603,14 @@ struct ChunkScan {
 
 #[cfg(not(target_arch = "wasm32"))]
 fn scan_chunk(bytes: &[u8]) -> ChunkScan {
+    // Built once, as `first_usage_hint`'s.
+    static BLANK_LINE: std::sync::LazyLock<memchr::memmem::Finder<'static>> = std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\n\n"));
     // A pair starting before the last two bytes: all but the last byte.
     let inside = bytes.get(..bytes.len().saturating_sub(1)).unwrap_or_default();
     ChunkScan {
         cr: memchr::memchr(b'\r', bytes).is_some(),
         first_hint: first_usage_hint(bytes),
-        blank_line_inside: memchr::memmem::find(inside, b"\n\n").is_some(),
+        blank_line_inside: BLANK_LINE.find(inside).is_some(),
     }
 }
 

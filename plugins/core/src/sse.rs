@@ -304,12 +304,22 @@ pub(crate) fn bounded_growth(capacity: usize, len: usize, additional: usize, max
     target.saturating_sub(len)
 }
 
-/// Position of the first CR or LF in `haystack`.
-///
-/// Word-at-a-time search (8 bytes per step): SSE payloads are mostly long JSON lines, so this is the
-/// framer's hot loop. The classic "has zero byte" trick may flag false positives only *above* a real
-/// match within a word, so the lowest flagged byte is always a real CR or LF.
+/// Position of the first CR or LF in `haystack`: the framer's hot loop (SSE payloads are mostly
+/// long JSON lines). Natively memchr's vector search (several times faster on the simulator's
+/// profile); in wasm, which has no SIMD here, [`find_line_end_wordwise`].
+#[cfg(not(target_arch = "wasm32"))]
 pub(crate) fn find_line_end(haystack: &[u8]) -> Option<usize> {
+    memchr::memchr2(b'\n', b'\r', haystack)
+}
+
+#[cfg(target_arch = "wasm32")]
+pub(crate) use find_line_end_wordwise as find_line_end;
+
+/// [`find_line_end`] a word at a time (8 bytes per step). The classic "has zero byte" trick may
+/// flag false positives only *above* a real match within a word, so the lowest flagged byte is
+/// always a real CR or LF.
+#[cfg(any(target_arch = "wasm32", test))]
+pub(crate) fn find_line_end_wordwise(haystack: &[u8]) -> Option<usize> {
     const LO: u64 = 0x0101_0101_0101_0101;
     const HI: u64 = 0x8080_8080_8080_8080;
     const LF: u64 = LO * b'\n' as u64;
@@ -396,6 +406,7 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(find_line_end(&buf), naive(&buf), "{buf:?}");
+                assert_eq!(find_line_end_wordwise(&buf), naive(&buf), "{buf:?}");
             }
         }
     }
