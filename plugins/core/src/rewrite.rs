@@ -777,12 +777,23 @@ fn skip_ws(s: &[u8], mut i: usize) -> usize {
     i
 }
 
+/// The first `"` or `\\` in `bytes`: natively memchr's vector search (a request's prompt is one long
+/// string the budget's rewrite skips), in wasm a plain loop.
+#[cfg(not(target_arch = "wasm32"))]
+fn quote_or_backslash(bytes: &[u8]) -> Option<usize> {
+    memchr::memchr2(b'"', b'\\', bytes)
+}
+
+#[cfg(target_arch = "wasm32")]
+fn quote_or_backslash(bytes: &[u8]) -> Option<usize> {
+    bytes.iter().position(|&b| b == b'"' || b == b'\\')
+}
+
 /// `s[i]` is `"`: the index one past the closing quote.
 fn string_end(s: &[u8], i: usize) -> Option<usize> {
     let mut j = i.saturating_add(1);
     loop {
-        let rest = s.get(j..)?;
-        let k = rest.iter().position(|&b| b == b'"' || b == b'\\')?;
+        let k = quote_or_backslash(s.get(j..)?)?;
         let at = j.saturating_add(k);
         if s.get(at) == Some(&b'\\') {
             j = at.saturating_add(2);
