@@ -106,6 +106,8 @@ struct State {
     /// Kept only when a policy asked for it ([`StreamObserver::keep_validated`]).
     validated: Option<ValidatedJson>,
     stencil: Stencil,
+    /// The event just read by the stencil has only the trailing null `usage` ([`Stencil::sole_null_usage`]).
+    read_sole_null_usage: bool,
 }
 
 /// The last event the fast path read whole whose one string that counts is a single text member
@@ -125,6 +127,10 @@ struct Stencil {
     close: usize,
     /// The member is the visible answer (read for repetition).
     visible: bool,
+    /// The bytes around the member are one line whose one `usage` (no `\u` escape) is a trailing
+    /// `,"usage":null}` after a value: an event read by this stencil is too, when its new string
+    /// names neither ([`ValidatedJson::trailing_null_usage_cut`]).
+    sole_null_usage: bool,
     /// The fuzz targets compare the observer with and without it.
     #[cfg_attr(not(feature = "fuzzing"), allow(dead_code))]
     off: bool,
@@ -148,6 +154,18 @@ impl Stencil {
         self.open = open;
         self.close = open.saturating_add(member.len());
         self.visible = visible;
+        self.sole_null_usage = self.around_member_sole_null_usage();
+    }
+
+    fn around_member_sole_null_usage(&self) -> bool {
+        use crate::rewrite::{first_usage_hint, is_ws, TRAILING_NULL_USAGE};
+        let (Some(head), Some(tail)) = (self.text.get(..self.open), self.text.get(self.close..)) else { return false };
+        let one_line = !self.text.iter().any(|&b| b == b'\n' || b == b'\r');
+        // The tail starts with the member's closing quote, so the member's own end is never in it.
+        let Some(member_at) = tail.len().checked_sub(TRAILING_NULL_USAGE.len()) else { return false };
+        let after_value = tail.get(..member_at).and_then(<[u8]>::last).is_some_and(|&b| !is_ws(b));
+        // `,"` then `usage`: the tail's first hint must be its own member's.
+        one_line && after_value && tail.ends_with(TRAILING_NULL_USAGE) && first_usage_hint(head).is_none() && first_usage_hint(tail) == Some(member_at.saturating_add(2))
     }
 
     /// The member's new string when `data` is the stencil's bytes around one valid JSON string.
@@ -176,6 +194,9 @@ pub struct ValidatedJson {
     bytes: Vec<u8>,
     /// Where each text ends in `bytes`.
     ends: Vec<usize>,
+    /// The texts (by their end) known to have a single line whose one `usage` — and no `\u`
+    /// escape — is the trailing `,"usage":null}` right after a value (what a stencil's read tells).
+    sole_null_usage: Vec<usize>,
 }
 
 impl ValidatedJson {
@@ -187,12 +208,13 @@ impl ValidatedJson {
     fn clear(&mut self) {
         self.bytes.clear();
         self.ends.clear();
+        self.sole_null_usage.clear();
     }
 
     /// Kept only in the shape the stripper cuts without reading the members: a chunk ending in
     /// `,"usage":null}` (OpenAI's with `include_usage`). Other events naming `usage` are rare (the
     /// report itself), and a stream without the member pays one comparison an event, not a copy.
-    fn record(&mut self, data: &[u8]) {
+    fn record(&mut self, data: &[u8], sole_null_usage: bool) {
         if !data.ends_with(crate::rewrite::TRAILING_NULL_USAGE)
             || self.ends.len() >= Self::MAX_EVENTS
             || self.bytes.len().saturating_add(data.len()) > Self::MAX_BYTES
@@ -203,6 +225,32 @@ impl ValidatedJson {
         self.bytes.reserve_exact(extra);
         self.bytes.extend_from_slice(data);
         self.ends.push(self.bytes.len());
+        if sole_null_usage {
+            self.sole_null_usage.push(self.bytes.len());
+        }
+    }
+
+    /// When `chunk` is exactly one event, `data:` (and a space) then a held text known to have only
+    /// the trailing null `usage` (see `sole_null_usage`) then a blank line: the bytes of that
+    /// member and the comma before it, in `chunk` — what the usage stripper cuts from such an event.
+    pub fn trailing_null_usage_cut(&self, chunk: &[u8]) -> Option<std::ops::Range<usize>> {
+        if self.sole_null_usage.is_empty() {
+            return None;
+        }
+        let line = chunk.strip_suffix(b"\n\n")?;
+        let after_field = line.strip_prefix(b"data:")?;
+        let text = after_field.strip_prefix(b" ").unwrap_or(after_field);
+        let start = line.len().checked_sub(text.len())?;
+        let mut from = 0usize;
+        let held = self.ends.iter().any(|&to| {
+            let same = self.bytes.get(from..to) == Some(text) && self.sole_null_usage.contains(&to);
+            from = to;
+            same
+        });
+        // The member after the value, without the object's closing brace.
+        let member_len = crate::rewrite::TRAILING_NULL_USAGE.len().saturating_sub(1);
+        let end = start.saturating_add(text.len()).checked_sub(1)?;
+        held.then(|| end.saturating_sub(member_len)..end)
     }
 
     /// `data`, JSON whitespace around it aside, is a text found to be valid JSON.
@@ -250,6 +298,7 @@ impl StreamObserver {
                 repetition: Repetition::default(),
                 validated: None,
                 stencil: Stencil::default(),
+                read_sole_null_usage: false,
             },
         }
     }
@@ -477,9 +526,10 @@ impl State {
         };
         if handled {
             // The OpenAI fast path read the whole text as JSON (the Anthropic one is not asked).
+            let sole_null_usage = std::mem::take(&mut self.read_sole_null_usage);
             if matches!(self.kind, ApiKind::ChatCompletions | ApiKind::Completions) {
                 if let Some(v) = &mut self.validated {
-                    v.record(data.as_bytes());
+                    v.record(data.as_bytes(), sole_null_usage);
                 }
             }
             return;
@@ -492,7 +542,7 @@ impl State {
         self.stencil.clear();
         let parsed = serde_json::from_str::<Value>(data);
         if let (Ok(_), Some(v)) = (&parsed, &mut self.validated) {
-            v.record(data.as_bytes());
+            v.record(data.as_bytes(), false);
         }
         let v = match parsed {
             Ok(v) if v.is_object() => v,
@@ -517,6 +567,8 @@ impl State {
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
         if let Some(member) = self.stencil.fill(data) {
             let visible = self.stencil.visible;
+            // A string can hold neither a raw line break nor a hint that runs into the bytes around it.
+            self.read_sole_null_usage = self.stencil.sole_null_usage && crate::rewrite::first_usage_hint(member.raw()).is_none();
             self.text_member(member, visible, out);
             return true;
         }

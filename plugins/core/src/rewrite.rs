@@ -329,6 +329,16 @@ impl UsageChunkStripper {
     /// [`Self::push_changed`] with [`Self::push_knowing`]'s `known`.
     pub fn push_changed_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Option<Vec<u8>> {
         let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
+        if between_events && chunk.len() <= self.max_event_bytes {
+            if let Some(cut) = known.and_then(|k| k.trailing_null_usage_cut(chunk)) {
+                // The observer read this chunk's one event and vouched for its only `usage` being
+                // the trailing null one: the member is cut with nothing else looked at.
+                self.at_stream_start = false;
+                let mut out = Vec::with_capacity(chunk.len());
+                self.apply(chunk, Verdict::Replace { start: cut.start, end: cut.end, json: Vec::new() }, &mut out);
+                return Some(out);
+            }
+        }
         if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") {
             let scan = scan_chunk(chunk);
             if !scan.cr {
@@ -464,6 +474,10 @@ impl UsageChunkStripper {
 
 /// Decide what happens to one complete event (raw bytes, blank line included).
 fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson>) -> Verdict {
+    // An event the observer read by stencil and vouched for: its one `usage` is the trailing null.
+    if let Some(cut) = known.and_then(|k| k.trailing_null_usage_cut(event)) {
+        return Verdict::Replace { start: cut.start, end: cut.end, json: Vec::new() };
+    }
     // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
     // with a `\u` escape, so an event with neither is kept without parsing it.
     match first_usage_hint(event) {
@@ -580,7 +594,7 @@ fn judge_scanned(data: &[u8], single_line: Option<(usize, usize)>) -> Verdict {
 /// (SIMD); in wasm, which has no SIMD here, one pass over the bytes is fewer instructions (fuel
 /// measured: `host-tests/examples/profile.rs`), so the wasm build keeps [`bytewise::first_usage_hint`].
 #[cfg(not(target_arch = "wasm32"))]
-fn first_usage_hint(event: &[u8]) -> Option<usize> {
+pub(crate) fn first_usage_hint(event: &[u8]) -> Option<usize> {
     // Finders built once: building one per search was a third of the searches' time on events of a
     // few hundred bytes (the simulator's profile).
     static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> = std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"usage"));
@@ -615,12 +629,14 @@ fn scan_chunk(bytes: &[u8]) -> ChunkScan {
 }
 
 #[cfg(target_arch = "wasm32")]
-use bytewise::{first_usage_hint, scan_chunk};
+pub(crate) use bytewise::first_usage_hint;
+#[cfg(target_arch = "wasm32")]
+use bytewise::scan_chunk;
 
 /// The one-pass forms of the two searches: the wasm build's, and the native tests' reference.
 #[cfg(any(target_arch = "wasm32", test))]
 mod bytewise {
-    pub(super) fn first_usage_hint(event: &[u8]) -> Option<usize> {
+    pub(crate) fn first_usage_hint(event: &[u8]) -> Option<usize> {
         let mut i = 0usize;
         while let Some(&b) = event.get(i) {
             let next = event.get(i.saturating_add(1)).copied();

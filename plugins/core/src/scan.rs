@@ -56,6 +56,11 @@ impl<'a> RawStr<'a> {
         self.inner.len()
     }
 
+    /// The string's bytes as written (escapes undecoded, quotes excluded).
+    pub(crate) fn raw(&self) -> &'a [u8] {
+        self.inner
+    }
+
     /// Where the string's first byte (after its opening quote) is in `outer`, the text it was
     /// scanned from; `None` for a string from another text.
     pub(crate) fn offset_in(&self, outer: &[u8]) -> Option<usize> {

@@ -752,3 +752,98 @@ fn the_observer_vouches_only_for_texts_it_read_as_json_in_its_last_push() {
     observer.push(&many);
     assert_eq!(observer.validated().unwrap().len(), sluice_core::response::ValidatedJson::MAX_EVENTS);
 }
+
+/// A stream's content events as a server sends them: the same bytes around each new text.
+fn shaped_event(shape: u8, text: &str) -> Vec<u8> {
+    let head = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":""#;
+    let tail = r#""},"logprobs":null,"finish_reason":null}]"#;
+    match shape {
+        0 => format!("data: {head}{text}{tail},\"usage\":null}}\n\n"),
+        1 => format!("data:{head}{text}{tail},\"usage\":null}}\n\n"),
+        // Space before the member: the framing's cut, not the trailing shape.
+        2 => format!("data: {head}{text}{tail} ,\"usage\":null}}\n\n"),
+        // `usage` named in the bytes around the text, spelled out or escaped.
+        3 => format!("data: {{\"id\":\"usage\",{}{text}{tail},\"usage\":null}}\n\n", &head[1..]),
+        4 => format!("data: {{\"us\\u0061ge\":1,{}{text}{tail},\"usage\":null}}\n\n", &head[1..]),
+        // Two data lines, another field line, CRLF line ends.
+        5 => format!("data: {head}{text}{tail},\ndata: \"usage\":null}}\n\n"),
+        6 => format!("id: 7\ndata: {head}{text}{tail},\"usage\":null}}\n\n"),
+        7 => format!("data: {head}{text}{tail},\"usage\":null}}\r\n\r\n"),
+        _ => format!("data: {head}{text}{tail},\"usage\":{{\"total_tokens\":1}}}}\n\n"),
+    }
+    .into_bytes()
+}
+
+/// Texts the content may hold: words, `usage` itself, escapes of every kind, bytes JSON refuses.
+const TEXT_PIECES: [&str; 10] = ["a", " word", "usage", "\\u00e9", "\\\"", "\\\\", "us", "age", "\\", "\""];
+
+#[test]
+fn a_stream_read_by_stencil_has_its_trailing_usage_cut_on_the_observers_word() {
+    let events: Vec<Vec<u8>> = ["Hello", " there", "", "\\\"q\\\"", "fine"].iter().map(|t| shaped_event(0, t)).collect();
+    let mut observer = sluice_core::response::StreamObserver::new(ApiKind::ChatCompletions);
+    observer.keep_validated();
+    for (i, event) in events.iter().enumerate() {
+        observer.push(event);
+        let cut = observer.validated().unwrap().trailing_null_usage_cut(event);
+        if i == 0 {
+            // The first is parsed whole: the stripper judges it itself.
+            assert_eq!(cut, None);
+        } else {
+            let cut = cut.unwrap_or_else(|| panic!("event {i} not vouched for"));
+            assert_eq!(&event[cut.clone()], b",\"usage\":null", "event {i}");
+            assert_eq!(cut.end, event.len() - 3);
+        }
+    }
+    // The word is for the event read, nothing else: not the same event with a space more.
+    let spaced = [b"data:  ".as_slice(), &events[4][6..]].concat();
+    assert_eq!(observer.validated().unwrap().trailing_null_usage_cut(&spaced), None);
+    // Nor a text naming `usage` (its members must then be read).
+    let named = shaped_event(0, "usage");
+    observer.push(&named);
+    assert_eq!(observer.validated().unwrap().trailing_null_usage_cut(&named), None);
+    // Each shape repeated, so that a stencil forms and reads the next ones: the stripper's output
+    // and counts as without the observer's word.
+    for shape in 0..9 {
+        let stream: Vec<Vec<u8>> = ["a", "b", "usage", "c", "\\u00e9", "d"].iter().map(|t| shaped_event(shape, t)).collect();
+        let parts: Vec<&[u8]> = stream.iter().map(Vec::as_slice).collect();
+        assert_eq!(strip_with_observer_changed(&parts, true), strip_with_observer_changed(&parts, false), "shape {shape}");
+    }
+}
+
+proptest! {
+    // The stripper cuts the same bytes and counts the same members with the observer's word for
+    // stencil-read events as without it, however the stream is shaped and cut.
+    #[test]
+    fn the_stencils_word_changes_nothing_the_stripper_decides(
+        events in proptest::collection::vec((0u8..9, proptest::collection::vec(0usize..TEXT_PIECES.len(), 0..4)), 1..16),
+        size in 0usize..64,
+    ) {
+        let stream: Vec<Vec<u8>> = events.iter().map(|(shape, picks)| {
+            // Mostly the plain shape, so that stencils form and are read.
+            let shape = if *shape >= 4 && picks.len() % 2 == 0 { 0 } else { *shape };
+            let text: String = picks.iter().map(|&p| TEXT_PIECES[p]).collect();
+            shaped_event(shape, &text)
+        }).collect();
+        let whole = stream.concat();
+        let parts: Vec<&[u8]> = if size == 0 { stream.iter().map(Vec::as_slice).collect() } else { whole.chunks(size).collect() };
+        prop_assert_eq!(strip_with_observer_changed(&parts, true), strip_with_observer_changed(&parts, false));
+    }
+}
+
+/// [`strip_with_observer`] through `push_changed_knowing`, tenant-budget's call.
+fn strip_with_observer_changed(parts: &[&[u8]], knowing: bool) -> (String, u64, u64) {
+    let mut stripper = UsageChunkStripper::new(sluice_core::sse::DEFAULT_MAX_EVENT_BYTES);
+    let mut observer = sluice_core::response::StreamObserver::new(ApiKind::ChatCompletions);
+    observer.keep_validated();
+    let mut out = Vec::new();
+    for part in parts {
+        observer.push(part);
+        let known = if knowing { observer.validated() } else { None };
+        match stripper.push_changed_knowing(part, known) {
+            Some(changed) => out.extend(changed),
+            None => out.extend_from_slice(part),
+        }
+    }
+    out.extend_from_slice(&stripper.finish());
+    (String::from_utf8_lossy(&out).into_owned(), stripper.removed_usage_events(), stripper.stripped_usage_members())
+}
