@@ -165,7 +165,11 @@ impl Stencil {
         let Some(member_at) = tail.len().checked_sub(TRAILING_NULL_USAGE.len()) else { return false };
         let after_value = tail.get(..member_at).and_then(<[u8]>::last).is_some_and(|&b| !is_ws(b));
         // `,"` then `usage`: the tail's first hint must be its own member's.
-        one_line && after_value && tail.ends_with(TRAILING_NULL_USAGE) && first_usage_hint(head).is_none() && first_usage_hint(tail) == Some(member_at.saturating_add(2))
+        one_line
+            && after_value
+            && tail.ends_with(TRAILING_NULL_USAGE)
+            && first_usage_hint(head).is_none()
+            && first_usage_hint(tail) == Some(member_at.saturating_add(2))
     }
 
     /// The member's new string when `data` is the stencil's bytes around one valid JSON string.
@@ -951,7 +955,17 @@ mod fast {
     }
 
     pub(super) fn openai_chunk(data: &str) -> Option<OpenAiChunk<'_>> {
-        let mut chunk = OpenAiChunk { model: None, finish_reason: None, has_content: false, content_chars: 0, visible_text: None, usage: None, only_text: None, text_members: 0, tool_calls: false };
+        let mut chunk = OpenAiChunk {
+            model: None,
+            finish_reason: None,
+            has_content: false,
+            content_chars: 0,
+            visible_text: None,
+            usage: None,
+            only_text: None,
+            text_members: 0,
+            tool_calls: false,
+        };
         let mut sc = Scanner::new(data);
         let mut seen = 0u32;
         sc.object(|sc, key| {
@@ -1238,12 +1252,26 @@ mod tests {
     }
 
     fn openai_delta(model: &str, content: &str) -> String {
-        format!(r#"{{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"{model}","choices":[{{"index":0,"delta":{{"content":{content}}},"logprobs":null,"finish_reason":null}}],"usage":null}}"#)
+        format!(
+            r#"{{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"{model}","choices":[{{"index":0,"delta":{{"content":{content}}},"logprobs":null,"finish_reason":null}}],"usage":null}}"#
+        )
     }
 
     #[test]
     fn the_stencil_reads_a_servers_stream_as_the_whole_parse_does() {
-        let contents = ["\"Hello\"", "\" wörld\"", "\"\"", "\" \\\"quoted\\\" \"", "\"a\\\\b\"", "\"line\\n\"", "\"\\u00e9t\\u00e9\"", "\"\\ud83d\\ude00\"", "\"😀\"", "\"usage\"", "\"x\""];
+        let contents = [
+            "\"Hello\"",
+            "\" wörld\"",
+            "\"\"",
+            "\" \\\"quoted\\\" \"",
+            "\"a\\\\b\"",
+            "\"line\\n\"",
+            "\"\\u00e9t\\u00e9\"",
+            "\"\\ud83d\\ude00\"",
+            "\"😀\"",
+            "\"usage\"",
+            "\"x\"",
+        ];
         let mut events = vec![r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}"#.to_string()];
         events.extend(contents.iter().map(|c| openai_delta("m", c)));
         // Another model mid-stream, then back: the model each event names is the one kept.
@@ -1272,14 +1300,20 @@ mod tests {
         let anthropic: Vec<String> = ["\"Hi\"", "\" there\"", "\"\\\"q\\\"\"", "\"\""]
             .iter()
             .map(|t| format!(r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":{t}}}}}"#))
-            .chain([r#"{"type": "ping"}"#.to_string(), r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"after ping"}}"#.to_string()])
+            .chain([
+                r#"{"type": "ping"}"#.to_string(),
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"after ping"}}"#.to_string(),
+            ])
             .collect();
         let (with_outcomes, without_outcomes, with, without, reads) = stencil_both_ways(ApiKind::AnthropicMessages, &anthropic, 0);
         assert_eq!(with_outcomes, without_outcomes);
         assert_eq!(with, without);
         assert_eq!(reads, 3);
 
-        let completions: Vec<String> = ["\"a\"", "\"b c\"", "\"\""].iter().map(|t| format!(r#"{{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{{"index":0,"text":{t},"finish_reason":null}}]}}"#)).collect();
+        let completions: Vec<String> = ["\"a\"", "\"b c\"", "\"\""]
+            .iter()
+            .map(|t| format!(r#"{{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{{"index":0,"text":{t},"finish_reason":null}}]}}"#))
+            .collect();
         let (with_outcomes, without_outcomes, with, without, reads) = stencil_both_ways(ApiKind::Completions, &completions, 0);
         assert_eq!(with_outcomes, without_outcomes);
         assert_eq!(with, without);
@@ -1289,7 +1323,8 @@ mod tests {
     /// Pieces a stencil's string (or its surroundings) may hold: escapes of every kind, a lone
     /// surrogate, a raw control byte and a raw quote (both invalid in a string), multi-byte text,
     /// and words enough for the repetition figure (it needs ten trigrams).
-    const PIECES: [&str; 17] = ["a ", "word ", "é ", "😀", "\\\"", "\\\\", "\\n", "\\u00e9", "\\ud83d\\ude00", "\\ud800", "\u{1}", "\"", "\\", "usage", "x ", "y ", "z "];
+    const PIECES: [&str; 17] =
+        ["a ", "word ", "é ", "😀", "\\\"", "\\\\", "\\n", "\\u00e9", "\\ud83d\\ude00", "\\ud800", "\u{1}", "\"", "\\", "usage", "x ", "y ", "z "];
 
     fn text_from(picks: &[u8]) -> String {
         picks.iter().map(|&p| PIECES[usize::from(p) % PIECES.len()]).collect()

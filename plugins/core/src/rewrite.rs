@@ -621,11 +621,7 @@ fn scan_chunk(bytes: &[u8]) -> ChunkScan {
     static BLANK_LINE: std::sync::LazyLock<memchr::memmem::Finder<'static>> = std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\n\n"));
     // A pair starting before the last two bytes: all but the last byte.
     let inside = bytes.get(..bytes.len().saturating_sub(1)).unwrap_or_default();
-    ChunkScan {
-        cr: memchr::memchr(b'\r', bytes).is_some(),
-        first_hint: first_usage_hint(bytes),
-        blank_line_inside: BLANK_LINE.find(inside).is_some(),
-    }
+    ChunkScan { cr: memchr::memchr(b'\r', bytes).is_some(), first_hint: first_usage_hint(bytes), blank_line_inside: BLANK_LINE.find(inside).is_some() }
 }
 
 #[cfg(target_arch = "wasm32")]

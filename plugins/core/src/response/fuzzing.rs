@@ -49,4 +49,3 @@ pub fn with_and_without_stencil(kind: ApiKind, chunks: &[&[u8]]) -> (StreamResul
     };
     (run(true), run(false))
 }
-
