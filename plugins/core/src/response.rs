@@ -198,9 +198,12 @@ pub struct ValidatedJson {
     bytes: Vec<u8>,
     /// Where each text ends in `bytes`.
     ends: Vec<usize>,
-    /// The texts (by their end) known to have a single line whose one `usage` — and no `\u`
-    /// escape — is the trailing `,"usage":null}` right after a value (what a stencil's read tells).
-    sole_null_usage: Vec<usize>,
+    /// The texts (where they start and end in `bytes`) known to have a single line whose one
+    /// `usage` — and no `\u` escape — is the trailing `,"usage":null}` right after a value (what a
+    /// stencil's read tells).
+    sole_null_usage: Vec<(usize, usize)>,
+    /// Where the next look-up starts in `sole_null_usage`: the stripper asks in the events' order.
+    next_sole: std::cell::Cell<usize>,
 }
 
 impl ValidatedJson {
@@ -213,6 +216,7 @@ impl ValidatedJson {
         self.bytes.clear();
         self.ends.clear();
         self.sole_null_usage.clear();
+        self.next_sole.set(0);
     }
 
     /// Kept only in the shape the stripper cuts without reading the members: a chunk ending in
@@ -227,10 +231,11 @@ impl ValidatedJson {
         }
         let extra = crate::sse::bounded_growth(self.bytes.capacity(), self.bytes.len(), data.len(), Self::MAX_BYTES);
         self.bytes.reserve_exact(extra);
+        let start = self.bytes.len();
         self.bytes.extend_from_slice(data);
         self.ends.push(self.bytes.len());
         if sole_null_usage {
-            self.sole_null_usage.push(self.bytes.len());
+            self.sole_null_usage.push((start, self.bytes.len()));
         }
     }
 
@@ -245,12 +250,15 @@ impl ValidatedJson {
         let after_field = line.strip_prefix(b"data:")?;
         let text = after_field.strip_prefix(b" ").unwrap_or(after_field);
         let start = line.len().checked_sub(text.len())?;
-        let mut from = 0usize;
-        let held = self.ends.iter().any(|&to| {
-            let same = self.bytes.get(from..to) == Some(text) && self.sole_null_usage.contains(&to);
-            from = to;
-            same
+        let count = self.sole_null_usage.len();
+        let first = self.next_sole.get();
+        let found = (0..count).map(|k| first.saturating_add(k) % count).find(|&i| {
+            self.sole_null_usage.get(i).and_then(|&(from, to)| self.bytes.get(from..to)) == Some(text)
         });
+        if let Some(i) = found {
+            self.next_sole.set(i.saturating_add(1));
+        }
+        let held = found.is_some();
         // The member after the value, without the object's closing brace.
         let member_len = crate::rewrite::TRAILING_NULL_USAGE.len().saturating_sub(1);
         let end = start.saturating_add(text.len()).checked_sub(1)?;
