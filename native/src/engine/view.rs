@@ -1,5 +1,6 @@
 //! What the flows read of a stream natively ([`View`]), and the host clock.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -86,21 +87,19 @@ impl View for NativeView<'_, '_> {
         self.envoy.response_headers().get(name).map(text)
     }
 
-    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8> {
+    fn body(&mut self, dir: Dir, size: usize) -> Cow<'_, [u8]> {
         if let (Dir::Request, Some(held)) = (dir, self.held) {
-            return held.get(..size.min(held.len())).unwrap_or_default().to_vec();
+            return Cow::Borrowed(held.get(..size.min(held.len())).unwrap_or_default());
         }
-        let bytes = match &self.chunk.bytes {
-            Some(bytes) => bytes,
-            None => {
-                let kind = match dir {
-                    Dir::Request => BodyKind::ReceivedRequest,
-                    Dir::Response => BodyKind::ReceivedResponse,
-                };
-                self.chunk.bytes.insert(self.envoy.body(kind).to_vec())
-            }
-        };
-        bytes.get(..size.min(bytes.len())).unwrap_or_default().to_vec()
+        if self.chunk.bytes.is_none() {
+            let kind = match dir {
+                Dir::Request => BodyKind::ReceivedRequest,
+                Dir::Response => BodyKind::ReceivedResponse,
+            };
+            self.chunk.bytes = Some(self.envoy.body(kind).to_vec());
+        }
+        let bytes = self.chunk.bytes.as_deref().unwrap_or_default();
+        Cow::Borrowed(bytes.get(..size.min(bytes.len())).unwrap_or_default())
     }
 
     /// The property paths sluice's policies read, answered from what the ABI offers: a single
@@ -158,8 +157,8 @@ impl View for HeldBody<'_> {
     fn response_header(&mut self, _name: &str) -> Option<String> {
         None
     }
-    fn body(&mut self, _dir: Dir, size: usize) -> Vec<u8> {
-        self.body.get(..size.min(self.body.len())).unwrap_or_default().to_vec()
+    fn body(&mut self, _dir: Dir, size: usize) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.body.get(..size.min(self.body.len())).unwrap_or_default())
     }
     fn property(&mut self, _path: &[String]) -> Option<String> {
         None

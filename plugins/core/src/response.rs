@@ -252,9 +252,9 @@ impl ValidatedJson {
         let start = line.len().checked_sub(text.len())?;
         let count = self.sole_null_usage.len();
         let first = self.next_sole.get();
-        let found = (0..count).map(|k| first.saturating_add(k) % count).find(|&i| {
-            self.sole_null_usage.get(i).and_then(|&(from, to)| self.bytes.get(from..to)) == Some(text)
-        });
+        let found = (0..count)
+            .map(|k| first.saturating_add(k) % count)
+            .find(|&i| self.sole_null_usage.get(i).and_then(|&(from, to)| self.bytes.get(from..to)) == Some(text));
         if let Some(i) = found {
             self.next_sole.set(i.saturating_add(1));
         }

@@ -231,12 +231,12 @@ impl View for StreamView<'_> {
     fn response_header(&mut self, name: &str) -> Option<String> {
         find(&self.data.response_headers, name)
     }
-    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8> {
+    fn body(&mut self, dir: Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
         let body = match dir {
             Dir::Request => &self.data.request_body,
             Dir::Response => &self.data.chunk,
         };
-        body.get(..size.min(body.len())).unwrap_or_default().to_vec()
+        std::borrow::Cow::Borrowed(body.get(..size.min(body.len())).unwrap_or_default())
     }
     fn property(&mut self, path: &[String]) -> Option<String> {
         if let [key] = path {

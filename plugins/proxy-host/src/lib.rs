@@ -493,8 +493,8 @@ impl sluice_core::flow::View for LiveView {
     fn response_header(&mut self, name: &str) -> Option<String> {
         header(MapType::HttpResponseHeaders, name)
     }
-    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> Vec<u8> {
-        stream::body(body_buffer(dir), size)
+    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(stream::body(body_buffer(dir), size))
     }
     fn property(&mut self, path: &[String]) -> Option<String> {
         property(path)
@@ -528,8 +528,8 @@ impl sluice_core::flow::View for RequestHeadersView {
     fn response_header(&mut self, name: &str) -> Option<String> {
         LiveView.response_header(name)
     }
-    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> Vec<u8> {
-        LiveView.body(dir, size)
+    fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(LiveView.body(dir, size).into_owned())
     }
     fn property(&mut self, path: &[String]) -> Option<String> {
         LiveView.property(path)

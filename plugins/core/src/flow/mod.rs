@@ -42,8 +42,10 @@ pub trait View {
         self.request_header(name).map(String::into_bytes)
     }
     fn response_header(&mut self, name: &str) -> Option<String>;
-    /// The first `size` bytes of the current body chunk of `dir` (the host announced the size).
-    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8>;
+    /// The first `size` bytes of the current body chunk of `dir` (the host announced the size):
+    /// borrowed where the host holds them (the memory host, the native module's chunk read once),
+    /// a copy where it must fetch them (a proxy-wasm hostcall).
+    fn body(&mut self, dir: Dir, size: usize) -> std::borrow::Cow<'_, [u8]>;
     /// A host property (filter state, request attributes), as text.
     fn property(&mut self, path: &[String]) -> Option<String>;
     /// The reply the gateway itself gave this request, if a sluice policy recorded one.
@@ -179,12 +181,12 @@ impl View for FixedView {
     fn response_header(&mut self, name: &str) -> Option<String> {
         Self::find(&self.response_headers, name)
     }
-    fn body(&mut self, dir: Dir, size: usize) -> Vec<u8> {
+    fn body(&mut self, dir: Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
         let body = match dir {
             Dir::Request => &self.request_body,
             Dir::Response => &self.response_body,
         };
-        body.get(..size.min(body.len())).unwrap_or_default().to_vec()
+        std::borrow::Cow::Borrowed(body.get(..size.min(body.len())).unwrap_or_default())
     }
     fn property(&mut self, path: &[String]) -> Option<String> {
         self.properties.iter().find(|(p, _)| p.as_slice() == path).map(|(_, v)| v.clone())

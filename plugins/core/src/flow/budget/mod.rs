@@ -812,7 +812,7 @@ impl BudgetFlow {
         match &mut a.response {
             ResponseBody::Observed { observer, stripper } => {
                 // A reader behind a shared observer reads the chunk only to strip it.
-                let chunk = if stripper.is_some() || observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
+                let chunk = if stripper.is_some() || observer.reads_chunk() { view.body(Dir::Response, size) } else { std::borrow::Cow::Borrowed(&[][..]) };
                 observer.push(&chunk);
                 if end_of_stream {
                     observer.finish();
@@ -821,9 +821,9 @@ impl BudgetFlow {
                     let changed = observer.with_validated(|known| stripper.push_changed_knowing(&chunk, known));
                     let held = if end_of_stream { stripper.finish() } else { Vec::new() };
                     if changed.is_some() || !held.is_empty() {
-                        let mut out = changed.unwrap_or_else(|| chunk.clone());
+                        let mut out = changed.unwrap_or_else(|| chunk.to_vec());
                         out.extend_from_slice(&held);
-                        if out != chunk {
+                        if *out != *chunk {
                             fx.push(Effect::ReplaceBody { dir: Dir::Response, bytes: out });
                         }
                     }

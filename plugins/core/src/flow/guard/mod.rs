@@ -556,7 +556,7 @@ impl GuardFlow {
             // json_to_metadata in front hands over the whole body at once: whether the client asked
             // for a stream is known here, and only streams have a first token before their end.
             let streaming = if end_of_stream {
-                let body = whole_body.insert(view.body(Dir::Request, size));
+                let body = whole_body.insert(view.body(Dir::Request, size).into_owned());
                 serde_json::from_slice::<StreamFlag>(body).ok().map(|f| f.stream.unwrap_or(false))
             } else {
                 None
@@ -572,7 +572,7 @@ impl GuardFlow {
             return Verdict::Pause;
         }
         g.clamp_to = None;
-        let body = whole_body.unwrap_or_else(|| view.body(Dir::Request, size));
+        let body = whole_body.unwrap_or_else(|| view.body(Dir::Request, size).into_owned());
         match inspect_request_with_kind(g.kind, &body) {
             Ok((kind, info)) => {
                 let target = info.max_output_tokens.map_or(ceiling, |asked| asked.min(ceiling));
@@ -651,7 +651,7 @@ impl GuardFlow {
         // Reads the chunk (unless the machine drops it); whether it carried content.
         let mut observe = || {
             let Some(observer) = g.observer.as_mut() else { return false };
-            let chunk = if observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
+            let chunk = if observer.reads_chunk() { view.body(Dir::Response, size) } else { std::borrow::Cow::Borrowed(&[][..]) };
             let mut outcome = observer.push(&chunk);
             if end_of_stream {
                 let last = observer.finish();

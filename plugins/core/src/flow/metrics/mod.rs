@@ -201,7 +201,7 @@ impl MetricsFlow {
                 // Only the summary comment needs the tail; a reader behind a shared observer
                 // needs no bytes at all.
                 let comment = policy.settings.stream_summary_comment;
-                let chunk = if comment || observer.reads_chunk() { view.body(Dir::Response, size) } else { Vec::new() };
+                let chunk = if comment || observer.reads_chunk() { view.body(Dir::Response, size) } else { std::borrow::Cow::Borrowed(&[][..]) };
                 if comment {
                     tail.push(&chunk);
                 }
