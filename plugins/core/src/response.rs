@@ -129,8 +129,9 @@ struct Stencil {
     visible: bool,
     /// The bytes around the member are one line whose one `usage` (no `\u` escape) is a trailing
     /// `,"usage":null}` after a value: an event read by this stencil is too, when its new string
-    /// names neither ([`ValidatedJson::trailing_null_usage_cut`]).
-    sole_null_usage: bool,
+    /// names neither ([`ValidatedJson::trailing_null_usage_cut`]). Found at the first read that
+    /// asks (`None` until then): a stream whose events never repeat their bytes does not pay for it.
+    sole_null_usage: Option<bool>,
     /// The fuzz targets compare the observer with and without it.
     #[cfg_attr(not(feature = "fuzzing"), allow(dead_code))]
     off: bool,
@@ -154,7 +155,14 @@ impl Stencil {
         self.open = open;
         self.close = open.saturating_add(member.len());
         self.visible = visible;
-        self.sole_null_usage = self.around_member_sole_null_usage();
+        self.sole_null_usage = None;
+    }
+
+    fn sole_null_usage(&mut self) -> bool {
+        match self.sole_null_usage {
+            Some(known) => known,
+            None => *self.sole_null_usage.insert(self.around_member_sole_null_usage()),
+        }
     }
 
     fn around_member_sole_null_usage(&self) -> bool {
@@ -579,8 +587,9 @@ impl State {
     fn openai_fast(&mut self, data: &str, out: &mut ChunkOutcome) -> bool {
         if let Some(member) = self.stencil.fill(data) {
             let visible = self.stencil.visible;
-            // A string can hold neither a raw line break nor a hint that runs into the bytes around it.
-            self.read_sole_null_usage = self.stencil.sole_null_usage && crate::rewrite::first_usage_hint(member.raw()).is_none();
+            // Asked only for a policy that takes the word (the budget's usage stripper). A string can
+            // hold neither a raw line break nor a hint that runs into the bytes around it.
+            self.read_sole_null_usage = self.validated.is_some() && self.stencil.sole_null_usage() && crate::rewrite::first_usage_hint(member.raw()).is_none();
             self.text_member(member, visible, out);
             return true;
         }
