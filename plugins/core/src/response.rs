@@ -129,7 +129,7 @@ struct Stencil {
     visible: bool,
     /// The bytes around the member are one line whose one `usage` (no `\u` escape) is a trailing
     /// `,"usage":null}` after a value: an event read by this stencil is too, when its new string
-    /// names neither ([`ValidatedJson::trailing_null_usage_cut`]). Found at the first read that
+    /// names neither ([`ValidatedJson::vouches_sole_null_usage`]). Found at the first read that
     /// asks (`None` until then): a stream whose events never repeat their bytes does not pay for it.
     sole_null_usage: Option<bool>,
     /// The fuzz targets compare the observer with and without it.
@@ -153,7 +153,7 @@ impl Stencil {
         let Some(open) = member.offset_in(bytes).filter(|&o| o > 0 && bytes.len() <= Self::MAX_BYTES && !self.off) else { return };
         self.text.extend_from_slice(bytes);
         self.open = open;
-        self.close = open.saturating_add(member.len());
+        self.close = open.saturating_add(member.raw().len());
         self.visible = visible;
         self.sole_null_usage = None;
     }
@@ -166,18 +166,12 @@ impl Stencil {
     }
 
     fn around_member_sole_null_usage(&self) -> bool {
-        use crate::rewrite::{first_usage_hint, is_ws, TRAILING_NULL_USAGE};
+        use crate::rewrite::{first_usage_hint, trailing_null_usage};
         let (Some(head), Some(tail)) = (self.text.get(..self.open), self.text.get(self.close..)) else { return false };
         let one_line = !self.text.iter().any(|&b| b == b'\n' || b == b'\r');
-        // The tail starts with the member's closing quote, so the member's own end is never in it.
-        let Some(member_at) = tail.len().checked_sub(TRAILING_NULL_USAGE.len()) else { return false };
-        let after_value = tail.get(..member_at).and_then(<[u8]>::last).is_some_and(|&b| !is_ws(b));
-        // `,"` then `usage`: the tail's first hint must be its own member's.
-        one_line
-            && after_value
-            && tail.ends_with(TRAILING_NULL_USAGE)
-            && first_usage_hint(head).is_none()
-            && first_usage_hint(tail) == Some(member_at.saturating_add(2))
+        // The stripper's own test for the shape, on the tail: it starts with the member's closing
+        // quote, so the member's end is never what comes before the trailing `usage`.
+        one_line && first_usage_hint(head).is_none() && trailing_null_usage(tail, first_usage_hint(tail)).is_some()
     }
 
     /// The member's new string when `data` is the stencil's bytes around one valid JSON string.
@@ -247,18 +241,14 @@ impl ValidatedJson {
         }
     }
 
-    /// When `chunk` is exactly one event, `data:` (and a space) then a held text known to have only
-    /// the trailing null `usage` (see `sole_null_usage`) then a blank line: the bytes of that
-    /// member and the comma before it, in `chunk` — what the usage stripper cuts from such an event.
-    pub fn trailing_null_usage_cut(&self, chunk: &[u8]) -> Option<std::ops::Range<usize>> {
-        if self.sole_null_usage.is_empty() {
-            return None;
-        }
-        let line = chunk.strip_suffix(b"\n\n")?;
-        let after_field = line.strip_prefix(b"data:")?;
-        let text = after_field.strip_prefix(b" ").unwrap_or(after_field);
-        let start = line.len().checked_sub(text.len())?;
+    /// `text` is a held text known to have a single line whose one `usage` (and no `\u` escape) is
+    /// the trailing `,"usage":null}` right after a value (see `sole_null_usage`): what the usage
+    /// stripper may cut without reading the event ([`crate::rewrite::vouched_trailing_null_usage`]).
+    pub fn vouches_sole_null_usage(&self, text: &[u8]) -> bool {
         let count = self.sole_null_usage.len();
+        if count == 0 {
+            return false;
+        }
         let first = self.next_sole.get();
         let found = (0..count)
             .map(|k| first.saturating_add(k) % count)
@@ -266,11 +256,7 @@ impl ValidatedJson {
         if let Some(i) = found {
             self.next_sole.set(i.saturating_add(1));
         }
-        let held = found.is_some();
-        // The member after the value, without the object's closing brace.
-        let member_len = crate::rewrite::TRAILING_NULL_USAGE.len().saturating_sub(1);
-        let end = start.saturating_add(text.len()).checked_sub(1)?;
-        held.then(|| end.saturating_sub(member_len)..end)
+        found.is_some()
     }
 
     /// `data`, JSON whitespace around it aside, is a text found to be valid JSON.

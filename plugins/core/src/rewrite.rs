@@ -245,6 +245,13 @@ enum Verdict {
     },
 }
 
+impl Verdict {
+    /// The bytes `range` of the event removed (an empty vector allocates nothing).
+    fn cut(range: std::ops::Range<usize>) -> Self {
+        Verdict::Replace { start: range.start, end: range.end, json: Vec::new() }
+    }
+}
+
 impl UsageChunkStripper {
     /// A stripper that holds at most `max_event_bytes` of an unfinished event
     /// ([`crate::sse::DEFAULT_MAX_EVENT_BYTES`] is a good value).
@@ -330,36 +337,35 @@ impl UsageChunkStripper {
     pub fn push_changed_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Option<Vec<u8>> {
         let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
         if between_events && chunk.len() <= self.max_event_bytes {
-            if let Some(cut) = known.and_then(|k| k.trailing_null_usage_cut(chunk)) {
-                // The observer read this chunk's one event and vouched for its only `usage` being
-                // the trailing null one: the member is cut with nothing else looked at.
-                self.at_stream_start = false;
-                let mut out = Vec::with_capacity(chunk.len());
-                self.apply(chunk, Verdict::Replace { start: cut.start, end: cut.end, json: Vec::new() }, &mut out);
-                return Some(out);
-            }
-        }
-        if between_events && chunk.len() <= self.max_event_bytes && chunk.ends_with(b"\n\n") {
-            let scan = scan_chunk(chunk);
-            if !scan.cr {
-                let Some(first_hint) = scan.first_hint else {
-                    // Whole events ended by LF line ends only, none over the cap, none naming
-                    // `usage`: every one is kept as it is, and the stripper ends between events again.
-                    self.at_stream_start = false;
-                    return None;
-                };
-                if !scan.blank_line_inside && chunk.first() != Some(&b'\n') {
-                    // One whole event (the usual chunk): judged as `push` would judge it, without
-                    // framing it or searching it again.
-                    let at_start = std::mem::replace(&mut self.at_stream_start, false);
-                    let verdict = judge_hinted(chunk, at_start, known, first_hint);
-                    if matches!(verdict, Verdict::Keep) {
-                        return None;
+            // The observer read this chunk's one event and vouched for its only `usage` being the
+            // trailing null one: the member is cut with nothing else looked at.
+            let verdict = match vouched_trailing_null_usage(chunk, known) {
+                Some(cut) => Some(Verdict::cut(cut)),
+                None if chunk.ends_with(b"\n\n") => {
+                    let scan = scan_chunk(chunk);
+                    match scan.first_hint {
+                        _ if scan.cr => None,
+                        // Whole events ended by LF line ends only, none over the cap, none naming
+                        // `usage`: every one is kept as it is, and the stripper ends between events again.
+                        None => Some(Verdict::Keep),
+                        // One whole event (the usual chunk): judged as `push` would judge it, without
+                        // framing it or searching it again.
+                        Some(first_hint) if !scan.blank_line_inside && chunk.first() != Some(&b'\n') => {
+                            Some(judge_hinted(chunk, self.at_stream_start, known, first_hint))
+                        }
+                        Some(_) => None,
                     }
-                    let mut out = Vec::with_capacity(chunk.len());
-                    self.apply(chunk, verdict, &mut out);
-                    return Some(out);
                 }
+                None => None,
+            };
+            if let Some(verdict) = verdict {
+                self.at_stream_start = false;
+                if matches!(verdict, Verdict::Keep) {
+                    return None;
+                }
+                let mut out = Vec::with_capacity(chunk.len());
+                self.apply(chunk, verdict, &mut out);
+                return Some(out);
             }
         }
         let out = self.push_knowing(chunk, known);
@@ -475,8 +481,8 @@ impl UsageChunkStripper {
 /// Decide what happens to one complete event (raw bytes, blank line included).
 fn judge_event(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJson>) -> Verdict {
     // An event the observer read by stencil and vouched for: its one `usage` is the trailing null.
-    if let Some(cut) = known.and_then(|k| k.trailing_null_usage_cut(event)) {
-        return Verdict::Replace { start: cut.start, end: cut.end, json: Vec::new() };
+    if let Some(cut) = vouched_trailing_null_usage(event, known) {
+        return Verdict::cut(cut);
     }
     // Most events are content chunks with no `usage` member: a key spells `usage` either plainly or
     // with a `\u` escape, so an event with neither is kept without parsing it.
@@ -539,8 +545,7 @@ fn judge_hinted(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJso
     }
     if let Some((start, _)) = single {
         if let Some(cut) = trailing_null_usage(data, first_hint.checked_sub(start)) {
-            // The member's bytes replaced by nothing (an empty vector allocates nothing).
-            return Verdict::Replace { start: start.saturating_add(cut.start), end: start.saturating_add(cut.end), json: Vec::new() };
+            return Verdict::cut(start.saturating_add(cut.start)..start.saturating_add(cut.end));
         }
     }
     judge_scanned(data, single)
@@ -549,13 +554,30 @@ fn judge_hinted(event: &[u8], at_stream_start: bool, known: Option<&ValidatedJso
 /// How the usual chunk of a stream with `include_usage` on ends.
 pub(crate) const TRAILING_NULL_USAGE: &[u8] = b",\"usage\":null}";
 
+/// When `event` is exactly one `data:` line and its blank line, the line's text one `known`
+/// vouches has only the trailing null `usage` ([`ValidatedJson::vouches_sole_null_usage`]): the cut
+/// of that member and the comma before it in `event`, as [`trailing_null_usage`] makes it, without
+/// reading the event.
+pub fn vouched_trailing_null_usage(event: &[u8], known: Option<&ValidatedJson>) -> Option<std::ops::Range<usize>> {
+    let known = known?;
+    let line = event.strip_suffix(b"\n\n")?;
+    let start = data_value(line)?;
+    let data = line.get(start..)?;
+    if !known.vouches_sole_null_usage(data) {
+        return None;
+    }
+    // Vouched for: the text's first hint is its trailing member's `usage`.
+    let cut = trailing_null_usage(data, data.len().checked_sub(TRAILING_NULL_USAGE.len().saturating_sub(2)))?;
+    Some(start.saturating_add(cut.start)..start.saturating_add(cut.end))
+}
+
 /// The usual shape of a chunk of a stream whose `include_usage` the budget turned on, decided
 /// without scanning its members: valid JSON (checked before) ending in `,"usage":null}` right after
 /// a value, naming `usage` nowhere else (and no `\u` escape that could spell it): the first hint in
 /// `data` ([`first_usage_hint`], `first_hint`) is the tail's own `usage`. That member is then the
 /// object's only `usage`, at the top level (the last member before the final `}`), and
 /// [`judge_scanned`] would cut exactly those bytes: the member with the comma before it.
-fn trailing_null_usage(data: &[u8], first_hint: Option<usize>) -> Option<std::ops::Range<usize>> {
+pub(crate) fn trailing_null_usage(data: &[u8], first_hint: Option<usize>) -> Option<std::ops::Range<usize>> {
     let head = data.strip_suffix(TRAILING_NULL_USAGE)?;
     // `,"` then `usage`: no hint can start in the head and run into the tail.
     if head.last().is_none_or(|b| is_ws(*b)) || first_hint != Some(head.len().saturating_add(2)) {

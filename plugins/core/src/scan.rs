@@ -51,11 +51,6 @@ impl<'a> RawStr<'a> {
         self.inner.is_empty()
     }
 
-    /// Bytes as written, escapes undecoded.
-    pub(crate) fn len(&self) -> usize {
-        self.inner.len()
-    }
-
     /// The string's bytes as written (escapes undecoded, quotes excluded).
     pub(crate) fn raw(&self) -> &'a [u8] {
         self.inner
