@@ -337,35 +337,27 @@ impl UsageChunkStripper {
     pub fn push_changed_knowing(&mut self, chunk: &[u8], known: Option<&ValidatedJson>) -> Option<Vec<u8>> {
         let between_events = self.held.is_empty() && !self.passthrough && !self.line_nonempty && self.pending_cr == PendingCr::None;
         if between_events && chunk.len() <= self.max_event_bytes {
-            // The observer read this chunk's one event and vouched for its only `usage` being the
-            // trailing null one: the member is cut with nothing else looked at.
-            let verdict = match vouched_trailing_null_usage(chunk, known) {
-                Some(cut) => Some(Verdict::cut(cut)),
-                None if chunk.ends_with(b"\n\n") => {
-                    let scan = scan_chunk(chunk);
-                    match scan.first_hint {
-                        _ if scan.cr => None,
+            if let Some(cut) = vouched_trailing_null_usage(chunk, known) {
+                // The observer read this chunk's one event and vouched for its only `usage` being
+                // the trailing null one: the member is cut with nothing else looked at.
+                return self.send_whole_event(chunk, Verdict::cut(cut));
+            }
+            if chunk.ends_with(b"\n\n") {
+                let scan = scan_chunk(chunk);
+                if !scan.cr {
+                    let Some(first_hint) = scan.first_hint else {
                         // Whole events ended by LF line ends only, none over the cap, none naming
                         // `usage`: every one is kept as it is, and the stripper ends between events again.
-                        None => Some(Verdict::Keep),
+                        self.at_stream_start = false;
+                        return None;
+                    };
+                    if !scan.blank_line_inside && chunk.first() != Some(&b'\n') {
                         // One whole event (the usual chunk): judged as `push` would judge it, without
                         // framing it or searching it again.
-                        Some(first_hint) if !scan.blank_line_inside && chunk.first() != Some(&b'\n') => {
-                            Some(judge_hinted(chunk, self.at_stream_start, known, first_hint))
-                        }
-                        Some(_) => None,
+                        let verdict = judge_hinted(chunk, self.at_stream_start, known, first_hint);
+                        return self.send_whole_event(chunk, verdict);
                     }
                 }
-                None => None,
-            };
-            if let Some(verdict) = verdict {
-                self.at_stream_start = false;
-                if matches!(verdict, Verdict::Keep) {
-                    return None;
-                }
-                let mut out = Vec::with_capacity(chunk.len());
-                self.apply(chunk, verdict, &mut out);
-                return Some(out);
             }
         }
         let out = self.push_knowing(chunk, known);
@@ -457,6 +449,18 @@ impl UsageChunkStripper {
             self.held = held;
         }
         removed
+    }
+
+    /// A chunk that is one whole event, judged: `None` when it goes on unchanged; the stripper is
+    /// between events after it.
+    fn send_whole_event(&mut self, chunk: &[u8], verdict: Verdict) -> Option<Vec<u8>> {
+        self.at_stream_start = false;
+        if matches!(verdict, Verdict::Keep) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(chunk.len());
+        self.apply(chunk, verdict, &mut out);
+        Some(out)
     }
 
     /// Sends `event` on as `verdict` says, counting it. Returns whether it was removed.
@@ -559,7 +563,8 @@ pub(crate) const TRAILING_NULL_USAGE: &[u8] = b",\"usage\":null}";
 /// of that member and the comma before it in `event`, as [`trailing_null_usage`] makes it, without
 /// reading the event.
 pub fn vouched_trailing_null_usage(event: &[u8], known: Option<&ValidatedJson>) -> Option<std::ops::Range<usize>> {
-    let known = known?;
+    // Nothing held (a stream without the member): nothing to look at.
+    let known = known.filter(|k| !k.is_empty())?;
     let line = event.strip_suffix(b"\n\n")?;
     let start = data_value(line)?;
     let data = line.get(start..)?;
