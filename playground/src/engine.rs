@@ -348,9 +348,8 @@ impl<'a> Engine<'a> {
             _ => None,
         });
         let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
-        let text = prompt_text(&mut self.filler, request.prompt_tokens).to_string();
-        let (path, body) = request_body(request.api, &model, &text, stream, max_tokens, user.as_deref());
-        let body = body.to_string().into_bytes();
+        let text = prompt_text(&mut self.filler, request.prompt_tokens);
+        let (path, body) = request_body(request.api, &model, text, stream, max_tokens, user.as_deref());
         let pair = |k: &str, v: String| (k.to_string(), v);
         let mut headers = vec![
             pair(":method", "POST".into()),

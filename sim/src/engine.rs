@@ -680,15 +680,7 @@ pub fn client_request(scenario: &Scenario, request: &TraceRequest, filler: &mut 
     });
     let model = request.model.clone().unwrap_or_else(|| traffic.model.clone());
     let text = prompt_text(filler, request.prompt_tokens.unwrap_or(0));
-    let prompt_len = text.len();
     let (path, body) = request_body(request.api, &model, text, stream, max_tokens, user.as_deref());
-    // Room for the prompt and the other members at once: growing by doubling copied the prompt
-    // several times.
-    let mut bytes = Vec::with_capacity(prompt_len.saturating_add(512));
-    let body = match serde_json::to_writer(&mut bytes, &body) {
-        Ok(()) => bytes,
-        Err(_) => body.to_string().into_bytes(),
-    };
     let mut headers = vec![
         (":method".to_string(), "POST".to_string()),
         (":path".to_string(), path.to_string()),

@@ -3,7 +3,6 @@
 //! Envoy sends the same); the playground hands the same body to core's request inspection, so both
 //! size, clamp and charge the same request.
 
-use serde_json::{Map, Value};
 use sluice_core::api::ApiKind;
 
 /// What the prompt text is cut from: plain words, 4 characters a token as the mock counts them.
@@ -27,53 +26,87 @@ pub fn prompt_text(filler: &mut String, prompt_tokens: u64) -> &str {
 
 /// The path and JSON body of a request of `api`: the prompt `text` as the API carries it, `stream`,
 /// the output limit in the API's field (`max_output_tokens` for responses; Anthropic requires one,
-/// 4096 when none is given) and `user` where the API has the field (not Anthropic's). Built field
-/// by field in the order `json!` would write them, without its `to_value(..).unwrap()`s: nothing
-/// here can fail, and the playground's page carries no panic path for it.
-pub fn request_body(api: ApiKind, model: &str, text: &str, stream: bool, max_tokens: Option<u64>, user: Option<&str>) -> (&'static str, Value) {
-    let mut body = Map::new();
-    body.insert("model".into(), model.into());
+/// 4096 when none is given) and `user` where the API has the field (not Anthropic's). The bytes are
+/// those `json!` and serde_json's `to_string` would give (members in key order), written directly:
+/// a `Value` of the prompt, serialized, copied and escape-scanned the prompt once more per request
+/// (a fifth of the simulator's request path on long prompts).
+pub fn request_body(api: ApiKind, model: &str, text: &str, stream: bool, max_tokens: Option<u64>, user: Option<&str>) -> (&'static str, Vec<u8>) {
     let (path, prompt_field) = match api {
         ApiKind::ChatCompletions => ("/v1/chat/completions", "messages"),
         ApiKind::Completions => ("/v1/completions", "prompt"),
         ApiKind::Responses => ("/v1/responses", "input"),
         ApiKind::AnthropicMessages => ("/v1/messages", "messages"),
     };
-    let prompt = match api {
-        ApiKind::ChatCompletions | ApiKind::AnthropicMessages => {
-            let mut message = Map::new();
-            message.insert("role".into(), "user".into());
-            message.insert("content".into(), text.into());
-            Value::Array(vec![Value::Object(message)])
-        }
-        ApiKind::Completions | ApiKind::Responses => text.into(),
-    };
-    body.insert(prompt_field.into(), prompt);
-    body.insert("stream".into(), stream.into());
     let limit = match api {
         // Anthropic requires max_tokens.
         ApiKind::AnthropicMessages => Some(max_tokens.unwrap_or(4096)),
         _ => max_tokens,
     };
+    let limit_field = if api == ApiKind::Responses { "max_output_tokens" } else { "max_tokens" };
+    let user = user.filter(|_| api != ApiKind::AnthropicMessages);
+    let mut members: Vec<(&str, Member<'_>)> = vec![
+        ("model", Member::Text(model)),
+        (prompt_field, if prompt_field == "messages" { Member::Message(text) } else { Member::Text(text) }),
+        ("stream", Member::Bool(stream)),
+    ];
     if let Some(max) = limit {
-        let field = match api {
-            ApiKind::Responses => "max_output_tokens",
-            _ => "max_tokens",
-        };
-        body.insert(field.into(), max.into());
+        members.push((limit_field, Member::Number(max)));
     }
     if let Some(user) = user {
-        if matches!(api, ApiKind::ChatCompletions | ApiKind::Completions | ApiKind::Responses) {
-            body.insert("user".into(), user.into());
+        members.push(("user", Member::Text(user)));
+    }
+    // serde_json's map orders keys (no `preserve_order`): the same order here.
+    members.sort_unstable_by_key(|(key, _)| *key);
+    let mut out = Vec::with_capacity(text.len().saturating_add(model.len()).saturating_add(160));
+    out.push(b'{');
+    for (i, (key, member)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        push_json_string(&mut out, key);
+        out.push(b':');
+        match member {
+            Member::Text(t) => push_json_string(&mut out, t),
+            Member::Message(t) => {
+                out.extend_from_slice(br#"[{"content":"#);
+                push_json_string(&mut out, t);
+                out.extend_from_slice(br#","role":"user"}]"#);
+            }
+            Member::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+            Member::Number(n) => out.extend_from_slice(n.to_string().as_bytes()),
         }
     }
-    (path, Value::Object(body))
+    out.push(b'}');
+    (path, out)
+}
+
+/// A member of a request body.
+enum Member<'a> {
+    Text(&'a str),
+    /// The prompt as one user message.
+    Message(&'a str),
+    Bool(bool),
+    Number(u64),
+}
+
+/// Appends `text` as a JSON string. Text that needs no escape (every prompt cut from [`WORDS`]) is
+/// copied as it is; the check has no early exit, so it compiles to a vector loop.
+fn push_json_string(out: &mut Vec<u8>, text: &str) {
+    let needs_escape = text.bytes().fold(false, |any, b| any | (b < 0x20) | (b == b'"') | (b == b'\\'));
+    if needs_escape {
+        // Writing a string into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, text);
+        return;
+    }
+    out.push(b'"');
+    out.extend_from_slice(text.as_bytes());
+    out.push(b'"');
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     #[test]
     fn prompt_text_is_four_characters_a_token_less_the_message_overhead() {
@@ -94,6 +127,10 @@ mod tests {
 
     #[test]
     fn each_api_gets_its_own_body_and_path() {
+        let request_body = |api, model, text, stream, max_tokens, user| {
+            let (path, bytes) = request_body(api, model, text, stream, max_tokens, user);
+            (path, serde_json::from_slice::<Value>(&bytes).unwrap())
+        };
         let (path, body) = request_body(ApiKind::ChatCompletions, "m", "hi", true, Some(100), Some("u1"));
         assert_eq!(path, "/v1/chat/completions");
         assert_eq!(body, json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 100, "user": "u1"}));
@@ -138,9 +175,11 @@ mod tests {
             for stream in [true, false] {
                 for max_tokens in [None, Some(0), Some(512)] {
                     for user in [None, Some("acme-u7")] {
-                        let (_, body) = request_body(api, "llama-3-70b", "a \"quoted\" prompt", stream, max_tokens, user);
-                        let expected = with_json_macro(api, "llama-3-70b", "a \"quoted\" prompt", stream, max_tokens, user);
-                        assert_eq!(body.to_string(), expected.to_string(), "{api:?} stream {stream} max {max_tokens:?} user {user:?}");
+                        for text in ["a \"quoted\" prompt", "plain words ", "tab\tnewline\n back\\slash \u{1} é ✓ \u{7f}", ""] {
+                            let (_, body) = request_body(api, "llama-3-70b", text, stream, max_tokens, user);
+                            let expected = with_json_macro(api, "llama-3-70b", text, stream, max_tokens, user);
+                            assert_eq!(String::from_utf8(body).unwrap(), expected.to_string(), "{api:?} stream {stream} max {max_tokens:?} user {user:?} {text:?}");
+                        }
                     }
                 }
             }
