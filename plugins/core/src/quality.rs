@@ -65,9 +65,20 @@ impl Repetition {
 
     /// Feeds UTF-8 bytes (a word may be cut anywhere: only ASCII bytes separate words).
     pub fn push_bytes(&mut self, bytes: &[u8]) {
+        // The word's hash stays in a local while its bytes are read: through `self` it was
+        // stored and loaded again at every byte (the observer's largest cost per byte of text).
+        let mut word = self.word.take();
         for &b in bytes {
-            self.byte(b);
+            match fold(b) {
+                Some(folded) => word = Some(fnv(word, folded)),
+                None => {
+                    if let Some(w) = word.take() {
+                        self.word_ended(w);
+                    }
+                }
+            }
         }
+        self.word = word;
     }
 
     /// Feeds the raw text of a JSON string (escapes not yet decoded): `\n`, `\"` and the like
@@ -124,20 +135,19 @@ impl Repetition {
     }
 
     fn byte(&mut self, b: u8) {
-        let folded = match b {
-            b'A'..=b'Z' => b | 0x20,
-            b'a'..=b'z' | b'0'..=b'9' | 0x80..=0xff => b,
-            _ => {
-                self.end_word();
-                return;
-            }
-        };
-        let h = self.word.unwrap_or(FNV_OFFSET);
-        self.word = Some((h ^ u32::from(folded)).wrapping_mul(FNV_PRIME));
+        match fold(b) {
+            Some(folded) => self.word = Some(fnv(self.word, folded)),
+            None => self.end_word(),
+        }
     }
 
     fn end_word(&mut self) {
-        let Some(word) = self.word.take() else { return };
+        if let Some(word) = self.word.take() {
+            self.word_ended(word);
+        }
+    }
+
+    fn word_ended(&mut self, word: u32) {
         if let [Some(a), Some(b)] = self.previous {
             self.trigram(mix(a, b, word));
         }
@@ -149,6 +159,20 @@ impl Repetition {
         let table = self.table.get_or_insert_with(|| Box::new(Table::new()));
         table.add(hash.max(1));
     }
+}
+
+/// A word byte as it is hashed (ASCII letters folded to lower case); `None` for a separator.
+fn fold(b: u8) -> Option<u8> {
+    match b {
+        b'A'..=b'Z' => Some(b | 0x20),
+        b'a'..=b'z' | b'0'..=b'9' | 0x80..=0xff => Some(b),
+        _ => None,
+    }
+}
+
+/// The word hash `word` (`None`: a word starting) extended by one folded byte.
+fn fnv(word: Option<u32>, folded: u8) -> u32 {
+    (word.unwrap_or(FNV_OFFSET) ^ u32::from(folded)).wrapping_mul(FNV_PRIME)
 }
 
 /// A trigram's hash from its words' (order matters: "a b c" is not "c b a").
