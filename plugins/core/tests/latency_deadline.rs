@@ -491,7 +491,11 @@ proptest! {
                 Event::Chunk { content, eos } => w.on_response_body(now, true, eos, || content),
                 Event::Tick { mark } => {
                     let mark = w.is_held().then_some(mark);
-                    w.on_tick(now, mark)
+                    let (due, before) = (w.tick_due(now), w.clone());
+                    let effects = w.on_tick(now, mark);
+                    // A tick the worker skips (not due) would have done nothing.
+                    prop_assert!(due || (effects.is_empty() && w == before), "a tick not due acted: {effects:?}");
+                    effects
                 }
             };
             for effect in &effects {

@@ -72,7 +72,7 @@ impl RootContext for Root {
         let now = host::now_ns();
         let mut guard = shared.borrow_mut();
         let sh = &mut *guard;
-        for id in sh.root.watched_ids() {
+        for id in sh.root.due_ids(now) {
             sh.root.on_tick_stream(id, now, &mut host::set_effective_context, &mut host::LiveView, &mut host::SharedData, &mut sh.effects);
             sh.apply(0);
         }

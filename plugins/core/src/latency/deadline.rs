@@ -266,6 +266,14 @@ impl StreamWatch {
         [poll, ttft, total].into_iter().flatten().min()
     }
 
+    /// Whether a tick at `now` can act on this stream: a held stream is polled at every tick, any
+    /// other only once something it waits for is due ([`Self::next_due_ns`]). A tick of a stream
+    /// that is not due returns no effects and changes nothing, so a worker's tick visits only the
+    /// due ones (a stream that waits for nothing but its end was visited at every tick).
+    pub fn tick_due(&self, now: u64) -> bool {
+        self.is_held() || self.next_due_ns(now, false).is_some_and(|due| due <= now)
+    }
+
     /// The upstream's response headers: `status`, whether the body is an event stream, whether
     /// the headers are the whole response. `mark` reads llm-metrics' first-token mark; it is read
     /// only when the stream could be held (a TTFT deadline, a 2xx event stream with a body).

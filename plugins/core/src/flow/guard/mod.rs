@@ -120,6 +120,12 @@ impl GuardRoot {
         self.watched.keys().copied().collect()
     }
 
+    /// The watched streams a tick at `now` acts on ([`StreamWatch::tick_due`]); the tick of any
+    /// other would be a no-op.
+    pub fn due_ids(&self, now: u64) -> Vec<u32> {
+        self.watched.iter().filter(|(_, w)| w.machine.tick_due(now)).map(|(id, _)| *id).collect()
+    }
+
     /// Whether stream `id`'s response headers are held.
     pub fn is_held(&self, id: u32) -> bool {
         self.watched.get(&id).is_some_and(|w| w.machine.is_held())
