@@ -163,12 +163,27 @@ impl Repetition {
 
 /// A word byte as it is hashed (ASCII letters folded to lower case); `None` for a separator.
 fn fold(b: u8) -> Option<u8> {
-    match b {
-        b'A'..=b'Z' => Some(b | 0x20),
-        b'a'..=b'z' | b'0'..=b'9' | 0x80..=0xff => Some(b),
-        _ => None,
-    }
+    // One load instead of three range tests a byte of text.
+    FOLDED.get(usize::from(b)).copied().filter(|&f| f != 0)
 }
+
+/// [`fold`] as a table: the byte as hashed, 0 for a separator (no word byte folds to 0).
+// Built at compile time: an index out of bounds would fail the build, not panic in wasm.
+#[allow(clippy::indexing_slicing)]
+const FOLDED: [u8; 256] = {
+    let mut table = [0u8; 256];
+    let mut b = 0usize;
+    while b < 256 {
+        let byte = b as u8;
+        table[b] = match byte {
+            b'A'..=b'Z' => byte | 0x20,
+            b'a'..=b'z' | b'0'..=b'9' | 0x80..=0xff => byte,
+            _ => 0,
+        };
+        b += 1;
+    }
+    table
+};
 
 /// The word hash `word` (`None`: a word starting) extended by one folded byte.
 fn fnv(word: Option<u32>, folded: u8) -> u32 {

@@ -108,9 +108,21 @@ fn plain_run(bytes: &[u8]) -> usize {
     offset.saturating_add(tail.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(tail.len()))
 }
 
-/// Characters of valid UTF-8: the bytes that start one.
+/// Characters of valid UTF-8: the bytes that start one, i.e. all but the continuation bytes
+/// (`10xxxxxx`), counted eight at a time (a byte-wise count was a fifth of reading a text).
 fn utf8_chars(bytes: &[u8]) -> u64 {
-    bytes.iter().filter(|&&b| b & 0xC0 != 0x80).count() as u64
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let mut words = bytes.chunks_exact(8);
+    let mut continuation = 0u64;
+    for word in words.by_ref() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(word);
+        let v = u64::from_le_bytes(w);
+        // Bit 7 of each byte set, bit 6 (moved up to 7) clear.
+        continuation = continuation.saturating_add(u64::from((v & !(v << 1) & HI).count_ones()));
+    }
+    let tail = words.remainder().iter().filter(|&&b| b & 0xC0 == 0x80).count() as u64;
+    (bytes.len() as u64).saturating_sub(continuation).saturating_sub(tail)
 }
 
 /// A cursor over one JSON text.
@@ -349,6 +361,17 @@ pub(crate) fn first_time(seen: &mut u32, bit: u32) -> Option<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Counted eight bytes at a time, the same as `str::chars` at every length and offset.
+        #[test]
+        fn utf8_chars_counts_what_chars_counts(text in "\\PC{0,40}", skip in 0usize..8) {
+            let start = text.char_indices().nth(skip).map_or(text.len(), |(i, _)| i);
+            let text = &text[start..];
+            prop_assert_eq!(utf8_chars(text.as_bytes()), text.chars().count() as u64);
+        }
+    }
 
     fn skips(text: &str) -> bool {
         let mut sc = Scanner::new(text);

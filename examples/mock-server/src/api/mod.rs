@@ -59,22 +59,30 @@ pub fn token_text(i: u64) -> String {
 
 /// Appends [`token_text`]`(i)` to `out`: `tok<i> `, nothing JSON would escape.
 fn push_token_text(i: u64, out: &mut Vec<u8>) {
-    // Written in place, digits by hand: a `String` per token was the simulator's largest
-    // allocation, then `write!`'s formatting machinery a tenth of its instructions.
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
+    // Written in place, digits by hand, into one buffer appended at once: a `String` per token
+    // was the simulator's largest allocation, then `write!`'s formatting machinery a tenth of its
+    // instructions, then three appends a token.
+    let mut text = [0u8; 24];
+    let mut at = text.len().saturating_sub(1);
+    if let Some(space) = text.get_mut(at) {
+        *space = b' ';
+    }
     let mut rest = i;
-    for slot in digits.iter_mut().rev() {
-        *slot = b'0'.saturating_add(u8::try_from(rest % 10).unwrap_or(0));
+    loop {
         at = at.saturating_sub(1);
+        if let Some(slot) = text.get_mut(at) {
+            *slot = b'0'.saturating_add(u8::try_from(rest % 10).unwrap_or(0));
+        }
         rest /= 10;
         if rest == 0 {
             break;
         }
     }
-    out.extend_from_slice(b"tok");
-    out.extend_from_slice(digits.get(at..).unwrap_or_default());
-    out.push(b' ');
+    at = at.saturating_sub(3);
+    if let Some(prefix) = text.get_mut(at..at.saturating_add(3)) {
+        prefix.copy_from_slice(b"tok");
+    }
+    out.extend_from_slice(text.get(at..).unwrap_or_default());
 }
 
 /// The text a [`TokenTemplate`] is cut around.
