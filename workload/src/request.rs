@@ -178,7 +178,11 @@ mod tests {
                         for text in ["a \"quoted\" prompt", "plain words ", "tab\tnewline\n back\\slash \u{1} é ✓ \u{7f}", ""] {
                             let (_, body) = request_body(api, "llama-3-70b", text, stream, max_tokens, user);
                             let expected = with_json_macro(api, "llama-3-70b", text, stream, max_tokens, user);
-                            assert_eq!(String::from_utf8(body).unwrap(), expected.to_string(), "{api:?} stream {stream} max {max_tokens:?} user {user:?} {text:?}");
+                            assert_eq!(
+                                String::from_utf8(body).unwrap(),
+                                expected.to_string(),
+                                "{api:?} stream {stream} max {max_tokens:?} user {user:?} {text:?}"
+                            );
                         }
                     }
                 }
