@@ -123,6 +123,33 @@ pub fn inspect_request_with_kind(kind: ApiKind, body: &[u8]) -> Inspected {
     inspected
 }
 
+/// Whether `body` is the last body inspected and was a JSON object: valid JSON in valid UTF-8, so
+/// a rewrite of it need not validate it again.
+pub(crate) fn known_object(body: &[u8]) -> bool {
+    LAST_INSPECTED.with(|last| last.borrow().as_ref().is_some_and(|(_, b, r)| r.is_ok() && b.as_slice() == body))
+}
+
+/// `after` is `before` rewritten in a way whose inspection is `before`'s changed by `change` (a
+/// member the inspection reads set to a known value). When `before` is the last body inspected,
+/// `after` takes its place, so that the policies after the rewrite read it without a parse: the
+/// body was parsed once per member set (the router's model, the budget's limit and usage flag)
+/// before.
+pub(crate) fn remember_rewrite(before: &[u8], after: &[u8], change: impl FnOnce(&mut RequestInfo)) {
+    if after.len() > REMEMBERED_BODY_BYTES {
+        return;
+    }
+    LAST_INSPECTED.with(|last| {
+        let mut last = last.borrow_mut();
+        if let Some((_, remembered, Ok((_, info)))) = last.as_mut() {
+            if remembered.as_slice() == before {
+                remembered.clear();
+                remembered.extend_from_slice(after);
+                change(info);
+            }
+        }
+    });
+}
+
 fn inspect_uncached(kind: ApiKind, body: &[u8]) -> Inspected {
     let v: Value = serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
     if !v.is_object() {

@@ -9,6 +9,7 @@
 //! corrupted by a round-trip.
 
 use crate::api::ApiKind;
+use crate::request;
 use crate::response::ValidatedJson;
 use crate::sse::{bounded_growth, find_line_end};
 use serde::de::IgnoredAny;
@@ -61,9 +62,7 @@ pub enum RewriteError {
 /// Numbers the client sent are never reinterpreted: the body is validated syntactically, so `1e400`
 /// or a 30-digit integer elsewhere in it is kept as written and is not an error.
 pub fn rewrite_request(kind: ApiKind, body: &[u8], inject_include_usage: bool, max_output_tokens: Option<u64>) -> Result<RequestRewrite, RewriteError> {
-    // serde_json does not check UTF-8 inside strings it skips; JSON text must be UTF-8.
-    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
-    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    validate_object_text(body)?;
     let open = skip_ws(body, 0);
     if body.get(open) != Some(&b'{') {
         return Err(RewriteError::NotObject);
@@ -137,14 +136,19 @@ pub fn rewrite_request(kind: ApiKind, body: &[u8], inject_include_usage: bool, m
     }
 
     let out = apply_edits(body, 0, body.len(), edits);
+    request::remember_rewrite(body, &out, |info| {
+        info.include_usage |= injected;
+        if max_output_tokens.is_some() {
+            info.max_output_tokens = max_output_tokens;
+        }
+    });
     Ok(RequestRewrite { changed: out != body, body: out, injected_include_usage: injected, max_output_tokens_set: max_output_tokens })
 }
 
 /// The body with the top-level string member `key` set to `value` (every occurrence; appended when
 /// absent), every other byte kept — e.g. the `model` a router sends to the chosen version.
 pub fn set_top_level_string(body: &[u8], key: &str, value: &str) -> Result<Vec<u8>, RewriteError> {
-    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
-    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    validate_object_text(body)?;
     let open = skip_ws(body, 0);
     if body.get(open) != Some(&b'{') {
         return Err(RewriteError::NotObject);
@@ -154,7 +158,22 @@ pub fn set_top_level_string(body: &[u8], key: &str, value: &str) -> Result<Vec<u
     let mut out = body.get(..open).unwrap_or_default().to_vec();
     out.extend_from_slice(&set_member(body, &obj, key, encoded.as_bytes()));
     out.extend_from_slice(body.get(obj.close.saturating_add(1)..).unwrap_or_default());
+    // The only member the inspection reads that is set this way.
+    if key == "model" {
+        request::remember_rewrite(body, &out, |info| info.model = Some(value.to_owned()));
+    }
     Ok(out)
+}
+
+/// Checks that `body` is JSON text (UTF-8 included: serde_json does not check it inside strings it
+/// skips), unless it is the body just inspected as a JSON object, which is.
+fn validate_object_text(body: &[u8]) -> Result<(), RewriteError> {
+    if request::known_object(body) {
+        return Ok(());
+    }
+    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    Ok(())
 }
 
 /// The object at `obj` (in `s`) with every `key` member set to `value`, or `key` appended.

@@ -6,7 +6,8 @@ mod common;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use sluice_core::api::ApiKind;
-use sluice_core::rewrite::{rewrite_request, RequestRewrite, RewriteError, UsageChunkStripper};
+use sluice_core::request::inspect_request_with_kind;
+use sluice_core::rewrite::{rewrite_request, set_top_level_string, RequestRewrite, RewriteError, UsageChunkStripper};
 
 fn rw(kind: ApiKind, body: &str, inject: bool, max: Option<u64>) -> RequestRewrite {
     rewrite_request(kind, body.as_bytes(), inject, max).unwrap()
@@ -247,6 +248,39 @@ proptest! {
         if !expect_inject && limit.is_none() {
             prop_assert_eq!(&r.body, body.as_bytes());
         }
+    }
+
+    /// A rewrite of the body just inspected leaves its result's inspection remembered (the next
+    /// policy reads it without a parse): what is remembered is what a parse of the result gives.
+    #[test]
+    fn the_inspection_remembered_for_a_rewritten_body_is_its_parse(
+        members in proptest::collection::vec((member_key(), member_value(), ws(), ws()), 0..8),
+        kind_ix in 0usize..4,
+        inject in any::<bool>(),
+        limit in proptest::option::of(0u64..1_000_000),
+        model in "[a-z0-9\"\\\\é-]{0,6}",
+        set_model in any::<bool>(),
+        streaming in any::<bool>(),
+    ) {
+        let kind = ApiKind::ALL[kind_ix];
+        let mut inner: Vec<String> = members.iter().map(|(k, v, a, b)| format!("{a}\"{k}\"{b}:{a}{v}{b}")).collect();
+        // Half the bodies stream, so that include_usage is injected often.
+        if streaming {
+            inner.push("\"stream\":true".to_owned());
+        }
+        let body = format!("{{{}}}", inner.join(","));
+        // A body serde_json cannot hold (1e400) is not remembered: nothing to compare.
+        let Ok((refined, _)) = inspect_request_with_kind(kind, body.as_bytes()) else { return Ok(()) };
+        let after = if set_model {
+            set_top_level_string(body.as_bytes(), "model", &model).unwrap()
+        } else {
+            rewrite_request(refined, body.as_bytes(), inject, limit).unwrap().body
+        };
+        let remembered = inspect_request_with_kind(kind, &after);
+        // Another body in between: the next inspection of `after` parses it.
+        inspect_request_with_kind(kind, b"{}").unwrap();
+        let parsed = inspect_request_with_kind(kind, &after);
+        prop_assert_eq!(remembered, parsed, "{} → {}", body, String::from_utf8_lossy(&after));
     }
 
     #[test]
