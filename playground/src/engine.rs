@@ -20,6 +20,7 @@ use sluice_core::flow::guard::{MODEL_METADATA, STAMP_PROPERTY as GUARD_STAMP};
 use sluice_core::latency::{breaker, LatencyPolicy};
 use sluice_core::report::Outcome;
 use sluice_core::routing::{Reason, RoutingPolicy};
+use sluice_core::vecmap::VecMap;
 use sluice_workload::draw::mix;
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
@@ -739,14 +740,14 @@ impl<'a> Engine<'a> {
             }
         }
         // Spend and counts from the verdicts so far (each verdict is written at its request's end).
-        let mut spend: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut spend: VecMap<String, (u64, u64)> = VecMap::new();
         let mut admitted: BTreeMap<String, u64> = BTreeMap::new();
         let mut refused: BTreeMap<String, u64> = BTreeMap::new();
         let from_ms = if n == 0 { f64::NEG_INFINITY } else { series.t_ms.get(n - 1).copied().unwrap_or(0.0) };
         let to_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
         for v in &self.out.verdicts {
             let tenant = v.tenant.clone().unwrap_or_else(|| "anonymous".into());
-            let e = spend.entry(tenant).or_default();
+            let e = spend.get_or_insert_with(tenant, Default::default);
             e.0 += v.charged_micro_usd;
             e.1 += v.charged_input_tokens + v.charged_output_tokens;
         }
@@ -763,7 +764,7 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        for (tenant, (usd, tokens)) in &spend {
+        for (tenant, (usd, tokens)) in spend.iter() {
             push(&mut series.spend_micro_usd, tenant, *usd);
             push(&mut series.charged_tokens, tenant, *tokens);
         }
