@@ -25,7 +25,7 @@ use sluice_workload::draw::mix;
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 
 use crate::answer::{answer, prompt_tokens, CHUNK_NS};
 use crate::workload::{Request, Workload};
@@ -121,18 +121,19 @@ pub struct BudgetSeries {
 pub struct Series {
     pub t_ms: Vec<f64>,
     /// Breaker state per version: 0 closed, 1 open, 2 half-open.
-    pub breakers: BTreeMap<String, Vec<u8>>,
+    pub breakers: VecMap<String, Vec<u8>>,
     /// The budgets of the keys the workload used (per-identity budgets are one counter per identity: left out).
     pub budgets: Vec<BudgetSeries>,
-    /// Cumulative spend per tenant, micro-USD, and charged tokens.
-    pub spend_micro_usd: BTreeMap<String, Vec<u64>>,
-    pub charged_tokens: BTreeMap<String, Vec<u64>>,
+    /// Cumulative spend per tenant, micro-USD, and charged tokens. (The maps here are core's
+    /// `VecMap`s, serialized as `BTreeMap`s are: a few names each, and B-tree code per map type is
+    /// what the page's .wasm was made of most.)
+    pub spend_micro_usd: VecMap<String, Vec<u64>>,
+    pub charged_tokens: VecMap<String, Vec<u64>>,
     /// Requests admitted per version, and refused per code, in each interval.
-    pub admitted_by_version: BTreeMap<String, Vec<u64>>,
-    pub refused_by_code: BTreeMap<String, Vec<u64>>,
-    /// Requests running or queued at each upstream. (u64 like the maps above: one map type less in
-    /// the page's .wasm.)
-    pub in_flight: BTreeMap<String, Vec<u64>>,
+    pub admitted_by_version: VecMap<String, Vec<u64>>,
+    pub refused_by_code: VecMap<String, Vec<u64>>,
+    /// Requests running or queued at each upstream (u64 like the maps above: one map type less).
+    pub in_flight: VecMap<String, Vec<u64>>,
 }
 
 /// Per-tenant counts of the verdict table.
@@ -143,7 +144,7 @@ pub struct TenantRow {
     pub admitted: u64,
     pub clamped: u64,
     pub refused: u64,
-    pub refusals: BTreeMap<String, u64>,
+    pub refusals: VecMap<String, u64>,
     pub charged_tokens: u64,
     pub charged_micro_usd: u64,
 }
@@ -702,8 +703,8 @@ impl<'a> Engine<'a> {
         self.samples_done += 1;
         let series = &mut self.out.series;
         series.t_ms.push(at.saturating_sub(self.start_ns) as f64 / 1e6);
-        let push = |map: &mut BTreeMap<String, Vec<u64>>, name: &str, value: u64| {
-            let v = map.entry(name.to_string()).or_insert_with(|| vec![0; n]);
+        let push = |map: &mut VecMap<String, Vec<u64>>, name: &str, value: u64| {
+            let v = map.get_or_insert_with(name.to_string(), || vec![0; n]);
             v.resize(n, v.last().copied().unwrap_or(0));
             v.push(value);
         };
@@ -712,7 +713,7 @@ impl<'a> Engine<'a> {
             for v in &policy.versions {
                 let Some(b) = &v.breaker else { continue };
                 let state = breaker::read(store, &v.breaker_key(), &b.config).map(|b| b.state().state.code()).unwrap_or(0);
-                series.breakers.entry(v.name.clone()).or_default().push(state);
+                series.breakers.get_or_insert_with(v.name.clone(), Vec::new).push(state);
             }
         }
         if let Some(policy) = budget {
@@ -741,8 +742,8 @@ impl<'a> Engine<'a> {
         }
         // Spend and counts from the verdicts so far (each verdict is written at its request's end).
         let mut spend: VecMap<String, (u64, u64)> = VecMap::new();
-        let mut admitted: BTreeMap<String, u64> = BTreeMap::new();
-        let mut refused: BTreeMap<String, u64> = BTreeMap::new();
+        let mut admitted: VecMap<String, u64> = VecMap::new();
+        let mut refused: VecMap<String, u64> = VecMap::new();
         let from_ms = if n == 0 { f64::NEG_INFINITY } else { series.t_ms.get(n - 1).copied().unwrap_or(0.0) };
         let to_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
         for v in &self.out.verdicts {
@@ -757,10 +758,10 @@ impl<'a> Engine<'a> {
                 continue;
             }
             match &f.refused_code {
-                Some(code) => *refused.entry(code.clone()).or_default() += 1,
+                Some(code) => *refused.get_or_insert_with(code.clone(), || 0) += 1,
                 None => {
                     let v = f.version.clone().or_else(|| f.upstream.clone()).unwrap_or_else(|| "unrouted".into());
-                    *admitted.entry(v).or_default() += 1;
+                    *admitted.get_or_insert_with(v, || 0) += 1;
                 }
             }
         }
@@ -775,10 +776,10 @@ impl<'a> Engine<'a> {
             }
         }
         for (name, count) in admitted {
-            series.admitted_by_version.entry(name).or_insert_with(|| vec![0; n]).push(count);
+            series.admitted_by_version.get_or_insert_with(name, || vec![0; n]).push(count);
         }
         for (code, count) in refused {
-            series.refused_by_code.entry(code).or_insert_with(|| vec![0; n]).push(count);
+            series.refused_by_code.get_or_insert_with(code, || vec![0; n]).push(count);
         }
         for map in [&mut series.admitted_by_version, &mut series.refused_by_code] {
             for v in map.values_mut() {
@@ -788,7 +789,7 @@ impl<'a> Engine<'a> {
         for load in &self.loads {
             let queued = load.queue.iter().filter(|&&i| self.flights.get(i).is_some_and(|f| !f.ended && f.service.is_none())).count();
             let busy = u64::from(load.running) + queued as u64;
-            let v = series.in_flight.entry(load.name.clone()).or_insert_with(|| vec![0; n]);
+            let v = series.in_flight.get_or_insert_with(load.name.clone(), || vec![0; n]);
             v.resize(n, 0);
             v.push(busy);
         }
@@ -817,7 +818,7 @@ impl<'a> Engine<'a> {
                 Verdict::Clamped => row.clamped += 1,
                 Verdict::Refused => {
                     row.refused += 1;
-                    *row.refusals.entry(v.code.clone().unwrap_or_default()).or_default() += 1;
+                    *row.refusals.get_or_insert_with(v.code.clone().unwrap_or_default(), || 0) += 1;
                 }
             }
             row.charged_tokens += v.charged_input_tokens + v.charged_output_tokens;

@@ -8,11 +8,11 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_core::api::ApiKind;
+use sluice_core::vecmap::VecMap;
 use sluice_workload::traffic::{
     default_model, default_output_tokens, default_sample_every_ms, default_stream, default_tenant_header, default_users_per_tenant,
 };
 use sluice_workload::upstream::{check_incident, check_upstream};
-use std::collections::BTreeMap;
 
 /// The simulator's service model of an upstream and its incidents (shared, not copied).
 pub use sluice_workload::upstream::{Incident, Upstream};
@@ -59,7 +59,8 @@ pub struct Workload {
     pub duration_s: f64,
     /// The service model of each upstream (the route model-router writes, or the shadow's cluster).
     #[serde(default)]
-    pub upstream: BTreeMap<String, Upstream>,
+    /// (Core's `VecMap`, deserialized as a `BTreeMap` is: one B-tree instantiation less in the page.)
+    pub upstream: VecMap<String, Upstream>,
     #[serde(default)]
     pub default_upstream: Upstream,
     #[serde(default)]

@@ -125,6 +125,45 @@ impl<K: Ord, V> VecMap<K, V> {
     }
 }
 
+impl<K, V> IntoIterator for VecMap<K, V> {
+    type Item = (K, V);
+    type IntoIter = std::vec::IntoIter<(K, V)>;
+
+    /// The entries in key order.
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.into_iter()
+    }
+}
+
+/// A JSON object in key order, as a `BTreeMap` is serialized.
+impl<K: serde::Serialize, V: serde::Serialize> serde::Serialize for VecMap<K, V> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.entries.iter().map(|(k, v)| (k, v)))
+    }
+}
+
+/// From a map as a `BTreeMap` is deserialized: a repeated key keeps its last value, and the
+/// errors are worded alike (`expected a map`).
+impl<'de, K: serde::Deserialize<'de> + Ord, V: serde::Deserialize<'de>> serde::Deserialize<'de> for VecMap<K, V> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor<K, V>(std::marker::PhantomData<(K, V)>);
+        impl<'de, K: serde::Deserialize<'de> + Ord, V: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visitor<K, V> {
+            type Value = VecMap<K, V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut access: A) -> Result<Self::Value, A::Error> {
+                let mut map = VecMap::new();
+                while let Some((k, v)) = access.next_entry()? {
+                    map.insert(k, v);
+                }
+                Ok(map)
+            }
+        }
+        deserializer.deserialize_map(Visitor(std::marker::PhantomData))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::VecMap;
@@ -159,5 +198,17 @@ mod tests {
         assert!(v.keys().eq(b.keys()) && v.values().eq(b.values()));
         v.clear();
         assert!(v.is_empty());
+    }
+
+    /// Serialized and deserialized as a `BTreeMap`: the same JSON, the same last-wins on a repeated
+    /// key, the same errors.
+    #[test]
+    fn serde_as_a_btreemap() {
+        for text in [r#"{"b": 2, "a": 1, "b": 3}"#, "{}", "[1]", r#"{"a": "x"}"#, "7"] {
+            let v = serde_json::from_str::<VecMap<String, u64>>(text).map_err(|e| e.to_string());
+            let b = serde_json::from_str::<BTreeMap<String, u64>>(text).map_err(|e| e.to_string());
+            assert_eq!(v.as_ref().map(|v| serde_json::to_string(v).unwrap()), b.as_ref().map(|b| serde_json::to_string(b).unwrap()), "{text}");
+            assert_eq!(v.map(|v| v.into_iter().collect::<Vec<_>>()), b.map(|b| b.into_iter().collect::<Vec<_>>()), "{text}");
+        }
     }
 }

@@ -30,7 +30,6 @@
 //! guard, in a VM of its own as in the simulator's harness, observes on its own.
 
 use sluice_core::vecmap::VecMap;
-use std::collections::BTreeMap;
 
 use sluice_core::api::ApiKind;
 use sluice_core::budget::policy::{LedgerConfig, LedgerMode};
@@ -78,7 +77,7 @@ pub enum Out {
 
 #[derive(Debug)]
 pub struct Ended {
-    pub state: BTreeMap<String, Vec<u8>>,
+    pub state: VecMap<String, Vec<u8>>,
     /// The filter that answered the request itself, and the status it answered.
     pub reply: Option<(Filter, u16)>,
     /// The status of the response headers that reached the client.
@@ -198,7 +197,7 @@ struct Data {
     request_body: Vec<u8>,
     /// Attributes set before the first filter (json_to_metadata's).
     metadata: Vec<(Vec<String>, String)>,
-    state: BTreeMap<String, Vec<u8>>,
+    state: VecMap<String, Vec<u8>>,
     response_headers: Vec<(String, String)>,
     /// The response chunk being passed.
     chunk: Vec<u8>,
