@@ -316,7 +316,8 @@ pub fn read_generic_jsonl(text: &str) -> Result<Vec<Request>, WorkloadError> {
             continue;
         }
         let err = |field: Option<&str>, message: String| WorkloadError::Trace { line, field: field.map(str::to_string), message };
-        let v: Value = serde_json::from_str(raw).map_err(|e| err(None, format!("not JSON: {e}")))?;
+        // From the bytes: one JSON reader type in the page's .wasm (the same errors; `raw` is UTF-8).
+        let v: Value = serde_json::from_slice(raw.as_bytes()).map_err(|e| err(None, format!("not JSON: {e}")))?;
         let Some(obj) = v.as_object() else { return Err(err(None, "not a JSON object".into())) };
         let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
         let u64_field = |k: &str| -> Result<Option<u64>, WorkloadError> {
