@@ -20,11 +20,12 @@ use sluice_core::flow::guard::{MODEL_METADATA, STAMP_PROPERTY as GUARD_STAMP};
 use sluice_core::latency::{breaker, LatencyPolicy};
 use sluice_core::report::Outcome;
 use sluice_core::routing::{Reason, RoutingPolicy};
+use sluice_core::vecmap::VecMap;
 use sluice_workload::draw::mix;
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 
 use crate::answer::{answer, prompt_tokens, CHUNK_NS};
 use crate::workload::{Request, Workload};
@@ -120,17 +121,19 @@ pub struct BudgetSeries {
 pub struct Series {
     pub t_ms: Vec<f64>,
     /// Breaker state per version: 0 closed, 1 open, 2 half-open.
-    pub breakers: BTreeMap<String, Vec<u8>>,
+    pub breakers: VecMap<String, Vec<u8>>,
     /// The budgets of the keys the workload used (per-identity budgets are one counter per identity: left out).
     pub budgets: Vec<BudgetSeries>,
-    /// Cumulative spend per tenant, micro-USD, and charged tokens.
-    pub spend_micro_usd: BTreeMap<String, Vec<u64>>,
-    pub charged_tokens: BTreeMap<String, Vec<u64>>,
+    /// Cumulative spend per tenant, micro-USD, and charged tokens. (The maps here are core's
+    /// `VecMap`s, serialized as `BTreeMap`s are: a few names each, and B-tree code per map type is
+    /// what the page's .wasm was made of most.)
+    pub spend_micro_usd: VecMap<String, Vec<u64>>,
+    pub charged_tokens: VecMap<String, Vec<u64>>,
     /// Requests admitted per version, and refused per code, in each interval.
-    pub admitted_by_version: BTreeMap<String, Vec<u64>>,
-    pub refused_by_code: BTreeMap<String, Vec<u64>>,
-    /// Requests running or queued at each upstream.
-    pub in_flight: BTreeMap<String, Vec<u32>>,
+    pub admitted_by_version: VecMap<String, Vec<u64>>,
+    pub refused_by_code: VecMap<String, Vec<u64>>,
+    /// Requests running or queued at each upstream (u64 like the maps above: one map type less).
+    pub in_flight: VecMap<String, Vec<u64>>,
 }
 
 /// Per-tenant counts of the verdict table.
@@ -141,7 +144,7 @@ pub struct TenantRow {
     pub admitted: u64,
     pub clamped: u64,
     pub refused: u64,
-    pub refusals: BTreeMap<String, u64>,
+    pub refusals: VecMap<String, u64>,
     pub charged_tokens: u64,
     pub charged_micro_usd: u64,
 }
@@ -175,6 +178,14 @@ struct Service {
     fail: Option<u16>,
 }
 
+/// An upstream's running requests and FIFO queue.
+#[derive(Debug)]
+struct Load {
+    name: String,
+    running: u32,
+    queue: VecDeque<usize>,
+}
+
 #[derive(Debug)]
 struct Flight {
     request: Request,
@@ -203,11 +214,11 @@ pub struct Engine<'a> {
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     flights: Vec<Flight>,
-    /// Running requests and FIFO queue per upstream.
-    running: BTreeMap<String, u32>,
-    queues: BTreeMap<String, VecDeque<usize>>,
-    /// Shadow answers on their way: status (0: timed out) and body.
-    shadows: BTreeMap<u32, (u16, Vec<u8>)>,
+    /// Running requests and FIFO queue per upstream, in the order first used (a handful: a list,
+    /// not a map, which would be one more map type in the page's .wasm).
+    loads: Vec<Load>,
+    /// Shadow answers on their way, by token: status (0: timed out) and body (a few at a time).
+    shadows: Vec<(u32, u16, Vec<u8>)>,
     /// The stamps' filter-state keys: llm-metrics', tenant-budget's.
     metrics_key: Option<String>,
     budget_key: Option<String>,
@@ -241,9 +252,8 @@ impl<'a> Engine<'a> {
             events: BinaryHeap::new(),
             seq: 0,
             flights: Vec::new(),
-            running: BTreeMap::new(),
-            queues: BTreeMap::new(),
-            shadows: BTreeMap::new(),
+            loads: Vec::new(),
+            shadows: Vec::new(),
             metrics_key,
             budget_key,
             filler: String::new(),
@@ -304,6 +314,22 @@ impl<'a> Engine<'a> {
             .collect();
         self.finish_tables();
         self.out
+    }
+
+    /// The requests running at upstream `name`.
+    fn running(&self, name: &str) -> u32 {
+        self.loads.iter().find(|l| l.name == name).map_or(0, |l| l.running)
+    }
+
+    /// Upstream `name`'s load, added when first used.
+    fn load(&mut self, name: String) -> Option<&mut Load> {
+        match self.loads.iter().position(|l| l.name == name) {
+            Some(i) => self.loads.get_mut(i),
+            None => {
+                self.loads.push(Load { name, running: 0, queue: VecDeque::new() });
+                self.loads.last_mut()
+            }
+        }
     }
 
     fn schedule(&mut self, at: u64, event: Event) {
@@ -534,11 +560,12 @@ impl<'a> Engine<'a> {
         let name = route.or_else(|| body.get("model").and_then(Value::as_str).map(str::to_string)).unwrap_or_else(|| "default".into());
         f.upstream = Some(name.clone());
         f.upstream_body = Some(body);
-        let running = *self.running.get(&name).unwrap_or(&0);
-        if running < self.workload.upstream(&name).max_batch {
+        if self.running(&name) < self.workload.upstream(&name).max_batch {
             self.start_service(id, now);
         } else {
-            self.queues.entry(name).or_default().push_back(id);
+            if let Some(l) = self.load(name) {
+                l.queue.push_back(id);
+            }
         }
     }
 
@@ -550,7 +577,7 @@ impl<'a> Engine<'a> {
         let Some(name) = f.upstream.clone() else { return };
         let model = self.workload.upstream(&name);
         let incidents = active_incidents(&self.workload.incidents, &name, offset_s);
-        let running = *self.running.get(&name).unwrap_or(&0);
+        let running = self.running(&name);
         let fail = failure(model, &incidents, self.workload.seed, f.request.line);
         let (mut ttft_ms, mut tpot_ms) = service_times(model, f.request.prompt_tokens, running, &incidents);
         if self.workload.whole_milliseconds {
@@ -564,7 +591,9 @@ impl<'a> Engine<'a> {
         let times: Vec<u64> = a.pieces.iter().map(|(t, _)| now.saturating_add(*t)).collect();
         let service = Service { itl_ns, tokens: a.tokens, fail };
         if fail.is_none() {
-            *self.running.entry(name).or_insert(0) += 1;
+            if let Some(l) = self.load(name) {
+                l.running += 1;
+            }
         }
         if let Some(f) = self.flights.get_mut(id) {
             f.service = Some(service);
@@ -579,10 +608,11 @@ impl<'a> Engine<'a> {
 
     /// A batch slot of `name` is free: the next queued request that is still waiting starts.
     fn free_slot(&mut self, name: &str, now: u64) {
-        if let Some(r) = self.running.get_mut(name) {
-            *r = r.saturating_sub(1);
+        let Some(index) = self.loads.iter().position(|l| l.name == name) else { return };
+        if let Some(l) = self.loads.get_mut(index) {
+            l.running = l.running.saturating_sub(1);
         }
-        while let Some(next) = self.queues.get_mut(name).and_then(VecDeque::pop_front) {
+        while let Some(next) = self.loads.get_mut(index).and_then(|l| l.queue.pop_front()) {
             if self.flights.get(next).is_some_and(|f| !f.ended) {
                 self.start_service(next, now);
                 return;
@@ -615,7 +645,13 @@ impl<'a> Engine<'a> {
                 self.gateway.response_body(gateway_id(id), at, bytes, last);
             }
             Event::ShadowAnswer(token) => {
-                let (status, body) = self.shadows.remove(&token).unwrap_or_default();
+                let (status, body) = match self.shadows.iter().position(|(t, _, _)| *t == token) {
+                    Some(i) => {
+                        let (_, status, body) = self.shadows.swap_remove(i);
+                        (status, body)
+                    }
+                    None => (0, Vec::new()),
+                };
                 self.gateway.shadow_answer(token, at, status, &body);
             }
         }
@@ -626,7 +662,7 @@ impl<'a> Engine<'a> {
     fn shadow(&mut self, token: u32, now: u64, cluster: &str, path: &str, body: &[u8]) {
         let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let model = self.workload.upstream(cluster);
-        let running = *self.running.get(cluster).unwrap_or(&0);
+        let running = self.running(cluster);
         let default_out = self.workload.traffic.output_tokens;
         let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(default_out).min(default_out);
         let (status, bytes, after) = match ApiKind::from_path(path) {
@@ -640,7 +676,10 @@ impl<'a> Engine<'a> {
         };
         let timeout = shadow_timeout_ns();
         let (status, bytes, after) = if after > timeout { (0, Vec::new(), timeout) } else { (status, bytes, after) };
-        self.shadows.insert(token, (status, bytes));
+        match self.shadows.iter_mut().find(|(t, _, _)| *t == token) {
+            Some(s) => (s.1, s.2) = (status, bytes),
+            None => self.shadows.push((token, status, bytes)),
+        }
         self.schedule(now.saturating_add(after), Event::ShadowAnswer(token));
     }
 
@@ -663,8 +702,8 @@ impl<'a> Engine<'a> {
         self.samples_done += 1;
         let series = &mut self.out.series;
         series.t_ms.push(at.saturating_sub(self.start_ns) as f64 / 1e6);
-        let push = |map: &mut BTreeMap<String, Vec<u64>>, name: &str, value: u64| {
-            let v = map.entry(name.to_string()).or_insert_with(|| vec![0; n]);
+        let push = |map: &mut VecMap<String, Vec<u64>>, name: &str, value: u64| {
+            let v = map.get_or_insert_with(name.to_string(), || vec![0; n]);
             v.resize(n, v.last().copied().unwrap_or(0));
             v.push(value);
         };
@@ -673,7 +712,7 @@ impl<'a> Engine<'a> {
             for v in &policy.versions {
                 let Some(b) = &v.breaker else { continue };
                 let state = breaker::read(store, &v.breaker_key(), &b.config).map(|b| b.state().state.code()).unwrap_or(0);
-                series.breakers.entry(v.name.clone()).or_default().push(state);
+                series.breakers.get_or_insert_with(v.name.clone(), Vec::new).push(state);
             }
         }
         if let Some(policy) = budget {
@@ -701,14 +740,14 @@ impl<'a> Engine<'a> {
             }
         }
         // Spend and counts from the verdicts so far (each verdict is written at its request's end).
-        let mut spend: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-        let mut admitted: BTreeMap<String, u64> = BTreeMap::new();
-        let mut refused: BTreeMap<String, u64> = BTreeMap::new();
+        let mut spend: VecMap<String, (u64, u64)> = VecMap::new();
+        let mut admitted: VecMap<String, u64> = VecMap::new();
+        let mut refused: VecMap<String, u64> = VecMap::new();
         let from_ms = if n == 0 { f64::NEG_INFINITY } else { series.t_ms.get(n - 1).copied().unwrap_or(0.0) };
         let to_ms = at.saturating_sub(self.start_ns) as f64 / 1e6;
         for v in &self.out.verdicts {
             let tenant = v.tenant.clone().unwrap_or_else(|| "anonymous".into());
-            let e = spend.entry(tenant).or_default();
+            let e = spend.get_or_insert_with(tenant, Default::default);
             e.0 += v.charged_micro_usd;
             e.1 += v.charged_input_tokens + v.charged_output_tokens;
         }
@@ -718,14 +757,14 @@ impl<'a> Engine<'a> {
                 continue;
             }
             match &f.refused_code {
-                Some(code) => *refused.entry(code.clone()).or_default() += 1,
+                Some(code) => *refused.get_or_insert_with(code.clone(), || 0) += 1,
                 None => {
                     let v = f.version.clone().or_else(|| f.upstream.clone()).unwrap_or_else(|| "unrouted".into());
-                    *admitted.entry(v).or_default() += 1;
+                    *admitted.get_or_insert_with(v, || 0) += 1;
                 }
             }
         }
-        for (tenant, (usd, tokens)) in &spend {
+        for (tenant, (usd, tokens)) in spend.iter() {
             push(&mut series.spend_micro_usd, tenant, *usd);
             push(&mut series.charged_tokens, tenant, *tokens);
         }
@@ -736,26 +775,20 @@ impl<'a> Engine<'a> {
             }
         }
         for (name, count) in admitted {
-            series.admitted_by_version.entry(name).or_insert_with(|| vec![0; n]).push(count);
+            series.admitted_by_version.get_or_insert_with(name, || vec![0; n]).push(count);
         }
         for (code, count) in refused {
-            series.refused_by_code.entry(code).or_insert_with(|| vec![0; n]).push(count);
+            series.refused_by_code.get_or_insert_with(code, || vec![0; n]).push(count);
         }
         for map in [&mut series.admitted_by_version, &mut series.refused_by_code] {
             for v in map.values_mut() {
                 v.resize(n + 1, 0);
             }
         }
-        let mut names: Vec<String> = self.running.keys().chain(self.queues.keys()).cloned().collect();
-        names.sort();
-        names.dedup();
-        for name in names {
-            let busy = self.running.get(&name).copied().unwrap_or(0)
-                + self
-                    .queues
-                    .get(&name)
-                    .map_or(0, |q| q.iter().filter(|&&i| self.flights.get(i).is_some_and(|f| !f.ended && f.service.is_none())).count() as u32);
-            let v = series.in_flight.entry(name).or_insert_with(|| vec![0; n]);
+        for load in &self.loads {
+            let queued = load.queue.iter().filter(|&&i| self.flights.get(i).is_some_and(|f| !f.ended && f.service.is_none())).count();
+            let busy = u64::from(load.running) + queued as u64;
+            let v = series.in_flight.get_or_insert_with(load.name.clone(), || vec![0; n]);
             v.resize(n, 0);
             v.push(busy);
         }
@@ -766,23 +799,31 @@ impl<'a> Engine<'a> {
 
     fn finish_tables(&mut self) {
         self.out.verdicts.sort_by_key(|v| v.line);
-        let mut rows: BTreeMap<String, TenantRow> = BTreeMap::new();
+        // By tenant name, kept sorted (a map would be one more map type in the page's .wasm).
+        let mut rows: Vec<TenantRow> = Vec::new();
         for v in &self.out.verdicts {
-            let name = v.tenant.clone().unwrap_or_else(|| "anonymous".into());
-            let row = rows.entry(name.clone()).or_insert_with(|| TenantRow { tenant: name, ..TenantRow::default() });
+            let name = v.tenant.as_deref().unwrap_or("anonymous");
+            let at = match rows.binary_search_by(|r| r.tenant.as_str().cmp(name)) {
+                Ok(at) => at,
+                Err(at) => {
+                    rows.insert(at, TenantRow { tenant: name.to_string(), ..TenantRow::default() });
+                    at
+                }
+            };
+            let Some(row) = rows.get_mut(at) else { continue };
             row.requests += 1;
             match v.decision {
                 Verdict::Admitted => row.admitted += 1,
                 Verdict::Clamped => row.clamped += 1,
                 Verdict::Refused => {
                     row.refused += 1;
-                    *row.refusals.entry(v.code.clone().unwrap_or_default()).or_default() += 1;
+                    *row.refusals.get_or_insert_with(v.code.clone().unwrap_or_default(), || 0) += 1;
                 }
             }
             row.charged_tokens += v.charged_input_tokens + v.charged_output_tokens;
             row.charged_micro_usd += v.charged_micro_usd;
         }
-        self.out.tenants = rows.into_values().collect();
+        self.out.tenants = rows;
     }
 }
 

@@ -166,7 +166,8 @@ pub fn run(input: &RunInput) -> Result<RunOutput, PlaygroundError> {
 /// [`run`] with JSON text in and out, as the page calls it: `{"ok": true, "result": …}` or
 /// `{"ok": false, "error": …, "plugin": …, "log": …}`.
 pub fn run_json(input: &str) -> String {
-    let parsed: Result<RunInput, PlaygroundError> = serde_json::from_str(input).map_err(|e| PlaygroundError::Input(e.to_string()));
+    // From the bytes, as every other JSON the page reads: one reader type less in its .wasm.
+    let parsed: Result<RunInput, PlaygroundError> = serde_json::from_slice(input.as_bytes()).map_err(|e| PlaygroundError::Input(e.to_string()));
     match parsed.and_then(|i| run(&i)) {
         Ok(out) => serde_json::json!({"ok": true, "result": out}).to_string(),
         Err(e) => error_json(&e),

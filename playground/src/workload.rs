@@ -8,11 +8,11 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_core::api::ApiKind;
+use sluice_core::vecmap::VecMap;
 use sluice_workload::traffic::{
     default_model, default_output_tokens, default_sample_every_ms, default_stream, default_tenant_header, default_users_per_tenant,
 };
 use sluice_workload::upstream::{check_incident, check_upstream};
-use std::collections::BTreeMap;
 
 /// The simulator's service model of an upstream and its incidents (shared, not copied).
 pub use sluice_workload::upstream::{Incident, Upstream};
@@ -59,7 +59,8 @@ pub struct Workload {
     pub duration_s: f64,
     /// The service model of each upstream (the route model-router writes, or the shadow's cluster).
     #[serde(default)]
-    pub upstream: BTreeMap<String, Upstream>,
+    /// (Core's `VecMap`, deserialized as a `BTreeMap` is: one B-tree instantiation less in the page.)
+    pub upstream: VecMap<String, Upstream>,
     #[serde(default)]
     pub default_upstream: Upstream,
     #[serde(default)]
@@ -315,7 +316,8 @@ pub fn read_generic_jsonl(text: &str) -> Result<Vec<Request>, WorkloadError> {
             continue;
         }
         let err = |field: Option<&str>, message: String| WorkloadError::Trace { line, field: field.map(str::to_string), message };
-        let v: Value = serde_json::from_str(raw).map_err(|e| err(None, format!("not JSON: {e}")))?;
+        // From the bytes: one JSON reader type in the page's .wasm (the same errors; `raw` is UTF-8).
+        let v: Value = serde_json::from_slice(raw.as_bytes()).map_err(|e| err(None, format!("not JSON: {e}")))?;
         let Some(obj) = v.as_object() else { return Err(err(None, "not a JSON object".into())) };
         let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
         let u64_field = |k: &str| -> Result<Option<u64>, WorkloadError> {

@@ -16,8 +16,24 @@ const WASM_BINDGEN_VERSION: &str = "0.2.130";
 /// The page's policy pickers: every shipped example of each plugin the playground runs.
 const PLUGINS: [&str; 3] = ["latency-guard", "model-router", "tenant-budget"];
 
-/// What the playground's build needs: the target, the matching wasm-bindgen-cli, and binaryen's
-/// `wasm-opt` (Debian's package) to shrink the page's `.wasm`.
+/// npm's binaryen, whose `wasm-opt` (a newer one than Debian's 108) runs after wasm-bindgen too.
+const BINARYEN_NPM_VERSION: &str = "132.0.0";
+
+/// Where [`setup`] installs npm's binaryen: `~/.cache/sluice/binaryen-<version>`.
+fn binaryen_npm_dir() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    Some(PathBuf::from(home).join(".cache/sluice").join(format!("binaryen-{BINARYEN_NPM_VERSION}")))
+}
+
+/// npm's `wasm-opt` (a node script), when [`setup`] could install it.
+fn newer_wasm_opt() -> Option<PathBuf> {
+    let path = binaryen_npm_dir()?.join("node_modules/.bin/wasm-opt");
+    path.exists().then_some(path)
+}
+
+/// What the playground's build needs: the target, the matching wasm-bindgen-cli, binaryen's
+/// `wasm-opt` (Debian's package) to shrink the page's `.wasm`, and npm's newer binaryen when npm
+/// is there (without it, the page is built with Debian's alone, a few KiB larger).
 pub fn setup() -> Result<()> {
     let installed = crate::output(Command::new("rustup").args(["target", "list", "--installed"]))?;
     if !installed.lines().any(|l| l.trim() == TARGET) {
@@ -33,7 +49,19 @@ pub fn setup() -> Result<()> {
             crate::run(Command::new("cargo").args(["install", "wasm-bindgen-cli", "--version", WASM_BINDGEN_VERSION]))?;
         }
     }
-    crate::ensure_debian_packages(&[("wasm-opt", "binaryen")])
+    crate::ensure_debian_packages(&[("wasm-opt", "binaryen")])?;
+    if newer_wasm_opt().is_none() {
+        let installed = binaryen_npm_dir().context("no HOME for npm's binaryen").and_then(|dir| {
+            std::fs::create_dir_all(&dir)?;
+            crate::run(
+                Command::new("npm").arg("install").arg("--prefix").arg(&dir).args(["--no-audit", "--no-fund"]).arg(format!("binaryen@{BINARYEN_NPM_VERSION}")),
+            )
+        });
+        if let Err(e) = installed {
+            eprintln!("xtask: npm's binaryen {BINARYEN_NPM_VERSION} not installed ({e:#}); the page is built with Debian's wasm-opt alone");
+        }
+    }
+    Ok(())
 }
 
 /// Builds the page's `pkg/`: the `.wasm` (profile `playground`: size over speed), its glue, the
@@ -65,6 +93,16 @@ pub fn build(root: &Path) -> Result<u64> {
     let out = staging.join("out");
     crate::run(Command::new("wasm-bindgen").arg("--target").arg("no-modules").arg("--no-typescript").arg("--out-dir").arg(&out).arg(&input))?;
     let wasm = out.join("sluice_playground_bg.wasm");
+    // A second pass after wasm-bindgen, with npm's newer wasm-opt (132 keeps the externref table
+    // wasm-bindgen writes, where 108 breaks it): what wasm-bindgen left out becomes dead code, and
+    // 132 shrinks further than 108 — 7 KiB of the page.
+    if let Some(newer) = newer_wasm_opt() {
+        let again = staging.join("sluice_playground_bg.opt.wasm");
+        match crate::run(Command::new(&newer).arg("-Oz").args(features).arg(&wasm).arg("-o").arg(&again)) {
+            Ok(()) => std::fs::rename(&again, &wasm)?,
+            Err(e) => eprintln!("xtask: the second wasm-opt pass failed ({e:#}); the page embeds wasm-bindgen's output"),
+        }
+    }
     let bytes = std::fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
     let pkg = root.join("examples/playground/pkg");
     std::fs::create_dir_all(&pkg)?;

@@ -54,5 +54,6 @@ pub mod store;
 pub mod text;
 pub mod timing;
 pub mod usage;
+pub mod vecmap;
 
 pub mod json;

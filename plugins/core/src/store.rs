@@ -125,7 +125,9 @@ pub fn counter_add(store: &mut dyn SharedStore, key: &str, delta: i64) -> Result
 /// the key's CAS token). For tests, benches, the simulator and the playground.
 #[derive(Debug, Default, Clone)]
 pub struct MemoryStore {
-    entries: std::collections::BTreeMap<String, (Vec<u8>, u32)>,
+    /// A [`VecMap`](crate::vecmap::VecMap): keys are added far less often than read, and the
+    /// playground's page carries one B-tree instantiation less.
+    entries: crate::vecmap::VecMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
 }
 

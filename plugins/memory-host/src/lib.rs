@@ -29,7 +29,7 @@
 //! The sections of the back filter share one response observer per request, as in one VM; the
 //! guard, in a VM of its own as in the simulator's harness, observes on its own.
 
-use std::collections::BTreeMap;
+use sluice_core::vecmap::VecMap;
 
 use sluice_core::api::ApiKind;
 use sluice_core::budget::policy::{LedgerConfig, LedgerMode};
@@ -77,7 +77,7 @@ pub enum Out {
 
 #[derive(Debug)]
 pub struct Ended {
-    pub state: BTreeMap<String, Vec<u8>>,
+    pub state: VecMap<String, Vec<u8>>,
     /// The filter that answered the request itself, and the status it answered.
     pub reply: Option<(Filter, u16)>,
     /// The status of the response headers that reached the client.
@@ -142,7 +142,7 @@ pub fn breaker_change(name: &str, before: i64, after: i64) -> Option<(&str, &'st
 #[derive(Debug, Default)]
 struct Sink {
     guard_timer: Timer,
-    gauges: BTreeMap<String, i64>,
+    gauges: VecMap<String, i64>,
     transitions: Vec<Transition>,
     warnings: Vec<String>,
 }
@@ -197,7 +197,7 @@ struct Data {
     request_body: Vec<u8>,
     /// Attributes set before the first filter (json_to_metadata's).
     metadata: Vec<(Vec<String>, String)>,
-    state: BTreeMap<String, Vec<u8>>,
+    state: VecMap<String, Vec<u8>>,
     response_headers: Vec<(String, String)>,
     /// The response chunk being passed.
     chunk: Vec<u8>,
@@ -371,7 +371,9 @@ struct Vm {
 /// The chain: its VM, its requests, the back filter's tick, what the engine has to pick up.
 pub struct Gateway {
     vm: Vm,
-    streams: BTreeMap<u32, Stream>,
+    /// Open requests by id. A [`VecMap`] (one B-tree instantiation less in the playground's page);
+    /// boxed, so that opening or ending one moves pointers, not streams.
+    streams: VecMap<u32, Box<Stream>>,
     /// The back filter's tick (model-router's, while shadows wait to be sent).
     sections_timer: Timer,
     router_armed: bool,
@@ -398,7 +400,7 @@ impl Gateway {
             BudgetPolicy::new(p, "playground", now, vm_number)
         });
         let vm = Vm { guard, router: router.map(Router::new), budget, metrics: metrics.map(MetricsPolicy::new), store, fx: Effects::default(), sink };
-        Gateway { vm, streams: BTreeMap::new(), sections_timer: Timer::default(), router_armed: false, next_token: 0, out: Vec::new() }
+        Gateway { vm, streams: VecMap::new(), sections_timer: Timer::default(), router_armed: false, next_token: 0, out: Vec::new() }
     }
 
     pub fn router_policy(&self) -> Option<&RoutingPolicy> {
@@ -479,7 +481,7 @@ impl Gateway {
             budget: vm.budget.as_ref().map(|_| BudgetFlow::new(id)),
             metrics: vm.metrics.as_ref().map(|_| MetricsFlow::default()),
         };
-        self.streams.insert(id, stream);
+        self.streams.insert(id, Box::new(stream));
         for body in [false, true] {
             let Some(s) = self.streams.get_mut(&id) else { return };
             self.vm.guard_request(s, now, body);
@@ -499,7 +501,7 @@ impl Gateway {
     fn sections_request(&mut self, id: u32, now: u64, body: bool) -> bool {
         let Some(s) = self.streams.get_mut(&id) else { return false };
         let Vm { router, budget, metrics, store, fx, sink, .. } = &mut self.vm;
-        let Stream { ctl, flows } = s;
+        let Stream { ctl, flows } = &mut **s;
         if let (Some(r), Some(flow)) = (router.as_mut(), flows.router.as_mut()) {
             let mut v = view(&mut ctl.data, now);
             if !body {
@@ -663,7 +665,7 @@ impl Gateway {
     fn end(&mut self, id: u32, now: u64) {
         let Some(mut s) = self.streams.remove(&id) else { return };
         let Vm { guard, router, budget, metrics, store, fx, sink } = &mut self.vm;
-        let Stream { ctl, flows } = &mut s;
+        let Stream { ctl, flows } = &mut *s;
         if let (Some(root), Some(flow)) = (guard.as_mut(), flows.guard.as_mut()) {
             if flow.is_guarded() {
                 flow.on_log(root, &mut view(&mut ctl.data, now), store, now, fx);

@@ -38,8 +38,9 @@ use crate::rewrite::{rewrite_request, UsageChunkStripper};
 use crate::sse::DEFAULT_MAX_EVENT_BYTES;
 use crate::store::SharedStore;
 use crate::usage::Usage;
+use crate::vecmap::VecMap;
 use stamp::Stamp;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 /// Largest request body the plugin will hold to admit it. A larger body cannot be sized, so it is
 /// refused (413) rather than let through unbudgeted.
@@ -128,19 +129,21 @@ pub struct BudgetPolicy {
     settle_queue: VecDeque<SettleJob>,
     /// Settlements in flight, by callout token: one alone (`/v1/settle`) or a batch
     /// (`/v1/settle_batch`), with the time they were sent.
-    settle_calls: BTreeMap<u32, SettleCall>,
+    /// (This and the other maps here are [`VecMap`]s: a few entries each, and the playground's page
+    /// carries four B-tree instantiations less.)
+    settle_calls: VecMap<u32, SettleCall>,
     /// The ledger answered a batch 404 (a service from before batches): settlements go one by one.
     batches_unsupported: bool,
     /// The Redis ledger's last known state (`None` before the first call): logged on change only.
     ledger_ok: Option<bool>,
     /// What the local fallback charged while the ledger failed, per org tag, to write back.
-    write_backs: BTreeMap<String, TagWriteBack>,
+    write_backs: VecMap<String, TagWriteBack>,
     /// Counters in `write_backs`, waiting or being sent (at most [`MAX_WRITE_BACK_COUNTERS`]).
     write_back_counters: usize,
     /// Numbers this VM's write-back ids.
     write_back_seq: u64,
     /// Write-backs in flight, by callout token: their tag, and when they were sent.
-    write_back_calls: BTreeMap<u32, (String, u64)>,
+    write_back_calls: VecMap<u32, (String, u64)>,
     /// The ledger answered a write-back 404 (a service from before `/v1/charge`): none are kept.
     write_backs_unsupported: bool,
 }
@@ -149,7 +152,7 @@ pub struct BudgetPolicy {
 #[derive(Debug, Default)]
 struct TagWriteBack {
     /// Not yet sent: per counter key, the amount and when its window is over (s).
-    waiting: BTreeMap<String, (u64, u64)>,
+    waiting: VecMap<String, (u64, u64)>,
     /// Sent, and sent again unchanged (same id: the ledger applies it once) until answered.
     sending: Option<WriteBackBatch>,
 }
@@ -179,13 +182,13 @@ impl BudgetPolicy {
             model_versions,
             vm_nonce,
             settle_queue: VecDeque::new(),
-            settle_calls: BTreeMap::new(),
+            settle_calls: VecMap::new(),
             batches_unsupported: false,
             ledger_ok: None,
-            write_backs: BTreeMap::new(),
+            write_backs: VecMap::new(),
             write_back_counters: 0,
             write_back_seq: 0,
-            write_back_calls: BTreeMap::new(),
+            write_back_calls: VecMap::new(),
             write_backs_unsupported: false,
         }
     }
@@ -201,7 +204,7 @@ impl BudgetPolicy {
         if self.write_backs_unsupported {
             return;
         }
-        let tag = self.write_backs.entry(target.tag.clone()).or_default();
+        let tag = self.write_backs.get_or_insert_with(target.tag.clone(), TagWriteBack::default);
         for (counter, &amount) in target.counters.iter().zip(amounts) {
             if amount == 0 {
                 continue;
@@ -223,7 +226,7 @@ impl BudgetPolicy {
     fn tick_write_backs(&mut self, host: &mut dyn BudgetHost, now: u64, fx: &mut Effects) {
         let now_s = now / 1_000_000_000;
         let mut failures = Vec::new();
-        for (tag_name, tag) in &mut self.write_backs {
+        for (tag_name, tag) in self.write_backs.iter_mut() {
             if self.write_back_calls.len() >= TICK_CALLS {
                 break;
             }

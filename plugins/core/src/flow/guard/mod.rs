@@ -35,7 +35,7 @@ use crate::request::inspect_request_with_kind;
 use crate::rewrite::rewrite_request;
 use crate::store::{self, SharedStore, Updated};
 use crate::timing::StreamTiming;
-use std::collections::BTreeMap;
+use crate::vecmap::VecMap;
 use std::sync::Arc;
 
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
@@ -83,8 +83,10 @@ struct Watch {
 #[derive(Debug)]
 pub struct GuardRoot {
     policy: LatencyPolicy,
-    /// Streams the tick watches, by context id.
-    watched: BTreeMap<u32, Watch>,
+    /// Streams the tick watches, by context id. A [`VecMap`] (context ids only grow: a stream is
+    /// added at the end) of boxes, so that a stream's end moves pointers; one B-tree instantiation
+    /// less in the playground's page.
+    watched: VecMap<u32, Box<Watch>>,
     next_breaker_sweep_ns: u64,
     warned_no_first_token_signal: bool,
     /// This VM's release queue (its name), when it has one, and the VM id llm-metrics resolves it under.
@@ -102,7 +104,7 @@ impl GuardRoot {
     pub fn new(policy: LatencyPolicy, release_queue: Option<String>, vm_id: String) -> GuardRoot {
         GuardRoot {
             policy,
-            watched: BTreeMap::new(),
+            watched: VecMap::new(),
             next_breaker_sweep_ns: 0,
             warned_no_first_token_signal: false,
             release_queue,
@@ -837,7 +839,7 @@ impl GuardFlow {
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
         let watch = Watch { kind: g.kind, version: Arc::from(vp.name.as_str()), machine, traced: g.traced };
-        root.watched.insert(self.id, watch);
+        root.watched.insert(self.id, Box::new(watch));
         root.schedule(now, fx);
         Verdict::Continue
     }

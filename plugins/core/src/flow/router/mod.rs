@@ -29,7 +29,8 @@ use crate::routing::{Decision, Reason, RoutingPolicy, ShadowVerdict};
 use crate::span;
 use crate::store::{self, SharedStore};
 use crate::timing::StreamTiming;
-use std::collections::{BTreeMap, VecDeque};
+use crate::vecmap::VecMap;
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -136,14 +137,17 @@ struct Pending {
 pub struct Router {
     pub policy: RoutingPolicy,
     jobs: Vec<ShadowJob>,
-    in_flight: BTreeMap<u32, InFlightShadow>,
-    pending: BTreeMap<String, Pending>,
+    /// [`VecMap`]s, not B-trees (two instantiations less in the playground's page), of boxes: an
+    /// insertion or removal moves pointers. Callout tokens only grow (added at the end); pending
+    /// comparisons are at most [`MAX_PENDING_COMPARISONS`].
+    in_flight: VecMap<u32, Box<InFlightShadow>>,
+    pending: VecMap<String, Box<Pending>>,
     pending_order: VecDeque<String>,
 }
 
 impl Router {
     pub fn new(policy: RoutingPolicy) -> Router {
-        Router { policy, jobs: Vec::new(), in_flight: BTreeMap::new(), pending: BTreeMap::new(), pending_order: VecDeque::new() }
+        Router { policy, jobs: Vec::new(), in_flight: VecMap::new(), pending: VecMap::new(), pending_order: VecDeque::new() }
     }
 
     /// Shadow requests waiting for the root's tick (the tick runs only while this is not zero).
@@ -160,7 +164,7 @@ impl Router {
     pub fn shadow_sent(&mut self, token: u32, job: ShadowJob, now: u64, fx: &mut Effects) {
         fx.count(metrics::router_shadow_total(&job.pair(), ShadowResult::Sent), 1);
         let ShadowJob { request_id, kind, primary_version, shadow_version, .. } = job;
-        self.in_flight.insert(token, InFlightShadow { request_id, kind, started_ns: now, primary_version, shadow_version });
+        self.in_flight.insert(token, Box::new(InFlightShadow { request_id, kind, started_ns: now, primary_version, shadow_version }));
     }
 
     /// The host could not start `job`'s callout (`reason`, for the log).
@@ -193,7 +197,7 @@ impl Router {
             }
             self.pending_order.push_back(request_id.to_string());
         }
-        let entry = self.pending.entry(request_id.to_string()).or_default();
+        let entry = self.pending.get_or_insert_with(request_id.to_string(), Box::default);
         entry.versions = versions;
         if primary.is_some() {
             entry.primary = primary;
@@ -204,7 +208,7 @@ impl Router {
         if entry.primary.is_some() && entry.shadow.is_some() {
             if let Some(done) = self.pending.remove(request_id) {
                 self.pending_order.retain(|id| id != request_id);
-                compare(request_id, done, fx);
+                compare(request_id, *done, fx);
             }
         }
     }
