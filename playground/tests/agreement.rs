@@ -115,7 +115,7 @@ fn compare(input: &RunInput) -> (usize, usize, BTreeMap<String, u64>) {
         }
     }
     for v in &simulated {
-        let charged = v.stamps.budget.as_ref().and_then(|b| b.get("charged_tokens")).and_then(Value::as_u64).unwrap_or(0);
+        let charged = v.stamps.budget.as_ref().and_then(|b| b.u64("charged_tokens")).unwrap_or(0);
         if let Some(k) = &v.key {
             *sim_charged.entry(k.clone()).or_default() += charged;
         }

@@ -28,7 +28,7 @@ use crate::gateway::{Callout, Gateway, Happened, Host};
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
-use crate::verdict::{Decision, Quality, Sample, Stamps, Transition, UpstreamPlan, Verdict};
+use crate::verdict::{Decision, Quality, Sample, Stamp, Stamps, Transition, UpstreamPlan, Verdict};
 
 const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
 const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
@@ -550,7 +550,7 @@ impl<'a> Engine<'a> {
     }
 
     fn verdict(&self, flight: InFlight, properties: &[(String, Vec<u8>)]) -> Verdict {
-        let stamp = |name: &str| properties.iter().find(|(k, _)| k == name).and_then(|(_, v)| serde_json::from_slice::<Value>(v).ok());
+        let stamp = |name: &str| properties.iter().find(|(k, _)| k == name).and_then(|(_, v)| Stamp::parse(v));
         let stamps = Stamps { sluice: stamp("sluice_llm"), budget: stamp("sluice_budget"), route: stamp("sluice_route"), latency: stamp("sluice_latency") };
         let now = self.chain.now_ns();
         let refused_by = flight.local_reply.and_then(|(filter, status)| {
@@ -561,12 +561,38 @@ impl<'a> Engine<'a> {
             // A guard's 504 is a deadline, not a refusal.
             (status != 504).then_some(*kind)
         });
+        // Each stamp read once, for the members a verdict takes from it.
+        let [reject_code, budget_decision, budget_key] =
+            stamps.budget.as_ref().map_or_else(Default::default, |b| b.members(["reject_code", "decision", "key"]));
+        let [route_version, route_reason, route_shadow] = stamps.route.as_ref().map_or_else(Default::default, |r| r.members(["version", "reason", "shadow"]));
+        let [latency_outcome] = stamps.latency.as_ref().map_or_else(Default::default, |l| l.members(["outcome"]));
+        let [stamp_status, stamp_outcome, ttft_us, tpot_us, duration_us, input_tokens, output_tokens, cost_micro_usd, ctx, turn, model_version, finish_reason, content_chunks, repetition_per_mille] =
+            stamps.sluice.as_ref().map_or_else(Default::default, |s| {
+                s.members([
+                    "status",
+                    "outcome",
+                    "ttft_us",
+                    "tpot_us",
+                    "duration_us",
+                    "input_tokens",
+                    "output_tokens",
+                    "cost_micro_usd",
+                    "ctx",
+                    "turn",
+                    "model_version",
+                    "finish_reason",
+                    "content_chunks",
+                    "repetition_per_mille",
+                ])
+            });
+        let num = |v: &Option<Value>| v.as_ref().and_then(Value::as_u64);
+        let text = |v: &Option<Value>| v.as_ref().and_then(Value::as_str).map(str::to_string);
         let code = match refused_by {
-            Some(PluginKind::TenantBudget) => stamps.budget.as_ref().and_then(|b| b.get("reject_code")).and_then(Value::as_str).map(str::to_string),
-            Some(PluginKind::LatencyGuard) => stamps.latency.as_ref().and_then(|l| l.get("outcome")).and_then(Value::as_str).map(str::to_string),
+            Some(PluginKind::TenantBudget) => text(&reject_code),
+            Some(PluginKind::LatencyGuard) => text(&latency_outcome),
             _ => None,
         };
-        let clamped = stamps.budget.as_ref().and_then(|b| b.get("decision")).and_then(Value::as_str) == Some("clamped");
+        let clamped = text(&budget_decision).as_deref() == Some("clamped");
         let decision = if refused_by.is_some() {
             Decision::Refused
         } else if clamped {
@@ -574,14 +600,12 @@ impl<'a> Engine<'a> {
         } else {
             Decision::Admitted
         };
-        let llm = stamps.sluice.as_ref();
-        let num = |v: Option<&Value>, field: &str| v.and_then(|s| s.get(field)).and_then(Value::as_u64);
-        let text = |v: Option<&Value>, field: &str| v.and_then(|s| s.get(field)).and_then(Value::as_str).map(str::to_string);
+        let llm = stamps.sluice.is_some();
         let up = flight.upstream.as_ref();
         let service = up.and_then(|u| u.service.as_ref());
-        let version = text(stamps.route.as_ref(), "version").or_else(|| text(llm, "model_version")).or_else(|| up.map(|u| u.name.clone()));
-        let status = num(llm, "status").map(|s| u16::try_from(s).unwrap_or(0)).unwrap_or(flight.local_reply.map_or(flight.client_status, |(_, s)| s));
-        let outcome = text(llm, "outcome").unwrap_or_else(|| {
+        let version = text(&route_version).or_else(|| text(&model_version)).or_else(|| up.map(|u| u.name.clone()));
+        let status = num(&stamp_status).map(|s| u16::try_from(s).unwrap_or(0)).unwrap_or(flight.local_reply.map_or(flight.client_status, |(_, s)| s));
+        let outcome = text(&stamp_outcome).unwrap_or_else(|| {
             match (refused_by, flight.local_reply) {
                 (Some(_), _) => "refused",
                 (None, Some(_)) => "deadline",
@@ -590,22 +614,22 @@ impl<'a> Engine<'a> {
             }
             .to_string()
         });
-        let ttft_ms = num(llm, "ttft_us")
+        let ttft_ms = num(&ttft_us)
             .map(|us| us as f64 / 1000.0)
             .or_else(|| flight.first_content_ns.filter(|_| flight.stream).map(|t| t.saturating_sub(flight.arrival_ns) as f64 / 1e6));
         // llm-metrics' figure when it measured the request (null for a whole answer, as in Envoy's
         // log); the modelled one only when llm-metrics is not in the chain.
         let tpot_ms = match llm {
-            Some(l) => l.get("tpot_us").and_then(Value::as_u64).map(|us| us as f64 / 1000.0),
-            None => service.filter(|s| s.tokens > 1 && s.fail.is_none() && flight.stream).map(|s| s.itl_ns as f64 / 1e6),
+            true => num(&tpot_us).map(|us| us as f64 / 1000.0),
+            false => service.filter(|s| s.tokens > 1 && s.fail.is_none() && flight.stream).map(|s| s.itl_ns as f64 / 1e6),
         };
-        let duration_ms = num(llm, "duration_us").map_or_else(|| now.saturating_sub(flight.arrival_ns) as f64 / 1e6, |us| us as f64 / 1000.0);
+        let duration_ms = num(&duration_us).map_or_else(|| now.saturating_sub(flight.arrival_ns) as f64 / 1e6, |us| us as f64 / 1000.0);
         let prompt = flight.request.prompt_tokens.unwrap_or(0);
         Verdict {
             line: flight.request.line,
             arrival_ms: flight.arrival_ns.saturating_sub(self.start_ns) as f64 / 1e6,
             tenant: flight.tenant,
-            key: text(stamps.budget.as_ref(), "key").or(flight.request.key),
+            key: text(&budget_key).or(flight.request.key),
             user: flight.user,
             api: flight.request.api.as_str().to_string(),
             model: flight.request.model.or_else(|| Some(self.scenario.traffic.model.clone())),
@@ -617,21 +641,30 @@ impl<'a> Engine<'a> {
             refused_by: refused_by.map(|k| k.name().to_string()),
             outcome,
             version,
-            route_reason: text(stamps.route.as_ref(), "reason"),
-            shadow_version: stamps
-                .route
+            route_reason: text(&route_reason),
+            shadow_version: route_shadow
                 .as_ref()
-                .and_then(|r| r.get("shadow"))
                 .and_then(|s| s.as_str().map(str::to_string).or_else(|| s.get("version").and_then(Value::as_str).map(str::to_string))),
             ttft_ms,
             tpot_ms,
             duration_ms,
-            input_tokens: num(llm, "input_tokens").unwrap_or(if up.is_some() { prompt } else { 0 }),
-            output_tokens: num(llm, "output_tokens").unwrap_or_else(|| service.filter(|s| s.fail.is_none()).map_or(0, |s| s.tokens)),
-            cost_usd: num(llm, "cost_micro_usd").map(|m| m as f64 / 1e6),
-            ctx: text(llm, "ctx"),
-            turn: text(llm, "turn"),
-            quality: llm.and_then(Quality::from_stamp),
+            input_tokens: num(&input_tokens).unwrap_or(if up.is_some() { prompt } else { 0 }),
+            output_tokens: num(&output_tokens).unwrap_or_else(|| service.filter(|s| s.fail.is_none()).map_or(0, |s| s.tokens)),
+            cost_usd: num(&cost_micro_usd).map(|m| m as f64 / 1e6),
+            ctx: text(&ctx),
+            turn: text(&turn),
+            // As Quality::from_stamp reads the stamp.
+            quality: text(&model_version).zip(num(&stamp_status)).zip(text(&stamp_outcome)).and_then(|((model_version, status), outcome)| {
+                Quality::judge(
+                    &model_version,
+                    status,
+                    &outcome,
+                    num(&output_tokens).unwrap_or(0),
+                    text(&finish_reason).as_deref(),
+                    num(&content_chunks),
+                    num(&repetition_per_mille),
+                )
+            }),
             upstream_concurrency: service.map(|s| s.running),
             upstream: up.zip(service).map(|(u, s)| UpstreamPlan {
                 name: u.name.clone(),

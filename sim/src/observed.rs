@@ -6,7 +6,7 @@
 //! `%FILTER_STATE(…:PLAIN)%` prints) or the object itself; `null`, `""`, `"-"` and absent mean the
 //! plugin wrote none. docs/simulator.md ("Reports") has the field mapping.
 
-use crate::verdict::{Decision, Quality, Stamps, Verdict};
+use crate::verdict::{Decision, Quality, Stamp, Stamps, Verdict};
 use serde_json::{Map, Value};
 use sluice_core::api::ApiKind;
 use std::io::{self, BufRead};
@@ -341,10 +341,10 @@ fn parse(text: &str, line: u64) -> Result<Option<(i128, Verdict)>, String> {
         upstream_concurrency: None,
         upstream: None,
         stamps: Stamps {
-            sluice: sluice.map(Value::Object),
-            budget: budget.map(Value::Object),
-            route: route.map(Value::Object),
-            latency: latency.map(Value::Object),
+            sluice: sluice.and_then(|m| Stamp::from_value(&Value::Object(m))),
+            budget: budget.and_then(|m| Stamp::from_value(&Value::Object(m))),
+            route: route.and_then(|m| Stamp::from_value(&Value::Object(m))),
+            latency: latency.and_then(|m| Stamp::from_value(&Value::Object(m))),
         },
     };
     Ok(Some((start_ns, verdict)))

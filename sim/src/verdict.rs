@@ -3,6 +3,7 @@
 //! renders both "what would have happened" and "what happened".
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use sluice_core::report::{finish_label, Outcome, RequestRecord, TRUNCATED_FINISH};
 
@@ -136,22 +137,6 @@ impl Quality {
             repetition_per_mille,
         })
     }
-
-    /// The judgement from a stamp the plugin wrote (the simulator's own; fields of the wrong type
-    /// count as absent — [`crate::observed`] checks a log's stamps first).
-    pub fn from_stamp(stamp: &Value) -> Option<Quality> {
-        let num = |field: &str| stamp.get(field).and_then(Value::as_u64);
-        let text = |field: &str| stamp.get(field).and_then(Value::as_str);
-        Quality::judge(
-            text("model_version")?,
-            num("status")?,
-            text("outcome")?,
-            num("output_tokens").unwrap_or(0),
-            text("finish_reason"),
-            num("content_chunks"),
-            num("repetition_per_mille"),
-        )
-    }
 }
 
 /// The modelled upstream's answer to one request.
@@ -169,17 +154,108 @@ pub struct UpstreamPlan {
     pub fail_status: Option<u16>,
 }
 
-/// The plugins' own stamps (the filter-state values the access log prints), parsed.
+/// The plugins' own stamps (the filter-state values the access log prints).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stamps {
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub sluice: Option<Value>,
+    pub sluice: Option<Stamp>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub budget: Option<Value>,
+    pub budget: Option<Stamp>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub route: Option<Value>,
+    pub route: Option<Stamp>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub latency: Option<Value>,
+    pub latency: Option<Stamp>,
+}
+
+/// One plugin's stamp: its JSON text as the plugin wrote it, written out as it is. A verdict
+/// reads a few members of each stamp; parsing all four into trees, each member an allocation, and
+/// serialising them again was a tenth of a replay's time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Stamp(Box<RawValue>);
+
+impl Stamp {
+    /// The stamp in `bytes`, when they are JSON.
+    pub fn parse(bytes: &[u8]) -> Option<Stamp> {
+        serde_json::from_slice(bytes).ok().map(Stamp)
+    }
+
+    /// A stamp holding `value`.
+    pub fn from_value(value: &Value) -> Option<Stamp> {
+        serde_json::value::to_raw_value(value).ok().map(Stamp)
+    }
+
+    /// The stamp as a tree.
+    pub fn value(&self) -> Value {
+        serde_json::from_str(self.0.get()).unwrap_or(Value::Null)
+    }
+
+    /// The JSON text.
+    pub fn text(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The top-level members named `keys`, as a tree of the stamp would give them (the last of a
+    /// repeated key); `None` for an absent key or a stamp that is not an object. One pass, only
+    /// the members asked for built.
+    pub fn members<const N: usize>(&self, keys: [&str; N]) -> [Option<Value>; N] {
+        let mut found: [Option<Value>; N] = std::array::from_fn(|_| None);
+        let mut de = serde_json::Deserializer::from_str(self.0.get());
+        // Not an object (the text is JSON: it was parsed as such): no members.
+        let _ = serde::Deserializer::deserialize_any(&mut de, Members { keys: &keys, found: &mut found });
+        found
+    }
+
+    pub fn u64(&self, key: &str) -> Option<u64> {
+        let [v] = self.members([key]);
+        v.and_then(|v| v.as_u64())
+    }
+
+    pub fn str(&self, key: &str) -> Option<String> {
+        let [v] = self.members([key]);
+        match v {
+            Some(Value::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// Two stamps are equal when their JSON is, whatever its spacing or member order.
+impl PartialEq for Stamp {
+    fn eq(&self, other: &Stamp) -> bool {
+        self.0.get() == other.0.get() || self.value() == other.value()
+    }
+}
+
+/// Reads an object's members named `keys` into `found`, skipping the others unbuilt.
+struct Members<'k, 'f, const N: usize> {
+    keys: &'k [&'k str; N],
+    found: &'f mut [Option<Value>; N],
+}
+
+impl<'de, const N: usize> serde::de::Visitor<'de> for Members<'_, '_, N> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            match self.keys.iter().position(|k| *k == key) {
+                Some(i) => {
+                    let value = map.next_value::<Value>()?;
+                    if let Some(slot) = self.found.get_mut(i) {
+                        *slot = Some(value);
+                    }
+                }
+                None => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// State sampled at fixed virtual-time steps (simulation only; a real access log has none).
@@ -202,4 +278,34 @@ pub struct Transition {
     pub version: String,
     pub from: String,
     pub to: String,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    /// A stamp's members read as a tree of it gives them: the last of a repeated key, an escaped
+    /// key decoded, nested values whole, nothing from a stamp that is not an object.
+    #[test]
+    fn members_are_what_the_parsed_stamp_holds() {
+        let text = r#"{"status":200,"outcome":"first","ctx":{"a":[1,2]},"out\u0063ome":"second","n":-3,"f":1.5,"s":null}"#;
+        let stamp = Stamp::parse(text.as_bytes()).unwrap();
+        let tree: Value = serde_json::from_str(text).unwrap();
+        let keys = ["status", "outcome", "ctx", "n", "f", "s", "absent"];
+        let members = stamp.members(keys);
+        for (key, member) in keys.iter().zip(&members) {
+            assert_eq!(member.as_ref(), tree.get(key), "{key}");
+        }
+        assert_eq!(stamp.str("outcome").as_deref(), Some("second"));
+        assert_eq!((stamp.u64("status"), stamp.u64("n"), stamp.u64("f"), stamp.str("status")), (Some(200), None, None, None));
+        for not_an_object in ["[1,2]", "\"text\"", "7", "null"] {
+            assert_eq!(Stamp::parse(not_an_object.as_bytes()).unwrap().members(["status"]), [None]);
+        }
+        assert!(Stamp::parse(b"{\"status\":").is_none());
+        // Written out as the plugin wrote it; equal to the same JSON spaced or ordered otherwise.
+        assert_eq!(serde_json::to_string(&stamp).unwrap(), text);
+        assert_eq!(Stamp::from_value(&json!({"b": 1, "a": 2})), Stamp::parse(br#"{ "a":2, "b":1 }"#));
+    }
 }

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use sluice_sim::engine::{Engine, Plugins, RunOptions, RunResult};
 use sluice_sim::scenario::Scenario;
 use sluice_sim::trace::{ApiKind, ReaderOptions, TraceReader, TraceRequest};
-use sluice_sim::verdict::{Decision, Verdict};
+use sluice_sim::verdict::{Decision, Stamp, Verdict};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -99,12 +99,12 @@ fn line(verdicts: &[Verdict], n: u64) -> &Verdict {
     verdicts.iter().find(|v| v.line == n).unwrap_or_else(|| panic!("no verdict for line {n}"))
 }
 
-fn stamp_u64(stamp: &Option<Value>, field: &str) -> Option<u64> {
-    stamp.as_ref().and_then(|s| s.get(field)).and_then(Value::as_u64)
+fn stamp_u64(stamp: &Option<Stamp>, field: &str) -> Option<u64> {
+    stamp.as_ref().and_then(|s| s.u64(field))
 }
 
-fn stamp_str<'a>(stamp: &'a Option<Value>, field: &str) -> Option<&'a str> {
-    stamp.as_ref().and_then(|s| s.get(field)).and_then(Value::as_str)
+fn stamp_str(stamp: &Option<Stamp>, field: &str) -> Option<String> {
+    stamp.as_ref().and_then(|s| s.str(field))
 }
 
 /// The four shipped demo policies, as examples/sim/demo.scenario.json names them.
@@ -154,14 +154,14 @@ fn one_request_through_all_four_plugins() {
     assert_eq!(v.model.as_deref(), Some("llama-3-70b"));
     assert!(v.stream);
     // Each plugin stamped it.
-    assert_eq!(stamp_str(&v.stamps.budget, "decision"), Some("admitted"));
+    assert_eq!(stamp_str(&v.stamps.budget, "decision").as_deref(), Some("admitted"));
     assert_eq!(stamp_u64(&v.stamps.budget, "charged_tokens"), Some(1300));
-    assert_eq!(stamp_str(&v.stamps.latency, "class"), Some("interactive"));
+    assert_eq!(stamp_str(&v.stamps.latency, "class").as_deref(), Some("interactive"));
     assert_eq!(stamp_u64(&v.stamps.latency, "ttft_ms"), Some(140));
-    assert_eq!(stamp_str(&v.stamps.latency, "outcome"), Some("ok"));
-    assert_eq!(stamp_str(&v.stamps.route, "version"), Some("v1"));
-    assert_eq!(stamp_str(&v.stamps.sluice, "model_version"), Some("v1"));
-    assert_eq!(stamp_str(&v.stamps.sluice, "usage"), Some("reported"));
+    assert_eq!(stamp_str(&v.stamps.latency, "outcome").as_deref(), Some("ok"));
+    assert_eq!(stamp_str(&v.stamps.route, "version").as_deref(), Some("v1"));
+    assert_eq!(stamp_str(&v.stamps.sluice, "model_version").as_deref(), Some("v1"));
+    assert_eq!(stamp_str(&v.stamps.sluice, "usage").as_deref(), Some("reported"));
     assert_eq!(result.requests, 1);
     assert!(result.transitions.is_empty());
     assert!(result.span_ms >= 2318.0, "{}", result.span_ms);
@@ -555,7 +555,7 @@ fn every_api_streamed_or_whole_is_measured_exactly() {
         // The mock counts the prompt the simulator wrote as exactly the trace's prompt tokens, and
         // every API reports usage (tenant-budget asks chat and completions streams for it).
         assert_eq!((v.input_tokens, v.output_tokens), (800, 25), "{what}");
-        assert_eq!(stamp_str(&v.stamps.sluice, "usage"), Some("reported"), "{what}");
+        assert_eq!(stamp_str(&v.stamps.sluice, "usage").as_deref(), Some("reported"), "{what}");
         assert_eq!(stamp_u64(&v.stamps.budget, "charged_tokens"), Some(825), "{what}");
         // Whole answers arrive at their last token: 140 + 24 × 12 = 428 ms.
         assert_eq!(v.duration_ms, 428.0, "{what}");
@@ -671,7 +671,7 @@ fn a_ttft_deadline_answers_504_and_frees_the_batch_slot() {
     // v1's TTFT deadline (2,000 ms): a 504 from the guard, which is not a refusal.
     assert_eq!((first.status, first.outcome.as_str(), first.decision, first.code.as_deref()), (504, "deadline", Decision::Admitted, None), "{first:#?}");
     assert_eq!(first.duration_ms, 2000.0);
-    assert_eq!(stamp_str(&first.stamps.latency, "outcome"), Some("ttft"));
+    assert_eq!(stamp_str(&first.stamps.latency, "outcome").as_deref(), Some("ttft"));
     // The second waited for the only slot, which the first gave up at 2 s: 500 ms of queue and its
     // own 100 ms (the incident is over when it starts).
     let second = line(&v, 2);
@@ -807,7 +807,7 @@ fn simulated_answers_are_judged_from_llm_metrics_stamp() {
         let what = format!("{} stream={} line {}", v.api, v.stream, v.line);
         let q = v.quality.as_ref().unwrap_or_else(|| panic!("{what}: a 200 that completed is judged"));
         assert_eq!(Some(q.model_version.as_str()), v.version.as_deref(), "{what}");
-        assert_eq!(Some(q.model_version.as_str()), stamp_str(&v.stamps.sluice, "model_version"), "{what}");
+        assert_eq!(Some(q.model_version.as_str()), stamp_str(&v.stamps.sluice, "model_version").as_deref(), "{what}");
         assert!(!q.empty, "{what}");
         let planned = outputs[((v.line - 1) % 3) as usize];
         assert_eq!(q.output_tokens, planned.min(64), "{what}");

@@ -52,8 +52,8 @@ fn fleet_log_lines() {
     assert_eq!(l1.model.as_deref(), Some("llama-3-70b"));
     assert_eq!(l1.upstream_concurrency, None);
     // The stamps are kept as written (here JSON strings holding JSON).
-    assert_eq!(l1.stamps.budget.as_ref().unwrap()["ledger_hold"], "e3b0c44218ed08b3e271b1b0-2-18ed08b4396811a8");
-    assert_eq!(l1.stamps.sluice.as_ref().unwrap()["content_chunks"], 1);
+    assert_eq!(l1.stamps.budget.as_ref().unwrap().value()["ledger_hold"], "e3b0c44218ed08b3e271b1b0-2-18ed08b4396811a8");
+    assert_eq!(l1.stamps.sluice.as_ref().unwrap().value()["content_chunks"], 1);
     assert!(l1.stamps.route.is_none() && l1.stamps.latency.is_none());
 
     // Line 2 started 38 ms after line 1; line 3 1 ms after (lines are written when requests end).
@@ -125,8 +125,8 @@ fn latency_demo_line() {
     assert!(close(l.duration_ms, 764.890));
     assert_eq!((l.input_tokens, l.output_tokens), (6, 24));
     assert!(close(l.cost_usd.unwrap(), 23e-6));
-    assert_eq!(l.stamps.latency.as_ref().unwrap()["class"], "interactive");
-    assert_eq!(l.stamps.route.as_ref().unwrap()["route"], "llama-v1");
+    assert_eq!(l.stamps.latency.as_ref().unwrap().value()["class"], "interactive");
+    assert_eq!(l.stamps.route.as_ref().unwrap().value()["route"], "llama-v1");
     assert_eq!((l.code.as_deref(), l.refused_by.as_deref()), (None, None));
 }
 
