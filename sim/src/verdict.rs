@@ -227,6 +227,32 @@ impl PartialEq for Stamp {
     }
 }
 
+/// A member's key as its index in `keys` (`None`: not wanted), compared where the parser holds it
+/// (a `String` a key was an allocation per member).
+struct KeyIndex<'k, const N: usize> {
+    keys: &'k [&'k str; N],
+}
+
+impl<'de, const N: usize> serde::de::DeserializeSeed<'de> for KeyIndex<'_, N> {
+    type Value = Option<usize>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Option<usize>, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de, const N: usize> serde::de::Visitor<'de> for KeyIndex<'_, N> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Option<usize>, E> {
+        Ok(self.keys.iter().position(|k| *k == key))
+    }
+}
+
 /// Reads an object's members named `keys` into `found`, skipping the others unbuilt.
 struct Members<'k, 'f, const N: usize> {
     keys: &'k [&'k str; N],
@@ -241,8 +267,8 @@ impl<'de, const N: usize> serde::de::Visitor<'de> for Members<'_, '_, N> {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            match self.keys.iter().position(|k| *k == key) {
+        while let Some(wanted) = map.next_key_seed(KeyIndex { keys: self.keys })? {
+            match wanted {
                 Some(i) => {
                     let value = map.next_value::<Value>()?;
                     if let Some(slot) = self.found.get_mut(i) {
