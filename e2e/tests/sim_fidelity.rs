@@ -108,8 +108,8 @@ fn charged(verdicts: &[Verdict]) -> BTreeMap<String, u64> {
     let mut totals = BTreeMap::new();
     for v in verdicts {
         if let Some(b) = &v.stamps.budget {
-            if let (Some(k), Some(c)) = (b.get("key").and_then(Value::as_str), b.get("charged_tokens").and_then(Value::as_u64)) {
-                *totals.entry(k.to_string()).or_insert(0) += c;
+            if let (Some(k), Some(c)) = (b.str("key"), b.u64("charged_tokens")) {
+                *totals.entry(k).or_insert(0) += c;
             }
         }
     }
