@@ -351,7 +351,7 @@ mod tests {
     use sluice_core::response::StreamObserver;
 
     fn body(kind: ApiKind, stream: bool, max: Option<u64>) -> Value {
-        sluice_workload::request::request_body(kind, "m", "0123456789abcdef", stream, max, None).1
+        serde_json::from_slice(&sluice_workload::request::request_body(kind, "m", "0123456789abcdef", stream, max, None).1).unwrap()
     }
 
     /// Every API's stream and whole answer reads back (core's own observer) as the mock's: the
