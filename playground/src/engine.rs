@@ -241,7 +241,7 @@ impl<'a> Engine<'a> {
         let start_ns = workload.start_unix_ms.saturating_mul(MS);
         // llm-metrics with its defaults, as in every shipped gateway: its first-token mark releases the
         // response headers latency-guard holds.
-        let metrics = sluice_core::flow::metrics::config::Settings::parse(b"{}").ok();
+        let metrics = sluice_core::flow::metrics::config::Settings::defaults().ok();
         let gateway = Gateway::new(policies.latency_guard, policies.model_router, policies.tenant_budget, metrics, start_ns);
         let metrics_key = gateway.metrics_stamp_key().map(str::to_string);
         let budget_key = gateway.budget_stamp_key().map(str::to_string);
