@@ -190,7 +190,7 @@ pub fn compile_json(plugin: &str, policy: &str) -> String {
         return error_json(&PlaygroundError::Input(format!("unknown plugin {plugin:?}: tenant-budget, model-router or latency-guard")));
     };
     match compile(p, policy) {
-        Ok(c) => answer(&Compiled_ { ok: true, plugin: p.name(), summary: &c.summary() }),
+        Ok(c) => answer(&Summary { ok: true, plugin: p.name(), summary: &c.summary() }),
         Err(e) => error_json(&e),
     }
 }
@@ -204,8 +204,7 @@ struct RunAnswer<'a> {
 }
 
 #[derive(Serialize)]
-#[allow(non_camel_case_types)]
-struct Compiled_<'a> {
+struct Summary<'a> {
     ok: bool,
     plugin: &'static str,
     summary: &'a str,
