@@ -80,7 +80,7 @@ pub fn build(root: &Path) -> Result<u64> {
     let wasm = out.join("sluice_playground_bg.wasm");
     // With npm's wasm-opt (132 keeps the externref table wasm-bindgen writes), one pass after
     // wasm-bindgen on rustc's output: what wasm-bindgen left out becomes dead code, and 132 shrinks
-    // further than Debian's 108 — 5 KiB less than 108 before wasm-bindgen and 132 after.
+    // further than Debian's 108 (a little smaller than 108 before wasm-bindgen and 132 after).
     // `--low-memory-unused`: the page's memory below 1 KiB is never addressed through a pointer
     // that wraps around (Rust's pointers never do), so 132 folds constant offsets into the
     // loads and stores, 4.5 KiB; `--converge` repeats -Oz while it still shrinks.
