@@ -241,7 +241,7 @@ impl<'a> Engine<'a> {
         let start_ns = workload.start_unix_ms.saturating_mul(MS);
         // llm-metrics with its defaults, as in every shipped gateway: its first-token mark releases the
         // response headers latency-guard holds.
-        let metrics = sluice_core::flow::metrics::config::Settings::parse(b"{}").ok();
+        let metrics = sluice_core::flow::metrics::config::Settings::defaults().ok();
         let gateway = Gateway::new(policies.latency_guard, policies.model_router, policies.tenant_budget, metrics, start_ns);
         let metrics_key = gateway.metrics_stamp_key().map(str::to_string);
         let budget_key = gateway.budget_stamp_key().map(str::to_string);
@@ -717,10 +717,15 @@ impl<'a> Engine<'a> {
         }
         if let Some(policy) = budget {
             let minute = u32::try_from(at / 60_000_000_000).unwrap_or(u32::MAX);
-            let mut wanted: Vec<usize> = self.keys_seen.iter().filter_map(|&k| policy.keys.get(k)).flat_map(|k| k.counters.iter().copied()).collect();
-            wanted.sort_unstable();
-            wanted.dedup();
-            for index in wanted {
+            // The counters of the keys seen, each once, in index order: marks, not a sort (one sort
+            // instance less in the page's .wasm).
+            let mut wanted = vec![false; policy.counters.len()];
+            for index in self.keys_seen.iter().filter_map(|&k| policy.keys.get(k)).flat_map(|k| k.counters.iter().copied()) {
+                if let Some(w) = wanted.get_mut(index) {
+                    *w = true;
+                }
+            }
+            for index in wanted.iter().enumerate().filter_map(|(i, &w)| w.then_some(i)) {
                 let Some(spec) = policy.counters.get(index).filter(|s| !s.per_identity) else { continue };
                 let counter = ledger::read(store, &spec.store_key, spec.window.id(at), minute, policy.reservation_ttl_minutes).unwrap_or_default();
                 let remaining = spec.limit.value().saturating_sub(counter.committed());
@@ -798,7 +803,7 @@ impl<'a> Engine<'a> {
     }
 
     fn finish_tables(&mut self) {
-        self.out.verdicts.sort_by_key(|v| v.line);
+        self.out.verdicts = crate::by_key(std::mem::take(&mut self.out.verdicts), |v| v.line);
         // By tenant name, kept sorted (a map would be one more map type in the page's .wasm).
         let mut rows: Vec<TenantRow> = Vec::new();
         for v in &self.out.verdicts {

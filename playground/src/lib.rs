@@ -55,6 +55,16 @@ impl Plugin {
     }
 }
 
+/// `items` stably sorted by `key`. Every caller shares one sort instance, of (key, position) pairs,
+/// which are distinct, so an unstable sort of them is stable: each `sort_by_key` of another element
+/// type or closure carried its own copy of the standard library's sort, ≈ 4 KB of the page each.
+pub(crate) fn by_key<T>(items: Vec<T>, key: impl Fn(&T) -> u64) -> Vec<T> {
+    let mut order: Vec<(u64, usize)> = items.iter().enumerate().map(|(i, item)| (key(item), i)).collect();
+    order.sort_unstable();
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|(_, i)| slots.get_mut(i).and_then(Option::take)).collect()
+}
+
 /// Why a run or a compile failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlaygroundError {
@@ -169,7 +179,7 @@ pub fn run_json(input: &str) -> String {
     // From the bytes, as every other JSON the page reads: one reader type less in its .wasm.
     let parsed: Result<RunInput, PlaygroundError> = serde_json::from_slice(input.as_bytes()).map_err(|e| PlaygroundError::Input(e.to_string()));
     match parsed.and_then(|i| run(&i)) {
-        Ok(out) => serde_json::json!({"ok": true, "result": out}).to_string(),
+        Ok(out) => answer(&RunAnswer { ok: true, result: &out }),
         Err(e) => error_json(&e),
     }
 }
@@ -180,14 +190,44 @@ pub fn compile_json(plugin: &str, policy: &str) -> String {
         return error_json(&PlaygroundError::Input(format!("unknown plugin {plugin:?}: tenant-budget, model-router or latency-guard")));
     };
     match compile(p, policy) {
-        Ok(c) => serde_json::json!({"ok": true, "plugin": p.name(), "summary": c.summary()}).to_string(),
+        Ok(c) => answer(&Summary { ok: true, plugin: p.name(), summary: &c.summary() }),
         Err(e) => error_json(&e),
     }
 }
 
+// The answers' objects, written straight to text (not through a `serde_json::Value`: the page then
+// carries no serializer into `Value`). Their fields are in key order, as `json!` gave them.
+#[derive(Serialize)]
+struct RunAnswer<'a> {
+    ok: bool,
+    result: &'a RunOutput,
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    ok: bool,
+    plugin: &'static str,
+    summary: &'a str,
+}
+
+#[derive(Serialize)]
+struct Refused<'a> {
+    error: &'a str,
+    log: &'a str,
+    ok: bool,
+    plugin: Option<&'static str>,
+}
+
+fn answer(a: &impl Serialize) -> String {
+    serde_json::to_string(a).unwrap_or_default()
+}
+
 fn error_json(e: &PlaygroundError) -> String {
     match e {
-        PlaygroundError::Policy { plugin, error, log } => serde_json::json!({"ok": false, "plugin": plugin.name(), "error": error, "log": log}).to_string(),
-        other => serde_json::json!({"ok": false, "plugin": null, "error": other.to_string(), "log": other.to_string()}).to_string(),
+        PlaygroundError::Policy { plugin, error, log } => answer(&Refused { error, log, ok: false, plugin: Some(plugin.name()) }),
+        other => {
+            let text = other.to_string();
+            answer(&Refused { error: &text, log: &text, ok: false, plugin: None })
+        }
     }
 }

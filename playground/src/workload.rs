@@ -222,7 +222,7 @@ impl Workload {
     /// from arriving together).
     pub fn synthetic(&self) -> Result<Vec<Request>, WorkloadError> {
         let n = self.tenants.len().max(1) as f64;
-        let mut out: Vec<(u64, usize, Request)> = Vec::new();
+        let mut out: Vec<(u64, Request)> = Vec::new();
         for (i, t) in self.tenants.iter().enumerate() {
             let from = t.from_s.unwrap_or(0.0);
             let to = t.to_s.unwrap_or(self.duration_s).min(self.duration_s);
@@ -238,7 +238,6 @@ impl Workload {
                 let arrival_ms = (at_s * 1000.0).floor() as u64;
                 out.push((
                     arrival_ms,
-                    i,
                     Request {
                         line: 0,
                         arrival_ns: arrival_ms * 1_000_000,
@@ -256,13 +255,13 @@ impl Workload {
                 k += 1;
             }
         }
-        // Stable: equal arrivals keep tenant order.
-        out.sort_by_key(|(at, i, _)| (*at, *i));
-        let first = out.first().map_or(0, |(at, _, _)| *at);
+        // Equal arrivals keep tenant order: `out` is in tenant order, and the sort is stable.
+        let out = crate::by_key(out, |(at, _)| *at);
+        let first = out.first().map_or(0, |(at, _)| *at);
         Ok(out
             .into_iter()
             .enumerate()
-            .map(|(n, (at, _, mut r))| {
+            .map(|(n, (at, mut r))| {
                 r.line = n as u64 + 1;
                 r.arrival_ns = (at - first) * 1_000_000;
                 r

@@ -396,16 +396,20 @@ fn build_wasm(root: &Path, packages: &[&str]) -> Result<()> {
     for package in packages {
         cmd.args(["--package", package]);
     }
-    // Panic locations name source files: with cargo's registry and the checkout mapped to fixed
-    // prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
-    // sources and the toolchain only, not on where they sit on this machine.
+    cmd.env("CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS", remap_path_prefixes(root));
+    run(&mut cmd)
+}
+
+/// Panic locations name source files: with cargo's registry and the checkout mapped to fixed
+/// prefixes, the .wasm bytes (and the image digests pinned in examples/istio/) depend on the
+/// sources and the toolchain only, not on where they sit on this machine.
+pub(crate) fn remap_path_prefixes(root: &Path) -> String {
     let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
     let mut remap = format!("--remap-path-prefix={}=/sluice", root.display());
     if let Some(home) = cargo_home {
         remap = format!("{remap} --remap-path-prefix={}=/cargo", home.display());
     }
-    cmd.env("CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS", remap);
-    run(&mut cmd)
+    remap
 }
 
 /// Builds native `packages` in the release profile (`target/release/`).

@@ -67,41 +67,37 @@ pub fn setup() -> Result<()> {
 /// Builds the page's `pkg/`: the `.wasm` (profile `playground`: size over speed), its glue, the
 /// embedded module and the example policies. Returns the size of the `.wasm` the page embeds.
 pub fn build(root: &Path) -> Result<u64> {
-    crate::run(crate::cargo().current_dir(root).args(["build", "--profile", "playground", "--target", TARGET, "--package", "sluice-playground"]))?;
+    crate::run(
+        crate::cargo()
+            .current_dir(root)
+            .args(["build", "--profile", "playground", "--target", TARGET, "--package", "sluice-playground"])
+            .env("CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS", remap_path_prefixes(root)),
+    )?;
     let built = root.join("target").join(TARGET).join("playground").join("sluice_playground.wasm");
     let staging = root.join("target").join("playground-bindgen");
     std::fs::create_dir_all(&staging)?;
-    // wasm-opt before wasm-bindgen: Debian's binaryen (108) breaks the externref table that
-    // wasm-bindgen 0.2.130 writes when it runs after it (the page then fails to instantiate).
-    let optimized = staging.join("sluice_playground.wasm");
-    // Features rustc enables for this target by default; wasm-opt must accept them to keep them.
-    let features = [
-        "--enable-bulk-memory",
-        "--enable-sign-ext",
-        "--enable-mutable-globals",
-        "--enable-nontrapping-float-to-int",
-        "--enable-reference-types",
-        "--enable-multivalue",
-    ];
-    let input = match crate::run(Command::new("wasm-opt").arg("-Oz").args(features).arg(&built).arg("-o").arg(&optimized)) {
-        Ok(()) => optimized,
-        Err(e) => {
-            eprintln!("xtask: wasm-opt failed ({e:#}); the page embeds rustc's output as it is");
-            built
-        }
-    };
     let out = staging.join("out");
-    crate::run(Command::new("wasm-bindgen").arg("--target").arg("no-modules").arg("--no-typescript").arg("--out-dir").arg(&out).arg(&input))?;
     let wasm = out.join("sluice_playground_bg.wasm");
-    // A second pass after wasm-bindgen, with npm's newer wasm-opt (132 keeps the externref table
-    // wasm-bindgen writes, where 108 breaks it): what wasm-bindgen left out becomes dead code, and
-    // 132 shrinks further than 108 — 7 KiB of the page.
-    if let Some(newer) = newer_wasm_opt() {
+    // With npm's wasm-opt (132 keeps the externref table wasm-bindgen writes), one pass after
+    // wasm-bindgen on rustc's output: what wasm-bindgen left out becomes dead code, and 132 shrinks
+    // further than Debian's 108 (a little smaller than 108 before wasm-bindgen and 132 after).
+    // `--low-memory-unused`: the page's memory below 1 KiB is never addressed through a pointer
+    // that wraps around (Rust's pointers never do), so 132 folds constant offsets into the
+    // loads and stores, 4.5 KiB; `--converge` repeats -Oz while it still shrinks.
+    let newer = newer_wasm_opt();
+    if let Some(newer) = &newer {
+        bindgen(&built, &out)?;
         let again = staging.join("sluice_playground_bg.opt.wasm");
-        match crate::run(Command::new(&newer).arg("-Oz").args(features).arg(&wasm).arg("-o").arg(&again)) {
+        let passes = ["--low-memory-unused", "-Oz", "--converge", "--strip-producers", "--strip-target-features"];
+        match crate::run(Command::new(newer).args(passes).args(FEATURES).arg(&wasm).arg("-o").arg(&again)) {
             Ok(()) => std::fs::rename(&again, &wasm)?,
-            Err(e) => eprintln!("xtask: the second wasm-opt pass failed ({e:#}); the page embeds wasm-bindgen's output"),
+            Err(e) => {
+                eprintln!("xtask: npm's wasm-opt failed ({e:#}); Debian's runs before wasm-bindgen instead");
+                debian_then_bindgen(&built, &staging, &out)?;
+            }
         }
+    } else {
+        debian_then_bindgen(&built, &staging, &out)?;
     }
     let bytes = std::fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
     let pkg = root.join("examples/playground/pkg");
@@ -117,6 +113,49 @@ pub fn build(root: &Path) -> Result<u64> {
     let size = bytes.len() as u64;
     eprintln!("xtask: playground built: {} ({} KiB of wasm); open examples/playground/index.html", pkg.display(), size / 1024);
     Ok(size)
+}
+
+/// The plugins' path prefixes (crate::remap_path_prefixes: page bytes that do not depend on where
+/// the checkout sits), and each registry's source directory as `/crates`: the panic locations the
+/// page carries (a file name per bounds check that may fail) are that much shorter, 0.7 KiB.
+fn remap_path_prefixes(root: &Path) -> String {
+    let mut remap = crate::remap_path_prefixes(root);
+    let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    let registries = cargo_home.and_then(|home| std::fs::read_dir(home.join("registry/src")).ok());
+    // rustc applies the last prefix that matches: these come after the cargo home's.
+    for dir in registries.into_iter().flatten().filter_map(|e| e.ok()) {
+        remap = format!("{remap} --remap-path-prefix={}=/crates", dir.path().display());
+    }
+    remap
+}
+
+/// Features rustc enables for this target by default; wasm-opt must accept them to keep them.
+const FEATURES: [&str; 6] = [
+    "--enable-bulk-memory",
+    "--enable-sign-ext",
+    "--enable-mutable-globals",
+    "--enable-nontrapping-float-to-int",
+    "--enable-reference-types",
+    "--enable-multivalue",
+];
+
+/// wasm-bindgen's glue and module for `wasm`, into `out`.
+fn bindgen(wasm: &Path, out: &Path) -> Result<()> {
+    crate::run(Command::new("wasm-bindgen").arg("--target").arg("no-modules").arg("--no-typescript").arg("--out-dir").arg(out).arg(wasm))
+}
+
+/// Without npm's binaryen: Debian's wasm-opt, before wasm-bindgen (108 breaks the externref table
+/// that wasm-bindgen 0.2.130 writes when it runs after it: the page then fails to instantiate).
+fn debian_then_bindgen(built: &Path, staging: &Path, out: &Path) -> Result<()> {
+    let optimized = staging.join("sluice_playground.wasm");
+    let input = match crate::run(Command::new("wasm-opt").arg("-Oz").args(FEATURES).arg(built).arg("-o").arg(&optimized)) {
+        Ok(()) => optimized,
+        Err(e) => {
+            eprintln!("xtask: wasm-opt failed ({e:#}); the page embeds rustc's output as it is");
+            built.to_path_buf()
+        }
+    };
+    bindgen(&input, out)
 }
 
 /// `self.SLUICE_EXAMPLES = {policies: {plugin: {file: text}}, workload: text}` from `policies/` and

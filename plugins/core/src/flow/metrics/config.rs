@@ -64,6 +64,25 @@ pub enum TenantSource {
     Property(Vec<String>),
 }
 
+/// What an empty configuration (`{}`) means: every field at its serde default.
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            path_prefixes: default_path_prefixes(),
+            model_version_header: default_model_version_header(),
+            model_versions: Vec::new(),
+            max_dynamic_model_versions: default_max_dynamic_model_versions(),
+            tenant: TenantSource::default(),
+            tenants: Vec::new(),
+            prices: Vec::new(),
+            max_request_body_bytes: default_max_request_body_bytes(),
+            max_response_body_bytes: default_max_response_body_bytes(),
+            stream_summary_comment: false,
+            filter_state_key: default_filter_state_key(),
+        }
+    }
+}
+
 fn default_path_prefixes() -> Vec<String> {
     vec!["/".into()]
 }
@@ -122,6 +141,13 @@ impl Settings {
         let text = std::str::from_utf8(bytes).map_err(|e| ConfigError::Json(format!("not UTF-8: {e}")))?;
         let config: Config = crate::json::parse_config(if text.trim().is_empty() { b"{}" } else { text.as_bytes() }).map_err(ConfigError::Json)?;
         Settings::validate(config)
+    }
+
+    /// The settings of an empty configuration, as [`Settings::parse`] gives them for `{}`, without
+    /// the JSON parser: a host that always runs llm-metrics with its defaults (the playground's
+    /// page) then carries no deserializer of the configuration.
+    pub fn defaults() -> Result<Settings, ConfigError> {
+        Settings::validate(Config::default())
     }
 
     fn validate(c: Config) -> Result<Settings, ConfigError> {
@@ -197,6 +223,12 @@ mod tests {
         assert_eq!(s.filter_state_key, "sluice_llm");
         assert!(s.wants_path("/v1/chat/completions"));
         assert_eq!(s.tenant, TenantSource::None);
+    }
+
+    #[test]
+    fn defaults_are_the_empty_configuration() {
+        assert_eq!(format!("{:?}", Settings::defaults().unwrap()), format!("{:?}", Settings::parse(b"{}").unwrap()));
+        assert_eq!(format!("{:?}", Config::default()), format!("{:?}", crate::json::parse_config::<Config>(b"{}").unwrap()));
     }
 
     #[test]
