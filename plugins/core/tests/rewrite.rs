@@ -190,6 +190,12 @@ fn ws() -> impl Strategy<Value = &'static str> {
     prop_oneof![Just(""), Just(" "), Just("\n  ")]
 }
 
+/// A JSON object of the generated `(key, value, space, space)` members, and `last` after them.
+fn object_of(members: &[(&str, String, &str, &str)], last: Option<&str>) -> String {
+    let inner: Vec<String> = members.iter().map(|(k, v, a, b)| format!("{a}\"{k}\"{b}:{a}{v}{b}")).chain(last.map(str::to_owned)).collect();
+    format!("{{{}}}", inner.join(","))
+}
+
 proptest! {
     /// Whatever the body, the result is valid JSON with the limit and include_usage set as decided,
     /// and every other member unchanged.
@@ -201,11 +207,7 @@ proptest! {
         limit in proptest::option::of(0u64..1_000_000),
     ) {
         let kind = ApiKind::ALL[kind_ix];
-        let inner: Vec<String> = members
-            .iter()
-            .map(|(k, v, a, b)| format!("{a}\"{k}\"{b}:{a}{v}{b}"))
-            .collect();
-        let body = format!("{{{}}}", inner.join(","));
+        let body = object_of(&members, None);
         let r = rewrite_request(kind, body.as_bytes(), inject, limit).unwrap();
         // serde_json::Value cannot hold 1e400: compare with the big numbers neutralised.
         let neutral = |b: &[u8]| -> Value {
@@ -263,12 +265,8 @@ proptest! {
         streaming in any::<bool>(),
     ) {
         let kind = ApiKind::ALL[kind_ix];
-        let mut inner: Vec<String> = members.iter().map(|(k, v, a, b)| format!("{a}\"{k}\"{b}:{a}{v}{b}")).collect();
         // Half the bodies stream, so that include_usage is injected often.
-        if streaming {
-            inner.push("\"stream\":true".to_owned());
-        }
-        let body = format!("{{{}}}", inner.join(","));
+        let body = object_of(&members, streaming.then_some("\"stream\":true"));
         // A body serde_json cannot hold (1e400) is not remembered: nothing to compare.
         let Ok((refined, _)) = inspect_request_with_kind(kind, body.as_bytes()) else { return Ok(()) };
         let after = if set_model {
