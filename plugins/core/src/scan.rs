@@ -5,6 +5,8 @@
 //! takes the general `serde_json::Value` path. So whatever it accepts, serde_json accepts too and
 //! reads the same way; the tests and the fuzz targets hold it to that.
 
+use crate::sse::bytes_equal;
+
 /// Deeper nesting is left to serde_json (whose own limit is 128).
 pub(crate) const MAX_DEPTH: u32 = 32;
 
@@ -88,23 +90,17 @@ impl<'a> RawStr<'a> {
 fn plain_run(bytes: &[u8]) -> usize {
     const LO: u64 = 0x0101_0101_0101_0101;
     const HI: u64 = 0x8080_8080_8080_8080;
-    let mut words = bytes.chunks_exact(8);
-    let mut offset = 0usize;
-    for word in words.by_ref() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(word);
-        let v = u64::from_le_bytes(w);
-        let quote = v ^ (LO * u64::from(b'"'));
-        let backslash = v ^ (LO * u64::from(b'\\'));
+    let (words, tail) = bytes.as_chunks::<8>();
+    for (i, word) in words.iter().enumerate() {
+        let v = u64::from_le_bytes(*word);
         // A byte below 0x20 (the high-bit test keeps bytes ≥ 0x80 out).
         let control = v.wrapping_sub(LO * 0x20) & !v & HI;
-        let found = (quote.wrapping_sub(LO) & !quote & HI) | (backslash.wrapping_sub(LO) & !backslash & HI) | control;
+        let found = bytes_equal(v, b'"') | bytes_equal(v, b'\\') | control;
         if found != 0 {
-            return offset.saturating_add((found.trailing_zeros() / 8) as usize);
+            return i.saturating_mul(8).saturating_add((found.trailing_zeros() / 8) as usize);
         }
-        offset = offset.saturating_add(8);
     }
-    let tail = words.remainder();
+    let offset = bytes.len().saturating_sub(tail.len());
     offset.saturating_add(tail.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(tail.len()))
 }
 
@@ -112,16 +108,14 @@ fn plain_run(bytes: &[u8]) -> usize {
 /// (`10xxxxxx`), counted eight at a time (a byte-wise count was a fifth of reading a text).
 fn utf8_chars(bytes: &[u8]) -> u64 {
     const HI: u64 = 0x8080_8080_8080_8080;
-    let mut words = bytes.chunks_exact(8);
+    let (words, tail) = bytes.as_chunks::<8>();
     let mut continuation = 0u64;
-    for word in words.by_ref() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(word);
-        let v = u64::from_le_bytes(w);
+    for word in words {
+        let v = u64::from_le_bytes(*word);
         // Bit 7 of each byte set, bit 6 (moved up to 7) clear.
         continuation = continuation.saturating_add(u64::from((v & !(v << 1) & HI).count_ones()));
     }
-    let tail = words.remainder().iter().filter(|&&b| b & 0xC0 == 0x80).count() as u64;
+    let tail = tail.iter().filter(|&&b| b & 0xC0 == 0x80).count() as u64;
     (bytes.len() as u64).saturating_sub(continuation).saturating_sub(tail)
 }
 

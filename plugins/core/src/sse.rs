@@ -315,30 +315,30 @@ pub(crate) fn find_line_end(haystack: &[u8]) -> Option<usize> {
 #[cfg(target_arch = "wasm32")]
 pub(crate) use find_line_end_wordwise as find_line_end;
 
-/// [`find_line_end`] a word at a time (8 bytes per step). The classic "has zero byte" trick may
-/// flag false positives only *above* a real match within a word, so the lowest flagged byte is
-/// always a real CR or LF.
+/// [`find_line_end`] a word at a time (8 bytes per step), the lowest byte [`bytes_equal`] flags
+/// being always a real CR or LF.
 #[cfg(any(target_arch = "wasm32", test))]
 pub(crate) fn find_line_end_wordwise(haystack: &[u8]) -> Option<usize> {
+    let (words, tail) = haystack.as_chunks::<8>();
+    for (i, word) in words.iter().enumerate() {
+        let v = u64::from_le_bytes(*word);
+        let found = bytes_equal(v, b'\n') | bytes_equal(v, b'\r');
+        if found != 0 {
+            return Some(i.saturating_mul(8).saturating_add((found.trailing_zeros() / 8) as usize));
+        }
+    }
+    let offset = haystack.len().saturating_sub(tail.len());
+    tail.iter().position(|&b| b == b'\n' || b == b'\r').map(|p| offset.saturating_add(p))
+}
+
+/// The bytes of `word` (eight, little-endian) equal to `byte`, flagged by their high bit (the
+/// classic "has zero byte" trick). A flag can be false only *above* a real match within the word,
+/// so the lowest flagged byte is always exact.
+pub(crate) fn bytes_equal(word: u64, byte: u8) -> u64 {
     const LO: u64 = 0x0101_0101_0101_0101;
     const HI: u64 = 0x8080_8080_8080_8080;
-    const LF: u64 = LO * b'\n' as u64;
-    const CR: u64 = LO * b'\r' as u64;
-    let mut words = haystack.chunks_exact(8);
-    let mut offset = 0usize;
-    for word in words.by_ref() {
-        let mut bytes = [0u8; 8];
-        bytes.copy_from_slice(word);
-        let v = u64::from_le_bytes(bytes);
-        let lf = v ^ LF;
-        let cr = v ^ CR;
-        let found = (lf.wrapping_sub(LO) & !lf & HI) | (cr.wrapping_sub(LO) & !cr & HI);
-        if found != 0 {
-            return Some(offset.saturating_add((found.trailing_zeros() / 8) as usize));
-        }
-        offset = offset.saturating_add(8);
-    }
-    words.remainder().iter().position(|&b| b == b'\n' || b == b'\r').map(|p| offset.saturating_add(p))
+    let x = word ^ LO.wrapping_mul(u64::from(byte));
+    x.wrapping_sub(LO) & !x & HI
 }
 
 /// The last (up to) four bytes of a stream: enough to tell whether it ended on an event boundary,
