@@ -653,7 +653,7 @@ impl<'a> Engine<'a> {
             cost_usd: num(&cost_micro_usd).map(|m| m as f64 / 1e6),
             ctx: text(&ctx),
             turn: text(&turn),
-            // As Quality::from_stamp reads the stamp.
+            // What llm-metrics' quality series count, judged from its stamp's fields.
             quality: text(&model_version).zip(num(&stamp_status)).zip(text(&stamp_outcome)).and_then(|((model_version, status), outcome)| {
                 Quality::judge(
                     &model_version,

@@ -190,11 +190,6 @@ impl Stamp {
         serde_json::from_str(self.0.get()).unwrap_or(Value::Null)
     }
 
-    /// The JSON text.
-    pub fn text(&self) -> &str {
-        self.0.get()
-    }
-
     /// The top-level members named `keys`, as a tree of the stamp would give them (the last of a
     /// repeated key); `None` for an absent key or a stamp that is not an object. One pass, only
     /// the members asked for built.

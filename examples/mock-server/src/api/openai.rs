@@ -31,10 +31,11 @@ fn chunk_text(plan: &Plan, choices: &str, usage: Option<&Value>) -> String {
     out.push_str(choices);
     out.push_str(",\"created\":");
     out.push_str(&plan.created.to_string());
+    // Strings escaped by serde_json, as the tree's were (writing a string cannot fail).
     out.push_str(",\"id\":");
-    out.push_str(&Value::from(plan.id.as_str()).to_string());
+    out.push_str(&serde_json::to_string(&plan.id).unwrap_or_default());
     out.push_str(",\"model\":");
-    out.push_str(&Value::from(plan.model.as_str()).to_string());
+    out.push_str(&serde_json::to_string(&plan.model).unwrap_or_default());
     out.push_str(",\"object\":\"");
     out.push_str(object);
     out.push_str("\",\"system_fingerprint\":\"");
