@@ -308,6 +308,8 @@ host_callbacks! {
         fn(FilterEnvoyPtr, u32, *mut u64) -> bool;
     get_metadata_string = "envoy_dynamic_module_callback_http_get_metadata_string":
         fn(FilterEnvoyPtr, u32, ModuleBuffer, ModuleBuffer, *mut EnvoyBuffer) -> bool;
+    set_dynamic_metadata_string = "envoy_dynamic_module_callback_http_set_dynamic_metadata_string":
+        fn(FilterEnvoyPtr, ModuleBuffer, ModuleBuffer, ModuleBuffer);
     clear_route_cache = "envoy_dynamic_module_callback_http_clear_route_cache":
         fn(FilterEnvoyPtr);
     scheduler_new = "envoy_dynamic_module_callback_http_filter_scheduler_new":
@@ -935,6 +937,20 @@ impl Envoy<'_> {
     /// When the hook returns ([`Deferred`]).
     pub fn reset_stream(&mut self, details: &str) {
         self.deferred.push(Deferred::Reset { details: details.to_string() });
+    }
+
+    /// Sets string `value` under `key` of the stream's dynamic metadata namespace `namespace`
+    /// (overwriting a value there).
+    pub fn set_dynamic_metadata_string(&mut self, namespace: &str, key: &str, value: &str) {
+        // SAFETY: the buffers outlive the call, which copies them.
+        unsafe {
+            (self.host.set_dynamic_metadata_string)(
+                self.ptr,
+                ModuleBuffer::of(namespace.as_bytes()),
+                ModuleBuffer::of(key.as_bytes()),
+                ModuleBuffer::of(value.as_bytes()),
+            )
+        }
     }
 
     /// A string value of the stream's dynamic metadata: `key` of namespace `namespace`.

@@ -1,6 +1,7 @@
 //! `libsluice.so`: sluice as an Envoy dynamic module (issue 27): its binding to Envoy 1.40.0's
 //! dynamic-module ABI, the engine (filter `sluice`, configured as `sluice.wasm` is; [`engine`]) and
-//! a proof filter (`proof`, `proof-hold`; [`proof`]).
+//! the lift of the request body's model into metadata for model-router (filter
+//! `sluice-body-metadata`; [`lift`]) and a proof filter (`proof`, `proof-hold`; [`proof`]).
 //!
 //! - [`abi`] (private) is the only module with `unsafe` code: the ABI's types, the callbacks the
 //!   module calls (resolved by name when Envoy loads it), the event hooks Envoy calls, and safe
@@ -20,6 +21,7 @@
 mod abi;
 pub mod engine;
 pub mod filter;
+pub mod lift;
 pub mod proof;
 
 pub use abi::{ABI_VERSION, CALLBACKS_USED, ENVOY_RELEASE};
@@ -30,8 +32,11 @@ fn new_filter_config(name: &[u8], config: &[u8], context: &mut filter::ConfigCon
     if name == engine::FILTER_NAME.as_bytes() {
         return engine::new_config(config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>);
     }
+    if name == lift::FILTER_NAME.as_bytes() {
+        return lift::new_config(config).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>);
+    }
     proof::new_config(name, config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>)
 }
 
 /// Every filter name this module answers to.
-pub const FILTER_NAMES: &[&str] = &[engine::FILTER_NAME, "proof", "proof-hold"];
+pub const FILTER_NAMES: &[&str] = &[engine::FILTER_NAME, lift::FILTER_NAME, "proof", "proof-hold"];

@@ -429,7 +429,11 @@ fn proof_hold_reads_the_request_body_while_the_headers_wait() {
 fn an_unrecognised_configuration_is_refused() {
     for (name, config, reason) in [
         ("proof", "model: llama", r#"sluice-native: filter configuration refused: filter "proof" takes no configuration yet; got 12 bytes: "model: llama""#),
-        ("router", "", r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: sluice, proof, proof-hold)"#),
+        (
+            "router",
+            "",
+            r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: sluice, sluice-body-metadata, proof, proof-hold)"#,
+        ),
     ] {
         let Started::Exited { code, log } = start_envoy(&module_dir(None), name, config, 9) else {
             panic!("Envoy started with filter {name:?} and configuration {config:?}");
