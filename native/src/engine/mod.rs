@@ -355,7 +355,7 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
                 );
                 // No release queue: llm-metrics' first-token mark releases a held stream in the same
                 // hook (the sections share the filter), and the module's tick does the rest.
-                let root = GuardRoot::new(*p, None, String::new());
+                let root = GuardRoot::new(*p, None, String::new()).woken_at_first_token();
                 configured.push(SectionConfig::Guard(Arc::new(GuardConfig { root: Mutex::new(root), last_tick: AtomicU64::new(0), _ticks: ticker::start() })));
                 plugins.push(Plugin::LatencyGuard);
             }
@@ -406,6 +406,7 @@ impl FilterConfig for EngineConfig {
             flags: Flags::default(),
             response_held: false,
             ticked: None,
+            due_sent: None,
             paused_at: None,
         })
     }
@@ -562,6 +563,8 @@ struct Stream {
     response_held: bool,
     /// The guarded stream's id, while the module's tick thread ticks it ([`ticker`]).
     ticked: Option<u32>,
+    /// The due time last sent to the tick thread for the guarded stream ([`ticker::set_due`]).
+    due_sent: Option<Option<u64>>,
     /// The number under which this guard's instance announced the stream's shared observer
     /// ([`announce_observer`]), until the stream ends.
     announced: Option<u64>,
@@ -854,6 +857,17 @@ impl Stream {
         }
     }
 
+    /// Tells the tick thread when this guarded stream's tick is next due (after each hook: what
+    /// the hook did may have moved it), if that changed.
+    fn send_due(&mut self) {
+        let (Some(id), Some(Section::Guard { config, .. })) = (self.ticked, self.sections.first()) else { return };
+        let due = lock(&config.root).stream_due_ns(id, now_ns());
+        if self.due_sent != Some(due) {
+            self.due_sent = Some(due);
+            ticker::set_due(id, due);
+        }
+    }
+
     /// Applies the effects one section's event returned.
     fn apply(&mut self, envoy: &mut Envoy<'_>) {
         apply(envoy, &self.inner.catalogue, &mut self.effects, &mut self.chunk, self.held.as_mut(), &mut self.flags);
@@ -977,15 +991,20 @@ impl Stream {
 
 impl Filter for Stream {
     fn on_request_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
-        self.request_headers(envoy, end_of_stream)
+        let status = self.request_headers(envoy, end_of_stream);
+        self.send_due();
+        status
     }
 
     fn on_request_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
-        self.request_body(envoy, end_of_stream)
+        let status = self.request_body(envoy, end_of_stream);
+        self.send_due();
+        status
     }
 
     fn on_response_headers(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> HeadersStatus {
         self.response(envoy, ResponseEvent::Headers { end_of_stream });
+        self.send_due();
         if self.response_held {
             HeadersStatus::StopIteration
         } else {
@@ -995,6 +1014,7 @@ impl Filter for Stream {
 
     fn on_response_body(&mut self, envoy: &mut Envoy<'_>, end_of_stream: bool) -> BodyStatus {
         self.response(envoy, ResponseEvent::Body { end_of_stream });
+        self.send_due();
         if self.response_held {
             BodyStatus::StopIterationAndBuffer
         } else {
@@ -1004,6 +1024,7 @@ impl Filter for Stream {
 
     fn on_response_trailers(&mut self, envoy: &mut Envoy<'_>) {
         self.response(envoy, ResponseEvent::Trailers);
+        self.send_due();
     }
 
     fn on_stream_complete(&mut self, envoy: &mut Envoy<'_>) {
@@ -1015,6 +1036,9 @@ impl Filter for Stream {
 
     fn on_scheduled(&mut self, envoy: &mut Envoy<'_>, event: u64) {
         self.tick(envoy, event);
+        // The tick thread forgot the due time it ticked: this stream's next one is always sent.
+        self.due_sent = None;
+        self.send_due();
     }
 
     fn on_callout_done(&mut self, envoy: &mut Envoy<'_>, id: u64, answer: &CalloutAnswer) {
@@ -1099,10 +1123,9 @@ fn apply(envoy: &mut Envoy<'_>, catalogue: &Catalogue, effects: &mut Effects, ch
                 envoy.reset_stream("sluice_latency_guard_reset");
                 None
             }
-            Effect::SetTickPeriod { ms } => {
-                ticker::set_period(ms);
-                None
-            }
+            // The tick thread follows each stream's own due time ([`Stream::send_due`]), not the
+            // root's period over all of them.
+            Effect::SetTickPeriod { .. } => None,
         };
         if let Some(problem) = failed {
             log(LogLevel::Warn, &format!("sluice: {problem}"));

@@ -1,10 +1,18 @@
 //! latency-guard's tick, natively. Envoy 1.40's dynamic-module ABI gives an HTTP filter no timer,
 //! only a scheduler that posts an event to the stream's worker at once (`scheduler_commit`, callable
-//! from any thread). So the module keeps one thread of its own: every tick period (the period the
-//! guard's root asks for with `SetTickPeriod`, the time until the next deadline or held stream is
-//! due) it commits a tick to every guarded stream's scheduler, and each stream, on its worker, runs
-//! the guard's tick for itself (`GuardRoot::on_tick_stream`) — so a deadline's 504, a release or a
-//! reset happens in the stream's own callback, with no release queue.
+//! from any thread). So the module keeps one thread of its own that commits a tick to a guarded
+//! stream's scheduler when that stream has something due — the time its guard's root gives for it
+//! (`GuardRoot::stream_due_ns`: a deadline, a reset after an error event, the fallback look at a
+//! held stream), which the stream sends after each of its hooks ([`set_due`]) — and each stream, on
+//! its worker, runs the guard's tick for itself (`GuardRoot::on_tick_stream`), so a deadline's 504,
+//! a release or a reset happens in the stream's own callback, with no release queue. At least every
+//! [`SWEEP_NS`] one watched stream is ticked even with nothing due, so the root's `after_tick`
+//! sweeps the breakers.
+//!
+//! Only what is due is committed, and the thread is woken only when a stream's due time comes
+//! before the one it sleeps until: ticking every guarded stream at the root's period (1 ms while
+//! any stream was held) cost Envoy a cross-thread post per stream per tick and a wake-up of this
+//! thread at each period change (docs/native.md).
 //!
 //! The schedulers live in one registry behind a mutex: the thread commits while holding it, and a
 //! stream removes (and so deletes) its scheduler under the same lock, so no commit reaches a
@@ -22,26 +30,43 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_core::latency::deadline;
 
+use super::view::now_ns;
 use crate::filter::{log, LogLevel, Scheduler};
 
 /// The event id of a tick: the tick's number (so a root can tell a new tick from one it has seen).
 pub type Tick = u64;
 
+/// The longest the thread waits while streams are watched: the breakers' sweep (core's
+/// `BREAKER_SWEEP_NS`, the idle tick).
+pub const SWEEP_NS: u64 = deadline::IDLE_TICK_NS;
+
+/// A due time meaning "nothing due".
+const NEVER: u64 = u64::MAX;
+
 struct Ticker {
-    /// The period, ms (the guard root's `SetTickPeriod`).
-    period_ms: AtomicU64,
     /// Ticks so far.
     ticks: AtomicU64,
+    /// When the thread next wakes (ns, [`now_ns`]'s clock): a stream whose due time is earlier
+    /// wakes it ([`set_due`]).
+    wakes_at: AtomicU64,
     state: Mutex<State>,
     changed: Condvar,
 }
 
+/// A watched stream: its scheduler and when its tick is due.
+struct Entry<S = Scheduler> {
+    scheduler: S,
+    due_ns: u64,
+}
+
 struct State {
-    streams: BTreeMap<u32, Scheduler>,
+    streams: BTreeMap<u32, Entry>,
+    /// When a stream was last ticked for the breakers' sweep.
+    swept_at: u64,
     /// Configurations with latency-guard alive.
     users: usize,
     /// The run the thread now running belongs to; `None` once it is told to stop. A thread whose
@@ -52,9 +77,9 @@ struct State {
 }
 
 static TICKER: Ticker = Ticker {
-    period_ms: AtomicU64::new(deadline::IDLE_TICK_NS / 1_000_000),
     ticks: AtomicU64::new(0),
-    state: Mutex::new(State { streams: BTreeMap::new(), users: 0, run: None, runs: 0, thread: None }),
+    wakes_at: AtomicU64::new(NEVER),
+    state: Mutex::new(State { streams: BTreeMap::new(), swept_at: 0, users: 0, run: None, runs: 0, thread: None }),
     changed: Condvar::new(),
 };
 
@@ -109,46 +134,78 @@ impl Drop for Users {
     }
 }
 
+/// What one wake of the thread does at `now`: the streams to tick (their due times reset to
+/// [`NEVER`]: each sends its next one after its tick), whether the sweep's stream is among them,
+/// and when to wake next.
+fn plan<S>(streams: &mut BTreeMap<u32, Entry<S>>, swept_at: &mut u64, now: u64, out: &mut Vec<u32>) -> u64 {
+    out.clear();
+    for (id, entry) in streams.iter_mut() {
+        if entry.due_ns <= now {
+            entry.due_ns = NEVER;
+            out.push(*id);
+        }
+    }
+    if now.saturating_sub(*swept_at) >= SWEEP_NS {
+        *swept_at = now;
+        // One watched stream runs the root's sweep (its `after_tick` runs once per tick number).
+        if out.is_empty() {
+            out.extend(streams.keys().next().copied());
+        }
+    }
+    let next_due = streams.values().map(|e| e.due_ns).min().unwrap_or(NEVER);
+    next_due.min(swept_at.saturating_add(SWEEP_NS))
+}
+
 fn tick_thread(run: u64) {
     let mut state = state();
-    let mut last = Instant::now();
+    let mut due = Vec::new();
     loop {
         if state.run != Some(run) {
             return;
         }
-        let period = Duration::from_millis(TICKER.period_ms.load(Ordering::Relaxed).max(1));
-        let due = last + period;
-        let now = Instant::now();
-        if now < due {
-            // Woken early when the period changes or the thread is told to stop: the tick is then
-            // due a new period after the last.
-            state = TICKER.changed.wait_timeout(state, due - now).unwrap_or_else(PoisonError::into_inner).0;
-            continue;
+        let now = now_ns();
+        let st = &mut *state;
+        let wake_at = plan(&mut st.streams, &mut st.swept_at, now, &mut due);
+        if !due.is_empty() {
+            let tick = TICKER.ticks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+            for id in &due {
+                if let Some(entry) = state.streams.get(id) {
+                    entry.scheduler.commit(tick);
+                }
+            }
         }
-        last = now;
-        let tick = TICKER.ticks.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        for scheduler in state.streams.values() {
-            scheduler.commit(tick);
+        TICKER.wakes_at.store(wake_at, Ordering::Relaxed);
+        let wait = Duration::from_nanos(wake_at.saturating_sub(now_ns()).min(SWEEP_NS));
+        if !wait.is_zero() {
+            state = TICKER.changed.wait_timeout(state, wait).unwrap_or_else(PoisonError::into_inner).0;
         }
     }
 }
 
-/// Ticks stream `id` through `scheduler` from now on (until [`forget`]).
+/// Ticks stream `id` through `scheduler` from now on (until [`forget`]), when it is due ([`set_due`]).
 pub fn watch(id: u32, scheduler: Scheduler) {
-    state().streams.insert(id, scheduler);
+    state().streams.insert(id, Entry { scheduler, due_ns: NEVER });
+}
+
+/// Stream `id`'s tick is next due at `due_ns` (`None`: nothing due but its end). Wakes the thread
+/// only when that is before the time it sleeps until.
+pub fn set_due(id: u32, due_ns: Option<u64>) {
+    let due_ns = due_ns.unwrap_or(NEVER);
+    {
+        let mut state = state();
+        let Some(entry) = state.streams.get_mut(&id) else { return };
+        entry.due_ns = due_ns;
+    }
+    if due_ns < TICKER.wakes_at.load(Ordering::Relaxed) {
+        TICKER.wakes_at.store(due_ns, Ordering::Relaxed);
+        TICKER.changed.notify_all();
+    }
 }
 
 /// Stops ticking stream `id` and deletes its scheduler.
 pub fn forget(id: u32) {
     let removed = state().streams.remove(&id);
     drop(removed);
-}
-
-/// Sets the tick period (ms), waking the thread to wait the new one.
-pub fn set_period(ms: u64) {
-    if TICKER.period_ms.swap(ms, Ordering::Relaxed) != ms {
-        TICKER.changed.notify_all();
-    }
 }
 
 #[cfg(test)]
@@ -178,5 +235,40 @@ mod tests {
         assert!(running());
         drop(again);
         assert!(!running());
+    }
+
+    fn streams(dues: &[(u32, u64)]) -> BTreeMap<u32, Entry<()>> {
+        dues.iter().map(|&(id, due_ns)| (id, Entry { scheduler: (), due_ns })).collect()
+    }
+
+    #[test]
+    fn only_the_streams_due_are_ticked_and_the_thread_wakes_at_the_next_due_time() {
+        let now = 10 * SWEEP_NS;
+        let mut watched = streams(&[(1, now - 5), (2, now + 7_000_000), (3, NEVER), (4, now)]);
+        let (mut swept_at, mut out) = (now - 1, Vec::new());
+        let wake = plan(&mut watched, &mut swept_at, now, &mut out);
+        assert_eq!(out, vec![1, 4]);
+        assert_eq!(wake, now + 7_000_000, "stream 2 is next");
+        assert!(watched.get(&1).is_some_and(|e| e.due_ns == NEVER), "a ticked stream waits for its next due time");
+        assert!(watched.get(&2).is_some_and(|e| e.due_ns == now + 7_000_000));
+        // Nothing due: nothing ticked, and the thread sleeps until the next sweep at the latest.
+        let mut idle = streams(&[(5, NEVER)]);
+        assert_eq!(plan(&mut idle, &mut swept_at, now + 1, &mut out), swept_at + SWEEP_NS);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_sweep_ticks_one_stream_when_none_is_due() {
+        let now = 10 * SWEEP_NS;
+        let mut watched = streams(&[(8, NEVER), (9, NEVER)]);
+        let (mut swept_at, mut out) = (now - SWEEP_NS, Vec::new());
+        let wake = plan(&mut watched, &mut swept_at, now, &mut out);
+        assert_eq!(out, vec![8], "the root's breakers are swept through one watched stream");
+        assert_eq!((swept_at, wake), (now, now + SWEEP_NS));
+        // A stream due at the sweep is the sweep's stream too: no second one.
+        let mut due = streams(&[(8, NEVER), (9, now)]);
+        swept_at = now - SWEEP_NS;
+        plan(&mut due, &mut swept_at, now, &mut out);
+        assert_eq!(out, vec![9]);
     }
 }

@@ -96,6 +96,10 @@ pub struct GuardRoot {
     /// held stream to look at), between 1 ms and the idle tick. A 1 ms tick whenever any stream
     /// was watched cost ≈ 2.5 % of a core per worker for nothing most of the time.
     tick_period_ms: u64,
+    /// The host lets the guard decide at a held stream's first token in the hook that marks it
+    /// (the native module: [`Self::on_release`] from the same stream's hook), so the tick's look
+    /// at a held stream is a fallback, as with a release queue.
+    woken_at_first_token: bool,
 }
 
 impl GuardRoot {
@@ -110,7 +114,29 @@ impl GuardRoot {
             release_queue,
             vm_id,
             tick_period_ms: deadline::IDLE_TICK_NS / 1_000_000,
+            woken_at_first_token: false,
         }
+    }
+
+    /// A root whose host wakes it at a held stream's first token in the hook that marks it, with
+    /// no release queue (the native module): held streams are then looked at by the tick as
+    /// rarely as with a release queue ([`deadline::HELD_POLL_NS`]).
+    pub fn woken_at_first_token(mut self) -> GuardRoot {
+        self.woken_at_first_token = true;
+        self
+    }
+
+    /// Whether the host wakes this root at a held stream's first token (a release queue, or the
+    /// same hook).
+    fn wakes_at_first_token(&self) -> bool {
+        self.release_queue.is_some() || self.woken_at_first_token
+    }
+
+    /// When stream `id`'s tick next has something to do ([`StreamWatch::next_due_ns`]); `None`
+    /// when it is not watched or waits only for its end. A host that ticks each stream on its own
+    /// (the native module's tick thread) ticks it then, and not before.
+    pub fn stream_due_ns(&self, id: u32, now: u64) -> Option<u64> {
+        self.watched.get(&id).and_then(|w| w.machine.next_due_ns(now, self.wakes_at_first_token()))
     }
 
     pub fn policy(&self) -> &LatencyPolicy {
@@ -270,7 +296,7 @@ impl GuardRoot {
     /// Sets the tick to fire when the next thing is due on this worker ([`deadline::tick_period_ms`]);
     /// an effect only when the period changes (each is a hostcall).
     fn schedule(&mut self, now: u64, fx: &mut Effects) {
-        let queue = self.release_queue.is_some();
+        let queue = self.wakes_at_first_token();
         let period_ms = deadline::tick_period_ms(now, self.watched.values().filter_map(|w| w.machine.next_due_ns(now, queue)));
         if period_ms != self.tick_period_ms {
             self.tick_period_ms = period_ms;

@@ -418,3 +418,22 @@ fn the_output_ceiling_is_written_into_the_whole_body() {
     assert_eq!(body["max_tokens"], json!(16), "{body}");
     assert_eq!(count, &Effect::Count { name: "sluice.latency.output_capped_total.version.v1".into(), delta: 1 });
 }
+
+#[test]
+fn a_root_woken_in_the_marking_hook_looks_at_a_held_stream_as_rarely_as_with_a_queue() {
+    let (queued, store) = root(json!({"ttft_deadline_ms": 1000}), json!({}));
+    let no_queue = || GuardRoot::new(queued.policy().clone(), None, String::new());
+    for (mut root, poll_ms) in [(no_queue(), 1), (no_queue().woken_at_first_token(), 10)] {
+        let mut store = store.clone();
+        let (mut flow, mut view) = (GuardFlow::new(ID), request("crit-a", "v1"));
+        admit(&mut flow, &mut root, &mut view, &mut store);
+        assert_eq!(root.stream_due_ns(ID, T0 + 50 * MS), Some(T0 + 1000 * MS), "the TTFT deadline, before the response");
+        event_stream(&mut view);
+        view.properties.push((vec![FIRST_TOKEN_PROPERTY.to_string()], "0".to_string()));
+        let mut fx = Effects::default();
+        assert_eq!(flow.on_response_headers(&mut root, &mut view, &mut store, false, T0 + 100 * MS, &mut fx), Verdict::Pause);
+        assert_eq!(fx.0.last(), Some(&Effect::SetTickPeriod { ms: poll_ms }));
+        assert_eq!(root.stream_due_ns(ID, T0 + 100 * MS), Some(T0 + (100 + poll_ms) * MS), "held: the tick's fallback look");
+        assert_eq!(root.stream_due_ns(ID + 1, T0 + 100 * MS), None, "not watched");
+    }
+}
