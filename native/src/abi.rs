@@ -410,6 +410,22 @@ impl CounterId {
     }
 }
 
+impl GaugeId {
+    /// An id no Envoy gave, for unit tests of code that keeps ids.
+    #[cfg(test)]
+    pub(crate) fn for_tests(id: usize) -> GaugeId {
+        GaugeId(id)
+    }
+}
+
+impl HistogramId {
+    /// An id no Envoy gave, for unit tests of code that keeps ids.
+    #[cfg(test)]
+    pub(crate) fn for_tests(id: usize) -> HistogramId {
+        HistogramId(id)
+    }
+}
+
 /// Why Envoy refused a metric operation (`envoy_dynamic_module_type_metrics_result`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MetricsError {

@@ -11,8 +11,17 @@
 //! the namespace and without `envoy_`, as it prints `wasmcustom.`: `sluice_ttft_ms_bucket{
 //! model_version="v2",tenant="acme",…}` — the series `sluice.wasm` gives, so dashboards and alerts
 //! read both hosts alike (tests/envoy.rs compares the two on the same requests).
+//!
+//! Mapping a flat name back is a hash lookup per dot of the name and a split: some 2,700
+//! instructions for a per-request name, about thirty of which a request records. So each thread
+//! keeps what the names it has seen resolved to ([`record`](Catalogue::record)): a name seen before
+//! costs one hash of it and one comparison.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use sluice_core::metrics::{Family, MetricKind, Plugin, FAMILIES};
 
@@ -25,6 +34,15 @@ const MAX_LABELS: usize = 12;
 /// without labels exists from its definition on — `ledger_up` would read 0 (down) on a gateway that
 /// has no ledger.
 const LEDGER_FAMILIES: &str = "sluice.budget.ledger_";
+
+/// The most names a thread caches for one catalogue. The flows bound every label value before it
+/// reaches a name (`LabelBound`, sanitized policy names), so a configuration has a bounded set of
+/// series and this is only a safety net: past it, names are resolved on every record, uncached.
+const CACHE_BOUND: usize = 4096;
+
+/// The number of the next catalogue made: a thread's cache is per catalogue number, so one
+/// configuration never gets another's ids (a reload defines the same names again, with new ids).
+static NEXT_NUMBER: AtomicU64 = AtomicU64::new(1);
 
 /// One defined metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,9 +60,86 @@ struct Variant {
 }
 
 /// The families of one filter configuration, by flat base name (`sluice.ttft_ms`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Catalogue {
     families: HashMap<&'static str, Vec<Variant>>,
+    /// Unique in the process: the key of this catalogue's cache in each thread.
+    number: u64,
+    /// Held only by the catalogue: a thread's cache of a catalogue that is gone (its `Weak` dead)
+    /// is dropped when the thread next meets a new catalogue.
+    alive: Arc<()>,
+}
+
+/// What a flat name resolved to, as a thread caches it.
+#[derive(Debug)]
+struct Resolved {
+    id: MetricId,
+    /// The label values, one per key of the variant.
+    values: Box<[Box<str>]>,
+    /// A call for this series succeeded on this thread, so the series exists in Envoy's store
+    /// (shared by all threads) and adding zero to it would change nothing.
+    created: bool,
+}
+
+/// One thread's resolutions for one catalogue.
+struct ThreadCache {
+    number: u64,
+    alive: Weak<()>,
+    names: HashMap<Box<str>, Resolved, BuildHasherDefault<NameHasher>>,
+}
+
+thread_local! {
+    /// Per thread, so the workers' hot path takes no lock; a few entries (one per live
+    /// configuration this thread records for), searched in order.
+    static CACHES: RefCell<Vec<ThreadCache>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The cache's hasher: multiply-and-fold over eight-byte words. SipHash's resistance to chosen keys
+/// is not needed (a name's label values are bounded by the flows, not chosen freely by clients)
+/// and costs several times as much on a ~100-byte name.
+#[derive(Clone, Copy)]
+struct NameHasher(u64);
+
+impl Default for NameHasher {
+    fn default() -> Self {
+        // Digits of pi: any odd non-zero start.
+        NameHasher(0x243f_6a88_85a3_08d3)
+    }
+}
+
+impl NameHasher {
+    /// One word into the state: the 128-bit product's halves xored carry every input bit into
+    /// every output bit (hashbrown takes the bucket from the low bits, the tag from the high).
+    fn mix(&mut self, word: u64) {
+        let product = u128::from(self.0 ^ word) * 0x9e37_79b9_7f4a_7c15;
+        self.0 = (product as u64) ^ ((product >> 64) as u64);
+    }
+}
+
+impl Hasher for NameHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            self.mix(u64::from_le_bytes(word.try_into().unwrap_or_default()));
+        }
+        let tail = words.remainder();
+        if !tail.is_empty() {
+            // At most seven bytes: the last byte holds their count, so `ab` and `ab\0` differ.
+            let mut word = [0u8; 8];
+            word.iter_mut().zip(tail).for_each(|(w, b)| *w = *b);
+            word[7] = tail.len() as u8;
+            self.mix(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u8(&mut self, byte: u8) {
+        // `str`'s `Hash` ends with one: skip `write`'s tail handling.
+        self.mix(u64::from(byte));
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// The label-name lists a family's series carry: `a|b|c` is one label whose key is one of them (a
@@ -95,7 +190,11 @@ impl Catalogue {
                 families.entry(family.name).or_default().push(Variant { keys, id });
             }
         }
-        Ok(Catalogue { families })
+        Ok(Catalogue::of(families))
+    }
+
+    fn of(families: HashMap<&'static str, Vec<Variant>>) -> Catalogue {
+        Catalogue { families, number: NEXT_NUMBER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()) }
     }
 
     /// The metric and label values of flat sample name `name`; `None` for a name of no defined
@@ -131,25 +230,90 @@ impl Catalogue {
     }
 
     /// Records one flow sample: `delta` for a counter or gauge, `value` for a histogram.
+    ///
+    /// Through this thread's cache; uncached when the cache is full, or not there (the thread is
+    /// tearing its thread-locals down, or this is a record inside a record: neither happens in
+    /// Envoy, and neither may panic).
     pub fn record(&self, envoy: &mut dyn Metrics, name: &str, sample: Sample) -> Result<(), String> {
+        let cached = CACHES.try_with(|caches| caches.try_borrow_mut().ok().and_then(|mut caches| self.record_cached(&mut caches, envoy, name, sample)));
+        match cached.ok().flatten() {
+            Some(result) => result,
+            None => self.record_uncached(envoy, name, sample),
+        }
+    }
+
+    /// [`record`](Catalogue::record) through `caches` (this thread's); `None` if the name is not
+    /// cached and the cache is full.
+    fn record_cached(&self, caches: &mut Vec<ThreadCache>, envoy: &mut dyn Metrics, name: &str, sample: Sample) -> Option<Result<(), String>> {
+        let at = match caches.iter().position(|c| c.number == self.number) {
+            Some(at) => at,
+            None => {
+                // A catalogue this thread has not recorded for: a new configuration, maybe
+                // replacing one whose cache can go.
+                caches.retain(|c| c.alive.strong_count() > 0);
+                caches.push(ThreadCache { number: self.number, alive: Arc::downgrade(&self.alive), names: HashMap::default() });
+                caches.len() - 1
+            }
+        };
+        let cache = caches.get_mut(at)?;
+        if let Some(resolved) = cache.names.get_mut(name) {
+            return Some(send_cached(envoy, name, resolved, sample));
+        }
+        if cache.names.len() >= CACHE_BOUND {
+            return None;
+        }
+        let mut values = [""; MAX_LABELS];
+        // A name of no family is not cached: it fails each time, as uncached.
+        let Some((id, count)) = self.resolve(name, &mut values) else {
+            return Some(Err(unknown(name)));
+        };
+        let values = values.iter().take(count).map(|v| Box::<str>::from(*v)).collect();
+        let resolved = cache.names.entry(Box::from(name)).or_insert(Resolved { id, values, created: false });
+        Some(send_cached(envoy, name, resolved, sample))
+    }
+
+    fn record_uncached(&self, envoy: &mut dyn Metrics, name: &str, sample: Sample) -> Result<(), String> {
         let mut values = [""; MAX_LABELS];
         let Some((id, count)) = self.resolve(name, &mut values) else {
-            return Err(format!("metric {name} is not one of the configured families"));
+            return Err(unknown(name));
         };
-        let labels = values.get(..count).unwrap_or_default();
-        let result = match (id, sample) {
-            // A zero defines the series (it then exists from the first request on, as with wasm).
-            (MetricId::Counter(id), Sample::Add(delta)) => match u64::try_from(delta) {
-                Ok(by) => envoy.increment_counter(id, labels, by),
-                Err(_) => return Err(format!("counter {name} cannot go down by {delta}")),
-            },
-            (MetricId::Gauge(id), Sample::Add(delta)) => envoy.add_gauge(id, labels, delta),
-            (MetricId::Gauge(id), Sample::Set(value)) => envoy.set_gauge(id, labels, value),
-            (MetricId::Histogram(id), Sample::Set(value)) => envoy.record_histogram(id, labels, value),
-            _ => return Err(format!("metric {name} is not of the kind the sample is ({sample:?})")),
-        };
-        result.map_err(|e| format!("metric {name}: {e}"))
+        send(envoy, name, id, values.get(..count).unwrap_or_default(), sample)
     }
+}
+
+fn unknown(name: &str) -> String {
+    format!("metric {name} is not one of the configured families")
+}
+
+/// Sends `sample` of a cached series, unless it is a counter's zero for a series this thread has
+/// already created: the zero is there only to create the series (so it shows from the first
+/// request); skipping it later never changes a value. Everything else reaches Envoy every time (a
+/// gauge's value is shared by the workers; a histogram counts each record).
+fn send_cached(envoy: &mut dyn Metrics, name: &str, resolved: &mut Resolved, sample: Sample) -> Result<(), String> {
+    if resolved.created && matches!((resolved.id, sample), (MetricId::Counter(_), Sample::Add(0))) {
+        return Ok(());
+    }
+    let mut labels = [""; MAX_LABELS];
+    labels.iter_mut().zip(resolved.values.iter()).for_each(|(label, value)| *label = value);
+    let result = send(envoy, name, resolved.id, labels.get(..resolved.values.len()).unwrap_or_default(), sample);
+    resolved.created |= result.is_ok();
+    result
+}
+
+/// Sends `sample` of metric `id`, series `labels`, to Envoy.
+fn send(envoy: &mut dyn Metrics, name: &str, id: MetricId, labels: &[&str], sample: Sample) -> Result<(), String> {
+    let result = match (id, sample) {
+        // A zero defines the series (it then exists from the first request on, as with wasm).
+        (MetricId::Counter(id), Sample::Add(delta)) => match u64::try_from(delta) {
+            Ok(by) => envoy.increment_counter(id, labels, by),
+            Err(_) => return Err(format!("counter {name} cannot go down by {delta}")),
+        },
+        (MetricId::Gauge(id), Sample::Add(delta)) => envoy.add_gauge(id, labels, delta),
+        (MetricId::Gauge(id), Sample::Set(value)) => envoy.set_gauge(id, labels, value),
+        (MetricId::Histogram(id), Sample::Set(value)) => envoy.record_histogram(id, labels, value),
+        _ => return Err(format!("metric {name} is not of the kind the sample is ({sample:?})")),
+    };
+    result.map_err(|e| format!("metric {name}: {e}"))
 }
 
 /// What a flow sample does to its metric.
@@ -162,21 +326,171 @@ pub enum Sample {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)] // A test fails by panicking.
 mod tests {
     use super::*;
+    use crate::filter::{GaugeId, HistogramId};
 
     /// A catalogue with made-up ids, as `define` would build it (no Envoy in a unit test).
     fn catalogue(plugins: &[Plugin]) -> Catalogue {
+        numbered(plugins, 0)
+    }
+
+    /// A catalogue whose made-up ids start after `first`.
+    fn numbered(plugins: &[Plugin], first: usize) -> Catalogue {
         let mut families: HashMap<&'static str, Vec<Variant>> = HashMap::new();
-        let mut next = 0usize;
+        let mut next = first;
         for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin)) {
             for keys in variants(family) {
                 next += 1;
-                families.entry(family.name).or_default().push(Variant { keys, id: MetricId::Counter(CounterId::for_tests(next)) });
+                let id = match family.kind {
+                    MetricKind::Counter => MetricId::Counter(CounterId::for_tests(next)),
+                    MetricKind::Gauge => MetricId::Gauge(GaugeId::for_tests(next)),
+                    MetricKind::Histogram => MetricId::Histogram(HistogramId::for_tests(next)),
+                };
+                families.entry(family.name).or_default().push(Variant { keys, id });
             }
         }
-        Catalogue { families }
+        Catalogue::of(families)
     }
+
+    /// One call a [`Recorder`] saw: the metric, its label values, the number given.
+    type Call = (MetricId, Vec<String>, i128);
+
+    /// A fake Envoy that keeps every metric call.
+    #[derive(Default)]
+    struct Recorder(Vec<Call>);
+
+    impl Recorder {
+        fn keep(&mut self, id: MetricId, labels: &[&str], value: i128) -> Result<(), MetricsError> {
+            self.0.push((id, labels.iter().map(|l| l.to_string()).collect(), value));
+            Ok(())
+        }
+    }
+
+    impl Metrics for Recorder {
+        fn increment_counter(&mut self, id: CounterId, labels: &[&str], by: u64) -> Result<(), MetricsError> {
+            self.keep(MetricId::Counter(id), labels, by.into())
+        }
+        fn record_histogram(&mut self, id: HistogramId, labels: &[&str], value: u64) -> Result<(), MetricsError> {
+            self.keep(MetricId::Histogram(id), labels, value.into())
+        }
+        fn add_gauge(&mut self, id: GaugeId, labels: &[&str], delta: i64) -> Result<(), MetricsError> {
+            self.keep(MetricId::Gauge(id), labels, delta.into())
+        }
+        fn set_gauge(&mut self, id: GaugeId, labels: &[&str], value: u64) -> Result<(), MetricsError> {
+            self.keep(MetricId::Gauge(id), labels, value.into())
+        }
+    }
+
+    /// What `name` resolves to without the cache: the call a record of it makes.
+    fn uncached(c: &Catalogue, name: &str) -> Option<(MetricId, Vec<String>)> {
+        let mut values = [""; MAX_LABELS];
+        c.resolve(name, &mut values).map(|(id, n)| (id, values.iter().take(n).map(|v| v.to_string()).collect()))
+    }
+
+    /// A sample of the metric's kind that is never skipped.
+    fn sample_of(id: MetricId) -> Sample {
+        match id {
+            MetricId::Counter(_) | MetricId::Gauge(_) => Sample::Add(3),
+            MetricId::Histogram(_) => Sample::Set(3),
+        }
+    }
+
+    /// The entries this thread caches for `c`.
+    fn cached_names(c: &Catalogue) -> usize {
+        CACHES.with(|caches| caches.borrow().iter().find(|t| t.number == c.number).map_or(0, |t| t.names.len()))
+    }
+
+    /// One name of every family, built by core's constructors.
+    fn constructor_names() -> Vec<String> {
+        use sluice_core::budget::policy::CounterSpec;
+        use sluice_core::budget::{Level, Limit, Window};
+        use sluice_core::contract::GatewayEnd;
+        use sluice_core::latency::deadline::Fired;
+        use sluice_core::latency::{Priority, State};
+        use sluice_core::metrics as m;
+        let labels = sluice_core::report::Labels {
+            model_version: "v2".into(),
+            tenant: "acme".into(),
+            api: "chat_completions".into(),
+            ctx: "1k".into(),
+            turn: "first".into(),
+            stream: "true".into(),
+        };
+        let s = m::RequestSeries::new(&labels);
+        let spec = |level, owner: &str, window, limit| CounterSpec {
+            store_key: "k".into(),
+            remote_name: "k".into(),
+            level,
+            owner: owner.into(),
+            window,
+            limit,
+            soft_limit: None,
+            code: "c".into(),
+            per_identity: false,
+        };
+        let charge = m::ChargeSeries::new("k1", "search", "acme", "v2");
+        let pair = m::ShadowPair::new("llama-v1", "qwen-v1");
+        let tokens = Limit::Tokens { limit: 100, input_weight: 1, output_weight: 1 };
+        vec![
+            m::requests_total(&s, 200, Some("stop"), true),
+            m::ttft_ms(&s),
+            m::tpot_us(&s),
+            m::decode_tokens_per_s(&s),
+            m::request_duration_ms(&s),
+            m::input_tokens(&s),
+            m::output_tokens(&s),
+            m::input_tokens_total(&s),
+            m::output_tokens_total(&s),
+            m::cached_input_tokens_total(&s),
+            m::reasoning_tokens_total(&s),
+            m::cost_micro_usd_total(&s),
+            m::client_disconnects_total(&s),
+            m::upstream_errors_total(&s),
+            m::gateway_replies_total(&s, GatewayEnd::Refused),
+            m::gateway_replies_total(&s, GatewayEnd::Deadline),
+            m::in_flight("v2"),
+            m::request_body_uninspected_total(m::UninspectedReason::TooLarge).to_string(),
+            m::quality_repetition_per_mille("v2"),
+            m::quality_output_tokens("v2", "stop"),
+            m::quality_degenerate_answers_total("v2", m::Degenerate::Truncated),
+            m::budget_remaining(&spec(Level::Team, "search", Window::Minute, tokens)),
+            m::budget_remaining(&spec(Level::Org, "acme", Window::Month { reset_day: 1 }, Limit::MicroUsd(5))),
+            m::budget_charged_tokens_total(&charge),
+            m::budget_charged_micro_usd_total(&charge),
+            m::budget_rejections_total("k1", "over_budget"),
+            m::budget_clamps_total("k1"),
+            m::budget_overestimate_tokens("k1"),
+            m::budget_soft_limit_crossings_total(&spec(Level::Key, "k1", Window::Day, Limit::Requests(10))),
+            m::budget_ledger_calls_total(m::LedgerCall::Settle, m::LedgerResult::Timeout).to_string(),
+            m::budget_ledger_latency_ms(m::LedgerCall::WriteBack).to_string(),
+            m::budget_ledger_up().to_string(),
+            m::budget_ledger_fallback_total(m::LedgerFallback::Local).to_string(),
+            m::budget_ledger_settlements_dropped_total().to_string(),
+            m::router_requests_total("llama", "llama-v2", sluice_core::routing::Reason::Fallback),
+            m::router_unrouted_total(m::Unrouted::NoModel).into_owned(),
+            m::router_unrouted_total(m::Unrouted::NoVersion { model: "llama" }).into_owned(),
+            m::router_shadow_total(&pair, m::ShadowResult::SkippedCap),
+            m::router_compare_duration_ms(&pair, m::Side::Shadow),
+            m::router_compare_ttft_ms(&pair),
+            m::router_compare_output_tokens(&pair, m::Side::Primary),
+            m::router_compare_errors_total(&pair, m::Side::Shadow),
+            m::router_compare_total(&pair, true),
+            m::router_compare_similarity_per_mille(&pair),
+            m::latency_requests_total("llama-v1", "interactive", "client_disconnect"),
+            m::latency_deadline_total("llama-v1", Fired::TtftReply),
+            m::latency_shed_total("llama-v1", Priority::Sheddable, m::ShedReason::BreakerOpen),
+            m::latency_fallback_unavailable_total("llama-v1", Priority::Critical),
+            m::latency_probes_total("llama-v1"),
+            m::latency_output_capped_total("llama-v1"),
+            m::latency_breaker_transitions_total("llama-v1", State::HalfOpen),
+            m::latency_breaker_state("llama-v1"),
+            m::latency_in_flight("llama-v1"),
+        ]
+    }
+
+    const ALL: &[Plugin] = &[Plugin::LlmMetrics, Plugin::TenantBudget, Plugin::ModelRouter, Plugin::LatencyGuard];
 
     fn resolved(c: &Catalogue, name: &str) -> Option<Vec<String>> {
         let mut values = [""; MAX_LABELS];
@@ -235,5 +549,154 @@ mod tests {
         ] {
             assert!(resolved(&c, &name).is_some(), "{name}");
         }
+    }
+
+    #[test]
+    fn every_family_resolves_alike_cached_and_uncached() {
+        let c = catalogue(ALL);
+        let names = constructor_names();
+        // Every family of core's catalogue has its name here.
+        for family in FAMILIES {
+            assert!(names.iter().any(|n| uncached(&c, n).is_some() && n.starts_with(family.name)), "{}", family.name);
+        }
+        for name in &names {
+            let expected = uncached(&c, name).unwrap_or_else(|| panic!("{name} does not resolve"));
+            let sample = sample_of(expected.0);
+            let mut envoy = Recorder::default();
+            // The first record resolves and caches; the second is served by the cache.
+            c.record(&mut envoy, name, sample).unwrap();
+            c.record(&mut envoy, name, sample).unwrap();
+            let call = (expected.0, expected.1, 3);
+            assert_eq!(envoy.0, vec![call.clone(), call], "{name}");
+        }
+        assert_eq!(cached_names(&c), names.len());
+    }
+
+    #[test]
+    fn a_counters_zero_reaches_envoy_once_per_series() {
+        let c = catalogue(ALL);
+        let mut envoy = Recorder::default();
+        let name = "sluice.budget.clamps_total.key.k1";
+        let id = uncached(&c, name).map(|(id, _)| id).unwrap();
+        let call = |by| (id, vec!["k1".to_string()], by);
+        c.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        assert_eq!(envoy.0, vec![call(0)], "the first zero creates the series");
+        c.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        assert_eq!(envoy.0, vec![call(0)], "a second zero changes nothing");
+        c.record(&mut envoy, name, Sample::Add(2)).unwrap();
+        c.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        c.record(&mut envoy, name, Sample::Add(2)).unwrap();
+        assert_eq!(envoy.0, vec![call(0), call(2), call(2)], "non-zero adds always reach Envoy");
+        // Another series of the family is created by its own first zero.
+        c.record(&mut envoy, "sluice.budget.clamps_total.key.k2", Sample::Add(0)).unwrap();
+        assert_eq!(envoy.0.len(), 4);
+
+        // Gauges and histograms are never skipped, zero or not.
+        let gauge = "sluice.in_flight.model_version.v2";
+        let histogram = "sluice.budget.overestimate_tokens.key.k1";
+        let mut envoy = Recorder::default();
+        for _ in 0..2 {
+            c.record(&mut envoy, gauge, Sample::Add(0)).unwrap();
+            c.record(&mut envoy, gauge, Sample::Set(0)).unwrap();
+            c.record(&mut envoy, histogram, Sample::Set(0)).unwrap();
+        }
+        assert_eq!(envoy.0.len(), 6);
+    }
+
+    #[test]
+    fn a_failed_call_does_not_count_as_the_series_created() {
+        struct Refusing;
+        impl Metrics for Refusing {
+            fn increment_counter(&mut self, _: CounterId, _: &[&str], _: u64) -> Result<(), MetricsError> {
+                Err(MetricsError::Frozen)
+            }
+            fn record_histogram(&mut self, _: HistogramId, _: &[&str], _: u64) -> Result<(), MetricsError> {
+                Err(MetricsError::Frozen)
+            }
+            fn add_gauge(&mut self, _: GaugeId, _: &[&str], _: i64) -> Result<(), MetricsError> {
+                Err(MetricsError::Frozen)
+            }
+            fn set_gauge(&mut self, _: GaugeId, _: &[&str], _: u64) -> Result<(), MetricsError> {
+                Err(MetricsError::Frozen)
+            }
+        }
+        let c = catalogue(ALL);
+        let name = "sluice.budget.clamps_total.key.k1";
+        assert!(c.record(&mut Refusing, name, Sample::Add(0)).is_err());
+        let mut envoy = Recorder::default();
+        c.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        assert_eq!(envoy.0.len(), 1);
+    }
+
+    #[test]
+    fn catalogues_never_share_cached_ids() {
+        // Two configurations (a reload) define the same names with other ids.
+        let (old, new) = (numbered(ALL, 0), numbered(ALL, 10_000));
+        for name in constructor_names() {
+            let (old_id, new_id) = (uncached(&old, &name).unwrap().0, uncached(&new, &name).unwrap().0);
+            assert_ne!(old_id, new_id);
+            let mut envoy = Recorder::default();
+            for _ in 0..2 {
+                old.record(&mut envoy, &name, sample_of(old_id)).unwrap();
+                new.record(&mut envoy, &name, sample_of(new_id)).unwrap();
+            }
+            let ids: Vec<MetricId> = envoy.0.iter().map(|(id, _, _)| *id).collect();
+            assert_eq!(ids, vec![old_id, new_id, old_id, new_id], "{name}");
+        }
+        // A catalogue's zero does not count as another's series created.
+        let name = "sluice.budget.clamps_total.key.k9";
+        let mut envoy = Recorder::default();
+        old.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        new.record(&mut envoy, name, Sample::Add(0)).unwrap();
+        assert_eq!(envoy.0.len(), 2);
+    }
+
+    #[test]
+    fn a_dropped_catalogues_cache_goes_when_the_thread_meets_a_new_one() {
+        let count = || CACHES.with(|caches| caches.borrow().len());
+        let before = count();
+        let old = catalogue(ALL);
+        old.record(&mut Recorder::default(), "sluice.budget.ledger_up", Sample::Set(1)).unwrap();
+        assert_eq!(count(), before + 1);
+        drop(old);
+        let new = catalogue(ALL);
+        new.record(&mut Recorder::default(), "sluice.budget.ledger_up", Sample::Set(1)).unwrap();
+        assert_eq!(count(), before + 1);
+    }
+
+    #[test]
+    fn names_resolve_past_the_cache_bound() {
+        let c = catalogue(ALL);
+        let mut envoy = Recorder::default();
+        let key = |n: usize| format!("sluice.budget.clamps_total.key.k{n}");
+        for n in 0..CACHE_BOUND + 10 {
+            c.record(&mut envoy, &key(n), Sample::Add(0)).unwrap();
+        }
+        assert_eq!(cached_names(&c), CACHE_BOUND);
+        // Past the bound, every record is resolved (and its zeros sent: no entry remembers them).
+        let last = key(CACHE_BOUND + 9);
+        c.record(&mut envoy, &last, Sample::Add(0)).unwrap();
+        c.record(&mut envoy, &last, Sample::Add(5)).unwrap();
+        assert_eq!(envoy.0.len(), CACHE_BOUND + 12);
+        let tail: Vec<&Call> = envoy.0.iter().rev().take(2).collect();
+        assert_eq!(
+            tail.iter().map(|(_, labels, by)| (labels.clone(), *by)).collect::<Vec<_>>(),
+            vec![(vec![format!("k{}", CACHE_BOUND + 9)], 5), (vec![format!("k{}", CACHE_BOUND + 9)], 0)]
+        );
+        // Names that do not resolve are refused, and not cached.
+        assert!(c.record(&mut envoy, "sluice.nothing", Sample::Add(1)).is_err());
+        let fresh = catalogue(ALL);
+        assert!(fresh.record(&mut envoy, "sluice.nothing", Sample::Add(1)).is_err());
+        assert!(fresh.record(&mut envoy, "sluice.ttft_ms.model_version.v2", Sample::Set(1)).is_err());
+        assert_eq!(cached_names(&fresh), 0);
+    }
+
+    #[test]
+    fn the_name_hasher_tells_lengths_and_tails_apart() {
+        use std::hash::BuildHasher;
+        let hash = |s: &str| BuildHasherDefault::<NameHasher>::default().hash_one(s);
+        assert_ne!(hash("ab"), hash("ab\0"));
+        assert_ne!(hash("sluice.in_flight.model_version.v1"), hash("sluice.in_flight.model_version.v2"));
+        assert_ne!(hash("12345678"), hash("1234567"));
     }
 }
