@@ -942,8 +942,14 @@ impl Edit {
 }
 
 /// `s[from..to]` with the (non-overlapping) edits applied; edits outside the range are ignored.
-fn apply_edits(s: &[u8], from: usize, to: usize, mut edits: Vec<Edit>) -> Vec<u8> {
-    edits.sort_by_key(|e| (e.start, e.end));
+fn apply_edits(s: &[u8], from: usize, to: usize, edits: Vec<Edit>) -> Vec<u8> {
+    // Stably by (start, end): by end, then by start, through the sort instance core shares
+    // (crate::sort), not a copy of the standard library's sort for `Edit`.
+    let edits = if edits.is_sorted_by_key(|e| (e.start, e.end)) {
+        edits
+    } else {
+        crate::sort::stable_by_key(crate::sort::stable_by_key(edits, |e| e.end as u64), |e| e.start as u64)
+    };
     let extra: usize = edits.iter().map(|e| e.text.len()).sum();
     let mut out = Vec::with_capacity(to.saturating_sub(from).saturating_add(extra));
     let mut at = from;
