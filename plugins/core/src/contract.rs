@@ -173,7 +173,8 @@ pub fn decode_avoid_list(value: &str) -> Vec<(String, String)> {
 
 /// The version model-router chose, from its decision ([`ROUTE_PROPERTY`], JSON with `version`).
 pub fn route_version(decision: &str) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(decision).ok()?;
+    // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
+    let v: serde_json::Value = serde_json::from_slice(decision.as_bytes()).ok()?;
     v.get("version").and_then(serde_json::Value::as_str).map(str::to_string)
 }
 

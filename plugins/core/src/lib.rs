@@ -48,6 +48,7 @@ pub mod response;
 pub mod rewrite;
 pub mod routing;
 pub(crate) mod scan;
+pub mod sort;
 pub mod span;
 pub mod sse;
 pub mod store;

@@ -546,7 +546,8 @@ impl State {
     /// The general path: every event shape, through a `Value`.
     fn value_path(&mut self, data: &str, event: Option<&str>, out: &mut ChunkOutcome) {
         self.stencil.clear();
-        let parsed = serde_json::from_str::<Value>(data);
+        // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
+        let parsed = serde_json::from_slice::<Value>(data.as_bytes());
         if let (Ok(_), Some(v)) = (&parsed, &mut self.validated) {
             v.record(data.as_bytes(), false);
         }

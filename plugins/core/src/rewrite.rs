@@ -171,8 +171,9 @@ fn validate_object_text(body: &[u8]) -> Result<(), RewriteError> {
     if request::known_object(body) {
         return Ok(());
     }
-    let text = std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
-    serde_json::from_str::<IgnoredAny>(text).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    std::str::from_utf8(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
+    // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
+    serde_json::from_slice::<IgnoredAny>(body).map_err(|e| RewriteError::NotJson(e.to_string()))?;
     Ok(())
 }
 
@@ -941,8 +942,14 @@ impl Edit {
 }
 
 /// `s[from..to]` with the (non-overlapping) edits applied; edits outside the range are ignored.
-fn apply_edits(s: &[u8], from: usize, to: usize, mut edits: Vec<Edit>) -> Vec<u8> {
-    edits.sort_by_key(|e| (e.start, e.end));
+fn apply_edits(s: &[u8], from: usize, to: usize, edits: Vec<Edit>) -> Vec<u8> {
+    // Stably by (start, end): by end, then by start, through the sort instance core shares
+    // (crate::sort), not a copy of the standard library's sort for `Edit`.
+    let edits = if edits.is_sorted_by_key(|e| (e.start, e.end)) {
+        edits
+    } else {
+        crate::sort::stable_by_key(crate::sort::stable_by_key(edits, |e| e.end as u64), |e| e.start as u64)
+    };
     let extra: usize = edits.iter().map(|e| e.text.len()).sum();
     let mut out = Vec::with_capacity(to.saturating_sub(from).saturating_add(extra));
     let mut at = from;

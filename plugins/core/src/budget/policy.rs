@@ -87,6 +87,14 @@ pub struct LedgerConfig {
     pub replicas: u32,
 }
 
+impl LedgerConfig {
+    /// Whether the flows ask the Redis ledger service: Redis mode, in a build with feature
+    /// `ledger-service` (without it the compiler leaves the service's code out).
+    pub fn uses_service(&self) -> bool {
+        cfg!(feature = "ledger-service") && self.mode == LedgerMode::Redis
+    }
+}
+
 impl Default for LedgerConfig {
     fn default() -> Self {
         LedgerConfig {

@@ -255,7 +255,8 @@ impl ResponseText {
         if self.text.truncated() || ev.data.trim() == "[DONE]" {
             return;
         }
-        let Ok(v) = serde_json::from_str::<Value>(&ev.data) else { return };
+        // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
+        let Ok(v) = serde_json::from_slice::<Value>(ev.data.as_bytes()) else { return };
         match self.kind {
             ApiKind::ChatCompletions | ApiKind::Completions => {
                 if let Some(choice) = first_choice(&v) {

@@ -22,7 +22,7 @@ use super::{Dir, Effect, Effects, LogLevel, Verdict, View};
 use crate::api::ApiKind;
 use crate::budget::identities::identity_hash;
 use crate::budget::ledger::Counter;
-use crate::budget::policy::{CounterSpec, JwtConfig, LedgerConfig, LedgerFailure, LedgerMode, Limit, Mode};
+use crate::budget::policy::{CounterSpec, JwtConfig, LedgerConfig, LedgerFailure, Limit, Mode};
 use crate::budget::remote::{call_failure, FailureKind, PendingReserve, WriteBack, MAX_EXACT};
 use crate::budget::{Admission, AdmitError, Demand, Policy, Settlement};
 use crate::contract::{GatewayEnd, GatewayReply};
@@ -321,7 +321,7 @@ impl BudgetPolicy {
 
     /// Whether settlements go to the Redis ledger (the host then ticks every [`SETTLE_TICK_MS`]).
     pub fn needs_tick(&self) -> bool {
-        self.policy.ledger.mode == LedgerMode::Redis
+        self.policy.ledger.uses_service()
     }
 
     /// Settlements queued and not yet sent.
@@ -347,7 +347,7 @@ impl BudgetPolicy {
 
     /// Gives back an admission's whole reservation (a request admitted but then not sent).
     fn release(&mut self, store: &mut dyn SharedStore, admission: &Admission, now: u64, fx: &mut Effects) {
-        if admission.remote.is_some() {
+        if admission.remote.is_some() && cfg!(feature = "ledger-service") {
             self.queue_settlement(admission, &Usage::default(), now, fx);
         } else {
             self.policy.settle(store, admission, &Usage::default(), now);
@@ -858,7 +858,9 @@ impl BudgetFlow {
         // Gone while the Redis ledger decided (the host cancelled the callout): release the hold it
         // may have made. Sent a second later, so that the reservation has landed first.
         if let Phase::Reserving(r) = &b.phase {
-            policy.queue_release(&r.pending, now, fx);
+            if cfg!(feature = "ledger-service") {
+                policy.queue_release(&r.pending, now, fx);
+            }
             b.phase = Phase::Holding;
         }
         if !matches!(b.phase, Phase::Refused | Phase::Settled) {
@@ -952,7 +954,7 @@ impl Budgeted {
         let demand =
             Demand { input_tokens: input, output_tokens: output, choices: info.output_choices, model: info.model.clone(), identity: self.identity.clone() };
         self.request = Some(info);
-        if p.ledger.mode == LedgerMode::Redis {
+        if p.ledger.uses_service() {
             // A hold id unique to this request attempt: the VM's nonce, the stream and the time.
             let id = format!("{}-{context_id:x}-{now:x}", policy.vm_nonce);
             return match p.remote_reserve(key, &demand, now, &id) {
@@ -1109,10 +1111,10 @@ impl Budgeted {
         }
         let s = &mut self.stamp;
         s.decision = Some(if admission.clamped { "clamped" } else { "admitted" });
-        if let Some(hold) = &admission.remote {
+        if let Some(hold) = admission.remote.as_ref().filter(|_| cfg!(feature = "ledger-service")) {
             s.ledger = Some("redis");
             s.ledger_hold = Some(hold.id.clone());
-        } else if policy.policy.ledger.mode == LedgerMode::Redis {
+        } else if policy.policy.ledger.uses_service() {
             s.ledger = Some("local_fallback");
         }
         s.reserved_input_tokens = Some(admission.input_tokens);
@@ -1168,10 +1170,10 @@ impl Budgeted {
             (false, _) => Usage::default(),
         };
         let settlement = match admission.remote {
-            Some(_) => policy.queue_settlement(&admission, &actual, now, fx).unwrap_or_default(),
-            None => {
+            Some(_) if cfg!(feature = "ledger-service") => policy.queue_settlement(&admission, &actual, now, fx).unwrap_or_default(),
+            _ => {
                 let settlement = policy.policy.settle(store, &admission, &actual, now);
-                if let Some(target) = self.write_back.take() {
+                if let Some(target) = self.write_back.take().filter(|_| cfg!(feature = "ledger-service")) {
                     let amounts = policy.policy.write_back_amounts(&target, &actual, settlement.micro_usd);
                     policy.queue_write_back(&target, &amounts, fx);
                 }
