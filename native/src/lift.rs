@@ -17,7 +17,9 @@
 //! and lets the request go unchanged, for a request that is not to an LLM path core knows
 //! (`sluice_core::api::ApiKind::from_path`), has no body, has a `content-encoding`, is not a JSON
 //! object, or is larger than [`MAX_BODY_BYTES`] (then it stops reading and lets what it held go
-//! on; debug log lines say which).
+//! on; debug log lines say which). Unlike `json_to_metadata`, which reads only `application/json`
+//! bodies by default, it does not look at `content-type`: core's policies read a JSON body whatever
+//! type it is sent as, and the lift reads what they read.
 
 use sluice_core::api::ApiKind;
 use sluice_core::request::inspect_request_with_kind;

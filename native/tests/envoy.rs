@@ -578,8 +578,18 @@ fn start_engine_with_ledger(host: Host, sections: &str, upstream_port: u16, ledg
     let instances: Vec<&str> = sections.split(NEXT_INSTANCE).collect();
     let filters: String = instances.iter().map(|s| instance(if s.contains("latency_guard") { "sluice_latency_guard" } else { "sluice" }, s)).collect();
     // model-router reads the body's `model` from dynamic metadata (Envoy routes on headers, before a
-    // filter sees the body), on both hosts: Envoy's json_to_metadata in front, as router-gateway.yaml.
-    let json_to_metadata = if sections.contains("model_router") || sections.contains("latency_guard") {
+    // filter sees the body): with sluice.wasm Envoy's json_to_metadata in front, as
+    // router-gateway.yaml; natively the module's own sluice-body-metadata, as
+    // native-full-gateway.yaml — so every routing case here also compares the two lifts.
+    let lifts = sections.contains("model_router") || sections.contains("latency_guard");
+    let json_to_metadata = if lifts && host == Host::Native {
+        r#"          - name: envoy.filters.http.dynamic_modules
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
+              dynamic_module_config: { name: sluice, do_not_close: true }
+              filter_name: sluice-body-metadata
+"#
+    } else if lifts {
         r#"          - name: envoy.filters.http.json_to_metadata
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata
