@@ -402,6 +402,18 @@ mod tests {
         CACHES.with(|caches| caches.borrow().iter().find(|t| t.number == c.number).map_or(0, |t| t.names.len()))
     }
 
+    /// The per-request labels the tests' names carry.
+    fn six_labels() -> sluice_core::report::Labels {
+        sluice_core::report::Labels {
+            model_version: "v2".into(),
+            tenant: "acme".into(),
+            api: "chat_completions".into(),
+            ctx: "1k".into(),
+            turn: "first".into(),
+            stream: "true".into(),
+        }
+    }
+
     /// One name of every family, built by core's constructors.
     fn constructor_names() -> Vec<String> {
         use sluice_core::budget::policy::CounterSpec;
@@ -410,14 +422,7 @@ mod tests {
         use sluice_core::latency::deadline::Fired;
         use sluice_core::latency::{Priority, State};
         use sluice_core::metrics as m;
-        let labels = sluice_core::report::Labels {
-            model_version: "v2".into(),
-            tenant: "acme".into(),
-            api: "chat_completions".into(),
-            ctx: "1k".into(),
-            turn: "first".into(),
-            stream: "true".into(),
-        };
+        let labels = six_labels();
         let s = m::RequestSeries::new(&labels);
         let spec = |level, owner: &str, window, limit| CounterSpec {
             store_key: "k".into(),
@@ -532,14 +537,7 @@ mod tests {
     fn every_constructor_name_of_core_resolves() {
         // The names core's constructors build for the per-request families, through a record.
         let c = catalogue(&[Plugin::LlmMetrics, Plugin::TenantBudget, Plugin::ModelRouter, Plugin::LatencyGuard]);
-        let labels = sluice_core::report::Labels {
-            model_version: "v2".into(),
-            tenant: "acme".into(),
-            api: "chat_completions".into(),
-            ctx: "1k".into(),
-            turn: "first".into(),
-            stream: "true".into(),
-        };
+        let labels = six_labels();
         let series = sluice_core::metrics::RequestSeries::new(&labels);
         for name in [
             sluice_core::metrics::requests_total(&series, 200, Some("stop"), true),
