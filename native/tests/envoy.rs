@@ -1695,3 +1695,36 @@ fn a_held_request_continued_into_a_router_reply_reaches_the_filter_after_its_hoo
         assert!(!log.contains(marker), "{marker:?} in Envoy's log:\n{log}");
     }
 }
+
+/// `sluice-body-metadata` (in front of the native router here, as in native-full-gateway.yaml) lifts
+/// the body's model when it can read it, and otherwise lets the request go on unchanged and
+/// unrouted: a `content-encoding`, a body that is not JSON, a `model` that is not a string.
+#[test]
+fn engine_body_metadata_lift_passes_what_it_cannot_read_unchanged() {
+    let upstream = Upstream::start();
+    let sections = format!(r#"{{"model_router": {ROUTER_POLICY}, "llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &sections, upstream.port).up();
+    let raw = |path: &str, extra: &str, body: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n{extra}x-test-script: llm\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let readable = r#"{"model":"llama-3-70b","stream":true,"messages":[{"role":"user","content":"Say hello."}]}"#;
+    // Read: routed by the body's model (the route stamp names it).
+    let routed = "/v1/chat/completions?lift=read";
+    native.request(&raw(routed, "x-sluice-tenant: tenant-1\r\n", readable));
+    assert!(log_field(&native, routed, "route").contains(r#""model":"llama-3-70b""#), "{}", native.access_log_line(routed));
+    assert_ne!(log_field(&native, routed, "cluster"), "upstream");
+    for (case, extra, body) in [
+        ("encoded", "content-encoding: gzip\r\n", readable),
+        ("not-json", "", r#"{"model":"llama-3-70b","stream":tr"#),
+        ("number-model", "", r#"{"model":70,"stream":true,"messages":[]}"#),
+    ] {
+        let path = format!("/v1/chat/completions?lift={case}");
+        native.request(&raw(&path, &format!("{extra}x-sluice-tenant: tenant-1\r\n"), body));
+        assert_eq!(log_field(&native, &path, "route"), "-", "{case}: {}", native.access_log_line(&path));
+        assert_eq!(log_field(&native, &path, "cluster"), "upstream", "{case}: the route table's default");
+        assert_eq!(upstream.body_for(&path).as_deref(), Some(body.as_bytes()), "{case}: the body reaches the upstream as sent");
+    }
+}
