@@ -89,7 +89,7 @@ impl Filter for Lift {
         let headers = envoy.request_headers();
         let kind = headers.get(":path").and_then(|p| std::str::from_utf8(p).ok()).and_then(ApiKind::from_path);
         let Some(kind) = kind else { return HeadersStatus::Continue };
-        if headers.get("content-encoding").is_some_and(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+        if headers.get("content-encoding").is_some_and(sluice_core::headers::is_encoded) {
             debug(&format!("{FILTER_NAME}: nothing lifted: the request body has a content-encoding"));
             return HeadersStatus::Continue;
         }

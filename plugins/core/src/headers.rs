@@ -9,6 +9,12 @@
 
 use std::ops::Range;
 
+/// Whether a `content-encoding` value says the body is encoded (anything but `identity`, in any
+/// case): its bytes are then not the JSON the policies read.
+pub fn is_encoded(content_encoding: &[u8]) -> bool {
+    !content_encoding.eq_ignore_ascii_case(b"identity")
+}
+
 /// The entries of one header map, in the host's order. Names compare ASCII case-insensitively
 /// (Envoy keeps them lower case; a configured name may not be).
 #[derive(Debug, Clone, Default)]

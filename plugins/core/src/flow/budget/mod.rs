@@ -666,7 +666,7 @@ impl BudgetFlow {
             b.stamp.team = Some(node.team.clone());
             b.stamp.org = Some(node.org.clone());
         }
-        if headers.first("content-encoding").is_some_and(|enc| !enc.eq_ignore_ascii_case(b"identity")) {
+        if headers.first("content-encoding").is_some_and(crate::headers::is_encoded) {
             b.reject(policy, 415, "invalid_request_error", "encoded_body", "compressed request bodies cannot be budgeted; send identity encoding", None, fx);
             return Verdict::Pause;
         }

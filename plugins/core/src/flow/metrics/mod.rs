@@ -125,7 +125,7 @@ impl MetricsFlow {
             Some(t) => policy.tenants.label(t),
         };
         let request_body = match view.request_header("content-encoding") {
-            Some(enc) if !enc.eq_ignore_ascii_case("identity") => RequestBody::Skipped(Skip::Encoded),
+            Some(enc) if crate::headers::is_encoded(enc.as_bytes()) => RequestBody::Skipped(Skip::Encoded),
             _ => RequestBody::Collecting(Vec::new()),
         };
         let model_version_header = view.request_header(&policy.settings.model_version_header).filter(|v| !v.is_empty());
@@ -171,7 +171,7 @@ impl MetricsFlow {
         m.status = view.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         let content_type = view.response_header("content-type").unwrap_or_default();
         m.streaming = content_type.to_ascii_lowercase().starts_with("text/event-stream");
-        let encoded = view.response_header("content-encoding").is_some_and(|enc| !enc.eq_ignore_ascii_case("identity"));
+        let encoded = view.response_header("content-encoding").is_some_and(|enc| crate::headers::is_encoded(enc.as_bytes()));
         m.response = match (m.streaming, encoded) {
             (_, true) => ResponseBody::Unread,
             (true, false) => {
