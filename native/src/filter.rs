@@ -78,3 +78,15 @@ pub trait FilterConfig: Send + Sync {
     /// The answer to configuration callout `id` ([`ConfigHost::http_callout`]), on the main thread.
     fn on_callout_done(&self, _config: &mut ConfigHost<'_>, _id: u64, _answer: &CalloutAnswer) {}
 }
+
+/// Accepts the configuration of a filter that takes none: no bytes, or `{}` (an empty
+/// `google.protobuf.Struct` arrives as JSON). Anything else is refused, naming `filter`, with
+/// `why` after "takes no configuration", the size and the first 80 characters.
+pub fn no_configuration(filter: &str, config: &[u8], why: &str) -> Result<(), String> {
+    let trimmed = config.trim_ascii();
+    if trimmed.is_empty() || trimmed == b"{}" {
+        return Ok(());
+    }
+    let shown: String = String::from_utf8_lossy(trimmed).chars().take(80).collect();
+    Err(format!("filter {filter:?} takes no configuration{why}; got {} bytes: {shown:?}", config.len()))
+}

@@ -42,15 +42,8 @@ pub struct LiftConfig;
 
 /// Accepts an empty configuration (no bytes, or `{}`); anything else is refused with the reason.
 pub fn new_config(config: &[u8]) -> Result<LiftConfig, String> {
-    let trimmed = config.trim_ascii();
-    if trimmed.is_empty() || trimmed == b"{}" {
-        return Ok(LiftConfig);
-    }
-    let shown: String = String::from_utf8_lossy(trimmed).chars().take(80).collect();
-    Err(format!(
-        "filter {FILTER_NAME:?} takes no configuration (it lifts the body's model and user into metadata namespace sluice); got {} bytes: {shown:?}",
-        config.len()
-    ))
+    crate::filter::no_configuration(FILTER_NAME, config, " (it lifts the body's model and user into metadata namespace sluice)")?;
+    Ok(LiftConfig)
 }
 
 impl FilterConfig for LiftConfig {

@@ -46,11 +46,7 @@ fn validate(name: &[u8], config: &[u8]) -> Result<&'static str, String> {
     let Some(&name) = FILTER_NAMES.iter().find(|known| known.as_bytes() == name) else {
         return Err(format!("unknown filter_name {:?} (this module has: {})", String::from_utf8_lossy(name), crate::FILTER_NAMES.join(", ")));
     };
-    let trimmed = config.trim_ascii();
-    if !(trimmed.is_empty() || trimmed == b"{}") {
-        let shown: String = String::from_utf8_lossy(trimmed).chars().take(80).collect();
-        return Err(format!("filter {name:?} takes no configuration yet; got {} bytes: {shown:?}", config.len()));
-    }
+    crate::filter::no_configuration(name, config, " yet")?;
     Ok(name)
 }
 
