@@ -104,6 +104,13 @@ impl Admission {
     pub fn reserved_output_tokens(&self) -> u64 {
         self.output_tokens.saturating_mul(self.choices.max(1))
     }
+
+    /// The hold in the Redis ledger, settled through the ledger service. Never one in a build
+    /// without feature `ledger-service` (no reservation went to the service), and that said at
+    /// compile time lets the compiler leave the service's settlement code out.
+    pub fn remote_hold(&self) -> Option<&RemoteHold> {
+        self.remote.as_ref().filter(|_| cfg!(feature = "ledger-service"))
+    }
 }
 
 fn minute_of(now_ns: u64) -> u32 {

@@ -347,7 +347,7 @@ impl BudgetPolicy {
 
     /// Gives back an admission's whole reservation (a request admitted but then not sent).
     fn release(&mut self, store: &mut dyn SharedStore, admission: &Admission, now: u64, fx: &mut Effects) {
-        if admission.remote.is_some() && cfg!(feature = "ledger-service") {
+        if admission.remote_hold().is_some() {
             self.queue_settlement(admission, &Usage::default(), now, fx);
         } else {
             self.policy.settle(store, admission, &Usage::default(), now);
@@ -1111,7 +1111,7 @@ impl Budgeted {
         }
         let s = &mut self.stamp;
         s.decision = Some(if admission.clamped { "clamped" } else { "admitted" });
-        if let Some(hold) = admission.remote.as_ref().filter(|_| cfg!(feature = "ledger-service")) {
+        if let Some(hold) = admission.remote_hold() {
             s.ledger = Some("redis");
             s.ledger_hold = Some(hold.id.clone());
         } else if policy.policy.ledger.uses_service() {
@@ -1169,9 +1169,9 @@ impl Budgeted {
             },
             (false, _) => Usage::default(),
         };
-        let settlement = match admission.remote {
-            Some(_) if cfg!(feature = "ledger-service") => policy.queue_settlement(&admission, &actual, now, fx).unwrap_or_default(),
-            _ => {
+        let settlement = match admission.remote_hold() {
+            Some(_) => policy.queue_settlement(&admission, &actual, now, fx).unwrap_or_default(),
+            None => {
                 let settlement = policy.policy.settle(store, &admission, &actual, now);
                 if let Some(target) = self.write_back.take().filter(|_| cfg!(feature = "ledger-service")) {
                     let amounts = policy.policy.write_back_amounts(&target, &actual, settlement.micro_usd);
