@@ -18,6 +18,9 @@ pub struct RequestInfo {
     pub model: Option<String>,
     /// `stream == true`.
     pub stream: bool,
+    /// `stream` is there, not `null` and not a boolean: whether the client asked for a stream is
+    /// not known (the upstream will refuse the body; latency-guard treats it as a stream).
+    pub stream_unreadable: bool,
     /// `stream_options.include_usage == true` (OpenAI: the stream will end with a usage chunk).
     pub include_usage: bool,
     /// Output limit: `max_completion_tokens` / `max_tokens` / `max_output_tokens`, the one the API
@@ -56,6 +59,7 @@ impl Default for RequestInfo {
         RequestInfo {
             model: None,
             stream: false,
+            stream_unreadable: false,
             include_usage: false,
             max_output_tokens: None,
             message_count: 0,
@@ -188,6 +192,7 @@ fn inspect_value(kind: ApiKind, v: &Value) -> RequestInfo {
     let mut info = RequestInfo {
         model: str_at(v, "model").map(str::to_owned),
         stream: v.get("stream").and_then(Value::as_bool) == Some(true),
+        stream_unreadable: v.get("stream").is_some_and(|s| !s.is_null() && !s.is_boolean()),
         include_usage: v.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool) == Some(true),
         max_output_tokens: limit_keys.iter().find_map(|k| u64_at(v, k)),
         user: user.map(str::to_owned),

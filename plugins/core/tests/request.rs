@@ -84,6 +84,7 @@ fn chat_request() {
         RequestInfo {
             model: Some("gpt-4o-mini".into()),
             stream: true,
+            stream_unreadable: false,
             include_usage: true,
             max_output_tokens: Some(50),
             message_count: 4,
@@ -95,6 +96,25 @@ fn chat_request() {
             output_choices: 1,
         }
     );
+}
+
+/// `stream` as latency-guard reads it: a boolean, absent or `null` (no stream asked for), or
+/// anything else (unknown: the guard treats the request as a stream).
+#[test]
+fn stream_member_readable_or_not() {
+    let cases = [
+        (json!({"stream": true}), true, false),
+        (json!({"stream": false}), false, false),
+        (json!({}), false, false),
+        (json!({"stream": null}), false, false),
+        (json!({"stream": "yes"}), false, true),
+        (json!({"stream": 1}), false, true),
+        (json!({"stream": {"on": true}}), false, true),
+    ];
+    for (body, stream, unreadable) in cases {
+        let info = inspect(ApiKind::ChatCompletions, body.clone());
+        assert_eq!((info.stream, info.stream_unreadable), (stream, unreadable), "{body}");
+    }
 }
 
 /// Every parameter of the supported APIs that multiplies the output a request can produce.

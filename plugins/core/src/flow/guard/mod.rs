@@ -425,13 +425,6 @@ fn refuse(fx: &mut Effects, kind: ApiKind, retry_after_s: u64, message: &str, co
     local_reply(fx, GatewayEnd::Refused, 503, &[("content-type", "application/json"), ("retry-after", &retry), ("x-sluice-refused-by", "latency-guard")], body);
 }
 
-/// The one member of a request body the guard reads itself.
-#[derive(serde::Deserialize)]
-struct StreamFlag {
-    #[serde(default)]
-    stream: Option<bool>,
-}
-
 /// Where a guarded request is in its admission.
 #[derive(Debug)]
 enum Phase {
@@ -584,14 +577,14 @@ impl GuardFlow {
         now: u64,
         fx: &mut Effects,
     ) -> Verdict {
-        // The whole body, read at most once per event (the decision and the ceiling both need it).
-        let mut whole_body: Option<Vec<u8>> = None;
-        if self.guarded.as_ref().is_some_and(|g| matches!(g.phase, Phase::Undecided)) {
+        if let Some(g) = self.guarded.as_ref().filter(|g| matches!(g.phase, Phase::Undecided)) {
             // json_to_metadata in front hands over the whole body at once: whether the client asked
             // for a stream is known here, and only streams have a first token before their end.
+            // Read from core's inspection, which the policies behind then find remembered (one
+            // parse of the body for all of them).
             let streaming = if end_of_stream {
-                let body = whole_body.insert(view.body(Dir::Request, size).into_owned());
-                serde_json::from_slice::<StreamFlag>(body).ok().map(|f| f.stream.unwrap_or(false))
+                let body = view.body(Dir::Request, size);
+                inspect_request_with_kind(g.kind, &body).ok().and_then(|(_, info)| (!info.stream_unreadable).then_some(info.stream))
             } else {
                 None
             };
@@ -606,7 +599,7 @@ impl GuardFlow {
             return Verdict::Pause;
         }
         g.clamp_to = None;
-        let body = whole_body.unwrap_or_else(|| view.body(Dir::Request, size).into_owned());
+        let body = view.body(Dir::Request, size);
         match inspect_request_with_kind(g.kind, &body) {
             Ok((kind, info)) => {
                 let target = info.max_output_tokens.map_or(ceiling, |asked| asked.min(ceiling));

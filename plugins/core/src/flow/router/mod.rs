@@ -22,6 +22,7 @@ use crate::contract::{self, GatewayEnd, AVOID_PROPERTY, CLIENT_FORBIDDEN_HEADERS
 use crate::metrics::{self, ShadowPair, ShadowResult, Unrouted};
 use crate::observation::Observer;
 use crate::report::sanitize_label;
+use crate::request::inspect_request_with_kind;
 use crate::response::{inspect_response_body, ResponseSummary};
 use crate::rewrite::set_top_level_string;
 use crate::routing::similarity::{jaccard_per_mille, response_text};
@@ -515,6 +516,11 @@ impl RouterFlow {
         }
         let body = view.body(Dir::Request, size);
         if r.rewrite_model {
+            // The policies behind (tenant-budget, llm-metrics) read this body's inspection: parsed
+            // here, it is remembered across the rewrite (`remember_rewrite`) and the rewrite's own
+            // check of the text finds it known — one parse of the body where a check here and a
+            // parse of the rewritten body behind made two.
+            let _ = inspect_request_with_kind(r.kind, &body);
             match set_top_level_string(&body, "model", &r.decision.upstream_model) {
                 Ok(new_body) => fx.push(Effect::ReplaceBody { dir: Dir::Request, bytes: new_body }),
                 Err(e) => fx.log(LogLevel::Warn, format!("model not rewritten ({e}); the request goes to {} as sent", r.decision.route)),
