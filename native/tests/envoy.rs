@@ -1716,6 +1716,7 @@ fn engine_body_metadata_lift_passes_what_it_cannot_read_unchanged() {
     native.request(&raw(routed, "x-sluice-tenant: tenant-1\r\n", readable));
     assert!(log_field(&native, routed, "route").contains(r#""model":"llama-3-70b""#), "{}", native.access_log_line(routed));
     assert_ne!(log_field(&native, routed, "cluster"), "upstream");
+    assert_eq!(log_field(&native, routed, "lifted"), "llama-3-70b", "the dynamic metadata the lift wrote");
     for (case, extra, body) in [
         ("encoded", "content-encoding: gzip\r\n", readable),
         ("not-json", "", r#"{"model":"llama-3-70b","stream":tr"#),
@@ -1724,7 +1725,15 @@ fn engine_body_metadata_lift_passes_what_it_cannot_read_unchanged() {
         let path = format!("/v1/chat/completions?lift={case}");
         native.request(&raw(&path, &format!("{extra}x-sluice-tenant: tenant-1\r\n"), body));
         assert_eq!(log_field(&native, &path, "route"), "-", "{case}: {}", native.access_log_line(&path));
+        assert_eq!(log_field(&native, &path, "lifted"), "-", "{case}: nothing lifted");
         assert_eq!(log_field(&native, &path, "cluster"), "upstream", "{case}: the route table's default");
         assert_eq!(upstream.body_for(&path).as_deref(), Some(body.as_bytes()), "{case}: the body reaches the upstream as sent");
     }
+    // A path that is no LLM API: the readable body is not looked at, nothing lifted, the body
+    // reaches the upstream as sent.
+    let other = "/v1/embeddings?lift=not-an-llm-path";
+    native.request(&raw(other, "x-sluice-tenant: tenant-1\r\n", readable));
+    assert_eq!(log_field(&native, other, "lifted"), "-", "{}", native.access_log_line(other));
+    assert_eq!(log_field(&native, other, "cluster"), "upstream");
+    assert_eq!(upstream.body_for(other).as_deref(), Some(readable.as_bytes()));
 }
