@@ -7,6 +7,7 @@
 
 use super::hash::{splitmix64, Fnv1a};
 use crate::api::ApiKind;
+use crate::scan::{first_time, RawStr, Scanner};
 use crate::sse::{SseEvent, SseFramer, DEFAULT_MAX_EVENT_BYTES};
 use serde_json::Value;
 
@@ -255,6 +256,14 @@ impl ResponseText {
         if self.text.truncated() || ev.data.trim() == "[DONE]" {
             return;
         }
+        if matches!(self.kind, ApiKind::ChatCompletions | ApiKind::Completions) {
+            if let Some(pieces) = openai_first_choice_text(&ev.data) {
+                for t in pieces.into_iter().flatten() {
+                    self.piece(None, &t.text());
+                }
+                return;
+            }
+        }
         // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
         let Ok(v) = serde_json::from_slice::<Value>(ev.data.as_bytes()) else { return };
         match self.kind {
@@ -346,6 +355,73 @@ impl ResponseText {
 }
 
 /// The choice with `index` 0 (or without an index) of `choices`.
+/// An OpenAI chunk's text as [`ResponseText`] reads it from a tree — the first choice whose
+/// `index` is absent or 0: its `delta.content`, then its `text` — read by core's scanner instead
+/// (a tree per event was most of a shadow comparison's cost). `None` when the scanner is not sure
+/// (invalid or unusual JSON, a repeated key, content parts, an odd `index` or `delta`): the tree
+/// decides. Whatever it answers, the tree would have answered the same (tests below).
+fn openai_first_choice_text(data: &str) -> Option<[Option<RawStr<'_>>; 2]> {
+    let mut found: Option<[Option<RawStr<'_>>; 2]> = None;
+    let mut sc = Scanner::new(data);
+    let mut seen = 0u32;
+    sc.object(|sc, key| {
+        if !key.is("choices") {
+            return sc.value().map(|_| ());
+        }
+        first_time(&mut seen, 1)?;
+        if sc.null() {
+            return Some(());
+        }
+        sc.array(|sc| {
+            let (first, pieces) = choice_text(sc)?;
+            if found.is_none() && first {
+                found = Some(pieces);
+            }
+            Some(())
+        })
+    })?;
+    sc.at_end().then_some(found.unwrap_or_default())
+}
+
+/// One element of `choices`: whether it is a first choice (`index` absent or 0), and its
+/// `delta.content` and `text` strings.
+fn choice_text<'a>(sc: &mut Scanner<'a>) -> Option<(bool, [Option<RawStr<'a>>; 2])> {
+    let (mut first, mut content, mut text, mut seen) = (true, None, None, 0u32);
+    sc.object(|sc, key| {
+        if key.is("index") {
+            first_time(&mut seen, 1)?;
+            let raw = sc.value()?;
+            // A plain integer; a float, a negative or anything else is the tree's to judge.
+            first = match raw {
+                b"0" => true,
+                [b'1'..=b'9', rest @ ..] if rest.iter().all(u8::is_ascii_digit) => false,
+                _ => return None,
+            };
+        } else if key.is("delta") {
+            first_time(&mut seen, 2)?;
+            if !sc.null() {
+                let mut delta_seen = 0u32;
+                sc.object(|sc, key| {
+                    if key.is("content") {
+                        first_time(&mut delta_seen, 1)?;
+                        content = sc.opt_string().ok()?;
+                        Some(())
+                    } else {
+                        sc.value().map(|_| ())
+                    }
+                })?;
+            }
+        } else if key.is("text") {
+            first_time(&mut seen, 4)?;
+            text = sc.opt_string().ok()?;
+        } else {
+            sc.value()?;
+        }
+        Some(())
+    })?;
+    Some((first, [content, text]))
+}
+
 fn first_choice(v: &Value) -> Option<&Value> {
     v.get("choices")?.as_array()?.iter().find(|c| c.get("index").is_none_or(|i| i.as_u64() == Some(0)))
 }
@@ -375,5 +451,109 @@ mod tests {
         assert_eq!(word_set("  ... ").len(), 0);
         assert_eq!(word_set("Über über ÜBER").len(), 1);
         assert_eq!(word_set("a-b a_b").len(), 2);
+    }
+
+    /// The text a tree of `data` gives (the general path of `ResponseText::on_event`).
+    fn tree_text(kind: ApiKind, data: &str) -> String {
+        let mut tree = ResponseText::new(kind, 1 << 20);
+        let Ok(v) = serde_json::from_slice::<Value>(data.as_bytes()) else { return String::new() };
+        if let Some(choice) = first_choice(&v) {
+            if let Some(content) = choice.get("delta").and_then(|d| d.get("content")) {
+                tree.content_value(content);
+            }
+            if let Some(t) = choice.get("text").and_then(Value::as_str) {
+                tree.piece(None, t);
+            }
+        }
+        tree.into_text().as_str().to_owned()
+    }
+
+    /// The scanner's reading of an OpenAI chunk is the tree's, wherever it answers; it leaves the
+    /// unusual shapes to the tree.
+    #[test]
+    fn openai_chunks_read_by_the_scanner_as_the_tree_reads_them() {
+        let answered = [
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":null}],"usage":null}"#,
+            r#"{"choices":[{"delta":{"content":"no index"}}]}"#,
+            r#"{"choices":[{"index":1,"delta":{"content":"second"}},{"index":0,"delta":{"content":"first"}}]}"#,
+            r#"{"choices":[{"index":2,"text":"x"},{"text":"absent index"},{"index":0,"text":"later zero"}]}"#,
+            r#"{"choices":[{"index":0,"text":"done","finish_reason":"stop"}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"both"},"text":" and text"}]}"#,
+            r#"{"choices":[{"delta":{"content":"esc \"q\" \u00e9\n"},"index":0}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":null,"tool_calls":[{"id":"t"}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{}}]}"#,
+            r#"{"choices":[{"index":0,"delta":null,"text":null}]}"#,
+            r#"{"choices":[]}"#,
+            r#"{"choices":null,"usage":{"prompt_tokens":3}}"#,
+            r#"{"object":"chat.completion.chunk"}"#,
+            r#"  {"choices":[{"index":0,"delta":{"content":"spaced"}}]}  "#,
+            r#"{"choices":[{"index":3,"delta":{"content":"only other"}}]}"#,
+        ];
+        for data in answered {
+            let fast = openai_first_choice_text(data).unwrap_or_else(|| panic!("the scanner gave up on {data}"));
+            let mut text = ResponseText::new(ApiKind::ChatCompletions, 1 << 20);
+            for t in fast.into_iter().flatten() {
+                text.piece(None, &t.text());
+            }
+            assert_eq!(text.into_text().as_str(), tree_text(ApiKind::ChatCompletions, data), "{data}");
+        }
+        let left_to_the_tree = [
+            r#"{"choices":[{"index":0,"delta":{"content":[{"type":"text","text":"parts"}]}}]}"#,
+            r#"{"choices":[{"index":0.0,"delta":{"content":"float index"}}]}"#,
+            r#"{"choices":[{"index":null,"delta":{"content":"null index"}}]}"#,
+            r#"{"choices":[{"index":0,"index":1,"delta":{"content":"repeated"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":"not an object"}]}"#,
+            r#"{"choices":["not an object"]}"#,
+            r#"{"choices":{"index":0}}"#,
+            r#"{"choices":[{"index":0,"text":7}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"cut"#,
+            r#"[{"choices":[]}]"#,
+            r#"{"choices":[],"choices":[{"text":"second"}]}"#,
+        ];
+        for data in left_to_the_tree {
+            assert!(openai_first_choice_text(data).is_none(), "{data}");
+        }
+        // And through the framer: a stream read whole gives the tree's text of every event.
+        let events = answered.iter().map(|d| format!("data: {}\n\n", d.trim())).collect::<String>();
+        let mut stream = ResponseText::new(ApiKind::ChatCompletions, 1 << 20);
+        stream.push(events.as_bytes());
+        stream.finish();
+        let want: String = answered.iter().map(|d| tree_text(ApiKind::ChatCompletions, d)).collect();
+        assert_eq!(stream.into_text().as_str(), want);
+    }
+
+    fn choice_json() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let index = prop::sample::select(vec!["", r#""index":0,"#, r#""index":1,"#, r#""index":0.0,"#, r#""index":null,"#, r#""index":"0","#]);
+        let content = prop::sample::select(vec![
+            "",
+            r#""delta":{"content":"a b"},"#,
+            r#""delta":{"content":null},"#,
+            r#""delta":{"content":[{"text":"part"}]},"#,
+            r#""delta":{"role":"assistant","content":"é\"x"},"#,
+            r#""delta":null,"#,
+            r#""delta":"s","#,
+        ]);
+        let text = prop::sample::select(vec!["", r#""text":"t","#, r#""text":null,"#, r#""text":7,"#]);
+        (index, content, text, any::<bool>()).prop_map(|(i, c, t, swap)| {
+            let members = if swap { format!("{t}{c}{i}") } else { format!("{i}{c}{t}") };
+            format!("{{{members}\"finish_reason\":null}}")
+        })
+    }
+
+    proptest::proptest! {
+        /// Any mix of choices: where the scanner answers, it answers as the tree does.
+        #[test]
+        fn the_scanner_never_disagrees_with_the_tree(choices in proptest::collection::vec(choice_json(), 0..4)) {
+            let data = format!(r#"{{"id":"x","choices":[{}],"usage":null}}"#, choices.join(","));
+            if let Some(fast) = openai_first_choice_text(&data) {
+                let mut text = ResponseText::new(ApiKind::ChatCompletions, 1 << 20);
+                for t in fast.into_iter().flatten() {
+                    text.piece(None, &t.text());
+                }
+                let got = text.into_text().as_str().to_owned();
+                proptest::prop_assert_eq!(got, tree_text(ApiKind::ChatCompletions, &data), "{}", data);
+            }
+        }
     }
 }
