@@ -96,6 +96,9 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
     let mut current: Option<(u64, u64, Vec<u8>)> = None;
     let per_event = tokens_per_event.max(1);
     let template = plan.token_template();
+    // The events a chunk holds (the tokens due within one chunk's time, `per_event` an event), so
+    // that a chunk's bytes are reserved once instead of grown by every event appended.
+    let events_per_chunk = usize::try_from(chunk_ns / service.itl_ns.saturating_mul(per_event).max(1)).unwrap_or(usize::MAX).clamp(1, 64).saturating_add(1);
     let mut i = 0;
     while i < plan.tokens {
         // The first token alone, at the TTFT; then events of `per_event` tokens, each sent when
@@ -113,7 +116,9 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
                 if let Some((_, t, bytes)) = current.take() {
                     pieces.push((t, bytes));
                 }
-                let mut bytes = Vec::with_capacity(template.size_hint(n));
+                // The first chunk holds the first token alone.
+                let events = if i == 0 { 1 } else { events_per_chunk };
+                let mut bytes = Vec::with_capacity(template.size_hint(n).saturating_mul(events));
                 template.render(&plan, i, n, &mut seq, &mut bytes);
                 current = Some((chunk, at, bytes));
             }
