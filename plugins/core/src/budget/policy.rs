@@ -193,15 +193,246 @@ pub struct JwtConfig {
     pub claim: String,
 }
 
-/// What to do with a request whose key is not in the policy.
-#[derive(Debug, Deserialize, Default, Clone, PartialEq)]
+/// What to do with a request whose key is not in the policy: `{"action": "reject"}` or
+/// `{"action": "default", "key": …}`. Read as serde's internally tagged derive
+/// (`tag = "action"`, `deny_unknown_fields`) read it, by hand (`tagged`).
+#[derive(Debug, Default, Clone, PartialEq)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+#[cfg_attr(feature = "schema", serde(tag = "action", rename_all = "snake_case", deny_unknown_fields))]
 pub enum UnknownConfig {
     #[default]
     Reject,
     /// Charge it to this key of the policy.
     Default { key: String },
+}
+
+/// [`UnknownConfig`]'s deserializer. serde's derive of an internally tagged enum buffers the value
+/// in its private `Content` type, whose deserializer was 12 KB of the playground's page; this one
+/// buffers what the two variants need and keeps the derive's order of reading, so every form it
+/// accepted (keys in any order, a sequence `["default", "key"]`, members a `reject` ignores) still
+/// is, and every refusal is the same words found at the same place (the checks after the value
+/// is read, as the derive's were, so serde_json dates them where it did): tests/unknown_config.rs.
+mod tagged {
+    use super::UnknownConfig;
+    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Unexpected, Visitor};
+    use std::fmt;
+
+    /// The tag's value: a variant's name (the derive's variant identifier).
+    enum Action {
+        Reject,
+        Default,
+    }
+
+    const VARIANTS: &[&str] = &["reject", "default"];
+
+    impl<'de> Deserialize<'de> for Action {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_identifier(ActionVisitor)
+        }
+    }
+
+    struct ActionVisitor;
+
+    impl<'de> Visitor<'de> for ActionVisitor {
+        type Value = Action;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("variant identifier")
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Action, E> {
+            match v {
+                0 => Ok(Action::Reject),
+                1 => Ok(Action::Default),
+                _ => Err(E::invalid_value(Unexpected::Unsigned(v), &"variant index 0 <= i < 2")),
+            }
+        }
+
+        fn visit_str<E: Error>(self, v: &str) -> Result<Action, E> {
+            match v {
+                "reject" => Ok(Action::Reject),
+                "default" => Ok(Action::Default),
+                _ => Err(E::unknown_variant(v, VARIANTS)),
+            }
+        }
+
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Action, E> {
+            match v {
+                b"reject" => Ok(Action::Reject),
+                b"default" => Ok(Action::Default),
+                _ => Err(E::unknown_variant(&String::from_utf8_lossy(v), VARIANTS)),
+            }
+        }
+    }
+
+    /// A value besides the tag: a string kept, anything else only what a refusal says of it
+    /// (nested members and elements are read, as `Content` read them, and dropped).
+    enum Val {
+        Str(String),
+        Bool(bool),
+        Unsigned(u64),
+        Signed(i64),
+        Float(f64),
+        Unit,
+        Seq,
+        Map,
+    }
+
+    impl Val {
+        /// The `String` the derive asked for, or its refusal.
+        fn string<E: Error>(self) -> Result<String, E> {
+            let unexpected = match self {
+                Val::Str(s) => return Ok(s),
+                Val::Bool(b) => Unexpected::Bool(b),
+                Val::Unsigned(n) => Unexpected::Unsigned(n),
+                Val::Signed(n) => Unexpected::Signed(n),
+                Val::Float(n) => Unexpected::Float(n),
+                Val::Unit => Unexpected::Unit,
+                Val::Seq => Unexpected::Seq,
+                Val::Map => Unexpected::Map,
+            };
+            Err(E::invalid_type(unexpected, &"a string"))
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Val {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(ValVisitor)
+        }
+    }
+
+    struct ValVisitor;
+
+    impl<'de> Visitor<'de> for ValVisitor {
+        type Value = Val;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("any value")
+        }
+
+        fn visit_bool<E: Error>(self, v: bool) -> Result<Val, E> {
+            Ok(Val::Bool(v))
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Val, E> {
+            Ok(Val::Unsigned(v))
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Val, E> {
+            Ok(Val::Signed(v))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Val, E> {
+            Ok(Val::Float(v))
+        }
+
+        fn visit_str<E: Error>(self, v: &str) -> Result<Val, E> {
+            Ok(Val::Str(v.to_owned()))
+        }
+
+        fn visit_string<E: Error>(self, v: String) -> Result<Val, E> {
+            Ok(Val::Str(v))
+        }
+
+        fn visit_unit<E: Error>(self) -> Result<Val, E> {
+            Ok(Val::Unit)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Val, A::Error> {
+            // Each element through this visitor again: nesting is bounded by serde_json's
+            // recursion limit, as it was for `Content`.
+            while seq.next_element::<Val>()?.is_some() {}
+            Ok(Val::Seq)
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Val, A::Error> {
+            while map.next_entry::<Val, Val>()?.is_some() {}
+            Ok(Val::Map)
+        }
+    }
+
+    /// The members or elements besides the tag, in the order written.
+    enum Rest {
+        Map(Vec<(String, Val)>),
+        Seq(Vec<Val>),
+    }
+
+    struct TaggedVisitor;
+
+    impl<'de> Visitor<'de> for TaggedVisitor {
+        type Value = (Action, Rest);
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("internally tagged enum UnknownConfig")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut action = None;
+            let mut rest = Vec::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "action" {
+                    if action.is_some() {
+                        return Err(A::Error::duplicate_field("action"));
+                    }
+                    action = Some(map.next_value::<Action>()?);
+                } else {
+                    rest.push((key, map.next_value::<Val>()?));
+                }
+            }
+            match action {
+                Some(action) => Ok((action, Rest::Map(rest))),
+                None => Err(A::Error::missing_field("action")),
+            }
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let Some(action) = seq.next_element::<Action>()? else {
+                return Err(A::Error::missing_field("action"));
+            };
+            let mut rest = Vec::new();
+            while let Some(v) = seq.next_element::<Val>()? {
+                rest.push(v);
+            }
+            Ok((action, Rest::Seq(rest)))
+        }
+    }
+
+    impl<'de> Deserialize<'de> for UnknownConfig {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let (action, rest) = d.deserialize_any(TaggedVisitor)?;
+            // Decided once the value is read, as the derive decided on its buffered `Content`.
+            match (action, rest) {
+                // A unit variant read from a map ignored the other members.
+                (Action::Reject, Rest::Map(_)) => Ok(UnknownConfig::Reject),
+                (Action::Reject, Rest::Seq(rest)) if rest.is_empty() => Ok(UnknownConfig::Reject),
+                (Action::Reject, Rest::Seq(rest)) => Err(D::Error::invalid_length(rest.len(), &"0 elements in sequence")),
+                (Action::Default, Rest::Seq(rest)) => {
+                    let count = rest.len();
+                    let Some(first) = rest.into_iter().next() else {
+                        return Err(D::Error::invalid_length(0, &"struct variant UnknownConfig::Default with 1 element"));
+                    };
+                    let key = first.string()?;
+                    if count > 1 {
+                        return Err(D::Error::invalid_length(count, &"1 element in sequence"));
+                    }
+                    Ok(UnknownConfig::Default { key })
+                }
+                (Action::Default, Rest::Map(members)) => {
+                    let mut key = None;
+                    for (name, value) in members {
+                        if name != "key" {
+                            return Err(D::Error::unknown_field(&name, &["key"]));
+                        }
+                        if key.is_some() {
+                            return Err(D::Error::duplicate_field("key"));
+                        }
+                        key = Some(value.string()?);
+                    }
+                    key.map(|key| UnknownConfig::Default { key }).ok_or_else(|| D::Error::missing_field("key"))
+                }
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, Default)]
