@@ -109,8 +109,8 @@ impl Default for LedgerConfig {
 }
 
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum LedgerMode {
     /// This Envoy process's shared data (every worker; not other replicas).
     #[default]
@@ -119,10 +119,15 @@ pub enum LedgerMode {
     Redis,
 }
 
+crate::json::unit_enum_deserialize!(LedgerMode {
+    Local = "local",
+    Redis = "redis",
+});
+
 /// What the Redis ledger's failure (timeout, error, unreachable) means for a request.
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum LedgerFailure {
     /// 503 in the API's error shape, `retry-after: 1`.
     #[default]
@@ -133,10 +138,16 @@ pub enum LedgerFailure {
     Local,
 }
 
+crate::json::unit_enum_deserialize!(LedgerFailure {
+    Deny = "deny",
+    Allow = "allow",
+    Local = "local",
+});
+
 /// How the prompt side of a reservation is sized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum Mode {
     /// Reserve a true upper bound: the request body's size in bytes (no tokenizer emits more tokens
     /// than the bytes of the text it encodes plus the JSON framing around each message). Zero overshoot.
@@ -146,6 +157,11 @@ pub enum Mode {
     /// overshoot is bounded by the estimate's error.
     Estimate,
 }
+
+crate::json::unit_enum_deserialize!(Mode {
+    Strict = "strict",
+    Estimate = "estimate",
+});
 
 #[derive(Debug, Deserialize, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -494,9 +510,9 @@ pub struct KeyConfig {
     pub max_output_tokens: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum WindowName {
     Minute,
     Hour,
@@ -504,15 +520,28 @@ pub enum WindowName {
     Month,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+crate::json::unit_enum_deserialize!(WindowName {
+    Minute = "minute",
+    Hour = "hour",
+    Day = "day",
+    Month = "month",
+});
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum Count {
     #[default]
     Total,
     Input,
     Output,
 }
+
+crate::json::unit_enum_deserialize!(Count {
+    Total = "total",
+    Input = "input",
+    Output = "output",
+});
 
 /// One budget: a window and exactly one of `tokens`, `requests`, `usd`.
 #[derive(Debug, Deserialize)]
