@@ -480,7 +480,18 @@ mod tests {
 
     #[test]
     fn decimal_writes_what_u128_display_writes() {
-        for n in [0, 9, 10, 999, u128::from(u64::MAX), u128::from(u64::MAX) + 1, 10_000_000_000_000_000_000, 10_000_000_000_000_000_007 * 3, u128::MAX / 7, u128::MAX] {
+        for n in [
+            0,
+            9,
+            10,
+            999,
+            u128::from(u64::MAX),
+            u128::from(u64::MAX) + 1,
+            10_000_000_000_000_000_000,
+            10_000_000_000_000_000_007 * 3,
+            u128::MAX / 7,
+            u128::MAX,
+        ] {
             assert_eq!(decimal(n), n.to_string());
         }
     }
