@@ -230,7 +230,7 @@ pub enum UnknownConfig {
 /// is read, as the derive's were, so serde_json dates them where it did): tests/unknown_config.rs.
 mod tagged {
     use super::UnknownConfig;
-    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Unexpected, Visitor};
+    use serde::de::{Deserialize, DeserializeSeed, Deserializer, Error, MapAccess, SeqAccess, Unexpected, Visitor};
     use std::fmt;
 
     /// The tag's value: a variant's name (the derive's variant identifier).
@@ -295,75 +295,25 @@ mod tagged {
     }
 
     impl Val {
-        /// The `String` the derive asked for, or its refusal.
-        fn string<E: Error>(self) -> Result<String, E> {
-            let unexpected = match self {
-                Val::Str(s) => return Ok(s),
-                Val::Bool(b) => Unexpected::Bool(b),
-                Val::Unsigned(n) => Unexpected::Unsigned(n),
-                Val::Signed(n) => Unexpected::Signed(n),
-                Val::Float(n) => Unexpected::Float(n),
+        fn unexpected(&self) -> Unexpected<'_> {
+            match self {
+                Val::Str(s) => Unexpected::Str(s),
+                Val::Bool(b) => Unexpected::Bool(*b),
+                Val::Unsigned(n) => Unexpected::Unsigned(*n),
+                Val::Signed(n) => Unexpected::Signed(*n),
+                Val::Float(n) => Unexpected::Float(*n),
                 Val::Unit => Unexpected::Unit,
                 Val::Seq => Unexpected::Seq,
                 Val::Map => Unexpected::Map,
-            };
-            Err(E::invalid_type(unexpected, &"a string"))
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Val {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_any(ValVisitor)
-        }
-    }
-
-    struct ValVisitor;
-
-    impl<'de> Visitor<'de> for ValVisitor {
-        type Value = Val;
-
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("any value")
+            }
         }
 
-        fn visit_bool<E: Error>(self, v: bool) -> Result<Val, E> {
-            Ok(Val::Bool(v))
-        }
-
-        fn visit_u64<E: Error>(self, v: u64) -> Result<Val, E> {
-            Ok(Val::Unsigned(v))
-        }
-
-        fn visit_i64<E: Error>(self, v: i64) -> Result<Val, E> {
-            Ok(Val::Signed(v))
-        }
-
-        fn visit_f64<E: Error>(self, v: f64) -> Result<Val, E> {
-            Ok(Val::Float(v))
-        }
-
-        fn visit_str<E: Error>(self, v: &str) -> Result<Val, E> {
-            Ok(Val::Str(v.to_owned()))
-        }
-
-        fn visit_string<E: Error>(self, v: String) -> Result<Val, E> {
-            Ok(Val::Str(v))
-        }
-
-        fn visit_unit<E: Error>(self) -> Result<Val, E> {
-            Ok(Val::Unit)
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Val, A::Error> {
-            // Each element through this visitor again: nesting is bounded by serde_json's
-            // recursion limit, as it was for `Content`.
-            while seq.next_element::<Val>()?.is_some() {}
-            Ok(Val::Seq)
-        }
-
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Val, A::Error> {
-            while map.next_entry::<Val, Val>()?.is_some() {}
-            Ok(Val::Map)
+        /// The `String` the derive asked for, or its refusal.
+        fn string<E: Error>(self) -> Result<String, E> {
+            match self {
+                Val::Str(s) => Ok(s),
+                other => Err(E::invalid_type(other.unexpected(), &"a string")),
+            }
         }
     }
 
@@ -373,16 +323,102 @@ mod tagged {
         Seq(Vec<Val>),
     }
 
-    struct TaggedVisitor;
+    /// What [`Reader`] read: the member (its tag and the rest), or a value inside it.
+    enum Read {
+        Tagged(Action, Rest),
+        Val(Val),
+    }
 
-    impl<'de> Visitor<'de> for TaggedVisitor {
-        type Value = (Action, Rest);
+    /// The visitor of the member (`top`) and of every value inside it: one instance of the
+    /// deserializer's `deserialize_any` for both.
+    #[derive(Clone, Copy)]
+    struct Reader {
+        top: bool,
+    }
 
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("internally tagged enum UnknownConfig")
+    impl Reader {
+        /// A scalar: a value inside the member, or the member's refusal (as the derive's visitor,
+        /// which took only a map or a sequence).
+        fn leaf<E: Error>(self, v: Val) -> Result<Read, E> {
+            if self.top {
+                Err(E::invalid_type(v.unexpected(), &self))
+            } else {
+                Ok(Read::Val(v))
+            }
         }
 
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        fn val<E: Error>(read: Read) -> Result<Val, E> {
+            match read {
+                Read::Val(v) => Ok(v),
+                // Only the member itself reads as tagged.
+                Read::Tagged(..) => Err(E::custom("a tagged value inside `unknown`")),
+            }
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Reader {
+        type Value = Read;
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Read, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Reader {
+        type Value = Read;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(if self.top { "internally tagged enum UnknownConfig" } else { "any value" })
+        }
+
+        fn visit_bool<E: Error>(self, v: bool) -> Result<Read, E> {
+            self.leaf(Val::Bool(v))
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Read, E> {
+            self.leaf(Val::Unsigned(v))
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Read, E> {
+            self.leaf(Val::Signed(v))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Read, E> {
+            self.leaf(Val::Float(v))
+        }
+
+        fn visit_str<E: Error>(self, v: &str) -> Result<Read, E> {
+            self.leaf(Val::Str(v.to_owned()))
+        }
+
+        fn visit_unit<E: Error>(self) -> Result<Read, E> {
+            self.leaf(Val::Unit)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Read, A::Error> {
+            let inner = Reader { top: false };
+            if !self.top {
+                // Each element through this visitor again: nesting is bounded by serde_json's
+                // recursion limit, as it was for `Content`.
+                while seq.next_element_seed(inner)?.is_some() {}
+                return Ok(Read::Val(Val::Seq));
+            }
+            let Some(action) = seq.next_element::<Action>()? else {
+                return Err(A::Error::missing_field("action"));
+            };
+            let mut rest = Vec::new();
+            while let Some(v) = seq.next_element_seed(inner)? {
+                rest.push(Self::val(v)?);
+            }
+            Ok(Read::Tagged(action, Rest::Seq(rest)))
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Read, A::Error> {
+            let inner = Reader { top: false };
+            if !self.top {
+                while map.next_entry_seed(inner, inner)?.is_some() {}
+                return Ok(Read::Val(Val::Map));
+            }
             let mut action = None;
             let mut rest = Vec::new();
             while let Some(key) = map.next_key::<String>()? {
@@ -392,30 +428,24 @@ mod tagged {
                     }
                     action = Some(map.next_value::<Action>()?);
                 } else {
-                    rest.push((key, map.next_value::<Val>()?));
+                    let value = Self::val(map.next_value_seed(inner)?)?;
+                    rest.push((key, value));
                 }
             }
             match action {
-                Some(action) => Ok((action, Rest::Map(rest))),
+                Some(action) => Ok(Read::Tagged(action, Rest::Map(rest))),
                 None => Err(A::Error::missing_field("action")),
             }
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let Some(action) = seq.next_element::<Action>()? else {
-                return Err(A::Error::missing_field("action"));
-            };
-            let mut rest = Vec::new();
-            while let Some(v) = seq.next_element::<Val>()? {
-                rest.push(v);
-            }
-            Ok((action, Rest::Seq(rest)))
         }
     }
 
     impl<'de> Deserialize<'de> for UnknownConfig {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            let (action, rest) = d.deserialize_any(TaggedVisitor)?;
+            let (action, rest) = match d.deserialize_any(Reader { top: true })? {
+                Read::Tagged(action, rest) => (action, rest),
+                // The member's reader refuses every value that is not a map or a sequence.
+                Read::Val(v) => return Err(D::Error::invalid_type(v.unexpected(), &"internally tagged enum UnknownConfig")),
+            };
             // Decided once the value is read, as the derive decided on its buffered `Content`.
             match (action, rest) {
                 // A unit variant read from a map ignored the other members.
