@@ -339,35 +339,6 @@ impl<'a> PathWalk<'a> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn truncate_respects_char_boundaries() {
-        assert_eq!(truncate_utf8("héllo", 2), "h");
-        assert_eq!(truncate_utf8("héllo", 3), "hé");
-        assert_eq!(truncate_utf8("abc", 10), "abc");
-    }
-
-    #[test]
-    fn json_chars_counts_characters_not_bytes() {
-        assert_eq!(json_chars(&json!("é")), 3);
-        assert_eq!(json_chars(&json!({"a":1})), 7);
-    }
-
-    #[test]
-    fn error_shapes() {
-        assert_eq!(error_message(&json!({"error":{"message":"m","type":"t"}})), Some("m"));
-        assert_eq!(error_message(&json!({"error":{"type":"t"}})), Some("t"));
-        assert_eq!(error_message(&json!({"error":"boom"})), Some("boom"));
-        assert_eq!(error_message(&json!({"error":null})), None);
-        assert_eq!(error_message(&json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})), Some("Overloaded"));
-        assert_eq!(error_message(&json!({"type":"error","code":"rate_limit","message":""})), Some("rate_limit"));
-    }
-}
-
 /// A unit-only enum's variant as serde's derive reads it: its name, or serde_json's externally
 /// tagged form `{"name": null}`; the index of the name in `variants`. The configuration's unit
 /// enums share this one deserializer (each derive was its own, with its own reader of the tag:
@@ -442,5 +413,34 @@ impl<'de> Visitor<'de> for VariantName {
 
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<usize, E> {
         self.0.iter().position(|n| n.as_bytes() == v).ok_or_else(|| E::unknown_variant(&String::from_utf8_lossy(v), self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn truncate_respects_char_boundaries() {
+        assert_eq!(truncate_utf8("héllo", 2), "h");
+        assert_eq!(truncate_utf8("héllo", 3), "hé");
+        assert_eq!(truncate_utf8("abc", 10), "abc");
+    }
+
+    #[test]
+    fn json_chars_counts_characters_not_bytes() {
+        assert_eq!(json_chars(&json!("é")), 3);
+        assert_eq!(json_chars(&json!({"a":1})), 7);
+    }
+
+    #[test]
+    fn error_shapes() {
+        assert_eq!(error_message(&json!({"error":{"message":"m","type":"t"}})), Some("m"));
+        assert_eq!(error_message(&json!({"error":{"type":"t"}})), Some("t"));
+        assert_eq!(error_message(&json!({"error":"boom"})), Some("boom"));
+        assert_eq!(error_message(&json!({"error":null})), None);
+        assert_eq!(error_message(&json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})), Some("Overloaded"));
+        assert_eq!(error_message(&json!({"type":"error","code":"rate_limit","message":""})), Some("rate_limit"));
     }
 }
