@@ -214,12 +214,12 @@ mod tests {
             let mut live: Vec<(*mut u8, Layout, u8)> = Vec::new();
             for round in 0..20_000u32 {
                 let r = next(&mut rng);
-                if live.len() > 200 || (r % 3 == 0 && !live.is_empty()) {
+                if live.len() > 200 || (r.is_multiple_of(3) && !live.is_empty()) {
                     let (block, layout, fill) = live.swap_remove((r >> 8) as usize % live.len());
                     // SAFETY: a live block of this layout.
                     let bytes = unsafe { std::slice::from_raw_parts(block, layout.size()) };
                     assert!(bytes.iter().all(|&b| b == fill), "block overwritten");
-                    if r % 2 == 0 {
+                    if r.is_multiple_of(2) {
                         // SAFETY: from this heap with this layout.
                         unsafe { heap.dealloc(block, layout) };
                     } else {
