@@ -6,7 +6,8 @@
 //!   through sluice-core's flows in the shipped gateways' order (`sluice_memory_host`), in virtual time
 //!   ([`engine`]), returning per-request verdicts, per-tenant counts, breaker transitions and
 //!   sampled series.
-//! - `bind` (wasm32 only): the same two functions for JavaScript, JSON in and JSON out.
+//! - `bind` (wasm32 only): the same two functions for JavaScript, JSON in and JSON out; `heap`: the
+//!   page's allocator.
 //!
 //! Everything here is pure Rust over `sluice-core`; the page is `examples/playground/`, built by
 //! `cargo xtask playground` (docs/playground.md).
@@ -18,6 +19,9 @@ pub mod workload;
 
 #[cfg(target_arch = "wasm32")]
 mod bind;
+// The page's allocator (the global one in the wasm32 build only; natively its tests drive it).
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+mod heap;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::budget::Policy;

@@ -1,6 +1,8 @@
 //! Small helpers for reading untrusted JSON without panicking or allocating needlessly.
 
+use serde::de::{self, DeserializeSeed, Deserializer, EnumAccess, Unexpected, VariantAccess, Visitor};
 use serde_json::Value;
+use std::fmt;
 
 /// `v[key]` as a string, if it is one.
 pub(crate) fn str_at<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
@@ -334,6 +336,83 @@ impl<'a> PathWalk<'a> {
             Some(Frame::Array { phase, .. }) => *phase = ArrayPhase::AfterElement,
             Some(Frame::Object { .. }) | None => {}
         }
+    }
+}
+
+/// A unit-only enum's variant as serde's derive reads it: its name, or serde_json's externally
+/// tagged form `{"name": null}`; the index of the name in `variants`. The configuration's unit
+/// enums share this one deserializer (each derive was its own, with its own reader of the tag:
+/// ≈ 1 KB of the playground's page each), with the derive's words (tests/unit_enums.rs).
+pub(crate) fn unit_variant<'de, D: Deserializer<'de>>(d: D, name: &'static str, variants: &'static [&'static str]) -> Result<usize, D::Error> {
+    d.deserialize_enum(name, variants, UnitEnum { name, variants })
+}
+
+/// `impl Deserialize` of a unit-only enum through [`unit_variant`]: `Type { Variant = "name", … }`,
+/// the names in the order of the variants (the order serde's refusals list them in).
+macro_rules! unit_enum_deserialize {
+    ($ty:ident { $($variant:ident = $name:literal),+ $(,)? }) => {
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                const ALL: &[$ty] = &[$($ty::$variant),+];
+                let i = $crate::json::unit_variant(d, stringify!($ty), &[$($name),+])?;
+                // An index of the names, which are as many as ALL.
+                ALL.get(i).copied().ok_or_else(|| <D::Error as serde::de::Error>::custom(concat!("no variant of ", stringify!($ty))))
+            }
+        }
+    };
+}
+pub(crate) use unit_enum_deserialize;
+
+struct UnitEnum {
+    name: &'static str,
+    variants: &'static [&'static str],
+}
+
+impl<'de> Visitor<'de> for UnitEnum {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "enum {}", self.name)
+    }
+
+    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<usize, A::Error> {
+        let (i, variant) = data.variant_seed(VariantName(self.variants))?;
+        variant.unit_variant()?;
+        Ok(i)
+    }
+}
+
+/// The tag: a variant's name (or, from a deserializer that gives one, its index).
+struct VariantName(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for VariantName {
+    type Value = usize;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
+        d.deserialize_identifier(self)
+    }
+}
+
+impl<'de> Visitor<'de> for VariantName {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("variant identifier")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<usize, E> {
+        match usize::try_from(v) {
+            Ok(i) if i < self.0.len() => Ok(i),
+            _ => Err(E::invalid_value(Unexpected::Unsigned(v), &format!("variant index 0 <= i < {}", self.0.len()).as_str())),
+        }
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<usize, E> {
+        self.0.iter().position(|n| *n == v).ok_or_else(|| E::unknown_variant(v, self.0))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<usize, E> {
+        self.0.iter().position(|n| n.as_bytes() == v).ok_or_else(|| E::unknown_variant(&String::from_utf8_lossy(v), self.0))
     }
 }
 

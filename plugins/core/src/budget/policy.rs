@@ -109,8 +109,8 @@ impl Default for LedgerConfig {
 }
 
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum LedgerMode {
     /// This Envoy process's shared data (every worker; not other replicas).
     #[default]
@@ -119,10 +119,15 @@ pub enum LedgerMode {
     Redis,
 }
 
+crate::json::unit_enum_deserialize!(LedgerMode {
+    Local = "local",
+    Redis = "redis",
+});
+
 /// What the Redis ledger's failure (timeout, error, unreachable) means for a request.
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum LedgerFailure {
     /// 503 in the API's error shape, `retry-after: 1`.
     #[default]
@@ -133,10 +138,16 @@ pub enum LedgerFailure {
     Local,
 }
 
+crate::json::unit_enum_deserialize!(LedgerFailure {
+    Deny = "deny",
+    Allow = "allow",
+    Local = "local",
+});
+
 /// How the prompt side of a reservation is sized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum Mode {
     /// Reserve a true upper bound: the request body's size in bytes (no tokenizer emits more tokens
     /// than the bytes of the text it encodes plus the JSON framing around each message). Zero overshoot.
@@ -146,6 +157,11 @@ pub enum Mode {
     /// overshoot is bounded by the estimate's error.
     Estimate,
 }
+
+crate::json::unit_enum_deserialize!(Mode {
+    Strict = "strict",
+    Estimate = "estimate",
+});
 
 #[derive(Debug, Deserialize, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -193,15 +209,276 @@ pub struct JwtConfig {
     pub claim: String,
 }
 
-/// What to do with a request whose key is not in the policy.
-#[derive(Debug, Deserialize, Default, Clone, PartialEq)]
+/// What to do with a request whose key is not in the policy: `{"action": "reject"}` or
+/// `{"action": "default", "key": …}`. Read as serde's internally tagged derive
+/// (`tag = "action"`, `deny_unknown_fields`) read it, by hand (`tagged`).
+#[derive(Debug, Default, Clone, PartialEq)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+#[cfg_attr(feature = "schema", serde(tag = "action", rename_all = "snake_case", deny_unknown_fields))]
 pub enum UnknownConfig {
     #[default]
     Reject,
     /// Charge it to this key of the policy.
     Default { key: String },
+}
+
+/// [`UnknownConfig`]'s deserializer. serde's derive of an internally tagged enum buffers the value
+/// in its private `Content` type, whose deserializer was 12 KB of the playground's page; this one
+/// buffers what the two variants need and keeps the derive's order of reading, so every form it
+/// accepted (keys in any order, a sequence `["default", "key"]`, members a `reject` ignores) still
+/// is, and every refusal is the same words found at the same place (the checks after the value
+/// is read, as the derive's were, so serde_json dates them where it did): tests/unknown_config.rs.
+mod tagged {
+    use super::UnknownConfig;
+    use serde::de::{Deserialize, DeserializeSeed, Deserializer, Error, MapAccess, SeqAccess, Unexpected, Visitor};
+    use std::fmt;
+
+    /// The tag's value: a variant's name (the derive's variant identifier).
+    enum Action {
+        Reject,
+        Default,
+    }
+
+    const VARIANTS: &[&str] = &["reject", "default"];
+
+    impl<'de> Deserialize<'de> for Action {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_identifier(ActionVisitor)
+        }
+    }
+
+    struct ActionVisitor;
+
+    impl<'de> Visitor<'de> for ActionVisitor {
+        type Value = Action;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("variant identifier")
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Action, E> {
+            match v {
+                0 => Ok(Action::Reject),
+                1 => Ok(Action::Default),
+                _ => Err(E::invalid_value(Unexpected::Unsigned(v), &"variant index 0 <= i < 2")),
+            }
+        }
+
+        fn visit_str<E: Error>(self, v: &str) -> Result<Action, E> {
+            match v {
+                "reject" => Ok(Action::Reject),
+                "default" => Ok(Action::Default),
+                _ => Err(E::unknown_variant(v, VARIANTS)),
+            }
+        }
+
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Action, E> {
+            match v {
+                b"reject" => Ok(Action::Reject),
+                b"default" => Ok(Action::Default),
+                _ => Err(E::unknown_variant(&String::from_utf8_lossy(v), VARIANTS)),
+            }
+        }
+    }
+
+    /// A value besides the tag: a string kept, anything else only what a refusal says of it
+    /// (nested members and elements are read, as `Content` read them, and dropped).
+    enum Val {
+        Str(String),
+        Bool(bool),
+        Unsigned(u64),
+        Signed(i64),
+        Float(f64),
+        Unit,
+        Seq,
+        Map,
+    }
+
+    impl Val {
+        fn unexpected(&self) -> Unexpected<'_> {
+            match self {
+                Val::Str(s) => Unexpected::Str(s),
+                Val::Bool(b) => Unexpected::Bool(*b),
+                Val::Unsigned(n) => Unexpected::Unsigned(*n),
+                Val::Signed(n) => Unexpected::Signed(*n),
+                Val::Float(n) => Unexpected::Float(*n),
+                Val::Unit => Unexpected::Unit,
+                Val::Seq => Unexpected::Seq,
+                Val::Map => Unexpected::Map,
+            }
+        }
+
+        /// The `String` the derive asked for, or its refusal.
+        fn string<E: Error>(self) -> Result<String, E> {
+            match self {
+                Val::Str(s) => Ok(s),
+                other => Err(E::invalid_type(other.unexpected(), &"a string")),
+            }
+        }
+    }
+
+    /// The members or elements besides the tag, in the order written.
+    enum Rest {
+        Map(Vec<(String, Val)>),
+        Seq(Vec<Val>),
+    }
+
+    /// What [`Reader`] read: the member (its tag and the rest), or a value inside it.
+    enum Read {
+        Tagged(Action, Rest),
+        Val(Val),
+    }
+
+    /// The visitor of the member (`top`) and of every value inside it: one instance of the
+    /// deserializer's `deserialize_any` for both.
+    #[derive(Clone, Copy)]
+    struct Reader {
+        top: bool,
+    }
+
+    impl Reader {
+        /// A scalar: a value inside the member, or the member's refusal (as the derive's visitor,
+        /// which took only a map or a sequence).
+        fn leaf<E: Error>(self, v: Val) -> Result<Read, E> {
+            if self.top {
+                Err(E::invalid_type(v.unexpected(), &self))
+            } else {
+                Ok(Read::Val(v))
+            }
+        }
+
+        fn val<E: Error>(read: Read) -> Result<Val, E> {
+            match read {
+                Read::Val(v) => Ok(v),
+                // Only the member itself reads as tagged.
+                Read::Tagged(..) => Err(E::custom("a tagged value inside `unknown`")),
+            }
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Reader {
+        type Value = Read;
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Read, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Reader {
+        type Value = Read;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(if self.top { "internally tagged enum UnknownConfig" } else { "any value" })
+        }
+
+        fn visit_bool<E: Error>(self, v: bool) -> Result<Read, E> {
+            self.leaf(Val::Bool(v))
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Read, E> {
+            self.leaf(Val::Unsigned(v))
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Read, E> {
+            self.leaf(Val::Signed(v))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Read, E> {
+            self.leaf(Val::Float(v))
+        }
+
+        fn visit_str<E: Error>(self, v: &str) -> Result<Read, E> {
+            self.leaf(Val::Str(v.to_owned()))
+        }
+
+        fn visit_unit<E: Error>(self) -> Result<Read, E> {
+            self.leaf(Val::Unit)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Read, A::Error> {
+            let inner = Reader { top: false };
+            if !self.top {
+                // Each element through this visitor again: nesting is bounded by serde_json's
+                // recursion limit, as it was for `Content`.
+                while seq.next_element_seed(inner)?.is_some() {}
+                return Ok(Read::Val(Val::Seq));
+            }
+            let Some(action) = seq.next_element::<Action>()? else {
+                return Err(A::Error::missing_field("action"));
+            };
+            let mut rest = Vec::new();
+            while let Some(v) = seq.next_element_seed(inner)? {
+                rest.push(Self::val(v)?);
+            }
+            Ok(Read::Tagged(action, Rest::Seq(rest)))
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Read, A::Error> {
+            let inner = Reader { top: false };
+            if !self.top {
+                while map.next_entry_seed(inner, inner)?.is_some() {}
+                return Ok(Read::Val(Val::Map));
+            }
+            let mut action = None;
+            let mut rest = Vec::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "action" {
+                    if action.is_some() {
+                        return Err(A::Error::duplicate_field("action"));
+                    }
+                    action = Some(map.next_value::<Action>()?);
+                } else {
+                    let value = Self::val(map.next_value_seed(inner)?)?;
+                    rest.push((key, value));
+                }
+            }
+            match action {
+                Some(action) => Ok(Read::Tagged(action, Rest::Map(rest))),
+                None => Err(A::Error::missing_field("action")),
+            }
+        }
+    }
+
+    impl<'de> Deserialize<'de> for UnknownConfig {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let (action, rest) = match d.deserialize_any(Reader { top: true })? {
+                Read::Tagged(action, rest) => (action, rest),
+                // The member's reader refuses every value that is not a map or a sequence.
+                Read::Val(v) => return Err(D::Error::invalid_type(v.unexpected(), &"internally tagged enum UnknownConfig")),
+            };
+            // Decided once the value is read, as the derive decided on its buffered `Content`.
+            match (action, rest) {
+                // A unit variant read from a map ignored the other members.
+                (Action::Reject, Rest::Map(_)) => Ok(UnknownConfig::Reject),
+                (Action::Reject, Rest::Seq(rest)) if rest.is_empty() => Ok(UnknownConfig::Reject),
+                (Action::Reject, Rest::Seq(rest)) => Err(D::Error::invalid_length(rest.len(), &"0 elements in sequence")),
+                (Action::Default, Rest::Seq(rest)) => {
+                    let count = rest.len();
+                    let Some(first) = rest.into_iter().next() else {
+                        return Err(D::Error::invalid_length(0, &"struct variant UnknownConfig::Default with 1 element"));
+                    };
+                    let key = first.string()?;
+                    if count > 1 {
+                        return Err(D::Error::invalid_length(count, &"1 element in sequence"));
+                    }
+                    Ok(UnknownConfig::Default { key })
+                }
+                (Action::Default, Rest::Map(members)) => {
+                    let mut key = None;
+                    for (name, value) in members {
+                        if name != "key" {
+                            return Err(D::Error::unknown_field(&name, &["key"]));
+                        }
+                        if key.is_some() {
+                            return Err(D::Error::duplicate_field("key"));
+                        }
+                        key = Some(value.string()?);
+                    }
+                    key.map(|key| UnknownConfig::Default { key }).ok_or_else(|| D::Error::missing_field("key"))
+                }
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -263,9 +540,9 @@ pub struct KeyConfig {
     pub max_output_tokens: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum WindowName {
     Minute,
     Hour,
@@ -273,15 +550,28 @@ pub enum WindowName {
     Month,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+crate::json::unit_enum_deserialize!(WindowName {
+    Minute = "minute",
+    Hour = "hour",
+    Day = "day",
+    Month = "month",
+});
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum Count {
     #[default]
     Total,
     Input,
     Output,
 }
+
+crate::json::unit_enum_deserialize!(Count {
+    Total = "total",
+    Input = "input",
+    Output = "output",
+});
 
 /// One budget: a window and exactly one of `tokens`, `requests`, `usd`.
 #[derive(Debug, Deserialize)]

@@ -153,15 +153,20 @@ pub struct WhileOpenConfig {
 }
 
 /// A request's fate while its version's breaker is open.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum OpenAction {
     /// Send it to the fallback version.
     Fallback,
     /// Answer 503 with `retry-after`.
     Reject,
 }
+
+crate::json::unit_enum_deserialize!(OpenAction {
+    Fallback = "fallback",
+    Reject = "reject",
+});
 
 fn default_standard_extra() -> u32 {
     25

@@ -12,17 +12,21 @@
 //! So under rising load sheddable traffic goes first, then standard; critical traffic still gets
 //! through (and is still counted in `in_flight`, pushing the others out sooner).
 
-use serde::Deserialize;
-
 /// Tenant priority, in the Gateway API Inference Extension's vocabulary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", serde(rename_all = "snake_case"))]
 pub enum Priority {
     Critical,
     Standard,
     Sheddable,
 }
+
+crate::json::unit_enum_deserialize!(Priority {
+    Critical = "critical",
+    Standard = "standard",
+    Sheddable = "sheddable",
+});
 
 impl Priority {
     pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Standard, Priority::Sheddable];
