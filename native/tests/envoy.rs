@@ -1002,8 +1002,15 @@ fn engine_tenant_budget_with_a_redis_ledger_natively_refuses_as_sluice_wasm() {
     let mut answers = Vec::new();
     for (host, envoy) in [("native", &native), ("wasm", &wasm)] {
         let mut of_host = Vec::new();
-        for n in 1..=3 {
+        for n in 1..=3u64 {
             let path = format!("/v1/chat/completions?host={host}&redis={n}");
+            // The refusal's message splits the count into used and reserved: the requests before
+            // have settled in the ledger first (both hosts settle after the stream, on the main
+            // thread; under load a request could otherwise find the one before still reserved).
+            if n > 1 {
+                let settled = series_value(envoy, "sluice_budget_ledger_calls_total", &["call=\"settle\"", "result=\"ok\""], n - 1);
+                assert_eq!(settled, Some(n - 1), "{host}: the settlements before request {n}");
+            }
             let response = envoy.request(&scripted_request_with(&path, "llm", "x-sluice-key: k1\r\n"));
             let expected = if n <= 2 { 200 } else { 429 };
             assert_eq!(response.status, expected, "{host} request {n}: {}\n{}\n{}", response.head, String::from_utf8_lossy(&response.body), envoy.log());
