@@ -95,6 +95,10 @@ fn ttft_deadline_fires_exactly_at_its_nanosecond_as_504_or_reset_by_what_reached
         let mut w = (case.watch)();
         let mark = w.is_held().then_some(FirstTokenMark::Waiting);
         assert!(w.next_due_ns(at(0), true).is_some_and(|t| t <= START + TTFT), "{}: looked at by the deadline", case.name);
+        // A worker's tick visits only the streams due (`tick_due`): this one at its deadline's
+        // nanosecond, not the one before (unless held: a held stream is polled at every tick).
+        assert!(w.tick_due(START + TTFT), "{}: due at the deadline", case.name);
+        assert_eq!(w.tick_due(START + TTFT - 1), w.is_held(), "{}: due a nanosecond early only if held", case.name);
         assert_eq!(w.on_tick(START + TTFT - 1, mark), vec![], "{}: a nanosecond early", case.name);
         assert_eq!(w.fired(), None, "{}", case.name);
         assert_eq!(w.on_tick(START + TTFT, mark), case.effects, "{}", case.name);
