@@ -312,6 +312,10 @@ host_callbacks! {
         fn(FilterEnvoyPtr, ModuleBuffer, ModuleBuffer, ModuleBuffer);
     clear_route_cache = "envoy_dynamic_module_callback_http_clear_route_cache":
         fn(FilterEnvoyPtr);
+    get_buffer_limit = "envoy_dynamic_module_callback_http_get_buffer_limit":
+        fn(FilterEnvoyPtr) -> u64;
+    set_buffer_limit = "envoy_dynamic_module_callback_http_set_buffer_limit":
+        fn(FilterEnvoyPtr, u64);
     scheduler_new = "envoy_dynamic_module_callback_http_filter_scheduler_new":
         fn(FilterEnvoyPtr) -> *mut c_void;
     scheduler_commit = "envoy_dynamic_module_callback_http_filter_scheduler_commit":
@@ -918,6 +922,17 @@ impl Envoy<'_> {
     pub fn clear_route_cache(&mut self) {
         // SAFETY: a plain call on the live stream.
         unsafe { (self.host.clear_route_cache)(self.ptr) }
+    }
+
+    /// Raises the stream's buffer limit to at least `bytes` (Envoy answers 413 to a request whose
+    /// held body outgrows it; by default the listener's connection limit, 1 MiB). Never lowers it.
+    pub fn raise_buffer_limit(&mut self, bytes: u64) {
+        // SAFETY: plain calls on the live stream.
+        unsafe {
+            if (self.host.get_buffer_limit)(self.ptr) < bytes {
+                (self.host.set_buffer_limit)(self.ptr, bytes);
+            }
+        }
     }
 
     /// A scheduler for this stream: [`Scheduler::commit`], from any thread, makes Envoy call the

@@ -90,3 +90,9 @@ pub fn no_configuration(filter: &str, config: &[u8], why: &str) -> Result<(), St
     let shown: String = String::from_utf8_lossy(trimmed).chars().take(80).collect();
     Err(format!("filter {filter:?} takes no configuration{why}; got {} bytes: {shown:?}", config.len()))
 }
+
+/// The buffer limit a filter of the module raises a stream's to when it holds the request body:
+/// 9 MiB, what the wasm gateways' `buffer` filter allows (`max_request_bytes: 9437184`), above
+/// tenant-budget's own 8 MiB bound so that the budget answers an oversized body itself. Without it
+/// Envoy's default (the listener's 1 MiB) answers 413 to any longer body the module holds.
+pub const HELD_BODY_BUFFER_LIMIT: u64 = 9 * 1024 * 1024;

@@ -87,6 +87,7 @@ impl Filter for Lift {
             return HeadersStatus::Continue;
         }
         self.kind = Some(kind);
+        envoy.raise_buffer_limit(crate::filter::HELD_BODY_BUFFER_LIMIT);
         HeadersStatus::StopIteration
     }
 

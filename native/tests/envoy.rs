@@ -1744,3 +1744,39 @@ fn engine_body_metadata_lift_passes_what_it_cannot_read_unchanged() {
     assert_eq!(log_field(&native, other, "cluster"), "upstream");
     assert_eq!(upstream.body_for(other).as_deref(), Some(readable.as_bytes()));
 }
+
+/// A request body over Envoy's default 1 MiB buffer limit: natively every filter of the module
+/// that holds the body raises the stream's limit to 9 MiB (what the wasm gateways' `buffer` filter
+/// allows), so tenant-budget reads a 2 MB and a 5 MB body as sluice.wasm does behind that filter,
+/// and the lift reads one where `json_to_metadata` in front of sluice.wasm leaves Envoy to answer
+/// 413 (its decodeHeaders holds the request before the `buffer` filter could raise the limit).
+#[test]
+fn engine_holds_bodies_over_a_mebibyte_as_the_wasm_gateways_buffer_filter_allows() {
+    let upstream = Upstream::start();
+    let budget = r#"{"identity":{"header":"x-sluice-key"},"orgs":[{"id":"acme","teams":[{"id":"search","keys":[{"id":"k1","budgets":[{"window":"day","tokens":100000000}]}]}]}]}"#;
+    let request = |path: &str, size: usize| {
+        let body = format!(r#"{{"model":"llama-3-70b","stream":true,"messages":[{{"role":"user","content":"{}"}}]}}"#, "a ".repeat(size / 2));
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\nx-sluice-tenant: tenant-1\r\nx-sluice-key: k1\r\nx-test-script: llm\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let budget_sections = format!(r#"{{"tenant_budget": {budget}, "llm_metrics": {{}}}}"#);
+    for host in [Host::Native, Host::Wasm] {
+        let envoy = start_engine(host, &budget_sections, upstream.port).up();
+        for size in [2_000_000usize, 5_000_000] {
+            let path = format!("/v1/chat/completions?budget-body={size}&host={host:?}");
+            let response = envoy.request(&request(&path, size));
+            assert_eq!(response.status, 200, "{host:?}, {size} bytes: {}", envoy.access_log_line(&path));
+            assert!(log_field(&envoy, &path, "budget").contains(r#""decision":"admitted""#), "{host:?}: {}", envoy.access_log_line(&path));
+            // The whole body reached the upstream (the budget adds its usage request to it).
+            assert!(upstream.body_for(&path).is_some_and(|b| b.len() > size), "{host:?}, {size} bytes");
+        }
+    }
+    let router_sections = format!(r#"{{"model_router": {ROUTER_POLICY}, "llm_metrics": {{}}}}"#);
+    let native = start_engine(Host::Native, &router_sections, upstream.port).up();
+    let path = "/v1/chat/completions?lift-body=2000000";
+    assert_eq!(native.request(&request(path, 2_000_000)).status, 200, "{}", native.access_log_line(path));
+    assert_eq!(log_field(&native, path, "lifted"), "llama-3-70b");
+    assert_ne!(log_field(&native, path, "cluster"), "upstream", "routed by the body's model");
+}

@@ -716,6 +716,10 @@ impl Stream {
                 }
             };
             self.apply(envoy);
+            if verdict == Verdict::Pause && !self.flags.replied {
+                // Paused (a ledger's answer, a queue): the body Envoy buffers meanwhile is held too.
+                envoy.raise_buffer_limit(crate::filter::HELD_BODY_BUFFER_LIMIT);
+            }
             if verdict == Verdict::Pause || self.flags.replied {
                 return HeadersStatus::StopIteration;
             }
@@ -724,6 +728,7 @@ impl Stream {
         let guard_in_front = || !self.sections.iter().any(|s| matches!(s, Section::Guard { .. })) && envoy.filter_state(&state_key(GUARD_PENDING)).is_some();
         if !end_of_stream && (self.sections.iter().any(Section::holds_request) || guard_in_front()) {
             self.held = Some(Held::default());
+            envoy.raise_buffer_limit(crate::filter::HELD_BODY_BUFFER_LIMIT);
             return HeadersStatus::StopIteration;
         }
         HeadersStatus::Continue
