@@ -383,7 +383,7 @@ impl<'de> Visitor<'de> for UnitEnum {
 }
 
 /// The tag: a variant's name (or, from a deserializer that gives one, its index).
-struct VariantName(&'static [&'static str]);
+pub(crate) struct VariantName(pub(crate) &'static [&'static str]);
 
 impl<'de> DeserializeSeed<'de> for VariantName {
     type Value = usize;

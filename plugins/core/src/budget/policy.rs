@@ -243,40 +243,11 @@ mod tagged {
 
     impl<'de> Deserialize<'de> for Action {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_identifier(ActionVisitor)
-        }
-    }
-
-    struct ActionVisitor;
-
-    impl<'de> Visitor<'de> for ActionVisitor {
-        type Value = Action;
-
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("variant identifier")
-        }
-
-        fn visit_u64<E: Error>(self, v: u64) -> Result<Action, E> {
-            match v {
+            // The unit enums' reader of a variant's name or index (an index of VARIANTS), with the
+            // derive's words.
+            match crate::json::VariantName(VARIANTS).deserialize(d)? {
                 0 => Ok(Action::Reject),
-                1 => Ok(Action::Default),
-                _ => Err(E::invalid_value(Unexpected::Unsigned(v), &"variant index 0 <= i < 2")),
-            }
-        }
-
-        fn visit_str<E: Error>(self, v: &str) -> Result<Action, E> {
-            match v {
-                "reject" => Ok(Action::Reject),
-                "default" => Ok(Action::Default),
-                _ => Err(E::unknown_variant(v, VARIANTS)),
-            }
-        }
-
-        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Action, E> {
-            match v {
-                b"reject" => Ok(Action::Reject),
-                b"default" => Ok(Action::Default),
-                _ => Err(E::unknown_variant(&String::from_utf8_lossy(v), VARIANTS)),
+                _ => Ok(Action::Default),
             }
         }
     }
