@@ -577,6 +577,9 @@ impl GuardFlow {
         now: u64,
         fx: &mut Effects,
     ) -> Verdict {
+        // A body the host copied out (wasm: a hostcall) is kept for the ceiling below: read at most
+        // once per event. One it lends (natively, the memory host) is cheaper to borrow again.
+        let mut copied_body: Option<Vec<u8>> = None;
         if let Some(g) = self.guarded.as_ref().filter(|g| matches!(g.phase, Phase::Undecided)) {
             // json_to_metadata in front hands over the whole body at once: whether the client asked
             // for a stream is known here, and only streams have a first token before their end.
@@ -584,7 +587,11 @@ impl GuardFlow {
             // parse of the body for all of them).
             let streaming = if end_of_stream {
                 let body = view.body(Dir::Request, size);
-                inspect_request_with_kind(g.kind, &body).ok().and_then(|(_, info)| (!info.stream_unreadable).then_some(info.stream))
+                let streaming = inspect_request_with_kind(g.kind, &body).ok().and_then(|(_, info)| (!info.stream_unreadable).then_some(info.stream));
+                if let std::borrow::Cow::Owned(bytes) = body {
+                    copied_body = Some(bytes);
+                }
+                streaming
             } else {
                 None
             };
@@ -599,7 +606,7 @@ impl GuardFlow {
             return Verdict::Pause;
         }
         g.clamp_to = None;
-        let body = view.body(Dir::Request, size);
+        let body = copied_body.map_or_else(|| view.body(Dir::Request, size), std::borrow::Cow::Owned);
         match inspect_request_with_kind(g.kind, &body) {
             Ok((kind, info)) => {
                 let target = info.max_output_tokens.map_or(ceiling, |asked| asked.min(ceiling));

@@ -419,6 +419,55 @@ fn the_output_ceiling_is_written_into_the_whole_body() {
     assert_eq!(count, &Effect::Count { name: "sluice.latency.output_capped_total.version.v1".into(), delta: 1 });
 }
 
+/// A host that copies the body out on every read (as proxy-wasm's hostcall does), counting reads.
+struct CopyingView {
+    inner: FixedView,
+    body_reads: usize,
+}
+
+impl View for CopyingView {
+    fn now(&mut self) -> u64 {
+        self.inner.now()
+    }
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        self.inner.request_header(name)
+    }
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        self.inner.response_header(name)
+    }
+    fn body(&mut self, dir: Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
+        self.body_reads += 1;
+        std::borrow::Cow::Owned(self.inner.body(dir, size).into_owned())
+    }
+    fn property(&mut self, path: &[String]) -> Option<String> {
+        self.inner.property(path)
+    }
+    fn gateway_reply(&mut self) -> Option<GatewayReply> {
+        self.inner.gateway_reply()
+    }
+    fn unended_outcome(&mut self) -> Outcome {
+        self.inner.unended_outcome()
+    }
+}
+
+/// The whole body in one event: the guard decides on it and writes the ceiling into it, and a
+/// host that copies the body out is asked for it once.
+#[test]
+fn a_whole_body_is_read_once_for_the_decision_and_the_ceiling() {
+    let (mut root, mut store) = root(json!({"max_output_tokens": 16}), json!({}));
+    let mut flow = GuardFlow::new(ID);
+    let mut view = CopyingView { inner: request("crit-a", "v1"), body_reads: 0 };
+    let mut fx = Effects::default();
+    flow.on_request_headers(&mut root, &mut view, &mut store, false, T0, &mut fx);
+    fx.clear();
+    let size = view.inner.request_body.len();
+    assert_eq!(flow.on_request_body(&mut root, &mut view, &mut store, size, true, T0, &mut fx), Verdict::Continue);
+    let Some(Effect::ReplaceBody { dir: Dir::Request, bytes }) = fx.0.first() else { panic!("{fx:?}") };
+    let body: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+    assert_eq!(body["max_tokens"], json!(16), "{body}");
+    assert_eq!(view.body_reads, 1, "the body read once in the event");
+}
+
 #[test]
 fn a_root_woken_in_the_marking_hook_looks_at_a_held_stream_as_rarely_as_with_a_queue() {
     let (queued, store) = root(json!({"ttft_deadline_ms": 1000}), json!({}));
