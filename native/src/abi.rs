@@ -1249,7 +1249,9 @@ fn program_init() -> *const c_char {
 }
 
 /// The in-module filter configuration behind `ConfigModulePtr`.
-struct ConfigBox(Box<dyn FilterConfig>);
+/// A configuration as the module keeps it: the filter's, and Envoy's pointer to its own (for the
+/// destroy hook, which Envoy calls without it).
+struct ConfigBox(Box<dyn FilterConfig>, ConfigEnvoyPtr);
 
 /// The in-module filter behind `FilterModulePtr`. Only ever reached through `&`: Envoy can call a
 /// hook of a filter from inside another of its hooks (a deferred call, [`Deferred`], runs its
@@ -1302,7 +1304,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     let (name, config) = unsafe { (name.as_slice(), config.as_slice()) };
     let mut context = ConfigContext { ptr: config_envoy_ptr, host, _hook: PhantomData };
     match catch_unwind(AssertUnwindSafe(|| crate::new_filter_config(name, config, &mut context))) {
-        Ok(Ok(filter_config)) => Box::into_raw(Box::new(ConfigBox(filter_config))).cast_const().cast::<c_void>(),
+        Ok(Ok(filter_config)) => Box::into_raw(Box::new(ConfigBox(filter_config, config_envoy_ptr))).cast_const().cast::<c_void>(),
         Ok(Err(reason)) => {
             log(LogLevel::Error, &format!("sluice-native: filter configuration refused: {reason}"));
             std::ptr::null()
@@ -1323,6 +1325,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
     }
     // SAFETY: made by `Box::into_raw` in config_new; Envoy destroys it once.
     let config = unsafe { Box::from_raw(config_ptr.cast_mut().cast::<ConfigBox>()) };
+    // Envoy calls this first thing in its configuration's destructor (`~DynamicModuleHttpFilterConfig`
+    // in filter_config.cc), before any of its members goes: its stats scope and metric definitions
+    // are alive, so its configuration-level metric callbacks may still be called.
+    if let Some(host) = HOST.get() {
+        let mut config_host = ConfigHost { ptr: config.1, host, _hook: PhantomData };
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| config.0.on_destroy(&mut config_host))) {
+            log(LogLevel::Error, &format!("sluice-native: panic in the configuration's on_destroy: {}", panic_text(payload.as_ref())));
+        }
+    }
     if catch_unwind(AssertUnwindSafe(move || drop(config))).is_err() {
         log(LogLevel::Error, "sluice-native: panic while dropping a filter configuration");
     }

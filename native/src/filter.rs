@@ -77,6 +77,11 @@ pub trait FilterConfig: Send + Sync {
 
     /// The answer to configuration callout `id` ([`ConfigHost::http_callout`]), on the main thread.
     fn on_callout_done(&self, _config: &mut ConfigHost<'_>, _id: u64, _answer: &CalloutAnswer) {}
+
+    /// Envoy is destroying the configuration (after every stream of it), with its metrics still
+    /// usable through `config`: the last chance to send what the configuration holds. On the main
+    /// thread, unless Envoy lets go of the configuration inside a [`ConfigScheduler`]'s commit.
+    fn on_destroy(&self, _config: &mut ConfigHost<'_>) {}
 }
 
 /// Accepts the configuration of a filter that takes none: no bytes, or `{}` (an empty

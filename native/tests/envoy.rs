@@ -755,17 +755,20 @@ impl Envoy {
         bounds
     }
 
-    /// sluice's series in `/stats/prometheus` once each of `families` has a series at its count, as `name{labels sorted}` →
-    /// value; histograms by their `_count` only (their buckets and sums are timings).
+    /// sluice's series in `/stats/prometheus` once each of `families` has a series at its count and
+    /// two reads 250 ms apart agree (the module sends counter and gauge changes every 100 ms), as
+    /// `name{labels sorted}` → value; histograms by their `_count` only (their buckets and sums are
+    /// timings).
     fn sluice_series(&self, families: &[(&str, u64)]) -> std::collections::BTreeMap<String, String> {
         let deadline = Instant::now() + Duration::from_secs(10);
+        let mut previous = None;
         loop {
             let text = get(self.admin_port, "/stats/prometheus").map(|r| String::from_utf8_lossy(&r.body).into_owned()).unwrap_or_default();
             let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("sluice_")).collect();
             // Every family at its count (a histogram's count lags until the stats flush after its sample).
             if families.iter().all(|(f, count)| lines.iter().any(|l| l.starts_with(&format!("{f}{{")) && l.ends_with(&format!(" {count}")))) {
-                return lines
-                    .into_iter()
+                let series: std::collections::BTreeMap<String, String> = lines
+                    .iter()
                     .filter(|l| !l.contains("_bucket{") && !l.contains("_sum{"))
                     .map(|l| {
                         let (series, value) = l.rsplit_once(' ').unwrap();
@@ -775,6 +778,12 @@ impl Envoy {
                         (format!("{name}{{{}}}", labels.join(",")), value.to_string())
                     })
                     .collect();
+                if previous.as_ref() == Some(&series) {
+                    return series;
+                }
+                previous = Some(series);
+                std::thread::sleep(Duration::from_millis(250));
+                continue;
             }
             assert!(Instant::now() < deadline, "{families:?} did not all show:\n{}", lines.join("\n"));
             std::thread::sleep(Duration::from_millis(100));

@@ -16,12 +16,22 @@
 //! instructions for a per-request name, about thirty of which a request records. So each thread
 //! keeps what the names it has seen resolved to ([`record`](Catalogue::record)): a name seen before
 //! costs one hash of it and one comparison.
+//!
+//! Envoy 1.40's ABI has no handle for one series: every labelled call resolves the label values to
+//! a tagged stat name again (≈ 4,400 instructions inside Envoy, most of a request's metric cost).
+//! So a batched catalogue ([`Catalogue::define`] with `batched`) holds every counter and gauge
+//! change in the recording thread's shard, summed per series, until the configuration's next
+//! [`flush`](Catalogue::flush) on Envoy's main thread: one call per series and thread per flush
+//! instead of one per sample (a counter's zero, which only makes its series appear, is held once
+//! per thread too). Histograms are not held (the ABI records one value per call). Gauge sets are
+//! numbered across threads and flushed in that order, so the last set wins as if each had been
+//! sent at once.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use sluice_core::metrics::{Family, MetricKind, Plugin, FAMILIES};
 
@@ -68,6 +78,65 @@ pub struct Catalogue {
     /// Held only by the catalogue: a thread's cache of a catalogue that is gone (its `Weak` dead)
     /// is dropped when the thread next meets a new catalogue.
     alive: Arc<()>,
+    /// Counter and gauge changes held until the next flush; `None`: every sample is sent at once.
+    batch: Option<Batch>,
+}
+
+/// The changes a batched catalogue holds, one shard per thread that records.
+#[derive(Debug, Default)]
+struct Batch {
+    /// Every thread's shard, registered by the thread's first record.
+    shards: Mutex<Vec<Arc<Shard>>>,
+    /// Set by a record that left a change to send; cleared by the flush that takes them.
+    unsent: AtomicBool,
+    /// The number of the next gauge set, across threads.
+    sets: AtomicU64,
+}
+
+/// One thread's held changes, one entry per series it has held a change for ([`Resolved::slot`]).
+/// Locked by its thread for each held change and by the flush: uncontended but for the flush.
+#[derive(Debug, Default)]
+struct Shard(Mutex<Vec<Unsent>>);
+
+#[derive(Debug)]
+struct Unsent {
+    id: MetricId,
+    values: Arc<[Box<str>]>,
+    change: Change,
+    /// A flush has sent this series: it exists in Envoy, so additions that cancel out can stay.
+    made: bool,
+}
+
+/// A series' change since the last flush.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    None,
+    /// A counter's increments, summed.
+    Count(u64),
+    /// A gauge's additions, summed.
+    Delta(i64),
+    /// A gauge's last set (and what was added after it), numbered in [`Batch::sets`]' order.
+    Set {
+        order: u64,
+        value: u64,
+    },
+}
+
+impl Change {
+    /// This change followed by `sample` (on a counter if `counter`), `order` the number a set
+    /// takes; `None` for a sample no change holds (a histogram's value, a counter going down).
+    fn then(self, counter: bool, sample: Sample, order: impl FnOnce() -> u64) -> Option<Change> {
+        Some(match (counter, self, sample) {
+            (true, Change::Count(sum), Sample::Add(delta)) => Change::Count(sum.saturating_add(u64::try_from(delta).ok()?)),
+            (true, Change::None, Sample::Add(delta)) => Change::Count(u64::try_from(delta).ok()?),
+            (true, _, _) => return None,
+            (false, Change::Delta(sum), Sample::Add(delta)) => Change::Delta(sum.saturating_add(delta)),
+            (false, Change::None | Change::Count(_), Sample::Add(delta)) => Change::Delta(delta),
+            (false, Change::Set { order, value }, Sample::Add(delta)) => Change::Set { order, value: value.saturating_add_signed(delta) },
+            // A set replaces whatever this thread held before it.
+            (false, _, Sample::Set(value)) => Change::Set { order: order(), value },
+        })
+    }
 }
 
 /// What a flat name resolved to, as a thread caches it.
@@ -75,10 +144,12 @@ pub struct Catalogue {
 struct Resolved {
     id: MetricId,
     /// The label values, one per key of the variant.
-    values: Box<[Box<str>]>,
+    values: Arc<[Box<str>]>,
     /// A call for this series succeeded on this thread, so the series exists in Envoy's store
     /// (shared by all threads) and adding zero to it would change nothing.
     created: bool,
+    /// Where this thread's [`Shard`] holds the series' changes, once it has held one.
+    slot: Option<usize>,
 }
 
 /// One thread's resolutions for one catalogue.
@@ -86,6 +157,8 @@ struct ThreadCache {
     number: u64,
     alive: Weak<()>,
     names: HashMap<Box<str>, Resolved, BuildHasherDefault<NameHasher>>,
+    /// This thread's shard of the catalogue's [`Batch`], registered there.
+    shard: Option<Arc<Shard>>,
 }
 
 thread_local! {
@@ -176,8 +249,9 @@ fn variants(family: &Family) -> Vec<Vec<&'static str>> {
 
 impl Catalogue {
     /// Defines every family of `plugins` in the configuration being made (the Redis ledger's with
-    /// `ledger`).
-    pub fn define(context: &mut ConfigContext<'_>, plugins: &[Plugin], ledger: bool) -> Result<Catalogue, String> {
+    /// `ledger`); `batched`: counter and gauge changes wait for [`flush`](Catalogue::flush), which
+    /// the configuration then calls on the main thread whenever [`has_unsent`](Catalogue::has_unsent).
+    pub fn define(context: &mut ConfigContext<'_>, plugins: &[Plugin], ledger: bool, batched: bool) -> Result<Catalogue, String> {
         let mut families: HashMap<&'static str, Vec<Variant>> = HashMap::new();
         for family in FAMILIES.iter().filter(|f| plugins.contains(&f.plugin) && (ledger || !f.name.starts_with(LEDGER_FAMILIES))) {
             for keys in variants(family) {
@@ -190,11 +264,63 @@ impl Catalogue {
                 families.entry(family.name).or_default().push(Variant { keys, id });
             }
         }
-        Ok(Catalogue::of(families))
+        Ok(Catalogue::of(families, batched))
     }
 
-    fn of(families: HashMap<&'static str, Vec<Variant>>) -> Catalogue {
-        Catalogue { families, number: NEXT_NUMBER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()) }
+    fn of(families: HashMap<&'static str, Vec<Variant>>, batched: bool) -> Catalogue {
+        Catalogue { families, number: NEXT_NUMBER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()), batch: batched.then(Batch::default) }
+    }
+
+    /// Whether a change waits for [`flush`](Catalogue::flush).
+    pub fn has_unsent(&self) -> bool {
+        self.batch.as_ref().is_some_and(|b| b.unsent.load(Ordering::Acquire))
+    }
+
+    /// Sends every held change through `envoy` (the configuration, on Envoy's main thread): each
+    /// series' summed counts and gauge additions, then the gauge sets in the order they were made.
+    /// What Envoy refused, worded for a log line.
+    pub fn flush(&self, envoy: &mut dyn Metrics) -> Vec<String> {
+        let Some(batch) = &self.batch else { return Vec::new() };
+        // Cleared first: a change held while this runs sets it again for the next flush.
+        batch.unsent.store(false, Ordering::Release);
+        let shards: Vec<Arc<Shard>> = batch.shards.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let mut taken: Vec<Unsent> = Vec::new();
+        for shard in shards {
+            // Taken out under the lock, sent without it: the thread's records never wait on Envoy.
+            let mut unsent = shard.0.lock().unwrap_or_else(PoisonError::into_inner);
+            // Additions that cancel out change nothing, once the series exists (a gauge that went
+            // up and down again before its first flush still shows, at zero, as with wasm).
+            for series in unsent.iter_mut().filter(|u| !(u.change == Change::None || u.made && u.change == Change::Delta(0))) {
+                series.made = true;
+                taken.push(Unsent {
+                    id: series.id,
+                    values: Arc::clone(&series.values),
+                    change: std::mem::replace(&mut series.change, Change::None),
+                    made: true,
+                });
+            }
+        }
+        // Counts and additions commute; sets go last, in their order, so the last one wins.
+        taken.sort_by_key(|series| match series.change {
+            Change::Set { order, .. } => (1, order),
+            _ => (0, 0),
+        });
+        let mut refused = Vec::new();
+        for Unsent { id, values, change, .. } in taken {
+            let mut labels = [""; MAX_LABELS];
+            labels.iter_mut().zip(values.iter()).for_each(|(label, value)| *label = value);
+            let labels = labels.get(..values.len()).unwrap_or_default();
+            let result = match (id, change) {
+                (MetricId::Counter(id), Change::Count(by)) => envoy.increment_counter(id, labels, by),
+                (MetricId::Gauge(id), Change::Delta(delta)) => envoy.add_gauge(id, labels, delta),
+                (MetricId::Gauge(id), Change::Set { value, .. }) => envoy.set_gauge(id, labels, value),
+                _ => continue,
+            };
+            if let Err(e) = result {
+                refused.push(format!("metric {id:?} {{{}}}: {e}", labels.join(",")));
+            }
+        }
+        refused
     }
 
     /// The metric and label values of flat sample name `name`; `None` for a name of no defined
@@ -251,13 +377,19 @@ impl Catalogue {
                 // A catalogue this thread has not recorded for: a new configuration, maybe
                 // replacing one whose cache can go.
                 caches.retain(|c| c.alive.strong_count() > 0);
-                caches.push(ThreadCache { number: self.number, alive: Arc::downgrade(&self.alive), names: HashMap::default() });
+                let shard = self.batch.as_ref().map(|batch| {
+                    let shard = Arc::new(Shard::default());
+                    batch.shards.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::clone(&shard));
+                    shard
+                });
+                caches.push(ThreadCache { number: self.number, alive: Arc::downgrade(&self.alive), names: HashMap::default(), shard });
                 caches.len() - 1
             }
         };
         let cache = caches.get_mut(at)?;
+        let held = self.batch.as_ref().zip(cache.shard.as_deref());
         if let Some(resolved) = cache.names.get_mut(name) {
-            return Some(send_cached(envoy, name, resolved, sample));
+            return Some(send_cached(envoy, name, resolved, sample, held));
         }
         if cache.names.len() >= CACHE_BOUND {
             return None;
@@ -268,8 +400,8 @@ impl Catalogue {
             return Some(Err(unknown(name)));
         };
         let values = values.iter().take(count).map(|v| Box::<str>::from(*v)).collect();
-        let resolved = cache.names.entry(Box::from(name)).or_insert(Resolved { id, values, created: false });
-        Some(send_cached(envoy, name, resolved, sample))
+        let resolved = cache.names.entry(Box::from(name)).or_insert(Resolved { id, values, created: false, slot: None });
+        Some(send_cached(envoy, name, resolved, sample, held))
     }
 
     fn record_uncached(&self, envoy: &mut dyn Metrics, name: &str, sample: Sample) -> Result<(), String> {
@@ -287,17 +419,50 @@ fn unknown(name: &str) -> String {
 
 /// Sends `sample` of a cached series, unless it is a counter's zero for a series this thread has
 /// already created: the zero is there only to create the series (so it shows from the first
-/// request); skipping it later never changes a value. Everything else reaches Envoy every time (a
-/// gauge's value is shared by the workers; a histogram counts each record).
-fn send_cached(envoy: &mut dyn Metrics, name: &str, resolved: &mut Resolved, sample: Sample) -> Result<(), String> {
+/// request); skipping it later never changes a value. With `held` (a batched catalogue and this
+/// thread's shard), a counter's or gauge's change is held for the next flush instead; the rest
+/// reaches Envoy now (a histogram counts each record).
+fn send_cached(envoy: &mut dyn Metrics, name: &str, resolved: &mut Resolved, sample: Sample, held: Option<(&Batch, &Shard)>) -> Result<(), String> {
     if resolved.created && matches!((resolved.id, sample), (MetricId::Counter(_), Sample::Add(0))) {
         return Ok(());
+    }
+    if let Some((batch, shard)) = held {
+        if hold(batch, shard, resolved, sample) {
+            // The flush makes the series (a zero included): later zeros can be skipped already.
+            resolved.created = true;
+            return Ok(());
+        }
     }
     let mut labels = [""; MAX_LABELS];
     labels.iter_mut().zip(resolved.values.iter()).for_each(|(label, value)| *label = value);
     let result = send(envoy, name, resolved.id, labels.get(..resolved.values.len()).unwrap_or_default(), sample);
     resolved.created |= result.is_ok();
     result
+}
+
+/// Holds `sample`'s change to a series in `shard` for the next flush; false if no change holds it
+/// (a histogram's value, a counter going down: sent now, refused or recorded there).
+fn hold(batch: &Batch, shard: &Shard, resolved: &mut Resolved, sample: Sample) -> bool {
+    let counter = match resolved.id {
+        MetricId::Counter(_) => true,
+        MetricId::Gauge(_) => false,
+        MetricId::Histogram(_) => return false,
+    };
+    let mut unsent = shard.0.lock().unwrap_or_else(PoisonError::into_inner);
+    let slot = match resolved.slot {
+        Some(slot) if slot < unsent.len() => slot,
+        _ => {
+            unsent.push(Unsent { id: resolved.id, values: Arc::clone(&resolved.values), change: Change::None, made: false });
+            let slot = unsent.len() - 1;
+            resolved.slot = Some(slot);
+            slot
+        }
+    };
+    let Some(series) = unsent.get_mut(slot) else { return false };
+    let Some(change) = series.change.then(counter, sample, || batch.sets.fetch_add(1, Ordering::Relaxed)) else { return false };
+    series.change = change;
+    batch.unsent.store(true, Ordering::Release);
+    true
 }
 
 /// Sends `sample` of metric `id`, series `labels`, to Envoy.
@@ -351,7 +516,7 @@ mod tests {
                 families.entry(family.name).or_default().push(Variant { keys, id });
             }
         }
-        Catalogue::of(families)
+        Catalogue::of(families, false)
     }
 
     /// One call a [`Recorder`] saw: the metric, its label values, the number given.
@@ -696,5 +861,131 @@ mod tests {
         assert_ne!(hash("ab"), hash("ab\0"));
         assert_ne!(hash("sluice.in_flight.model_version.v1"), hash("sluice.in_flight.model_version.v2"));
         assert_ne!(hash("12345678"), hash("1234567"));
+    }
+
+    /// A batched catalogue of every family, as `define` with `batched` builds it.
+    fn batched() -> Catalogue {
+        let mut c = catalogue(ALL);
+        c.batch = Some(Batch::default());
+        c
+    }
+
+    /// The calls since the last look, emptied.
+    fn seen(envoy: &mut Recorder) -> Vec<(Vec<String>, i128)> {
+        envoy.0.drain(..).map(|(_, labels, value)| (labels, value)).collect()
+    }
+
+    #[test]
+    fn batched_counts_reach_envoy_summed_once_per_flush() {
+        let c = batched();
+        let name = sluice_core::metrics::requests_total(&sluice_core::metrics::RequestSeries::new(&six_labels()), 200, Some("stop"), true);
+        let values = uncached(&c, &name).unwrap().1;
+        let mut envoy = Recorder::default();
+        assert!(!c.has_unsent());
+        // Every change waits, summed.
+        for _ in 0..5 {
+            c.record(&mut envoy, &name, Sample::Add(2)).unwrap();
+        }
+        c.record(&mut envoy, &name, Sample::Add(0)).unwrap();
+        assert!(envoy.0.is_empty(), "a count was sent before the flush: {:?}", envoy.0);
+        assert!(c.has_unsent());
+        assert!(c.flush(&mut envoy).is_empty());
+        assert_eq!(seen(&mut envoy), vec![(values.clone(), 10)]);
+        assert!(!c.has_unsent());
+        // Nothing held, nothing sent; then the next changes only.
+        assert!(c.flush(&mut envoy).is_empty());
+        assert!(envoy.0.is_empty());
+        c.record(&mut envoy, &name, Sample::Add(7)).unwrap();
+        assert!(envoy.0.is_empty());
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy), vec![(values, 7)]);
+        // A counter going down is refused at once, as unbatched.
+        assert!(c.record(&mut envoy, &name, Sample::Add(-1)).is_err());
+        assert!(!c.has_unsent());
+        // A series' zero is held once (the flush makes the series), then skipped.
+        let other = sluice_core::metrics::client_disconnects_total(&sluice_core::metrics::RequestSeries::new(&six_labels()));
+        c.record(&mut envoy, &other, Sample::Add(0)).unwrap();
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy).iter().map(|(_, v)| *v).collect::<Vec<_>>(), vec![0]);
+        c.record(&mut envoy, &other, Sample::Add(0)).unwrap();
+        assert!(!c.has_unsent());
+    }
+
+    #[test]
+    fn histograms_are_never_held_and_gauge_additions_are_summed() {
+        let c = batched();
+        let series = sluice_core::metrics::RequestSeries::new(&six_labels());
+        let (ttft, in_flight) = (sluice_core::metrics::ttft_ms(&series), sluice_core::metrics::in_flight("v2"));
+        let mut envoy = Recorder::default();
+        for value in [5, 9, 5] {
+            c.record(&mut envoy, &ttft, Sample::Set(value)).unwrap();
+        }
+        assert_eq!(seen(&mut envoy).iter().map(|(_, v)| *v).collect::<Vec<_>>(), vec![5, 9, 5]);
+        for delta in [1, 1, -1, 1, -1] {
+            c.record(&mut envoy, &in_flight, Sample::Add(delta)).unwrap();
+        }
+        assert!(envoy.0.is_empty());
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy), vec![(vec!["v2".to_string()], 1)]);
+        c.record(&mut envoy, &in_flight, Sample::Add(2)).unwrap();
+        c.record(&mut envoy, &in_flight, Sample::Add(-2)).unwrap();
+        c.flush(&mut envoy);
+        assert!(envoy.0.is_empty(), "additions that cancel out were sent: {:?}", envoy.0);
+        // Before its first flush a series is made even when they cancel out (it shows at zero).
+        let other = sluice_core::metrics::in_flight("v9");
+        c.record(&mut envoy, &other, Sample::Add(1)).unwrap();
+        c.record(&mut envoy, &other, Sample::Add(-1)).unwrap();
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy), vec![(vec!["v9".to_string()], 0)]);
+        c.record(&mut envoy, &in_flight, Sample::Add(-1)).unwrap();
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy), vec![(vec!["v2".to_string()], -1)]);
+    }
+
+    #[test]
+    fn held_gauge_sets_of_several_threads_flush_in_the_order_they_were_made() {
+        let c = Arc::new(batched());
+        let name = sluice_core::metrics::latency_breaker_state("v1");
+        let mut envoy = Recorder::default();
+        let set_on_a_new_thread = |value: u64| {
+            let (c, name) = (Arc::clone(&c), name.clone());
+            std::thread::spawn(move || c.record(&mut Recorder::default(), &name, Sample::Set(value)).unwrap()).join().unwrap();
+        };
+        // This thread's shard is registered first; each round's later set is on the other side.
+        c.record(&mut envoy, &name, Sample::Set(5)).unwrap();
+        set_on_a_new_thread(7);
+        assert!(envoy.0.is_empty(), "a gauge set was sent before the flush");
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy).last().map(|(_, v)| *v), Some(7));
+        set_on_a_new_thread(9);
+        c.record(&mut envoy, &name, Sample::Set(4)).unwrap();
+        c.record(&mut envoy, &name, Sample::Add(1)).unwrap();
+        c.flush(&mut envoy);
+        assert_eq!(seen(&mut envoy), vec![(vec!["v1".to_string()], 9), (vec!["v1".to_string()], 5)]);
+    }
+
+    #[test]
+    fn counts_held_by_several_threads_all_reach_envoy() {
+        let c = Arc::new(batched());
+        let name = sluice_core::metrics::input_tokens_total(&sluice_core::metrics::RequestSeries::new(&six_labels()));
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let (c, name) = (Arc::clone(&c), name.clone());
+                std::thread::spawn(move || {
+                    let mut envoy = Recorder::default();
+                    for _ in 0..1000 {
+                        c.record(&mut envoy, &name, Sample::Add(3)).unwrap();
+                    }
+                    envoy.0.iter().map(|(_, _, v)| *v).sum::<i128>()
+                })
+            })
+            .collect();
+        let sent_at_once: i128 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+        let mut envoy = Recorder::default();
+        c.flush(&mut envoy);
+        let flushed: i128 = envoy.0.iter().map(|(_, _, v)| *v).sum();
+        assert_eq!(sent_at_once, 0);
+        assert_eq!(flushed, 4 * 1000 * 3);
+        assert_eq!(envoy.0.len(), 4, "one call per thread's series");
     }
 }

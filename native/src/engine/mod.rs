@@ -114,15 +114,24 @@ struct GuardConfig {
 
 /// The validated configuration of one `sluice` filter.
 pub struct EngineConfig {
-    /// The settlement tick (a Redis ledger), stopped and joined before `inner` (and the
-    /// configuration's scheduler in it) is dropped.
-    settle_tick: Option<settle_tick::SettleTick>,
+    /// The configuration's tick (held metric changes, a Redis ledger's settlements), stopped and
+    /// joined before `inner` (and the configuration's scheduler in it) is dropped.
+    tick: Mutex<Option<config_tick::ConfigTick>>,
     inner: Arc<Inner>,
+}
+
+impl EngineConfig {
+    fn stop_tick(&self) -> Option<std::thread::ThreadId> {
+        let tick = lock(&self.tick).take()?;
+        let thread = tick.thread();
+        drop(tick);
+        thread
+    }
 }
 
 impl Drop for EngineConfig {
     fn drop(&mut self) {
-        drop(self.settle_tick.take());
+        self.stop_tick();
     }
 }
 
@@ -130,9 +139,11 @@ struct Inner {
     /// In pipeline (request) order.
     sections: Vec<SectionConfig>,
     catalogue: Catalogue,
-    /// Posts to the main thread, where the configuration's callouts are sent ([`EVENT_SETTLE`],
-    /// [`EVENT_SHADOWS`]); only with a Redis ledger or a shadow.
+    /// Posts to the main thread, where held metric changes are flushed ([`EVENT_FLUSH`]) and the
+    /// configuration's callouts are sent ([`EVENT_SETTLE`], [`EVENT_SHADOWS`]).
     scheduler: Option<ConfigScheduler>,
+    /// A Redis ledger's settlements are sent by the tick.
+    settles: bool,
 }
 
 /// The configuration's event: send the budget's due settlements (its tick, every
@@ -140,6 +151,14 @@ struct Inner {
 const EVENT_SETTLE: u64 = 1;
 /// The configuration's event: send the router's queued shadow requests.
 const EVENT_SHADOWS: u64 = 2;
+/// The configuration's event: send the metric changes the workers hold ([`Catalogue::flush`]).
+const EVENT_FLUSH: u64 = 3;
+
+/// How often held metric changes are flushed (the tick's period without a Redis ledger; with one,
+/// they go at its `SETTLE_TICK_MS`): a counter in `/stats/prometheus` lags its requests by about
+/// this much, far below any scrape interval, and a worker's series is sent at most ten times a
+/// second however many requests it serves.
+pub const METRICS_FLUSH_MS: u64 = 100;
 
 impl Inner {
     /// Whether a budget has settlements or write-backs waiting to be sent (the tick then commits
@@ -161,9 +180,10 @@ impl Inner {
     }
 }
 
-/// The settlement tick of a configuration with a Redis ledger: a thread of its own that, every
-/// `SETTLE_TICK_MS` while settlements wait, commits [`EVENT_SETTLE`] to the main thread (Envoy's
-/// ABI has no timer for a configuration; sluice.wasm's root ticks as often).
+/// The configuration's tick: a thread of its own that, every [`METRICS_FLUSH_MS`] (with a Redis
+/// ledger every `SETTLE_TICK_MS`, as sluice.wasm's root ticks), commits [`EVENT_FLUSH`] to the main
+/// thread while metric changes are held and [`EVENT_SETTLE`] while settlements wait (Envoy's ABI has
+/// no timer for a configuration).
 ///
 /// It commits under a lock that its stop takes, and the configuration's destruction stops and
 /// joins it before the scheduler is deleted (the `inner` it upgrades is dropped after the join),
@@ -173,15 +193,15 @@ impl Inner {
 /// configuration is destroyed on this thread, inside the commit; the stop then only flags the
 /// thread, which ends when the commit returns, commits nothing more, and deletes the scheduler
 /// as it lets go of `inner`.
-mod settle_tick {
+mod config_tick {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
-    use std::thread::JoinHandle;
+    use std::thread::{JoinHandle, ThreadId};
     use std::time::Duration;
 
     use sluice_core::flow::budget::SETTLE_TICK_MS;
 
-    use super::{Inner, EVENT_SETTLE};
+    use super::{Inner, EVENT_FLUSH, EVENT_SETTLE, METRICS_FLUSH_MS};
     use crate::filter::{log, LogLevel};
 
     struct Gate {
@@ -192,28 +212,39 @@ mod settle_tick {
     }
 
     /// The running thread; dropping it stops the thread and joins it.
-    pub(super) struct SettleTick {
+    pub(super) struct ConfigTick {
         gate: Arc<Gate>,
         thread: Option<JoinHandle<()>>,
     }
 
-    pub(super) fn start(inner: Weak<Inner>) -> Result<SettleTick, String> {
-        every(Duration::from_millis(SETTLE_TICK_MS), move || {
+    impl ConfigTick {
+        /// The thread's id, while it runs.
+        pub(super) fn thread(&self) -> Option<ThreadId> {
+            self.thread.as_ref().map(|t| t.thread().id())
+        }
+    }
+
+    pub(super) fn start(inner: Weak<Inner>, settles: bool) -> Result<ConfigTick, String> {
+        let period = if settles { SETTLE_TICK_MS } else { METRICS_FLUSH_MS };
+        every(Duration::from_millis(period), move || {
             let Some(inner) = inner.upgrade() else { return false };
-            if inner.settlements_wait() {
+            if inner.catalogue.has_unsent() {
+                inner.commit(EVENT_FLUSH);
+            }
+            if inner.settles && inner.settlements_wait() {
                 inner.commit(EVENT_SETTLE);
             }
             true
         })
-        .map_err(|e| format!("sluice: configuration refused: tenant-budget: cannot start the settlement tick thread: {e}"))
+        .map_err(|e| format!("sluice: configuration refused: cannot start the configuration's tick thread: {e}"))
     }
 
     /// Runs `tick` every `period` on a thread of its own, under the gate's lock, until it returns
-    /// false or the [`SettleTick`] is dropped.
-    fn every(period: Duration, mut tick: impl FnMut() -> bool + Send + 'static) -> std::io::Result<SettleTick> {
+    /// false or the [`ConfigTick`] is dropped.
+    fn every(period: Duration, mut tick: impl FnMut() -> bool + Send + 'static) -> std::io::Result<ConfigTick> {
         let gate = Arc::new(Gate { lock: Mutex::new(()), stop: AtomicBool::new(false), wake: Condvar::new() });
         let theirs = Arc::clone(&gate);
-        let thread = std::thread::Builder::new().name("sluice-settle-tick".into()).spawn(move || {
+        let thread = std::thread::Builder::new().name("sluice-config-tick".into()).spawn(move || {
             let gate = theirs;
             let mut held = gate.lock.lock().unwrap_or_else(PoisonError::into_inner);
             loop {
@@ -223,10 +254,10 @@ mod settle_tick {
                 }
             }
         })?;
-        Ok(SettleTick { gate, thread: Some(thread) })
+        Ok(ConfigTick { gate, thread: Some(thread) })
     }
 
-    impl Drop for SettleTick {
+    impl Drop for ConfigTick {
         fn drop(&mut self) {
             let Some(thread) = self.thread.take() else { return };
             if thread.thread().id() == std::thread::current().id() {
@@ -242,7 +273,7 @@ mod settle_tick {
             }
             self.gate.wake.notify_all();
             if thread.join().is_err() {
-                log(LogLevel::Error, "sluice: the settlement tick thread panicked");
+                log(LogLevel::Error, "sluice: the configuration's tick thread panicked");
             }
         }
     }
@@ -274,7 +305,7 @@ mod settle_tick {
         #[test]
         fn dropped_on_its_own_thread_inside_a_tick_it_ends_after_that_tick() {
             // What happens when Envoy destroys the configuration inside the thread's own commit.
-            let slot: Arc<Mutex<Option<SettleTick>>> = Arc::new(Mutex::new(None));
+            let slot: Arc<Mutex<Option<ConfigTick>>> = Arc::new(Mutex::new(None));
             let (dropped, after) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU32::new(0)));
             let (theirs, dropped_in_tick, ticks_after) = (Arc::clone(&slot), Arc::clone(&dropped), Arc::clone(&after));
             let tick = every(Duration::from_millis(1), move || {
@@ -361,20 +392,20 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
             }
         }
     }
-    let catalogue = Catalogue::define(context, &plugins, settles)?;
-    let scheduler = if settles || shadows {
-        let Some(scheduler) = context.scheduler() else {
+    let scheduler = context.scheduler();
+    if scheduler.is_none() {
+        if settles || shadows {
             return Err(
                 "sluice: configuration refused: Envoy gave no configuration scheduler (a Redis ledger's settlements and shadow requests need one)".to_string()
             );
-        };
-        Some(scheduler)
-    } else {
-        None
-    };
-    let inner = Arc::new(Inner { sections: configured, catalogue, scheduler });
-    let settle_tick = if settles { Some(settle_tick::start(Arc::downgrade(&inner))?) } else { None };
-    Ok(EngineConfig { settle_tick, inner })
+        }
+        log(LogLevel::Warn, "sluice: Envoy gave no configuration scheduler: every metric sample is sent as it is made, none held for a flush");
+    }
+    let catalogue = Catalogue::define(context, &plugins, settles, scheduler.is_some())?;
+    let ticks = scheduler.is_some();
+    let inner = Arc::new(Inner { sections: configured, catalogue, scheduler, settles });
+    let tick = if ticks { Some(config_tick::start(Arc::downgrade(&inner), settles)?) } else { None };
+    Ok(EngineConfig { tick: Mutex::new(tick), inner })
 }
 
 impl FilterConfig for EngineConfig {
@@ -414,6 +445,10 @@ impl FilterConfig for EngineConfig {
     /// On the main thread: the budget's settlement tick, or the router's queued shadows, sent as
     /// the configuration's callouts (as sluice.wasm's root sends them).
     fn on_scheduled(&self, config: &mut ConfigHost<'_>, event: u64) {
+        if event == EVENT_FLUSH {
+            flush(config, &self.inner.catalogue);
+            return;
+        }
         let mut fx = Effects::default();
         for section in &self.inner.sections {
             match (section, event) {
@@ -442,6 +477,20 @@ impl FilterConfig for EngineConfig {
         }
     }
 
+    /// Its streams are gone: the tick stops and what the workers still hold is sent. Not when Envoy
+    /// destroys the configuration on the tick thread itself (inside its commit, see
+    /// [`config_tick`]): Envoy's metric callbacks may only run on its own threads, so those last
+    /// changes are dropped and logged.
+    fn on_destroy(&self, config: &mut ConfigHost<'_>) {
+        if self.stop_tick() == Some(std::thread::current().id()) {
+            if self.inner.catalogue.has_unsent() {
+                log(LogLevel::Warn, "sluice: configuration destroyed on its tick thread: its last held metric changes are not sent");
+            }
+            return;
+        }
+        flush(config, &self.inner.catalogue);
+    }
+
     /// On the main thread: a settlement's or a shadow's answer.
     fn on_callout_done(&self, config: &mut ConfigHost<'_>, id: u64, answer: &CalloutAnswer) {
         let Ok(token) = u32::try_from(id) else { return };
@@ -464,6 +513,13 @@ impl FilterConfig for EngineConfig {
             }
             apply_config(config, &self.inner.catalogue, &mut fx);
         }
+    }
+}
+
+/// Sends the metric changes the workers hold, on the main thread.
+fn flush(config: &mut ConfigHost<'_>, catalogue: &Catalogue) {
+    for problem in catalogue.flush(config) {
+        log(LogLevel::Warn, &format!("sluice: flushing metrics: {problem}"));
     }
 }
 

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Envoy's instructions per request, deterministically: one gateway configuration of
+benches/envoy_load.py (the same templates, policies and request), Envoy `--concurrency 1` under
+`valgrind --tool=callgrind`, N requests (1-token streams, one keep-alive connection, each request
+after the last one's answer), then again with M requests; the difference divided by M − N is what
+one request costs Envoy's whole process (every thread, user space), start-up and shutdown cancelled
+out. Callgrind also counts the calls Envoy took of the dynamic-module metric callbacks, per request.
+
+This machine's shared CPU moves wall-clock figures by tens of µs; an instruction count does not move.
+Under valgrind Envoy runs some 50 times slower: what happens on a timer (the native module's metric
+flush every 100 ms) happens once per a few requests here, where at full speed it covers hundreds —
+the figures say what a slow stream of requests costs.
+
+Usage: benches/envoy_instructions.py [--config "native full chain"] [--requests 100,600]
+       [--native-dir DIR]   (an earlier build of libsluice.so, for a before/after pair)
+Needs what benches/envoy_load.py needs (`cargo xtask bench` builds it) and valgrind.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envoy_load as load  # noqa: E402  (the same configurations, policies and request)
+
+# The dynamic-module metric callbacks whose calls are counted: a stream's, and a configuration's
+# (the main thread's: settlements, shadows, the native module's metric flush).
+# The Envoy binary itself: the venv's `envoy` is the package's Python launcher, which valgrind would
+# measure instead (the binary is its child).
+ENVOY_BINARY = next((p for p in sorted((load.ROOT / ".tools/venv/lib").glob("python3*/site-packages/envoy/_bin/envoy"))), None)
+
+METRIC_CALLBACKS = re.compile(r"envoy_dynamic_module_callback_http_filter_(config_)?"
+                              r"(increment_counter|record_histogram_value|set_gauge|increment_gauge|decrement_gauge)\b")
+
+
+def request_body():
+    script = load.WRK_SCRIPT
+    return re.search(r"wrk.body = '(.*)'", script).group(1)
+
+
+def send(port, count):
+    body = request_body()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    for n in range(1, count + 1):
+        headers = {"content-type": "application/json", "x-mock-tokens": "1", "x-mock-ttft-ms": "0", "x-mock-itl-ms": "0",
+                   "x-sluice-key": "search-prod", "x-sluice-tenant": f"tenant-{n % 1000}",
+                   "x-request-id": f"{n:08x}-0000-4000-8000-{n:012x}"}
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        answer = conn.getresponse()
+        answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"request {n}: status {answer.status}")
+    conn.close()
+
+
+def run(name, config, requests, native_dir, tmp):
+    """Total instructions of Envoy serving `requests` requests, and its metric callback calls."""
+    mock_port = load.free_port()
+    mock = subprocess.Popen([str(load.MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
+    try:
+        load.wait_port(mock_port)
+        port, admin = load.free_port(), load.free_port()
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(load.render(config.read_text(), {
+            "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
+            "WASM_DIR": str(load.WASM_DIR), "ACCESS_LOG": "/dev/null",
+            "PLUGIN_CONFIG": load.yaml_string_body((load.ROOT / "policies/llm-metrics.demo.json").read_text()),
+            "BUDGET_CONFIG": load.yaml_string_body((load.ROOT / "policies/tenant-budget.bench.json").read_text()),
+            "ROUTER_CONFIG": load.yaml_string_body(load.router_policy(None if name.startswith("native") else 0.0)),
+            "LATENCY_CONFIG": load.yaml_string_body((load.ROOT / "policies/latency-guard.demo.json").read_text()),
+            "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": "",
+            "LEDGER_PORT": "1", "EXTPROC_PORT": "1"}))
+        out = Path(tmp) / f"callgrind.{requests}"
+        envoy = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--trace-children=no",
+             str(ENVOY_BINARY or load.ENVOY), "-c", str(path), "--concurrency", "1", "--log-level", "error", "--base-id", str(os.getpid() % 10000 + 700)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(native_dir)))
+        try:
+            load.wait_port(port, timeout=300)
+            send(port, requests)
+        finally:
+            envoy.terminate()
+            envoy.wait(timeout=300)
+        annotated = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
+                                   capture_output=True, text=True, check=True).stdout
+        total = int(re.search(r"([\d,]+) \(100\.0%\)\s+PROGRAM TOTALS", annotated).group(1).replace(",", ""))
+        calls = metric_calls(out)
+        # What the configuration-level metric calls cost inclusively (the native module's flush
+        # on the main thread): their share depends on the request rate, the rest does not.
+        inclusive = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
+                                   capture_output=True, text=True, check=True).stdout
+        config_calls = sum(int(m.group(1).replace(",", "")) for m in re.finditer(r"^\s*([\d,]+) \([^)]*\)\s+\S*envoy_dynamic_module_callback_http_filter_config_"
+                                                                               r"(?:increment_counter|record_histogram_value|set_gauge|increment_gauge|decrement_gauge)\b", inclusive, re.M))
+        return total, calls, config_calls
+    finally:
+        mock.terminate()
+        mock.wait()
+
+
+def metric_calls(out):
+    """Calls of each metric callback, from the callgrind file's call records (`cfn=` then `calls=`)."""
+    names, calls, current = {}, {}, None
+    for line in out.read_text(errors="replace").splitlines():
+        # A function's name is given once, at its first `fn=` or `cfn=`, then only its number.
+        m = re.match(r"(c?)fn=\((\d+)\)(?: (.*))?", line)
+        if m:
+            if m.group(3):
+                names[m.group(2)] = m.group(3)
+            current = names.get(m.group(2)) if m.group(1) else None
+            continue
+        m = re.match(r"calls=(\d+)", line)
+        if m and current:
+            found = METRIC_CALLBACKS.search(current)
+            if found:
+                key = ("config " if found.group(1) else "") + found.group(2)
+                calls[key] = calls.get(key, 0) + int(m.group(1))
+            current = None
+    return calls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="native full chain", help="a configuration name of benches/envoy_load.py")
+    ap.add_argument("--requests", default="100,600")
+    ap.add_argument("--native-dir", default=str(load.NATIVE_DIR))
+    args = ap.parse_args()
+    config = dict(load.CONFIGS).get(args.config)
+    if config is None:
+        sys.exit(f"no configuration {args.config!r}; one of: {', '.join(n for n, _ in load.CONFIGS)}")
+    few, many = (int(n) for n in args.requests.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.time()
+        (low, low_calls, low_config), (high, high_calls, high_config) = (run(args.config, config, n, args.native_dir, tmp) for n in (few, many))
+    span = many - few
+    print(f"{args.config} ({args.native_dir}): {low:,} instructions with {few} requests, {high:,} with {many}: "
+          f"{(high - low) / span:,.0f} per request ({time.time() - started:.0f} s); "
+          f"of which configuration-level metric calls {(high_config - low_config) / span:,.0f}")
+    for key in sorted(set(low_calls) | set(high_calls)):
+        print(f"  {key}: {(high_calls.get(key, 0) - low_calls.get(key, 0)) / span:.2f} calls per request")
+    json.dump({"config": args.config, "per_request": (high - low) / span, "config_metric_calls_per_request": (high_config - low_config) / span,
+               "calls_per_request": {k: (high_calls.get(k, 0) - low_calls.get(k, 0)) / span for k in set(low_calls) | set(high_calls)}},
+              sys.stderr)
+    sys.stderr.write("\n")
+
+
+if __name__ == "__main__":
+    main()
