@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,7 @@ def main():
     ap.add_argument("--config", default="native full chain", help="a configuration name of benches/envoy_load.py")
     ap.add_argument("--requests", default="100,600")
     ap.add_argument("--native-dir", default=str(load.NATIVE_DIR))
+    ap.add_argument("--keep", default="", help="a directory to copy the callgrind files to (for callgrind_annotate)")
     args = ap.parse_args()
     config = dict(load.CONFIGS).get(args.config)
     if config is None:
@@ -139,6 +141,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         started = time.time()
         (low, low_calls, low_config), (high, high_calls, high_config) = (run(args.config, config, n, args.native_dir, tmp) for n in (few, many))
+        if args.keep:
+            Path(args.keep).mkdir(parents=True, exist_ok=True)
+            for n in (few, many):
+                shutil.copy(Path(tmp) / f"callgrind.{n}", Path(args.keep) / f"callgrind.{n}")
     span = many - few
     print(f"{args.config} ({args.native_dir}): {low:,} instructions with {few} requests, {high:,} with {many}: "
           f"{(high - low) / span:,.0f} per request ({time.time() - started:.0f} s); "
