@@ -257,3 +257,30 @@ fn a_budget_refusal_is_stamped_refused_429_by_the_guard_and_by_llm_metrics() {
     c.eq("llm.outcome", &s.llm["outcome"], json!("refused"));
     c.done(&format!("access log: {}", s.line));
 }
+
+/// A request body over Envoy's default 1 MiB buffer limit (a long context, base64 images): the
+/// gateway's `sluice.request_body_limit` buffer filter, in front of json_to_metadata, raises the
+/// request's limit to 9 MiB, so the body is read, routed by its model, admitted by its budget and
+/// served — without it Envoy answered 413 itself before any plugin saw the request.
+#[test]
+fn a_request_body_over_a_mebibyte_is_routed_admitted_and_served() {
+    let Some(gw) = start() else { return };
+    let id = "full-large-body";
+    // batch-nightly counts output tokens only, so a 2 MB prompt fits its budget.
+    let h = [("x-sluice-tenant", "batch-nightly"), ("x-request-id", id)];
+    let body = chat(false, &"a ".repeat(1_000_000));
+    assert!(body.len() > 2_000_000);
+    let resp = post_json(gw.envoy.listen_addr(), CHAT, &h, &body).unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let s = stamps(&gw, id);
+    let mut c = Checks::default();
+    let version = s.route["version"].as_str().unwrap_or_default().to_string();
+    c.that(version == "v1" || version == "v2", format!("route stamp names no version: {}", s.route));
+    c.eq("served by", &json!(resp.header("x-mock-served-by")), json!(format!("llama-{version}")));
+    c.eq("budget.decision", &s.budget["decision"], json!("admitted"));
+    c.eq("llm.status", &s.llm["status"], json!(200));
+    c.eq("latency.outcome", &s.latency["outcome"], json!("ok"));
+    let served = if version == "v2" { &gw.v2 } else { &gw.v1 };
+    c.that(ledger_has(served, id), format!("the {version} mock has no record of {id}"));
+    c.done(&format!("access log: {}", s.line));
+}

@@ -124,6 +124,7 @@ fn the_images_go_through_a_real_registry_and_run_in_envoy_as_istio_configures_th
     assert_eq!(
         names,
         [
+            "sluice.request_body_limit",
             "envoy.filters.http.json_to_metadata",
             "istio-system.sluice-latency-guard",
             "istio-system.sluice-model-router",

@@ -190,3 +190,24 @@ fn normalize(sse: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+#[test]
+fn a_request_body_over_a_mebibyte_is_routed_by_its_model() {
+    // json_to_metadata holds the headers while it reads the body, under the stream's buffer limit
+    // (the listener's 1 MiB by default, past which Envoy itself answers 413); the gateway's buffer
+    // filter in front of it raises that limit to 9 MiB, as tenant-budget's gateways allow.
+    if Tools::locate_or_skip().unwrap().is_none() {
+        return;
+    }
+    let up = upstreams();
+    // Every key on v2: a request reaches llama-v2, asked for llama-3-70b-v2, only if its body's
+    // model was read and routed (the default route is v1's cluster).
+    let envoy = start(&up, &router_policy(100, 0.0));
+    for size in [2_000_000usize, 5_000_000] {
+        let body = json!({"model": "llama-3-70b", "stream": false, "messages": [{"role": "user", "content": "a ".repeat(size / 2)}]}).to_string();
+        let r = post_json(envoy.listen_addr(), CHAT, &[("content-type", "application/json"), ("x-sluice-tenant", "tenant-1")], &body).unwrap();
+        assert_eq!(r.status, 200, "{size} bytes: {}", r.text());
+        assert_eq!(r.header("x-mock-served-by"), Some("llama-v2"), "{size} bytes");
+        assert_eq!(r.json().unwrap()["model"], "llama-3-70b-v2", "{size} bytes");
+    }
+}

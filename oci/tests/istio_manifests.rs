@@ -335,7 +335,8 @@ fn the_envoy_filter_gives_istio_the_plain_filters_of_the_envoy_gateway_in_its_or
     let gateway = gateway_http_filters();
     let envoy_filter = shipped("sluice-filters.envoyfilter.yaml");
     let istio = istio_http_filters(&envoy_filter);
-    // Presence, order and settings: json_to_metadata, the four plugins, buffer, the gzip, br and
+    // Presence, order and settings: the request body limit, json_to_metadata, the four plugins,
+    // buffer, the gzip, br and
     // zstd decompressors, the router — each plain filter equal to the gateway's, member for member.
     assert_eq!(comparable(&istio), comparable(&gateway), "the Istio filter chain against envoy/rendered/full-gateway.yaml's");
 
@@ -366,11 +367,11 @@ fn the_envoy_filter_gives_istio_the_plain_filters_of_the_envoy_gateway_in_its_or
 
     // The comparison sees a misplaced, a missing and a changed decompressor.
     let mut misplaced = envoy_filter.clone();
-    misplaced["spec"]["configPatches"][2]["patch"]["operation"] = json!("INSERT_FIRST");
+    misplaced["spec"]["configPatches"][3]["patch"]["operation"] = json!("INSERT_FIRST");
     let mut missing = envoy_filter.clone();
-    missing["spec"]["configPatches"].as_array_mut().unwrap().remove(4);
+    missing["spec"]["configPatches"].as_array_mut().unwrap().remove(5);
     let mut changed = envoy_filter.clone();
-    changed["spec"]["configPatches"][3]["patch"]["value"]["typed_config"]["request_direction_config"]["advertise_accept_encoding"] = json!(true);
+    changed["spec"]["configPatches"][4]["patch"]["value"]["typed_config"]["request_direction_config"]["advertise_accept_encoding"] = json!(true);
     for (case, doc) in [("misplaced", misplaced), ("missing", missing), ("changed", changed)] {
         assert_ne!(comparable(&istio_http_filters(&doc)), comparable(&gateway), "{case} decompressor not seen");
     }
