@@ -46,11 +46,11 @@ def request_body():
     return re.search(r"wrk.body = '(.*)'", script).group(1)
 
 
-def send(port, count):
+def send(port, count, tokens, itl_ms):
     body = request_body()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     for n in range(1, count + 1):
-        headers = {"content-type": "application/json", "x-mock-tokens": "1", "x-mock-ttft-ms": "0", "x-mock-itl-ms": "0",
+        headers = {"content-type": "application/json", "x-mock-tokens": str(tokens), "x-mock-ttft-ms": "0", "x-mock-itl-ms": str(itl_ms),
                    "x-sluice-key": "search-prod", "x-sluice-tenant": f"tenant-{n % 1000}",
                    "x-request-id": f"{n:08x}-0000-4000-8000-{n:012x}"}
         conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
@@ -61,7 +61,7 @@ def send(port, count):
     conn.close()
 
 
-def run(name, config, requests, native_dir, tmp):
+def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0):
     """Total instructions of Envoy serving `requests` requests, and its metric callback calls."""
     mock_port = load.free_port()
     mock = subprocess.Popen([str(load.MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
@@ -86,7 +86,7 @@ def run(name, config, requests, native_dir, tmp):
             env=dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(native_dir)))
         try:
             load.wait_port(port, timeout=300)
-            send(port, requests)
+            send(port, requests, tokens, itl_ms)
         finally:
             envoy.terminate()
             envoy.wait(timeout=300)
@@ -132,6 +132,9 @@ def main():
     ap.add_argument("--config", default="native full chain", help="a configuration name of benches/envoy_load.py")
     ap.add_argument("--requests", default="100,600")
     ap.add_argument("--native-dir", default=str(load.NATIVE_DIR))
+    ap.add_argument("--tokens", type=int, default=1, help="content tokens a response streams")
+    ap.add_argument("--itl-ms", type=int, default=0, help="ms between the mock's tokens: above 0, each token is its own write, "
+                    "so each SSE event reaches the filters in a body callback of its own")
     ap.add_argument("--keep", default="", help="a directory to copy the callgrind files to (for callgrind_annotate)")
     args = ap.parse_args()
     config = dict(load.CONFIGS).get(args.config)
@@ -140,13 +143,13 @@ def main():
     few, many = (int(n) for n in args.requests.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         started = time.time()
-        (low, low_calls, low_config), (high, high_calls, high_config) = (run(args.config, config, n, args.native_dir, tmp) for n in (few, many))
+        (low, low_calls, low_config), (high, high_calls, high_config) = (run(args.config, config, n, args.native_dir, tmp, args.tokens, args.itl_ms) for n in (few, many))
         if args.keep:
             Path(args.keep).mkdir(parents=True, exist_ok=True)
             for n in (few, many):
                 shutil.copy(Path(tmp) / f"callgrind.{n}", Path(args.keep) / f"callgrind.{n}")
     span = many - few
-    print(f"{args.config} ({args.native_dir}): {low:,} instructions with {few} requests, {high:,} with {many}: "
+    print(f"{args.config} ({args.native_dir}, {args.tokens} tokens, {args.itl_ms} ms apart): {low:,} instructions with {few} requests, {high:,} with {many}: "
           f"{(high - low) / span:,.0f} per request ({time.time() - started:.0f} s); "
           f"of which configuration-level metric calls {(high_config - low_config) / span:,.0f}")
     for key in sorted(set(low_calls) | set(high_calls)):

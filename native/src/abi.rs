@@ -1191,6 +1191,27 @@ impl Body<'_> {
     pub fn to_vec(&self) -> Vec<u8> {
         self.chunks().concat()
     }
+
+    /// Appends it to `out`: a response event's body is one or two slices, read through a buffer on
+    /// the stack instead of [`chunks`](Body::chunks)' two vectors.
+    pub fn copy_into(&self, out: &mut Vec<u8>) {
+        const ON_STACK: usize = 4;
+        // SAFETY: a plain query.
+        let count = unsafe { (self.host.get_body_chunks_size)(self.ptr, self.kind) };
+        if count > ON_STACK {
+            self.chunks().iter().for_each(|chunk| out.extend_from_slice(chunk));
+            return;
+        }
+        let mut raw = [EnvoyBuffer::NULL; ON_STACK];
+        // SAFETY: `raw` has room for `count` (≤ ON_STACK) buffers, as the header requires.
+        if count == 0 || !unsafe { (self.host.get_body_chunks)(self.ptr, self.kind, raw.as_mut_ptr()) } {
+            return;
+        }
+        for buffer in raw.iter().take(count) {
+            // SAFETY: Envoy-owned slices, valid during the hook; copied before it returns.
+            out.extend_from_slice(unsafe { buffer.as_slice() });
+        }
+    }
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -985,7 +985,7 @@ impl Stream {
         }
         for i in (0..self.sections.len()).rev() {
             let size = match event {
-                ResponseEvent::Body { .. } => envoy.body(BodyKind::ReceivedResponse).len(),
+                ResponseEvent::Body { .. } => self.chunk.size(envoy, BodyKind::ReceivedResponse),
                 _ => 0,
             };
             let Some(section) = self.sections.get_mut(i) else { continue };

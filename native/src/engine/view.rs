@@ -41,16 +41,34 @@ pub fn state_key(key: &str) -> String {
     full
 }
 
-/// The body chunk of the current event, read once for every section of the filter.
+/// The body chunk of the current event, read once for every section of the filter, into a buffer
+/// the stream keeps from event to event (no allocation per event once it is large enough).
 #[derive(Debug, Default)]
 pub struct Chunk {
-    bytes: Option<Vec<u8>>,
+    bytes: Vec<u8>,
+    /// `bytes` holds this event's chunk.
+    read: bool,
+    /// This event's chunk size, once asked for.
+    size: Option<usize>,
 }
+
+/// The most a stream's chunk buffer keeps between events: a larger one (a big non-streamed body)
+/// is let go, so a stream holds at most this much for it while idle.
+const KEPT_CHUNK_CAPACITY: usize = 64 * 1024;
 
 impl Chunk {
     /// Forgets what was read (a new event, or a section edited the chunk).
     pub fn forget(&mut self) {
-        self.bytes = None;
+        self.read = false;
+        self.size = None;
+        if self.bytes.capacity() > KEPT_CHUNK_CAPACITY {
+            self.bytes = Vec::new();
+        }
+    }
+
+    /// The size of this event's `kind` body chunk, asked of Envoy once per event.
+    pub fn size(&mut self, envoy: &Envoy<'_>, kind: BodyKind) -> usize {
+        *self.size.get_or_insert_with(|| envoy.body(kind).len())
     }
 }
 
@@ -91,14 +109,16 @@ impl View for NativeView<'_, '_> {
         if let (Dir::Request, Some(held)) = (dir, self.held) {
             return Cow::Borrowed(held.get(..size.min(held.len())).unwrap_or_default());
         }
-        if self.chunk.bytes.is_none() {
+        if !self.chunk.read {
             let kind = match dir {
                 Dir::Request => BodyKind::ReceivedRequest,
                 Dir::Response => BodyKind::ReceivedResponse,
             };
-            self.chunk.bytes = Some(self.envoy.body(kind).to_vec());
+            self.chunk.bytes.clear();
+            self.envoy.body(kind).copy_into(&mut self.chunk.bytes);
+            self.chunk.read = true;
         }
-        let bytes = self.chunk.bytes.as_deref().unwrap_or_default();
+        let bytes = self.chunk.bytes.as_slice();
         Cow::Borrowed(bytes.get(..size.min(bytes.len())).unwrap_or_default())
     }
 
