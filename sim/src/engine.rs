@@ -20,6 +20,7 @@ use serde_json::Value;
 use sluice_core::metrics::{BUDGET_REMAINING_PREFIX, LATENCY_BREAKER_STATE_PREFIX};
 use sluice_host::{Chain, LogLevel, Plugin, PluginSpec, StreamId};
 use sluice_memory_host::breaker_state;
+use sluice_mock_server::api::{Body, Limit, Model};
 use sluice_workload::draw::{mix, unit};
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
@@ -163,7 +164,8 @@ struct InFlight {
 
 struct Upstreamed {
     name: String,
-    body: Value,
+    /// What the upstream reads of the request body.
+    body: Body,
     answer: Option<upstream::Answer>,
     started_ns: u64,
     reached_ns: u64,
@@ -360,9 +362,13 @@ impl<'a> Engine<'a> {
     fn reach_upstream(&mut self, stream: StreamId, route_header: Option<String>, body: &[u8]) {
         let now = self.chain.now_ns();
         let Some(flight) = self.flights.get_mut(&stream) else { return };
-        let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let body = Body::parse(upstream::api_of(&flight.path), body);
         // The upstream a request reaches: the route model-router wrote, else its model.
-        let name = route_header.or_else(|| body.get("model").and_then(Value::as_str).map(str::to_string)).unwrap_or_else(|| "default".into());
+        let model = match &body.model {
+            Model::Name(m) => Some(m.clone()),
+            Model::Unset | Model::Invalid => None,
+        };
+        let name = route_header.or(model).unwrap_or_else(|| "default".into());
         flight.upstream = Some(Upstreamed { name: name.clone(), body, answer: None, started_ns: now, reached_ns: now, service: None, released: true });
         let load = self.loads.entry(name.clone()).or_default();
         let max_batch = self.scenario.upstream(&name).max_batch;
@@ -500,12 +506,16 @@ impl<'a> Engine<'a> {
             }
             let Callout { filter, token, ref path, .. } = call;
             let now = self.chain.now_ns();
-            let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+            let body = Body::parse(upstream::api_of(path), &call.body);
             let model = self.scenario.upstream(&call.upstream);
-            let prompt = upstream::api_of(path).map_or(0, |api| sluice_mock_server::api::prompt_tokens(api, &body));
+            let prompt = body.prompt_tokens;
             let running = self.loads.get(&call.upstream).map_or(0, |l| l.running);
             let (ttft_ms, tpot_ms) = service_times(model, prompt, running, &[]);
-            let tokens = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
+            let max_tokens = match body.max_tokens {
+                Limit::Tokens(n) => Some(n),
+                Limit::Unset | Limit::Invalid => None,
+            };
+            let tokens = max_tokens.unwrap_or(self.scenario.traffic.output_tokens).min(self.scenario.traffic.output_tokens);
             let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
             let answer = upstream::answer(path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
             let end = answer.pieces.last().map_or(0, |(t, _)| *t);

@@ -17,8 +17,11 @@
 //! `input_tokens`, as Anthropic does.
 
 mod anthropic;
+mod body;
 mod openai;
 mod responses;
+
+pub use body::{Body, Limit, Model};
 
 use crate::controls::{Controls, UsageMode};
 use serde_json::{json, Value};
@@ -183,33 +186,37 @@ pub struct Plan {
 impl Plan {
     /// Reads what matters from the request body. Errors are messages for a 400 reply.
     pub fn new(api: Api, body: &Value, controls: &Controls, model_override: Option<&str>) -> Result<Plan, String> {
-        if !body.is_object() {
+        Plan::of_body(api, &Body::of_value(Some(api), body), controls, model_override)
+    }
+
+    /// [`Plan::new`] from what it reads of the body ([`Body::parse`] reads it from the text).
+    pub fn of_body(api: Api, body: &Body, controls: &Controls, model_override: Option<&str>) -> Result<Plan, String> {
+        if !body.object {
             return Err("request body must be a JSON object".into());
         }
-        let model = match (model_override, body.get("model")) {
+        let model = match (model_override, &body.model) {
             (Some(m), _) => m.to_string(),
-            (None, Some(Value::String(m))) => m.clone(),
-            (None, None | Some(Value::Null)) => "mock-model".to_string(),
-            (None, Some(_)) => return Err("model must be a string".into()),
+            (None, Model::Name(m)) => m.clone(),
+            (None, Model::Unset) => "mock-model".to_string(),
+            (None, Model::Invalid) => return Err("model must be a string".into()),
         };
-        let stream = body.get("stream") == Some(&Value::Bool(true));
-        let max_field: &[&str] = match api {
-            Api::Chat => &["max_completion_tokens", "max_tokens"],
-            Api::Completions | Api::Messages => &["max_tokens"],
-            Api::Responses => &["max_output_tokens"],
+        let stream = body.stream;
+        // The API's limit members, in the order their errors are reported (an unset pads).
+        let max_field: [(&str, Limit); 2] = match api {
+            Api::Chat => [("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens)],
+            Api::Completions | Api::Messages => [("max_tokens", body.max_tokens), ("", Limit::Unset)],
+            Api::Responses => [("max_output_tokens", body.max_output_tokens), ("", Limit::Unset)],
         };
         let mut max_tokens = None;
-        for field in max_field {
-            match body.get(*field) {
-                None | Some(Value::Null) => {}
-                Some(v) => {
-                    let n = v.as_u64().ok_or_else(|| format!("{field} must be a non-negative integer"))?;
-                    max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
-                }
+        for (field, limit) in max_field {
+            match limit {
+                Limit::Unset => {}
+                Limit::Tokens(n) => max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n))),
+                Limit::Invalid => return Err(format!("{field} must be a non-negative integer")),
             }
         }
         let tokens = max_tokens.map_or(controls.tokens, |m| m.min(controls.tokens));
-        let include_usage = body.pointer("/stream_options/include_usage") == Some(&Value::Bool(true));
+        let include_usage = body.include_usage;
         let usage = match controls.usage {
             UsageMode::Always => true,
             UsageMode::Never => false,
@@ -231,7 +238,7 @@ impl Plan {
             tokens,
             truncated: tokens < controls.tokens,
             max_tokens,
-            prompt_tokens: prompt_tokens(api, body),
+            prompt_tokens: body.prompt_tokens,
             cached_tokens: controls.cached_tokens,
             reasoning_tokens: controls.reasoning_tokens,
             usage,
