@@ -85,7 +85,7 @@ pub fn answer(path: &str, body: &Body, service: &Service, chunk_ns: u64, tokens_
     let mut pieces: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut preamble = Vec::new();
     for event in plan.preamble(&mut seq) {
-        preamble.extend_from_slice(&event.render(false));
+        event.render_into(false, &mut preamble);
     }
     if !preamble.is_empty() {
         pieces.push((0, preamble));
@@ -124,17 +124,12 @@ pub fn answer(path: &str, body: &Body, service: &Service, chunk_ns: u64, tokens_
         }
         i += n;
     }
-    let mut epilogue = Vec::new();
+    // The epilogue ends the last chunk, written into it.
+    let (t, mut bytes) = current.map_or((end_ns, Vec::new()), |(_, t, bytes)| (t, bytes));
     for event in plan.epilogue(&mut seq) {
-        epilogue.extend_from_slice(&event.render(false));
+        event.render_into(false, &mut bytes);
     }
-    match current {
-        Some((_, t, mut bytes)) => {
-            bytes.extend_from_slice(&epilogue);
-            pieces.push((t, bytes));
-        }
-        None => pieces.push((end_ns, epilogue)),
-    }
+    pieces.push((t, bytes));
     Answer { status: 200, headers: vec![("content-type".into(), "text/event-stream".into()), ("cache-control".into(), "no-cache".into())], pieces }
 }
 

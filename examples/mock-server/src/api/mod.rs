@@ -135,13 +135,23 @@ impl Event {
     }
     /// Wire form, ending in the blank line that dispatches the event.
     pub fn render(&self, crlf: bool) -> Vec<u8> {
-        let nl = if crlf { "\r\n" } else { "\n" };
-        let mut s = String::new();
+        let mut out = Vec::with_capacity(self.data.len().saturating_add(40));
+        self.render_into(crlf, &mut out);
+        out
+    }
+
+    /// Appends [`Event::render`]'s bytes to `out` (a renderer of many events reuses one buffer).
+    pub fn render_into(&self, crlf: bool, out: &mut Vec<u8>) {
+        let nl: &[u8] = if crlf { b"\r\n" } else { b"\n" };
         if let Some(name) = self.name {
-            s.push_str(&format!("event: {name}{nl}"));
+            out.extend_from_slice(b"event: ");
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(nl);
         }
-        s.push_str(&format!("data: {}{nl}{nl}", self.data));
-        s.into_bytes()
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(self.data.as_bytes());
+        out.extend_from_slice(nl);
+        out.extend_from_slice(nl);
     }
 }
 
@@ -550,5 +560,11 @@ mod tests {
         let e = Event { name: Some("ping"), data: "{}".into() };
         assert_eq!(e.render(false), b"event: ping\ndata: {}\n\n");
         assert_eq!(e.render(true), b"event: ping\r\ndata: {}\r\n\r\n");
+        let unnamed = Event { name: None, data: "[DONE]".into() };
+        assert_eq!(unnamed.render(true), b"data: [DONE]\r\n\r\n");
+        let mut out = b"x".to_vec();
+        e.render_into(false, &mut out);
+        unnamed.render_into(false, &mut out);
+        assert_eq!(out, b"xevent: ping\ndata: {}\n\ndata: [DONE]\n\n");
     }
 }
