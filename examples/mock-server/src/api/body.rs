@@ -451,7 +451,7 @@ impl<'de> Visitor<'de> for Read {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
 
     const APIS: [Option<Api>; 5] = [None, Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages)];

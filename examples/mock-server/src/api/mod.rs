@@ -88,6 +88,64 @@ fn push_token_text(i: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(text.get(at..).unwrap_or_default());
 }
 
+/// Appends [`token_text`] of tokens `i .. i + n` (not past `u64::MAX`) to `out`: a token's text is
+/// kept whole in one buffer and counted up in place for the next, one append a token, where
+/// writing each number anew was most of the cost of a many-token event.
+fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
+    let count = i.saturating_add(n).saturating_sub(i);
+    // `tok<digits> `, right-aligned: the digits end before the space (u64::MAX has 20 of them).
+    let mut text = [b' '; 24];
+    let space = text.len().saturating_sub(1);
+    let mut start = space;
+    let mut rest = i;
+    loop {
+        start = start.saturating_sub(1);
+        if let Some(slot) = text.get_mut(start) {
+            *slot = b'0'.saturating_add(u8::try_from(rest % 10).unwrap_or(0));
+        }
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let prefix = |text: &mut [u8; 24], start: usize| {
+        if let Some(tok) = text.get_mut(start.saturating_sub(3)..start) {
+            tok.copy_from_slice(b"tok");
+        }
+    };
+    prefix(&mut text, start);
+    for k in 0..count {
+        out.extend_from_slice(text.get(start.saturating_sub(3)..).unwrap_or_default());
+        if k.saturating_add(1) == count {
+            break;
+        }
+        // Plus one: trailing nines become zeros and the digit before them goes up, or a new
+        // leading one (the range ends before u64::MAX, whose 20 digits fit).
+        let mut at = space;
+        loop {
+            at = at.saturating_sub(1);
+            match text.get_mut(at) {
+                Some(d) if *d == b'9' => {
+                    *d = b'0';
+                    if at <= start {
+                        start = start.saturating_sub(1);
+                        if let Some(lead) = text.get_mut(start) {
+                            *lead = b'1';
+                        }
+                        prefix(&mut text, start);
+                        break;
+                    }
+                }
+                Some(d) => {
+                    *d = d.saturating_add(1);
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}
+
 /// The text a [`TokenTemplate`] is cut around.
 const TEMPLATE_MARK: &str = "\u{0}";
 
@@ -112,8 +170,11 @@ impl TokenTemplate {
             return;
         };
         out.extend_from_slice(before);
-        for t in i..i.saturating_add(n.max(1)) {
-            push_token_text(t, out);
+        // One token (every event at one token an event) the short way: the run's set-up costs more.
+        if n <= 1 && i < u64::MAX {
+            push_token_text(i, out);
+        } else {
+            push_token_texts(i, n.max(1), out);
         }
         out.extend_from_slice(after);
     }
@@ -488,6 +549,23 @@ mod tests {
             let mut out = b"x".to_vec();
             push_token_text(i, &mut out);
             assert_eq!(out, format!("xtok{i} ").into_bytes());
+        }
+    }
+
+    /// Runs of tokens counted up in place are the tokens written one by one: across a digit more
+    /// (9, 99, 999 …), from 0, up to the end of u64.
+    #[test]
+    fn runs_of_token_texts_are_the_tokens_one_by_one() {
+        let mut runs = vec![(0, 1), (0, 25), (7, 16), (95, 10), (990, 20), (9_999, 3), (123_456, 64), (u64::MAX - 3, 3), (u64::MAX - 3, 9), (u64::MAX, 1)];
+        runs.extend((0..200).map(|k| (k * 37, k % 17)));
+        for (i, n) in runs {
+            let mut out = b"x".to_vec();
+            push_token_texts(i, n, &mut out);
+            let mut expected = b"x".to_vec();
+            for t in i..i.saturating_add(n) {
+                push_token_text(t, &mut expected);
+            }
+            assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(expected).unwrap(), "{i}+{n}");
         }
     }
 
