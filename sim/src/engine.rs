@@ -303,7 +303,7 @@ impl<'a> Engine<'a> {
         if let Some(user) = &client.user {
             metadata.push((&USER_METADATA, user.as_bytes()));
         }
-        let id = self.chain.request(&client.headers, &metadata, client.body)?;
+        let id = self.chain.request(client.headers, &metadata, client.body)?;
         self.flights.insert(
             id,
             InFlight {
@@ -313,7 +313,7 @@ impl<'a> Engine<'a> {
                 user: client.user,
                 output_tokens: client.output_tokens,
                 stream: client.stream,
-                path: client.path.clone(),
+                path: client.path,
                 upstream: None,
                 local_reply: None,
                 client_status: 0,
@@ -460,8 +460,7 @@ impl<'a> Engine<'a> {
             Event::Headers(stream) => {
                 let Some(answer) = self.flights.get(&stream).and_then(|f| f.upstream.as_ref()).and_then(|u| u.answer.as_ref()) else { return Ok(()) };
                 if self.chain.is_open(stream) {
-                    let (status, headers) = (answer.status, answer.headers.clone());
-                    self.chain.response_headers(stream, status, &headers)?;
+                    self.chain.response_headers(stream, answer.status, &answer.headers)?;
                 }
             }
             Event::Piece(stream, n) => {
@@ -596,13 +595,33 @@ impl<'a> Engine<'a> {
                 ])
             });
         let num = |v: &Option<Value>| v.as_ref().and_then(Value::as_u64);
-        let text = |v: &Option<Value>| v.as_ref().and_then(Value::as_str).map(str::to_string);
-        let code = match refused_by {
-            Some(PluginKind::TenantBudget) => text(&reject_code),
-            Some(PluginKind::LatencyGuard) => text(&latency_outcome),
+        fn str_of(v: &Option<Value>) -> Option<&str> {
+            v.as_ref().and_then(Value::as_str)
+        }
+        // A member's string taken out of it, not copied: a verdict reads each once.
+        let text = |v: Option<Value>| match v {
+            Some(Value::String(s)) => Some(s),
             _ => None,
         };
-        let clamped = text(&budget_decision).as_deref() == Some("clamped");
+        // What llm-metrics' quality series count, judged from its stamp's fields (before the
+        // verdict takes the strings it borrows).
+        let quality = str_of(&model_version).zip(num(&stamp_status)).zip(str_of(&stamp_outcome)).and_then(|((model_version, status), outcome)| {
+            Quality::judge(
+                model_version,
+                status,
+                outcome,
+                num(&output_tokens).unwrap_or(0),
+                str_of(&finish_reason),
+                num(&content_chunks),
+                num(&repetition_per_mille),
+            )
+        });
+        let code = match refused_by {
+            Some(PluginKind::TenantBudget) => text(reject_code),
+            Some(PluginKind::LatencyGuard) => text(latency_outcome),
+            _ => None,
+        };
+        let clamped = str_of(&budget_decision) == Some("clamped");
         let decision = if refused_by.is_some() {
             Decision::Refused
         } else if clamped {
@@ -613,9 +632,9 @@ impl<'a> Engine<'a> {
         let llm = stamps.sluice.is_some();
         let up = flight.upstream.as_ref();
         let service = up.and_then(|u| u.service.as_ref());
-        let version = text(&route_version).or_else(|| text(&model_version)).or_else(|| up.map(|u| u.name.clone()));
+        let version = text(route_version).or_else(|| text(model_version)).or_else(|| up.map(|u| u.name.clone()));
         let status = num(&stamp_status).map(|s| u16::try_from(s).unwrap_or(0)).unwrap_or(flight.local_reply.map_or(flight.client_status, |(_, s)| s));
-        let outcome = text(&stamp_outcome).unwrap_or_else(|| {
+        let outcome = text(stamp_outcome).unwrap_or_else(|| {
             match (refused_by, flight.local_reply) {
                 (Some(_), _) => "refused",
                 (None, Some(_)) => "deadline",
@@ -639,7 +658,7 @@ impl<'a> Engine<'a> {
             line: flight.request.line,
             arrival_ms: flight.arrival_ns.saturating_sub(self.start_ns) as f64 / 1e6,
             tenant: flight.tenant,
-            key: text(&budget_key).or(flight.request.key),
+            key: text(budget_key).or(flight.request.key),
             user: flight.user,
             api: flight.request.api.as_str().to_string(),
             model: flight.request.model.or_else(|| Some(self.scenario.traffic.model.clone())),
@@ -651,7 +670,7 @@ impl<'a> Engine<'a> {
             refused_by: refused_by.map(|k| k.name().to_string()),
             outcome,
             version,
-            route_reason: text(&route_reason),
+            route_reason: text(route_reason),
             shadow_version: route_shadow
                 .as_ref()
                 .and_then(|s| s.as_str().map(str::to_string).or_else(|| s.get("version").and_then(Value::as_str).map(str::to_string))),
@@ -661,20 +680,9 @@ impl<'a> Engine<'a> {
             input_tokens: num(&input_tokens).unwrap_or(if up.is_some() { prompt } else { 0 }),
             output_tokens: num(&output_tokens).unwrap_or_else(|| service.filter(|s| s.fail.is_none()).map_or(0, |s| s.tokens)),
             cost_usd: num(&cost_micro_usd).map(|m| m as f64 / 1e6),
-            ctx: text(&ctx),
-            turn: text(&turn),
-            // What llm-metrics' quality series count, judged from its stamp's fields.
-            quality: text(&model_version).zip(num(&stamp_status)).zip(text(&stamp_outcome)).and_then(|((model_version, status), outcome)| {
-                Quality::judge(
-                    &model_version,
-                    status,
-                    &outcome,
-                    num(&output_tokens).unwrap_or(0),
-                    text(&finish_reason).as_deref(),
-                    num(&content_chunks),
-                    num(&repetition_per_mille),
-                )
-            }),
+            ctx: text(ctx),
+            turn: text(turn),
+            quality,
             upstream_concurrency: service.map(|s| s.running),
             upstream: up.zip(service).map(|(u, s)| UpstreamPlan {
                 name: u.name.clone(),
