@@ -378,14 +378,23 @@ impl Plan {
         if self.api == Api::Responses {
             return TokenTemplate { split: None };
         }
-        let wire = String::from_utf8_lossy(&self.text_event(TEMPLATE_MARK, &mut 0).render(false)).into_owned();
+        let mut wire = self.text_event(TEMPLATE_MARK, &mut 0).render(false);
         // The mark (a NUL, escaped by JSON) must stand for the text alone: a model name holding one
-        // would make the split ambiguous, so such a plan renders whole too.
-        let escaped = "\\u0000";
-        let split = match wire.match_indices(escaped).count() {
-            1 => wire.split_once(escaped).map(|(before, after)| (before.as_bytes().to_vec(), after.as_bytes().to_vec())),
-            _ => None,
-        };
+        // would make the split ambiguous, so such a plan renders whole too. Found at backslashes
+        // (no others in the envelope but a name's), not by a substring search of a copy.
+        let escaped: &[u8] = b"\\u0000";
+        let (mut found, mut count, mut from) = (0, 0, 0);
+        while let Some(at) = wire.get(from..).and_then(|rest| rest.iter().position(|b| *b == b'\\')).map(|at| at.saturating_add(from)) {
+            if wire.get(at..at.saturating_add(escaped.len())) == Some(escaped) {
+                (found, count, from) = (at, count + 1, at.saturating_add(escaped.len()));
+            } else {
+                from = at.saturating_add(1);
+            }
+        }
+        let split = (count == 1).then(|| {
+            let after = wire.split_off(found).split_off(escaped.len());
+            (wire, after)
+        });
         TokenTemplate { split }
     }
 
@@ -488,7 +497,21 @@ pub(crate) fn new_id(prefix: &str) -> String {
         nanos ^ (u64::from(std::process::id()) << 32)
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}{seed:016x}{n:08x}")
+    // `format!("{prefix}{seed:016x}{n:08x}")`, written directly (two ids a plan).
+    let mut id = String::with_capacity(prefix.len().saturating_add(24));
+    id.push_str(prefix);
+    push_hex(&mut id, seed, 16);
+    push_hex(&mut id, n, 8);
+    id
+}
+
+/// Appends `v` in lowercase hex, zero-padded to at least `width` digits (as `{v:0width$x}`).
+fn push_hex(out: &mut String, v: u64, width: u32) {
+    let digits = (u64::BITS - v.leading_zeros()).div_ceil(4).max(width).clamp(1, 16);
+    for k in (0..digits).rev() {
+        let nibble = (v >> (4 * k)) & 0xf;
+        out.push(char::from_digit(u32::try_from(nibble).unwrap_or(0), 16).unwrap_or('0'));
+    }
 }
 
 /// Prompt tokens per the rule in the module docs.
@@ -593,7 +616,7 @@ mod tests {
     fn the_token_template_renders_the_events_byte_for_byte() {
         let mut templated = 0;
         for api in [Api::Chat, Api::Completions, Api::Responses, Api::Messages] {
-            for (model, usage) in [("m", true), ("llama-v1 \"quoted\" é", false), ("has \u{0} a nul", true)] {
+            for (model, usage) in [("m", true), ("llama-v1 \"quoted\" é", false), ("has \u{0} a nul", true), ("back\\slash \\u0000", false), ("a\\", true)] {
                 let body = json!({"model": model, "stream": true, "stream_options": {"include_usage": usage}});
                 let plan = Plan::new(api, &body, &controls(), None).unwrap();
                 let template = plan.token_template();
@@ -611,9 +634,22 @@ mod tests {
                 }
             }
         }
-        // Chat and completions with the two names that do not hold the mark; messages with all
-        // three (its token events do not carry the model).
-        assert_eq!(templated, 7);
+        // Chat and completions with the three names that do not hold the mark (nor its escaped
+        // text); messages with all five (its token events do not carry the model).
+        assert_eq!(templated, 11);
+    }
+
+    #[test]
+    fn ids_are_written_as_format_writes_them() {
+        for v in [0, 1, 0xf, 0x10, 0xabc, 0xffff_ffff, 0x1_0000_0000, 0x0123_4567_89ab_cdef, u64::MAX] {
+            for width in [1, 8, 16] {
+                let mut out = "p-".to_string();
+                push_hex(&mut out, v, width);
+                assert_eq!(out, format!("p-{v:0w$x}", w = width as usize));
+            }
+        }
+        let id = new_id("chatcmpl-");
+        assert!(id.starts_with("chatcmpl-") && id.len() == 9 + 24, "{id}");
     }
 
     #[test]
