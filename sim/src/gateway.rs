@@ -124,11 +124,11 @@ impl Gateway {
     }
 
     /// A client request, headers then its whole body, with the metadata `json_to_metadata` set.
-    pub fn request(&mut self, headers: &[(String, String)], metadata: &[(&[&str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
+    pub fn request(&mut self, headers: Vec<(String, String)>, metadata: &[(&[&str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
         match self {
             Gateway::Wasm(chain) => {
                 let id = chain.stream(metadata);
-                chain.request_headers(id, Headers::from_pairs(headers), false)?;
+                chain.request_headers(id, Headers::from_pairs(&headers), false)?;
                 chain.request_body(id, body, true)?;
                 Ok(id)
             }
@@ -137,7 +137,7 @@ impl Gateway {
                 let id = n.next_id;
                 let metadata =
                     metadata.iter().map(|(path, value)| (path.iter().map(|p| p.to_string()).collect(), String::from_utf8_lossy(value).into_owned())).collect();
-                n.gateway.request(id, n.now, headers.to_vec(), metadata, body);
+                n.gateway.request(id, n.now, headers, metadata, body);
                 Ok(StreamId(u64::from(id)))
             }
         }

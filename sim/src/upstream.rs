@@ -7,8 +7,7 @@
 
 use std::collections::VecDeque;
 
-use serde_json::Value;
-use sluice_mock_server::api::{error_body, Api, Plan};
+use sluice_mock_server::api::{error_body, Api, Body, Plan};
 use sluice_mock_server::controls::{Controls, UsageMode};
 
 /// What one request is answered with, decided when it starts being served.
@@ -66,14 +65,14 @@ pub struct Answer {
 
 /// Renders the answer to `body` on `path` given `service`, with tokens batched into chunks of
 /// `chunk_ns` of time (the first token always alone, exactly at the TTFT).
-pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens_per_event: u64) -> Answer {
+pub fn answer(path: &str, body: &Body, service: &Service, chunk_ns: u64, tokens_per_event: u64) -> Answer {
     let Some(api) = api_of(path) else {
         return error_answer(path, 404, "unknown path", service);
     };
     if let Some(status) = service.fail {
         return error_answer(path, status, "upstream error (simulated)", service);
     }
-    let plan = match Plan::new(api, body, &controls(service.tokens), None) {
+    let plan = match Plan::of_body(api, body, &controls(service.tokens), None) {
         Ok(plan) => plan,
         Err(message) => return error_answer(path, 400, &message, service),
     };
@@ -86,7 +85,7 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
     let mut pieces: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut preamble = Vec::new();
     for event in plan.preamble(&mut seq) {
-        preamble.extend_from_slice(&event.render(false));
+        event.render_into(false, &mut preamble);
     }
     if !preamble.is_empty() {
         pieces.push((0, preamble));
@@ -125,17 +124,12 @@ pub fn answer(path: &str, body: &Value, service: &Service, chunk_ns: u64, tokens
         }
         i += n;
     }
-    let mut epilogue = Vec::new();
+    // The epilogue ends the last chunk, written into it.
+    let (t, mut bytes) = current.map_or((end_ns, Vec::new()), |(_, t, bytes)| (t, bytes));
     for event in plan.epilogue(&mut seq) {
-        epilogue.extend_from_slice(&event.render(false));
+        event.render_into(false, &mut bytes);
     }
-    match current {
-        Some((_, t, mut bytes)) => {
-            bytes.extend_from_slice(&epilogue);
-            pieces.push((t, bytes));
-        }
-        None => pieces.push((end_ns, epilogue)),
-    }
+    pieces.push((t, bytes));
     Answer { status: 200, headers: vec![("content-type".into(), "text/event-stream".into()), ("cache-control".into(), "no-cache".into())], pieces }
 }
 

@@ -17,8 +17,11 @@
 //! `input_tokens`, as Anthropic does.
 
 mod anthropic;
+mod body;
 mod openai;
 mod responses;
+
+pub use body::{Body, Limit, Model};
 
 use crate::controls::{Controls, UsageMode};
 use serde_json::{json, Value};
@@ -85,6 +88,64 @@ fn push_token_text(i: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(text.get(at..).unwrap_or_default());
 }
 
+/// Appends [`token_text`] of tokens `i .. i + n` (not past `u64::MAX`) to `out`: a token's text is
+/// kept whole in one buffer and counted up in place for the next, one append a token, where
+/// writing each number anew was most of the cost of a many-token event.
+fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
+    let count = i.saturating_add(n).saturating_sub(i);
+    // `tok<digits> `, right-aligned: the digits end before the space (u64::MAX has 20 of them).
+    let mut text = [b' '; 24];
+    let space = text.len().saturating_sub(1);
+    let mut start = space;
+    let mut rest = i;
+    loop {
+        start = start.saturating_sub(1);
+        if let Some(slot) = text.get_mut(start) {
+            *slot = b'0'.saturating_add(u8::try_from(rest % 10).unwrap_or(0));
+        }
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let prefix = |text: &mut [u8; 24], start: usize| {
+        if let Some(tok) = text.get_mut(start.saturating_sub(3)..start) {
+            tok.copy_from_slice(b"tok");
+        }
+    };
+    prefix(&mut text, start);
+    for k in 0..count {
+        out.extend_from_slice(text.get(start.saturating_sub(3)..).unwrap_or_default());
+        if k.saturating_add(1) == count {
+            break;
+        }
+        // Plus one: trailing nines become zeros and the digit before them goes up, or a new
+        // leading one (the range ends before u64::MAX, whose 20 digits fit).
+        let mut at = space;
+        loop {
+            at = at.saturating_sub(1);
+            match text.get_mut(at) {
+                Some(d) if *d == b'9' => {
+                    *d = b'0';
+                    if at <= start {
+                        start = start.saturating_sub(1);
+                        if let Some(lead) = text.get_mut(start) {
+                            *lead = b'1';
+                        }
+                        prefix(&mut text, start);
+                        break;
+                    }
+                }
+                Some(d) => {
+                    *d = d.saturating_add(1);
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}
+
 /// The text a [`TokenTemplate`] is cut around.
 const TEMPLATE_MARK: &str = "\u{0}";
 
@@ -109,8 +170,11 @@ impl TokenTemplate {
             return;
         };
         out.extend_from_slice(before);
-        for t in i..i.saturating_add(n.max(1)) {
-            push_token_text(t, out);
+        // One token (every event at one token an event) the short way: the run's set-up costs more.
+        if n <= 1 && i < u64::MAX {
+            push_token_text(i, out);
+        } else {
+            push_token_texts(i, n.max(1), out);
         }
         out.extend_from_slice(after);
     }
@@ -132,13 +196,23 @@ impl Event {
     }
     /// Wire form, ending in the blank line that dispatches the event.
     pub fn render(&self, crlf: bool) -> Vec<u8> {
-        let nl = if crlf { "\r\n" } else { "\n" };
-        let mut s = String::new();
+        let mut out = Vec::with_capacity(self.data.len().saturating_add(40));
+        self.render_into(crlf, &mut out);
+        out
+    }
+
+    /// Appends [`Event::render`]'s bytes to `out` (a renderer of many events reuses one buffer).
+    pub fn render_into(&self, crlf: bool, out: &mut Vec<u8>) {
+        let nl: &[u8] = if crlf { b"\r\n" } else { b"\n" };
         if let Some(name) = self.name {
-            s.push_str(&format!("event: {name}{nl}"));
+            out.extend_from_slice(b"event: ");
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(nl);
         }
-        s.push_str(&format!("data: {}{nl}{nl}", self.data));
-        s.into_bytes()
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(self.data.as_bytes());
+        out.extend_from_slice(nl);
+        out.extend_from_slice(nl);
     }
 }
 
@@ -183,33 +257,37 @@ pub struct Plan {
 impl Plan {
     /// Reads what matters from the request body. Errors are messages for a 400 reply.
     pub fn new(api: Api, body: &Value, controls: &Controls, model_override: Option<&str>) -> Result<Plan, String> {
-        if !body.is_object() {
+        Plan::of_body(api, &Body::of_value(Some(api), body), controls, model_override)
+    }
+
+    /// [`Plan::new`] from what it reads of the body ([`Body::parse`] reads it from the text).
+    pub fn of_body(api: Api, body: &Body, controls: &Controls, model_override: Option<&str>) -> Result<Plan, String> {
+        if !body.object {
             return Err("request body must be a JSON object".into());
         }
-        let model = match (model_override, body.get("model")) {
+        let model = match (model_override, &body.model) {
             (Some(m), _) => m.to_string(),
-            (None, Some(Value::String(m))) => m.clone(),
-            (None, None | Some(Value::Null)) => "mock-model".to_string(),
-            (None, Some(_)) => return Err("model must be a string".into()),
+            (None, Model::Name(m)) => m.clone(),
+            (None, Model::Unset) => "mock-model".to_string(),
+            (None, Model::Invalid) => return Err("model must be a string".into()),
         };
-        let stream = body.get("stream") == Some(&Value::Bool(true));
-        let max_field: &[&str] = match api {
-            Api::Chat => &["max_completion_tokens", "max_tokens"],
-            Api::Completions | Api::Messages => &["max_tokens"],
-            Api::Responses => &["max_output_tokens"],
+        let stream = body.stream;
+        // The API's limit members, in the order their errors are reported (an unset pads).
+        let max_field: [(&str, Limit); 2] = match api {
+            Api::Chat => [("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens)],
+            Api::Completions | Api::Messages => [("max_tokens", body.max_tokens), ("", Limit::Unset)],
+            Api::Responses => [("max_output_tokens", body.max_output_tokens), ("", Limit::Unset)],
         };
         let mut max_tokens = None;
-        for field in max_field {
-            match body.get(*field) {
-                None | Some(Value::Null) => {}
-                Some(v) => {
-                    let n = v.as_u64().ok_or_else(|| format!("{field} must be a non-negative integer"))?;
-                    max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
-                }
+        for (field, limit) in max_field {
+            match limit {
+                Limit::Unset => {}
+                Limit::Tokens(n) => max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n))),
+                Limit::Invalid => return Err(format!("{field} must be a non-negative integer")),
             }
         }
         let tokens = max_tokens.map_or(controls.tokens, |m| m.min(controls.tokens));
-        let include_usage = body.pointer("/stream_options/include_usage") == Some(&Value::Bool(true));
+        let include_usage = body.include_usage;
         let usage = match controls.usage {
             UsageMode::Always => true,
             UsageMode::Never => false,
@@ -231,7 +309,7 @@ impl Plan {
             tokens,
             truncated: tokens < controls.tokens,
             max_tokens,
-            prompt_tokens: prompt_tokens(api, body),
+            prompt_tokens: body.prompt_tokens,
             cached_tokens: controls.cached_tokens,
             reasoning_tokens: controls.reasoning_tokens,
             usage,
@@ -300,14 +378,23 @@ impl Plan {
         if self.api == Api::Responses {
             return TokenTemplate { split: None };
         }
-        let wire = String::from_utf8_lossy(&self.text_event(TEMPLATE_MARK, &mut 0).render(false)).into_owned();
+        let mut wire = self.text_event(TEMPLATE_MARK, &mut 0).render(false);
         // The mark (a NUL, escaped by JSON) must stand for the text alone: a model name holding one
-        // would make the split ambiguous, so such a plan renders whole too.
-        let escaped = "\\u0000";
-        let split = match wire.match_indices(escaped).count() {
-            1 => wire.split_once(escaped).map(|(before, after)| (before.as_bytes().to_vec(), after.as_bytes().to_vec())),
-            _ => None,
-        };
+        // would make the split ambiguous, so such a plan renders whole too. Found at backslashes
+        // (no others in the envelope but a name's), not by a substring search of a copy.
+        let escaped: &[u8] = b"\\u0000";
+        let (mut found, mut count, mut from) = (0, 0, 0);
+        while let Some(at) = wire.get(from..).and_then(|rest| rest.iter().position(|b| *b == b'\\')).map(|at| at.saturating_add(from)) {
+            if wire.get(at..at.saturating_add(escaped.len())) == Some(escaped) {
+                (found, count, from) = (at, count + 1, at.saturating_add(escaped.len()));
+            } else {
+                from = at.saturating_add(1);
+            }
+        }
+        let split = (count == 1).then(|| {
+            let after = wire.split_off(found).split_off(escaped.len());
+            (wire, after)
+        });
         TokenTemplate { split }
     }
 
@@ -410,7 +497,21 @@ pub(crate) fn new_id(prefix: &str) -> String {
         nanos ^ (u64::from(std::process::id()) << 32)
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}{seed:016x}{n:08x}")
+    // `format!("{prefix}{seed:016x}{n:08x}")`, written directly (two ids a plan).
+    let mut id = String::with_capacity(prefix.len().saturating_add(24));
+    id.push_str(prefix);
+    push_hex(&mut id, seed, 16);
+    push_hex(&mut id, n, 8);
+    id
+}
+
+/// Appends `v` in lowercase hex, zero-padded to at least `width` digits (as `{v:0width$x}`).
+fn push_hex(out: &mut String, v: u64, width: u32) {
+    let digits = (u64::BITS - v.leading_zeros()).div_ceil(4).max(width).clamp(1, 16);
+    for k in (0..digits).rev() {
+        let nibble = (v >> (4 * k)) & 0xf;
+        out.push(char::from_digit(u32::try_from(nibble).unwrap_or(0), 16).unwrap_or('0'));
+    }
 }
 
 /// Prompt tokens per the rule in the module docs.
@@ -474,6 +575,23 @@ mod tests {
         }
     }
 
+    /// Runs of tokens counted up in place are the tokens written one by one: across a digit more
+    /// (9, 99, 999 …), from 0, up to the end of u64.
+    #[test]
+    fn runs_of_token_texts_are_the_tokens_one_by_one() {
+        let mut runs = vec![(0, 1), (0, 25), (7, 16), (95, 10), (990, 20), (9_999, 3), (123_456, 64), (u64::MAX - 3, 3), (u64::MAX - 3, 9), (u64::MAX, 1)];
+        runs.extend((0..200).map(|k| (k * 37, k % 17)));
+        for (i, n) in runs {
+            let mut out = b"x".to_vec();
+            push_token_texts(i, n, &mut out);
+            let mut expected = b"x".to_vec();
+            for t in i..i.saturating_add(n) {
+                push_token_text(t, &mut expected);
+            }
+            assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(expected).unwrap(), "{i}+{n}");
+        }
+    }
+
     fn controls() -> Controls {
         Controls::from_headers(&Defaults::default(), |_| None).unwrap()
     }
@@ -498,7 +616,7 @@ mod tests {
     fn the_token_template_renders_the_events_byte_for_byte() {
         let mut templated = 0;
         for api in [Api::Chat, Api::Completions, Api::Responses, Api::Messages] {
-            for (model, usage) in [("m", true), ("llama-v1 \"quoted\" é", false), ("has \u{0} a nul", true)] {
+            for (model, usage) in [("m", true), ("llama-v1 \"quoted\" é", false), ("has \u{0} a nul", true), ("back\\slash \\u0000", false), ("a\\", true)] {
                 let body = json!({"model": model, "stream": true, "stream_options": {"include_usage": usage}});
                 let plan = Plan::new(api, &body, &controls(), None).unwrap();
                 let template = plan.token_template();
@@ -516,9 +634,22 @@ mod tests {
                 }
             }
         }
-        // Chat and completions with the two names that do not hold the mark; messages with all
-        // three (its token events do not carry the model).
-        assert_eq!(templated, 7);
+        // Chat and completions with the three names that do not hold the mark (nor its escaped
+        // text); messages with all five (its token events do not carry the model).
+        assert_eq!(templated, 11);
+    }
+
+    #[test]
+    fn ids_are_written_as_format_writes_them() {
+        for v in [0, 1, 0xf, 0x10, 0xabc, 0xffff_ffff, 0x1_0000_0000, 0x0123_4567_89ab_cdef, u64::MAX] {
+            for width in [1, 8, 16] {
+                let mut out = "p-".to_string();
+                push_hex(&mut out, v, width);
+                assert_eq!(out, format!("p-{v:0w$x}", w = width as usize));
+            }
+        }
+        let id = new_id("chatcmpl-");
+        assert!(id.starts_with("chatcmpl-") && id.len() == 9 + 24, "{id}");
     }
 
     #[test]
@@ -543,5 +674,11 @@ mod tests {
         let e = Event { name: Some("ping"), data: "{}".into() };
         assert_eq!(e.render(false), b"event: ping\ndata: {}\n\n");
         assert_eq!(e.render(true), b"event: ping\r\ndata: {}\r\n\r\n");
+        let unnamed = Event { name: None, data: "[DONE]".into() };
+        assert_eq!(unnamed.render(true), b"data: [DONE]\r\n\r\n");
+        let mut out = b"x".to_vec();
+        e.render_into(false, &mut out);
+        unnamed.render_into(false, &mut out);
+        assert_eq!(out, b"xevent: ping\ndata: {}\n\ndata: [DONE]\n\n");
     }
 }
