@@ -176,7 +176,7 @@ struct Upstreamed {
 }
 
 /// The engine's maps of integer keys (stream ids, queue tickets, callout tokens): hashed by a
-/// multiply a word (FxHash's), not SipHash (≈ 150 instructions a lookup, a few dozen lookups a
+/// rotate and a multiply a word, not SipHash (≈ 150 instructions a lookup, a few dozen lookups a
 /// request). Nothing iterates them, so their order shows nowhere.
 type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
