@@ -102,14 +102,15 @@ struct Flow {
     stopped: bool,
 }
 
-/// A map keyed by the host's own small integers (stream, filter and context ids).
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+/// A map keyed by the host's own small integers (stream, filter and context ids); the simulator's
+/// engine keys its streams, queue tickets and callout tokens the same way.
+pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
-/// FxHash's one multiply per word instead of SipHash: the flows are looked up several times per
+/// One rotate and multiply per word instead of SipHash: the flows are looked up several times per
 /// callback, and SipHash was a few per cent of the host's time. The keys are the host's own
 /// counters, not anything traffic chooses, so there is no flooding to resist.
 #[derive(Clone, Copy, Default)]
-struct IdHasher(u64);
+pub struct IdHasher(u64);
 
 impl IdHasher {
     fn add(&mut self, word: u64) {

@@ -37,7 +37,7 @@ mod stream;
 use std::path::PathBuf;
 
 pub use abi::{Action, LogLevel, MetricType, Status};
-pub use chain::{Chain, ChainEvent, StreamId, FULL_GATEWAY, SLUICE_GATEWAY};
+pub use chain::{Chain, ChainEvent, IdHasher, IdMap, StreamId, FULL_GATEWAY, SLUICE_GATEWAY};
 pub use coverage::unimplemented_imports;
 pub use gateway::{CallProfile, Gateway, Plugin, PluginSpec};
 pub use headers::Headers;

@@ -12,14 +12,14 @@
 //! reservations in flight, shedding sees in-flight counts and breakers see TTFTs as they happen.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::{BTreeMap, BinaryHeap, HashSet};
+use std::hash::BuildHasherDefault;
 use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
 use sluice_core::metrics::{BUDGET_REMAINING_PREFIX, LATENCY_BREAKER_STATE_PREFIX};
-use sluice_host::{Chain, LogLevel, Plugin, PluginSpec, StreamId};
+use sluice_host::{Chain, IdHasher, IdMap, LogLevel, Plugin, PluginSpec, StreamId};
 use sluice_memory_host::breaker_state;
 use sluice_mock_server::api::{Body, Limit, Model};
 use sluice_workload::draw::{mix, unit};
@@ -173,44 +173,6 @@ struct Upstreamed {
     service: Option<Service>,
     /// The answer has ended (or the stream ended first): its batch slot is free.
     released: bool,
-}
-
-/// The engine's maps of integer keys (stream ids, queue tickets, callout tokens): hashed by a
-/// rotate and a multiply a word, not SipHash (≈ 150 instructions a lookup, a few dozen lookups a
-/// request). Nothing iterates them, so their order shows nowhere.
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-
-#[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
-
-impl IdHasher {
-    fn add(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-}
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.add(u64::from(*b));
-        }
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.add(u64::from(n));
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.add(n);
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.add(n as u64);
-    }
 }
 
 /// One simulation: a chain of fresh filters and the upstream's state.
