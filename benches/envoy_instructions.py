@@ -13,6 +13,8 @@ the figures say what a slow stream of requests costs.
 
 Usage: benches/envoy_instructions.py [--config "native full chain"] [--requests 100,600]
        [--native-dir DIR]   (an earlier build of libsluice.so, for a before/after pair)
+       [--template FILE]    (another template for the configuration, e.g. an earlier revision's)
+       [--tokens N --itl-ms MS] [--keep DIR]
 Needs what benches/envoy_load.py needs (`cargo xtask bench` builds it) and valgrind.
 """
 
@@ -135,11 +137,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=1, help="content tokens a response streams")
     ap.add_argument("--itl-ms", type=int, default=0, help="ms between the mock's tokens: above 0, each token is its own write, "
                     "so each SSE event reaches the filters in a body callback of its own")
+    ap.add_argument("--template", default="", help="render this Envoy template instead of the configuration's own "
+                    "(e.g. an earlier revision's, for a before/after pair)")
     ap.add_argument("--keep", default="", help="a directory to copy the callgrind files to (for callgrind_annotate)")
     args = ap.parse_args()
     config = dict(load.CONFIGS).get(args.config)
     if config is None:
         sys.exit(f"no configuration {args.config!r}; one of: {', '.join(n for n, _ in load.CONFIGS)}")
+    if args.template:
+        config = Path(args.template)
     few, many = (int(n) for n in args.requests.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         started = time.time()
