@@ -1187,11 +1187,6 @@ impl Body<'_> {
         raw.into_iter().map(|buffer| unsafe { buffer.as_slice() }).collect()
     }
 
-    /// A copy of it.
-    pub fn to_vec(&self) -> Vec<u8> {
-        self.chunks().concat()
-    }
-
     /// Appends it to `out`: a response event's body is one or two slices, read through a buffer on
     /// the stack instead of [`chunks`](Body::chunks)' two vectors.
     pub fn copy_into(&self, out: &mut Vec<u8>) {

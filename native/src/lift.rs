@@ -97,9 +97,7 @@ impl Filter for Lift {
         if self.body.len().saturating_add(chunk.len()) > MAX_BODY_BYTES {
             return self.give_up(&format!("the request body is over {MAX_BODY_BYTES} bytes"));
         }
-        for piece in chunk.chunks() {
-            self.body.extend_from_slice(piece);
-        }
+        chunk.copy_into(&mut self.body);
         if !end_of_stream {
             return BodyStatus::StopIterationAndBuffer;
         }

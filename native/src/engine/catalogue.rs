@@ -308,8 +308,7 @@ impl Catalogue {
         let mut refused = Vec::new();
         for Unsent { id, values, change, .. } in taken {
             let mut labels = [""; MAX_LABELS];
-            labels.iter_mut().zip(values.iter()).for_each(|(label, value)| *label = value);
-            let labels = labels.get(..values.len()).unwrap_or_default();
+            let labels = label_values(&values, &mut labels);
             let result = match (id, change) {
                 (MetricId::Counter(id), Change::Count(by)) => envoy.increment_counter(id, labels, by),
                 (MetricId::Gauge(id), Change::Delta(delta)) => envoy.add_gauge(id, labels, delta),
@@ -434,10 +433,15 @@ fn send_cached(envoy: &mut dyn Metrics, name: &str, resolved: &mut Resolved, sam
         }
     }
     let mut labels = [""; MAX_LABELS];
-    labels.iter_mut().zip(resolved.values.iter()).for_each(|(label, value)| *label = value);
-    let result = send(envoy, name, resolved.id, labels.get(..resolved.values.len()).unwrap_or_default(), sample);
+    let result = send(envoy, name, resolved.id, label_values(&resolved.values, &mut labels), sample);
     resolved.created |= result.is_ok();
     result
+}
+
+/// A series' label values as the ABI takes them, borrowed into `slots` (at most [`MAX_LABELS`]).
+fn label_values<'v>(values: &'v [Box<str>], slots: &'v mut [&'v str; MAX_LABELS]) -> &'v [&'v str] {
+    slots.iter_mut().zip(values).for_each(|(slot, value)| *slot = value);
+    slots.get(..values.len()).unwrap_or_default()
 }
 
 /// Holds `sample`'s change to a series in `shard` for the next flush; false if no change holds it

@@ -142,8 +142,6 @@ struct Inner {
     /// Posts to the main thread, where held metric changes are flushed ([`EVENT_FLUSH`]) and the
     /// configuration's callouts are sent ([`EVENT_SETTLE`], [`EVENT_SHADOWS`]).
     scheduler: Option<ConfigScheduler>,
-    /// A Redis ledger's settlements are sent by the tick.
-    settles: bool,
 }
 
 /// The configuration's event: send the budget's due settlements (its tick, every
@@ -231,7 +229,7 @@ mod config_tick {
             if inner.catalogue.has_unsent() {
                 inner.commit(EVENT_FLUSH);
             }
-            if inner.settles && inner.settlements_wait() {
+            if inner.settlements_wait() {
                 inner.commit(EVENT_SETTLE);
             }
             true
@@ -403,7 +401,7 @@ pub fn new_config(config: &[u8], context: &mut ConfigContext<'_>) -> Result<Engi
     }
     let catalogue = Catalogue::define(context, &plugins, settles, scheduler.is_some())?;
     let ticks = scheduler.is_some();
-    let inner = Arc::new(Inner { sections: configured, catalogue, scheduler, settles });
+    let inner = Arc::new(Inner { sections: configured, catalogue, scheduler });
     let tick = if ticks { Some(config_tick::start(Arc::downgrade(&inner), settles)?) } else { None };
     Ok(EngineConfig { tick: Mutex::new(tick), inner })
 }
@@ -803,9 +801,7 @@ impl Stream {
             held.size = held.size.saturating_add(body.len());
             // Bounded: a budget refuses a body larger than it reads.
             if held.size <= MAX_REQUEST_BODY_BYTES {
-                for piece in body.chunks() {
-                    held.bytes.extend_from_slice(piece);
-                }
+                body.copy_into(&mut held.bytes);
             }
         }
         self.run_request_body(envoy, 0, end_of_stream, now)
