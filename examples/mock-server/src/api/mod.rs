@@ -65,38 +65,15 @@ fn push_token_text(i: u64, out: &mut Vec<u8>) {
     // Written in place, digits by hand, into one buffer appended at once: a `String` per token
     // was the simulator's largest allocation, then `write!`'s formatting machinery a tenth of its
     // instructions, then three appends a token.
-    let mut text = [0u8; 24];
-    let mut at = text.len().saturating_sub(1);
-    if let Some(space) = text.get_mut(at) {
-        *space = b' ';
-    }
-    let mut rest = i;
-    loop {
-        at = at.saturating_sub(1);
-        if let Some(slot) = text.get_mut(at) {
-            *slot = b'0'.saturating_add(u8::try_from(rest % 10).unwrap_or(0));
-        }
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    at = at.saturating_sub(3);
-    if let Some(prefix) = text.get_mut(at..at.saturating_add(3)) {
-        prefix.copy_from_slice(b"tok");
-    }
-    out.extend_from_slice(text.get(at..).unwrap_or_default());
+    let (text, start) = token_text_buffer(i);
+    out.extend_from_slice(text.get(start.saturating_sub(3)..).unwrap_or_default());
 }
 
-/// Appends [`token_text`] of tokens `i .. i + n` (not past `u64::MAX`) to `out`: a token's text is
-/// kept whole in one buffer and counted up in place for the next, one append a token, where
-/// writing each number anew was most of the cost of a many-token event.
-fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
-    let count = i.saturating_add(n).saturating_sub(i);
-    // `tok<digits> `, right-aligned: the digits end before the space (u64::MAX has 20 of them).
+/// `tok<i> ` right-aligned in a buffer (`u64::MAX` has 20 digits), and where its digits start
+/// (`tok` is the three bytes before).
+fn token_text_buffer(i: u64) -> ([u8; 24], usize) {
     let mut text = [b' '; 24];
-    let space = text.len().saturating_sub(1);
-    let mut start = space;
+    let mut start = text.len().saturating_sub(1);
     let mut rest = i;
     loop {
         start = start.saturating_sub(1);
@@ -108,12 +85,24 @@ fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
             break;
         }
     }
-    let prefix = |text: &mut [u8; 24], start: usize| {
-        if let Some(tok) = text.get_mut(start.saturating_sub(3)..start) {
-            tok.copy_from_slice(b"tok");
-        }
-    };
-    prefix(&mut text, start);
+    tok_before(&mut text, start);
+    (text, start)
+}
+
+/// Writes `tok` just before the digits starting at `start`.
+fn tok_before(text: &mut [u8; 24], start: usize) {
+    if let Some(tok) = text.get_mut(start.saturating_sub(3)..start) {
+        tok.copy_from_slice(b"tok");
+    }
+}
+
+/// Appends [`token_text`] of tokens `i .. i + n` (not past `u64::MAX`) to `out`: a token's text is
+/// kept whole in one buffer and counted up in place for the next, one append a token, where
+/// writing each number anew was most of the cost of a many-token event.
+fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
+    let count = i.saturating_add(n).saturating_sub(i);
+    let (mut text, mut start) = token_text_buffer(i);
+    let space = text.len().saturating_sub(1);
     for k in 0..count {
         out.extend_from_slice(text.get(start.saturating_sub(3)..).unwrap_or_default());
         if k.saturating_add(1) == count {
@@ -132,7 +121,7 @@ fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
                         if let Some(lead) = text.get_mut(start) {
                             *lead = b'1';
                         }
-                        prefix(&mut text, start);
+                        tok_before(&mut text, start);
                         break;
                     }
                 }
