@@ -254,16 +254,22 @@ impl StreamWatch {
     /// When the tick next has something to do for this stream; `None` when only its end is left.
     /// `release_queue`: whether llm-metrics can wake the guard at a held stream's first token.
     pub fn next_due_ns(&self, now: u64, release_queue: bool) -> Option<u64> {
+        let poll = self.is_held().then(|| now.saturating_add(held_poll_ns(release_queue)));
+        [poll, self.due_ns()].into_iter().flatten().min()
+    }
+
+    /// [`Self::next_due_ns`] without a held stream's poll: the next deadline or reset, a time that
+    /// changes only when the stream does (not with `now`), so a watch list can keep it in order.
+    pub fn due_ns(&self) -> Option<u64> {
         let chunk_wait = match self.phase {
             Phase::Cut { reset_at_ns } => return reset_at_ns,
             Phase::Replied(_) | Phase::Reset(_) => return None,
             Phase::Streaming { chunk_wait_until_ns } => chunk_wait_until_ns,
             Phase::AwaitingHeaders | Phase::Held => None,
         };
-        let poll = self.is_held().then(|| now.saturating_add(if release_queue { HELD_POLL_NS } else { TICK_NS }));
         let ttft = self.ttft_deadline_ns.filter(|_| self.first_token_ns.is_none());
         let total = chunk_wait.or(self.total_deadline_ns);
-        [poll, ttft, total].into_iter().flatten().min()
+        [ttft, total].into_iter().flatten().min()
     }
 
     /// Whether a tick at `now` can act on this stream: a held stream is polled at every tick, any
@@ -271,7 +277,7 @@ impl StreamWatch {
     /// that is not due returns no effects and changes nothing, so a worker's tick visits only the
     /// due ones (a stream that waits for nothing but its end was visited at every tick).
     pub fn tick_due(&self, now: u64) -> bool {
-        self.is_held() || self.next_due_ns(now, false).is_some_and(|due| due <= now)
+        self.is_held() || self.due_ns().is_some_and(|due| due <= now)
     }
 
     /// The upstream's response headers: `status`, whether the body is an event stream, whether
@@ -447,6 +453,16 @@ impl StreamWatch {
 
     fn deadline_reply(&self) -> GatewayReply {
         GatewayReply { status: self.status, end: GatewayEnd::Deadline }
+    }
+}
+
+/// How long after a tick a held stream is looked at again: [`HELD_POLL_NS`] when the host wakes
+/// the guard at its first token (the look is a fallback), else [`TICK_NS`].
+pub fn held_poll_ns(woken_at_first_token: bool) -> u64 {
+    if woken_at_first_token {
+        HELD_POLL_NS
+    } else {
+        TICK_NS
     }
 }
 

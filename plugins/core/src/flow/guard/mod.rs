@@ -35,8 +35,10 @@ use crate::request::inspect_request_with_kind;
 use crate::rewrite::rewrite_request;
 use crate::store::{self, SharedStore, Updated};
 use crate::timing::StreamTiming;
-use crate::vecmap::VecMap;
 use std::sync::Arc;
+use watchlist::Watchlist;
+
+mod watchlist;
 
 /// Metadata json_to_metadata lifts the request's model into (used when no router decided).
 pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
@@ -77,16 +79,16 @@ struct Watch {
     machine: StreamWatch,
     /// Envoy traces the request: a deadline's outcome goes on its span ([`crate::span`]).
     traced: bool,
+    /// The machine's due time as the watch list last filed it ([`Watchlist`]).
+    filed_due_ns: Option<u64>,
 }
 
 /// The guard's per-VM state (a VM is single-threaded; one per worker).
 #[derive(Debug)]
 pub struct GuardRoot {
     policy: LatencyPolicy,
-    /// Streams the tick watches, by context id. A [`VecMap`] (context ids only grow: a stream is
-    /// added at the end) of boxes, so that a stream's end moves pointers; one B-tree instantiation
-    /// less in the playground's page.
-    watched: VecMap<u32, Box<Watch>>,
+    /// Streams the tick watches, by context id, in the order of what each is due for next.
+    watched: Watchlist,
     next_breaker_sweep_ns: u64,
     warned_no_first_token_signal: bool,
     /// This VM's release queue (its name), when it has one, and the VM id llm-metrics resolves it under.
@@ -108,7 +110,7 @@ impl GuardRoot {
     pub fn new(policy: LatencyPolicy, release_queue: Option<String>, vm_id: String) -> GuardRoot {
         GuardRoot {
             policy,
-            watched: VecMap::new(),
+            watched: Watchlist::default(),
             next_breaker_sweep_ns: 0,
             warned_no_first_token_signal: false,
             release_queue,
@@ -136,7 +138,7 @@ impl GuardRoot {
     /// when it is not watched or waits only for its end. A host that ticks each stream on its own
     /// (the native module's tick thread) ticks it then, and not before.
     pub fn stream_due_ns(&self, id: u32, now: u64) -> Option<u64> {
-        self.watched.get(&id).and_then(|w| w.machine.next_due_ns(now, self.wakes_at_first_token()))
+        self.watched.get(id).and_then(|w| w.machine.next_due_ns(now, self.wakes_at_first_token()))
     }
 
     pub fn policy(&self) -> &LatencyPolicy {
@@ -145,18 +147,18 @@ impl GuardRoot {
 
     /// The streams the tick watches now.
     pub fn watched_ids(&self) -> Vec<u32> {
-        self.watched.keys().copied().collect()
+        self.watched.ids().collect()
     }
 
-    /// The watched streams a tick at `now` acts on ([`StreamWatch::tick_due`]); the tick of any
-    /// other would be a no-op.
-    pub fn due_ids(&self, now: u64) -> Vec<u32> {
-        self.watched.iter().filter(|(_, w)| w.machine.tick_due(now)).map(|(id, _)| *id).collect()
+    /// The watched streams a tick at `now` acts on ([`StreamWatch::tick_due`]), in ascending id
+    /// order; the tick of any other would be a no-op.
+    pub fn due_ids(&mut self, now: u64) -> Vec<u32> {
+        self.watched.due_ids(now)
     }
 
     /// Whether stream `id`'s response headers are held.
     pub fn is_held(&self, id: u32) -> bool {
-        self.watched.get(&id).is_some_and(|w| w.machine.is_held())
+        self.watched.get(id).is_some_and(|w| w.machine.is_held())
     }
 
     /// One watched stream on a tick: release it at its first token, fire its deadline, or reset it
@@ -172,23 +174,23 @@ impl GuardRoot {
         store: &mut dyn SharedStore,
         fx: &mut Effects,
     ) {
-        let Some(w) = self.watched.get_mut(&id) else { return };
-        let mark = if w.machine.is_held() {
+        let Some(held) = self.watched.get(id).map(|w| w.machine.is_held()) else { return };
+        let mark = if held {
             if !enter(id) {
-                self.watched.remove(&id);
+                self.watched.remove(id);
                 return;
             }
             Some(first_token_mark(view))
         } else {
             None
         };
-        let steps = w.machine.on_tick(now, mark);
+        let Some(steps) = self.watched.update(id, |w| w.machine.on_tick(now, mark)) else { return };
         if steps.is_empty() {
             return;
         }
         if !enter(id) {
             // The stream is gone: nothing to act on, nothing more to watch.
-            self.watched.remove(&id);
+            self.watched.remove(id);
             return;
         }
         self.translate(id, now, &steps, store, fx);
@@ -220,19 +222,18 @@ impl GuardRoot {
             return;
         }
         if !enter(id) {
-            self.watched.remove(&id);
+            self.watched.remove(id);
             return;
         }
         let mark = first_token_mark(view);
-        let Some(w) = self.watched.get_mut(&id) else { return };
-        let steps = w.machine.on_first_token_mark(mark);
+        let Some(steps) = self.watched.update(id, |w| w.machine.on_first_token_mark(mark)) else { return };
         self.translate(id, now, &steps, store, fx);
     }
 
     /// A watched stream's deadline effects as host effects, in order. `Pause` when the response
     /// headers are held.
     fn translate(&mut self, id: u32, now: u64, steps: &deadline::Effects, store: &mut dyn SharedStore, fx: &mut Effects) -> Verdict {
-        let Some(w) = self.watched.get(&id) else { return Verdict::Continue };
+        let Some(w) = self.watched.get(id) else { return Verdict::Continue };
         let (api, version, traced) = (w.kind, Arc::clone(&w.version), w.traced);
         let mut verdict = Verdict::Continue;
         for step in steps {
@@ -296,8 +297,7 @@ impl GuardRoot {
     /// Sets the tick to fire when the next thing is due on this worker ([`deadline::tick_period_ms`]);
     /// an effect only when the period changes (each is a hostcall).
     fn schedule(&mut self, now: u64, fx: &mut Effects) {
-        let queue = self.wakes_at_first_token();
-        let period_ms = deadline::tick_period_ms(now, self.watched.values().filter_map(|w| w.machine.next_due_ns(now, queue)));
+        let period_ms = deadline::tick_period_ms(now, self.watched.next_due_ns(now, self.wakes_at_first_token()));
         if period_ms != self.tick_period_ms {
             self.tick_period_ms = period_ms;
             fx.push(Effect::SetTickPeriod { ms: period_ms });
@@ -655,8 +655,10 @@ impl GuardFlow {
         if streaming {
             g.observer = Some(view.response_observer(g.kind));
         }
-        let Some(w) = root.watched.get_mut(&self.id) else { return Verdict::Continue };
-        let steps = w.machine.on_response_headers(g.status, streaming, end_of_stream, || first_token_mark(view));
+        let status = g.status;
+        let Some(steps) = root.watched.update(self.id, |w| w.machine.on_response_headers(status, streaming, end_of_stream, || first_token_mark(view))) else {
+            return Verdict::Continue;
+        };
         if steps.is_empty() {
             return Verdict::Continue;
         }
@@ -694,11 +696,13 @@ impl GuardFlow {
             g.timing.on_content(now, outcome.content_events);
             outcome.content_events > 0
         };
-        let Some(w) = root.watched.get_mut(&self.id) else {
+        if root.watched.get(self.id).is_none() {
             observe();
             return Verdict::Continue;
+        }
+        let Some(steps) = root.watched.update(self.id, |w| w.machine.on_response_body(now, streaming, end_of_stream, observe)) else {
+            return Verdict::Continue;
         };
-        let steps = w.machine.on_response_body(now, streaming, end_of_stream, observe);
         root.translate(self.id, now, &steps, store, fx)
     }
 
@@ -714,7 +718,7 @@ impl GuardFlow {
     /// on the result).
     pub fn on_log(&mut self, root: &mut GuardRoot, view: &mut dyn View, store: &mut dyn SharedStore, now: u64, fx: &mut Effects) {
         let Some(g) = self.guarded.as_mut() else { return };
-        let watch = root.watched.remove(&self.id);
+        let watch = root.watched.remove(self.id);
         let a = match std::mem::replace(&mut g.phase, Phase::Reported) {
             Phase::Admitted(a) => a,
             other => {
@@ -864,7 +868,7 @@ impl GuardFlow {
             fx.count(metrics::latency_probes_total(&version_label), 1);
         }
         let machine = StreamWatch::new(g.start_ns, vp.ttft_deadline_ns, vp.total_deadline_ns, streaming);
-        let watch = Watch { kind: g.kind, version: Arc::from(vp.name.as_str()), machine, traced: g.traced };
+        let watch = Watch { kind: g.kind, version: Arc::from(vp.name.as_str()), machine, traced: g.traced, filed_due_ns: None };
         root.watched.insert(self.id, Box::new(watch));
         root.schedule(now, fx);
         Verdict::Continue

@@ -486,3 +486,110 @@ fn a_root_woken_in_the_marking_hook_looks_at_a_held_stream_as_rarely_as_with_a_q
         assert_eq!(root.stream_due_ns(ID + 1, T0 + 100 * MS), None, "not watched");
     }
 }
+
+/// Hundreds of streams at once, their events in a pseudo-random order (admissions, held and
+/// unheld responses, releases, first tokens, deadlines firing on ticks, ends): at every tick and
+/// every admission the watch list's due streams and next due time must be what a walk of every
+/// stream says (in tests the watch list checks itself against that walk), and its heap stays
+/// within its bound however many stale entries the traffic leaves.
+#[test]
+fn the_watch_list_agrees_with_a_walk_of_every_stream_under_random_traffic() {
+    for seed in 1..=12u64 {
+        let (mut root, mut store) = root(json!({"ttft_deadline_ms": 300, "total_deadline_ms": 2000}), json!({"total_deadline_ms": 900}));
+        let mut state = seed;
+        let mut draw = move |n: u64| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % n
+        };
+        // Each live stream: its flow, its view, and how far its response got (0: none, 1: headers).
+        let mut live: Vec<(u32, GuardFlow, FixedView, u8)> = Vec::new();
+        let (mut now, mut next_id, mut ticks, mut most_watched) = (T0, 1u32, 0u32, 0usize);
+        let mut fx = Effects::default();
+        for _ in 0..3000 {
+            now += draw(4) * MS;
+            let pick = |live: &Vec<(u32, GuardFlow, FixedView, u8)>, n: u64| (n as usize) % live.len().max(1);
+            match draw(7) {
+                0 | 1 if live.len() < 400 => {
+                    let version = if draw(3) == 0 { "v2" } else { "v1" };
+                    let (mut flow, mut view) = (GuardFlow::new(next_id), request("crit-a", version));
+                    flow.on_request_headers(&mut root, &mut view, &mut store, false, now, &mut fx);
+                    let size = view.request_body.len();
+                    flow.on_request_body(&mut root, &mut view, &mut store, size, true, now, &mut fx);
+                    live.push((next_id, flow, view, 0));
+                    next_id += 1;
+                }
+                2 if !live.is_empty() => {
+                    let i = pick(&live, draw(1 << 20));
+                    let held = draw(2) == 0;
+                    let (_, flow, view, stage) = &mut live[i];
+                    if *stage == 0 {
+                        event_stream(view);
+                        if held {
+                            view.properties.push((vec![FIRST_TOKEN_PROPERTY.to_string()], "0".to_string()));
+                        }
+                        flow.on_response_headers(&mut root, view, &mut store, false, now, &mut fx);
+                        *stage = 1;
+                    }
+                }
+                3 if !live.is_empty() => {
+                    let i = pick(&live, draw(1 << 20));
+                    let (id, flow, view, stage) = &mut live[i];
+                    if *stage == 1 && root.is_held(*id) {
+                        // llm-metrics marked the first token.
+                        if let Some(p) = view.properties.iter_mut().find(|(k, _)| k[0] == FIRST_TOKEN_PROPERTY) {
+                            p.1 = now.to_string();
+                        }
+                        root.on_release(id.to_string().as_bytes(), now, &mut |_| true, view, &mut store, &mut fx);
+                    } else if *stage == 1 {
+                        let size = view.response_body.len();
+                        flow.on_response_body(&mut root, view, &mut store, size, false, now, &mut fx);
+                    }
+                }
+                4 if !live.is_empty() => {
+                    let i = pick(&live, draw(1 << 20));
+                    let (_, mut flow, mut view, _) = live.swap_remove(i);
+                    flow.on_log(&mut root, &mut view, &mut store, now, &mut fx);
+                }
+                _ => {
+                    for id in root.due_ids(now) {
+                        let Some((_, _, view, _)) = live.iter_mut().find(|s| s.0 == id) else { continue };
+                        root.on_tick_stream(id, now, &mut |_| true, view, &mut store, &mut fx);
+                    }
+                    root.after_tick(now, &mut store, &mut fx);
+                    ticks += 1;
+                }
+            }
+            fx.clear();
+            let watched = root.watched_ids().len();
+            most_watched = most_watched.max(watched);
+            assert!(root.watched.heap_len() <= 2 * most_watched + 64, "seed {seed}: {} heap entries, at most {most_watched} streams", root.watched.heap_len());
+        }
+        assert!(ticks > 300 && most_watched > 50, "seed {seed}: {ticks} ticks, at most {most_watched} streams watched");
+    }
+}
+
+/// Streams that come and go while an earlier deadline stays the first thing due leave their heap
+/// entries behind it: the watch list rebuilds its heap rather than let them pile up.
+#[test]
+fn streams_that_end_behind_an_earlier_deadline_do_not_pile_up_in_the_heap() {
+    let (mut root, mut store) = root(json!({"ttft_deadline_ms": 300}), json!({}));
+    let mut fx = Effects::default();
+    let (mut first, mut view) = (GuardFlow::new(1), request("crit-a", "v1"));
+    first.on_request_headers(&mut root, &mut view, &mut store, false, T0, &mut fx);
+    let size = view.request_body.len();
+    first.on_request_body(&mut root, &mut view, &mut store, size, true, T0, &mut fx);
+    let mut most = 0;
+    for id in 2..2_000u32 {
+        let now = T0 + u64::from(id) * 100_000;
+        let (mut flow, mut view) = (GuardFlow::new(id), request("crit-a", "v1"));
+        flow.on_request_headers(&mut root, &mut view, &mut store, false, now, &mut fx);
+        let size = view.request_body.len();
+        flow.on_request_body(&mut root, &mut view, &mut store, size, true, now, &mut fx);
+        flow.on_log(&mut root, &mut view, &mut store, now, &mut fx);
+        fx.clear();
+        most = most.max(root.watched.heap_len());
+    }
+    assert_eq!(root.watched_ids(), vec![1]);
+    // Rebuilt once it holds more than twice the streams watched and 64 more.
+    assert!(most <= 2 * 2 + 64, "{most} heap entries for at most two streams");
+}
