@@ -305,26 +305,40 @@ impl<'a> Scanner<'a> {
         (self.s.get(self.i..end)? == word).then(|| self.i = end)
     }
 
-    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, within `f64`'s range: serde_json refuses
+    /// a number whose magnitude rounds past `f64::MAX` (`1e400`, a 400-digit integer), so this
+    /// scanner gives up on one too.
     fn number(&mut self) -> Option<()> {
+        let start = self.i;
         if self.peek() == Some(b'-') {
             self.i = self.i.saturating_add(1);
         }
+        let integer = self.i;
         match self.peek()? {
             b'0' => self.i = self.i.saturating_add(1),
             b'1'..=b'9' => self.digits(),
             _ => return None,
         }
+        let integer_digits = self.i.saturating_sub(integer);
         if self.peek() == Some(b'.') {
             self.i = self.i.saturating_add(1);
             self.digits1()?;
         }
+        let mut exponent = false;
         if matches!(self.peek(), Some(b'e' | b'E')) {
+            exponent = true;
             self.i = self.i.saturating_add(1);
             if matches!(self.peek(), Some(b'+' | b'-')) {
                 self.i = self.i.saturating_add(1);
             }
             self.digits1()?;
+        }
+        // Without an exponent, fewer than 309 integer digits is below 10^308 < f64::MAX.
+        if exponent || integer_digits >= 309 {
+            let text = std::str::from_utf8(self.s.get(start..self.i)?).ok()?;
+            if !text.parse::<f64>().is_ok_and(f64::is_finite) {
+                return None;
+            }
         }
         Some(())
     }
@@ -405,16 +419,23 @@ mod tests {
             "\"\\u12G4\"",
             "\"\\u+123\"",
             " [ 1 , \"x\" ] ",
+            // Out of f64's range: serde_json refuses them.
+            "1e400",
+            "-1e309",
+            "{\"a\":1.7976931348623159e308}",
+            "[1e-400, 1.7976931348623157e308]",
         ];
+        let long_integer = "9".repeat(309);
+        let cases = cases.iter().copied().chain([long_integer.as_str(), &long_integer[1..]]);
         for text in cases {
             if skips(text) {
                 assert!(serde_json::from_str::<serde_json::Value>(text).is_ok(), "the scanner accepts {text:?}, serde_json does not");
             }
         }
-        for ok in ["0", "-12e+3", "{\"a\":[{\"b\":null}]}", "\"a\\u00e9\"", " [ 1 , \"x\" ] "] {
+        for ok in ["0", "-12e+3", "{\"a\":[{\"b\":null}]}", "\"a\\u00e9\"", " [ 1 , \"x\" ] ", "[1e-400, 1.7976931348623157e308]", &long_integer[1..]] {
             assert!(skips(ok), "{ok}");
         }
-        for refused in ["01", "1.", "[1,]", "{\"a\":1,}", "\"\\x\"", "\"tab\there\"", "\"\\u+123\""] {
+        for refused in ["01", "1.", "[1,]", "{\"a\":1,}", "\"\\x\"", "\"tab\there\"", "\"\\u+123\"", "1e400", "-1e309", &long_integer] {
             assert!(!skips(refused), "{refused}");
         }
     }

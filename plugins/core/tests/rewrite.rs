@@ -777,10 +777,12 @@ fn the_observer_vouches_only_for_texts_it_read_as_json_in_its_last_push() {
     assert!(known.contains(data));
     assert!(known.contains(format!(" \t{}\r\n", std::str::from_utf8(data).unwrap()).as_bytes()), "JSON whitespace around it is the same text");
     assert!(!known.contains(&data[..data.len() - 1]), "a text cut short is another text");
-    // Vouched for: what the observer read as JSON, byte for byte. Not: a broken text, one with
-    // no-break spaces around it (JSON to the observer once it trimmed them, not as the stripper
-    // sees it), one that is not UTF-8 (the observer reads it with replacement characters).
-    for (case, vouched) in cases[3..7].iter().zip([false, true, false, false]) {
+    // Vouched for: what the observer read as JSON, byte for byte. Not: a broken text, one with a
+    // number outside f64's range (malformed to the observer, as to serde_json's tree; the
+    // stripper's own skipping parse still strips it, above), one with no-break spaces around it
+    // (JSON to the observer once it trimmed them, not as the stripper sees it), one that is not
+    // UTF-8 (the observer reads it with replacement characters).
+    for (case, vouched) in cases[3..7].iter().zip([false, false, false, false]) {
         observer.push(case);
         let data = &case[b"data: ".len()..case.len() - 2];
         let known = observer.validated().unwrap();
