@@ -713,7 +713,7 @@ impl Gateway {
     /// latency-guard's root tick: each watched request (released, deadline fired, reset), then
     /// the breakers' sweep and the tick re-timed.
     fn guard_tick(&mut self, now: u64) {
-        let Some(ids) = self.vm.guard.as_mut().map(|g| g.due_ids(now)) else { return };
+        let Some(ids) = self.vm.guard.as_ref().map(|g| g.due_ids(now)) else { return };
         for id in ids {
             let Vm { guard, store, fx, sink, .. } = &mut self.vm;
             let Some(root) = guard.as_mut() else { return };

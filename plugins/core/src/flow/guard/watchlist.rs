@@ -2,39 +2,34 @@
 //!
 //! A tick needs the streams due now and the time of the next thing due. Walking every watched
 //! stream for both cost ≈ 30 instructions a stream at every tick and every admission: with a few
-//! hundred streams in flight on a worker, the guard's largest cost. Here a stream's next deadline
-//! or reset ([`StreamWatch::due_ns`], a time that changes only when the stream does) sits in a
-//! min-heap, and held streams (looked at on every tick) in a set of their own, so a tick costs
-//! `O(k log n)` for `k` due streams of `n`.
+//! hundred streams in flight on a worker, the guard's largest cost. Here each stream's next deadline
+//! or reset ([`StreamWatch::due_ns`], a time that changes only when the stream does) is kept in a
+//! vector sorted by time, and the held streams (looked at on every tick) in one of their own, so a
+//! tick reads the due streams off the front. A sorted vector rather than a heap: an entry is moved
+//! when its stream's time changes (a binary search and a shift of the entries after it, a few
+//! hundred bytes), nothing stale is ever kept, and it adds less code to the playground's page.
 //!
-//! Every change to a stream's machine goes through [`Watchlist::update`], which re-files the stream
-//! when its due time changed: the old heap entry is left behind and skipped as stale when it
-//! reaches the top (its stream gone, or filed under another time now). Stale entries are bounded:
-//! when they outnumber the streams the heap is rebuilt from the streams, so its size stays within
-//! a small multiple of the streams watched whatever the traffic.
+//! Every change to a stream's machine goes through [`Watchlist::update`], which files the stream
+//! again when its due time changed.
 //!
 //! [`StreamWatch::due_ns`]: crate::latency::StreamWatch::due_ns
 
 use super::Watch;
 use crate::latency::deadline;
 use crate::vecmap::VecMap;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 
 #[derive(Debug, Default)]
 pub(super) struct Watchlist {
     streams: VecMap<u32, Box<Watch>>,
-    /// `(due_ns, id)` as each stream was last filed; valid while the stream is watched and its
-    /// [`Watch::filed_due_ns`] is that time.
-    due: BinaryHeap<Reverse<(u64, u32)>>,
-    /// The held streams: due at every tick.
-    held: VecMap<u32, ()>,
+    /// `(due_ns, id)` of every stream that waits for a time, ascending: one entry a stream, at its
+    /// [`Watch::filed_due_ns`].
+    due: Vec<(u64, u32)>,
+    /// The held streams' ids, ascending: due at every tick. `u64`, as the ids a tick gathers, for
+    /// the standard library's one `[u64]` sort the page's crates share (`crate::sort`).
+    held: Vec<u64>,
 }
 
 impl Watchlist {
-    /// Stale heap entries tolerated beyond twice the streams before a rebuild.
-    const SLACK: usize = 64;
-
     pub(super) fn get(&self, id: u32) -> Option<&Watch> {
         self.streams.get(&id).map(|w| &**w)
     }
@@ -44,13 +39,18 @@ impl Watchlist {
     }
 
     pub(super) fn insert(&mut self, id: u32, watch: Box<Watch>) {
+        self.remove(id);
         self.streams.insert(id, watch);
         self.refile(id);
     }
 
     pub(super) fn remove(&mut self, id: u32) -> Option<Box<Watch>> {
-        self.held.remove(&id);
-        self.streams.remove(&id)
+        let watch = self.streams.remove(&id)?;
+        if let Some(at) = watch.filed_due_ns {
+            unfile(&mut self.due, (at, id));
+        }
+        unfile(&mut self.held, u64::from(id));
+        Some(watch)
     }
 
     /// Runs `change` on stream `id` (`None` when it is not watched) and files it again under what
@@ -64,60 +64,30 @@ impl Watchlist {
     fn refile(&mut self, id: u32) {
         let Some(w) = self.streams.get_mut(&id) else { return };
         if w.machine.is_held() {
-            self.held.insert(id, ());
+            file(&mut self.held, u64::from(id));
         } else {
-            self.held.remove(&id);
+            unfile(&mut self.held, u64::from(id));
         }
         let due = w.machine.due_ns();
         if due == w.filed_due_ns {
             return;
         }
-        w.filed_due_ns = due;
-        if let Some(at) = due {
-            self.due.push(Reverse((at, id)));
-            if self.due.len() > self.streams.len().saturating_mul(2).saturating_add(Self::SLACK) {
-                self.rebuild();
-            }
+        if let Some(at) = std::mem::replace(&mut w.filed_due_ns, due) {
+            unfile(&mut self.due, (at, id));
         }
-    }
-
-    fn rebuild(&mut self) {
-        self.due = self.streams.iter().filter_map(|(&id, w)| w.filed_due_ns.map(|at| Reverse((at, id)))).collect();
-    }
-
-    fn is_filed(&self, at: u64, id: u32) -> bool {
-        self.streams.get(&id).is_some_and(|w| w.filed_due_ns == Some(at))
-    }
-
-    /// Drops stale entries from the top of the heap: its top is then a watched stream's due time.
-    fn drop_stale_top(&mut self) {
-        while let Some(&Reverse((at, id))) = self.due.peek() {
-            if self.is_filed(at, id) {
-                return;
-            }
-            self.due.pop();
+        if let Some(at) = due {
+            file(&mut self.due, (at, id));
         }
     }
 
     /// The streams a tick at `now` acts on — the held ones and those whose due time has come — in
     /// ascending id order (the order a walk of every stream gave).
-    pub(super) fn due_ids(&mut self, now: u64) -> Vec<u32> {
-        let mut ids: Vec<u32> = self.held.keys().copied().collect();
-        let mut taken = Vec::new();
-        while let Some(&Reverse((at, id))) = self.due.peek() {
-            if at > now {
-                break;
-            }
-            self.due.pop();
-            if self.is_filed(at, id) {
-                ids.push(id);
-                taken.push(Reverse((at, id)));
-            }
-        }
-        // Still due until their tick changes them (which files them again).
-        self.due.extend(taken);
-        ids.sort_unstable();
-        ids.dedup();
+    pub(super) fn due_ids(&self, now: u64) -> Vec<u32> {
+        let mut wide = self.held.clone();
+        wide.extend(self.due.iter().take_while(|&&(at, _)| at <= now).map(|&(_, id)| u64::from(id)));
+        wide.sort_unstable();
+        wide.dedup();
+        let ids: Vec<u32> = wide.into_iter().filter_map(|id| u32::try_from(id).ok()).collect();
         #[cfg(test)]
         assert_eq!(ids, self.streams.iter().filter(|(_, w)| w.machine.tick_due(now)).map(|(&id, _)| id).collect::<Vec<_>>(), "due streams at {now}");
         ids
@@ -125,17 +95,30 @@ impl Watchlist {
 
     /// The earliest time anything watched is due: a held stream's poll
     /// ([`deadline::held_poll_ns`] after `now`) or a stream's deadline or reset.
-    pub(super) fn next_due_ns(&mut self, now: u64, woken_at_first_token: bool) -> Option<u64> {
-        self.drop_stale_top();
+    pub(super) fn next_due_ns(&self, now: u64, woken_at_first_token: bool) -> Option<u64> {
         let poll = (!self.held.is_empty()).then(|| now.saturating_add(deadline::held_poll_ns(woken_at_first_token)));
-        let next = [poll, self.due.peek().map(|&Reverse((at, _))| at)].into_iter().flatten().min();
+        let next = [poll, self.due.first().map(|&(at, _)| at)].into_iter().flatten().min();
         #[cfg(test)]
         assert_eq!(next, self.streams.values().filter_map(|w| w.machine.next_due_ns(now, woken_at_first_token)).min(), "next due after {now}");
         next
     }
 
     #[cfg(test)]
-    pub(super) fn heap_len(&self) -> usize {
+    pub(super) fn filed_len(&self) -> usize {
         self.due.len()
+    }
+}
+
+/// Puts `item` in the sorted `list` (once).
+fn file<T: Ord>(list: &mut Vec<T>, item: T) {
+    if let Err(at) = list.binary_search(&item) {
+        list.insert(at, item);
+    }
+}
+
+/// Takes `item` out of the sorted `list`.
+fn unfile<T: Ord>(list: &mut Vec<T>, item: T) {
+    if let Ok(at) = list.binary_search(&item) {
+        list.remove(at);
     }
 }
