@@ -309,25 +309,90 @@ fn decode_or_fresh(bytes: Option<&[u8]>, config: &WindowConfig) -> RollingWindow
     bytes.and_then(RollingWindow::decode).filter(|w| w.config == *config).unwrap_or_else(|| RollingWindow::new(*config))
 }
 
-/// [`cas_update`] of the shared window with `record` (`false`: nothing changed, nothing written).
-/// A missing key is created empty first (see [`ensure`] for why that should have happened already).
-fn update_with(
-    store: &mut dyn SharedStore,
-    key: &str,
-    config: &WindowConfig,
-    mut record: impl FnMut(&mut RollingWindow) -> bool,
-) -> Result<RollingWindow, UpdateError> {
-    let written = cas_update(store, key, |bytes| {
-        let Some(bytes) = bytes else { return Step::Create(RollingWindow::new(*config).encode()) };
-        let mut window = decode_or_fresh(Some(bytes), config);
-        if record(&mut window) {
-            Step::Write(window.encode(), window)
-        } else {
-            Step::Stop(window)
+/// The windows a worker last wrote, each with the bytes it wrote: when the store still holds those
+/// bytes at its next update (no other worker wrote in between), the window is taken as it is
+/// instead of decoded again — a decode of a minute of latencies is tens of thousands of
+/// instructions, and a guarded request updates its version's window twice. Bytes equal to the ones
+/// written decode to the window written, so what an update computes does not change. One entry a
+/// key: the windows a policy names (its versions with a breaker).
+#[derive(Debug, Default)]
+pub struct WindowCache {
+    written: crate::vecmap::VecMap<String, Option<(Vec<u8>, RollingWindow)>>,
+}
+
+impl WindowCache {
+    /// [`update`], through this cache: the snapshot at `now_ns` of the window as written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update(
+        &mut self,
+        store: &mut dyn SharedStore,
+        key: &str,
+        config: &WindowConfig,
+        now_ns: u64,
+        ttft_us: Option<u64>,
+        tpot_us: Option<u64>,
+        error: bool,
+    ) -> Result<WindowStats, UpdateError> {
+        let written = self.write(store, key, config, &mut |w| w.record(now_ns, ttft_us, tpot_us, error))?;
+        Ok(self.keep(key, written, now_ns))
+    }
+
+    /// [`update_ttft`], through this cache: the snapshot at `now_ns` of the window as written.
+    pub fn update_ttft(
+        &mut self,
+        store: &mut dyn SharedStore,
+        key: &str,
+        config: &WindowConfig,
+        now_ns: u64,
+        ttft_us: u64,
+    ) -> Result<WindowStats, UpdateError> {
+        let written = self.write(store, key, config, &mut |w| w.record_ttft(now_ns, ttft_us))?;
+        Ok(self.keep(key, written, now_ns))
+    }
+
+    /// [`cas_update`] of the shared window with `record` (`false`: nothing changed, nothing
+    /// written): the window, with the bytes written (none when nothing was). A missing key is
+    /// created empty first (see [`ensure`] for why that should have happened already). The
+    /// cached window is taken out as it is used: a write that fails leaves nothing cached.
+    fn write(
+        &mut self,
+        store: &mut dyn SharedStore,
+        key: &str,
+        config: &WindowConfig,
+        // Not generic: one copy of the update's code for its four callers (the playground's page).
+        record: &mut dyn FnMut(&mut RollingWindow) -> bool,
+    ) -> Result<(Option<Vec<u8>>, RollingWindow), UpdateError> {
+        let cached = &mut self.written;
+        let written = cas_update(store, key, |bytes| {
+            let Some(bytes) = bytes else { return Step::Create(RollingWindow::new(*config).encode()) };
+            let mut window = match cached.get_mut(key).and_then(Option::take) {
+                Some((was, window)) if was == bytes && window.config == *config => window,
+                _ => decode_or_fresh(Some(bytes), config),
+            };
+            if record(&mut window) {
+                let encoded = window.encode();
+                Step::Write(encoded.clone(), (Some(encoded), window))
+            } else {
+                Step::Stop((None, window))
+            }
+        })?;
+        match written {
+            Updated::Written(entry) | Updated::Stopped(entry) => Ok(entry),
         }
-    })?;
-    match written {
-        Updated::Written(w) | Updated::Stopped(w) => Ok(w),
+    }
+
+    /// Keeps `window` as `key`'s when it was written (the store's bytes are otherwise not known
+    /// here); its snapshot at `now_ns`.
+    fn keep(&mut self, key: &str, (bytes, window): (Option<Vec<u8>>, RollingWindow), now_ns: u64) -> WindowStats {
+        let stats = window.snapshot(now_ns);
+        let entry = bytes.map(|bytes| (bytes, window));
+        match self.written.get_mut(key) {
+            Some(slot) => *slot = entry,
+            None => {
+                self.written.insert(key.to_string(), entry);
+            }
+        }
+        stats
     }
 }
 
@@ -359,12 +424,12 @@ pub fn update(
     tpot_us: Option<u64>,
     error: bool,
 ) -> Result<RollingWindow, UpdateError> {
-    update_with(store, key, config, |w| w.record(now_ns, ttft_us, tpot_us, error))
+    Ok(WindowCache::default().write(store, key, config, &mut |w| w.record(now_ns, ttft_us, tpot_us, error))?.1)
 }
 
 /// [`RollingWindow::record_ttft`] into the shared window, with compare-and-swap as [`update`].
 pub fn update_ttft(store: &mut dyn SharedStore, key: &str, config: &WindowConfig, now_ns: u64, ttft_us: u64) -> Result<RollingWindow, UpdateError> {
-    update_with(store, key, config, |w| w.record_ttft(now_ns, ttft_us))
+    Ok(WindowCache::default().write(store, key, config, &mut |w| w.record_ttft(now_ns, ttft_us))?.1)
 }
 
 /// Empties the shared window as of `since_ns` (the breaker asks for it when it starts probing, so
@@ -503,5 +568,56 @@ mod tests {
         assert_eq!((s.samples, s.errors, s.ttft.count(), s.tpot.count()), (3, 1, 3, 3));
         // A slot holding only early TTFTs leaves the window like any other.
         assert_eq!(read(&mut store, "k", &c).unwrap().snapshot(t0 + 70 * S).ttft.count(), 0);
+    }
+
+    /// A worker updating through its cache, another writing the same key uncached in between, the
+    /// window emptied, its geometry changed: every snapshot and every stored byte is what the same
+    /// updates made without any cache give. A cache that reused its window without comparing the
+    /// bytes would lose the other worker's samples and fail here.
+    #[test]
+    fn a_cached_update_writes_and_sees_what_an_uncached_one_does() {
+        let (c, other_geometry) = (config(), WindowConfig::new(3, 10 * S, SketchParams::DEFAULT).unwrap());
+        let (mut cached_store, mut plain_store) = (MemoryStore::default(), MemoryStore::default());
+        let mut cache = WindowCache::default();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut draw = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let t0 = 1_000 * S;
+        for step in 0..4_000u64 {
+            let now = t0 + step * 37 * MS;
+            let config = if step >= 3_000 { other_geometry } else { c };
+            let (ttft, tpot) = (1_000 + draw(2_000_000), 500 + draw(90_000));
+            match draw(10) {
+                // Another worker's write: the cache's bytes are no longer the store's.
+                0 => {
+                    for store in [&mut cached_store, &mut plain_store] {
+                        update(store, "k", &config, now, Some(ttft), None, false).unwrap();
+                    }
+                }
+                1 if step % 500 == 1 => {
+                    for store in [&mut cached_store, &mut plain_store] {
+                        reset_since(store, "k", &config, now).unwrap();
+                    }
+                }
+                2 | 3 => {
+                    let seen = cache.update_ttft(&mut cached_store, "k", &config, now, ttft).unwrap();
+                    let plain = update_ttft(&mut plain_store, "k", &config, now, ttft).unwrap().snapshot(now);
+                    assert_eq!(seen, plain, "step {step}");
+                }
+                _ => {
+                    let error = draw(20) == 0;
+                    let seen = cache.update(&mut cached_store, "k", &config, now, Some(ttft), Some(tpot), error).unwrap();
+                    let plain = update(&mut plain_store, "k", &config, now, Some(ttft), Some(tpot), error).unwrap().snapshot(now);
+                    assert_eq!(seen, plain, "step {step}");
+                }
+            }
+            assert_eq!(cached_store.get("k").unwrap().0, plain_store.get("k").unwrap().0, "step {step}");
+        }
+        let last = read(&mut cached_store, "k", &other_geometry).unwrap();
+        assert!(last.snapshot(t0 + 4_000 * 37 * MS).samples > 0);
     }
 }

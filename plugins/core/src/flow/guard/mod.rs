@@ -89,6 +89,9 @@ pub struct GuardRoot {
     policy: LatencyPolicy,
     /// Streams the tick watches, by context id, in the order of what each is due for next.
     watched: Watchlist,
+    /// The versions' windows as this worker last wrote them (a decode saved when no other worker
+    /// wrote since).
+    windows: latency::window::WindowCache,
     next_breaker_sweep_ns: u64,
     warned_no_first_token_signal: bool,
     /// This VM's release queue (its name), when it has one, and the VM id llm-metrics resolves it under.
@@ -111,6 +114,7 @@ impl GuardRoot {
         GuardRoot {
             policy,
             watched: Watchlist::default(),
+            windows: latency::window::WindowCache::default(),
             next_breaker_sweep_ns: 0,
             warned_no_first_token_signal: false,
             release_queue,
@@ -259,7 +263,7 @@ impl GuardRoot {
                 }
                 deadline::Effect::Release => fx.push(Effect::ResumeResponse),
                 deadline::Effect::RecordTtft { ttft_us } => {
-                    self.update_window_and_judge(&version, now, store, fx, |store, key, config| window::update_ttft(store, key, config, now, ttft_us));
+                    self.update_window_and_judge(&version, now, store, fx, |windows, store, key, config| windows.update_ttft(store, key, config, now, ttft_us));
                 }
                 // Nothing to do on the host: the tick comes back when the wait ends.
                 deadline::Effect::AwaitChunk { .. } => {}
@@ -318,20 +322,22 @@ impl GuardRoot {
     /// Applies `update` to the version's shared window (when it has a breaker) and judges the
     /// breaker on the window as written.
     fn update_window_and_judge(
-        &self,
+        &mut self,
         version: &str,
         now: u64,
         store: &mut dyn SharedStore,
         fx: &mut Effects,
-        update: impl FnOnce(&mut dyn SharedStore, &str, &latency::WindowConfig) -> Result<latency::RollingWindow, latency::UpdateError>,
+        update: impl FnOnce(
+            &mut latency::window::WindowCache,
+            &mut dyn SharedStore,
+            &str,
+            &latency::WindowConfig,
+        ) -> Result<latency::WindowStats, latency::UpdateError>,
     ) {
         let Some(vp) = self.policy.version(version) else { return };
         let Some(b) = &vp.breaker else { return };
-        match update(store, &vp.window_key(), &b.window) {
-            Ok(window) => {
-                let stats = window.snapshot(now);
-                judge(vp, b, now, &stats, store, fx);
-            }
+        match update(&mut self.windows, store, &vp.window_key(), &b.window) {
+            Ok(stats) => judge(vp, b, now, &stats, store, fx),
             Err(e) => fx.log(LogLevel::Warn, format!("sluice latency-guard: window of {version} not updated: {e}")),
         }
     }
@@ -777,7 +783,9 @@ impl GuardFlow {
             // Says nothing about the version's latency.
             return;
         }
-        root.update_window_and_judge(&a.version, now, store, fx, |store, key, config| window::update(store, key, config, now, window_ttft_us, tpot_us, error));
+        root.update_window_and_judge(&a.version, now, store, fx, |windows, store, key, config| {
+            windows.update(store, key, config, now, window_ttft_us, tpot_us, error)
+        });
     }
 
     /// The final version is known (model-router decided in its header phase): admit or refuse.
