@@ -307,9 +307,8 @@ impl<'a> Scanner<'a> {
 
     /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, below 10^308 in magnitude: serde_json
     /// refuses a number that rounds past `f64::MAX` (`1e400`, a 309-digit integer), so this scanner
-    /// gives up on any number that might (an order of magnitude of 308 or more, found from the
-    /// digits and the exponent without parsing a float: float parsing would double the
-    /// playground page's number code), and the tree decides.
+    /// gives up on any number that might (an order of magnitude of 308 or more, read from the
+    /// digits and the exponent), and the tree decides.
     fn number(&mut self) -> Option<()> {
         if self.peek() == Some(b'-') {
             self.i = self.i.saturating_add(1);

@@ -702,11 +702,9 @@ impl GuardFlow {
             g.timing.on_content(now, outcome.content_events);
             outcome.content_events > 0
         };
-        if root.watched.get(self.id).is_none() {
+        let Some(steps) = root.watched.update(self.id, |w| w.machine.on_response_body(now, streaming, end_of_stream, &mut observe)) else {
+            // Not watched: the chunk is still read.
             observe();
-            return Verdict::Continue;
-        }
-        let Some(steps) = root.watched.update(self.id, |w| w.machine.on_response_body(now, streaming, end_of_stream, observe)) else {
             return Verdict::Continue;
         };
         root.translate(self.id, now, &steps, store, fx)
