@@ -177,7 +177,10 @@ pub struct Stamp(Box<RawValue>);
 impl Stamp {
     /// The stamp in `bytes`, when they are JSON.
     pub fn parse(bytes: &[u8]) -> Option<Stamp> {
-        serde_json::from_slice(bytes).ok().map(Stamp)
+        // UTF-8 checked once here: read from the bytes, serde_json checks each string it reads and
+        // then the whole raw text again.
+        let text = std::str::from_utf8(bytes).ok()?;
+        serde_json::from_str(text).ok().map(Stamp)
     }
 
     /// A stamp holding `value`.
@@ -325,6 +328,8 @@ mod tests {
             assert_eq!(Stamp::parse(not_an_object.as_bytes()).unwrap().members(["status"]), [None]);
         }
         assert!(Stamp::parse(b"{\"status\":").is_none());
+        // Not UTF-8 inside a string: not a stamp.
+        assert!(Stamp::parse(b"{\"outcome\":\"\xff\"}").is_none());
         // Written out as the plugin wrote it; equal to the same JSON spaced or ordered otherwise.
         assert_eq!(serde_json::to_string(&stamp).unwrap(), text);
         assert_eq!(Stamp::from_value(&json!({"b": 1, "a": 2})), Stamp::parse(br#"{ "a":2, "b":1 }"#));

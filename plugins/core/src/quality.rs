@@ -16,6 +16,8 @@
 
 /// Table slots (open addressing, at most half full).
 pub const SLOTS: usize = 1024;
+// The table's look-ups mask their index with `SLOTS - 1`.
+const _: () = assert!(SLOTS.is_power_of_two());
 /// Distinct trigrams counted exactly before sampling starts.
 pub const EXACT_DISTINCT: usize = SLOTS / 2;
 /// Answers with fewer trigrams (about a dozen words) get no repetition figure: too short to say.
@@ -147,6 +149,8 @@ impl Repetition {
         }
     }
 
+    // Out of line: inlined, it crowded the byte loop of `push_bytes` (more instructions a byte).
+    #[inline(never)]
     fn word_ended(&mut self, word: u32) {
         if let [Some(a), Some(b)] = self.previous {
             self.trigram(mix(a, b, word));
@@ -156,8 +160,17 @@ impl Repetition {
 
     fn trigram(&mut self, hash: u32) {
         self.trigrams = self.trigrams.saturating_add(1);
-        let table = self.table.get_or_insert_with(|| Box::new(Table::new()));
-        table.add(hash.max(1));
+        match &mut self.table {
+            Some(table) => table.add(hash.max(1)),
+            // Out of line: once an answer.
+            None => self.first_trigram(hash.max(1)),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn first_trigram(&mut self, hash: u32) {
+        self.table.get_or_insert_with(|| Box::new(Table::new())).add(hash);
     }
 }
 
@@ -211,26 +224,30 @@ impl Table {
         if !self.sampled(hash) {
             return;
         }
-        let mut slot = hash as usize % SLOTS;
+        // SLOTS is a power of two: the mask keeps every index in bounds, so the look-ups below
+        // compile without their failure branches (one word of an answer's text each).
+        const MASK: usize = SLOTS - 1;
+        let mut slot = hash as usize & MASK;
+        self.kept = self.kept.saturating_add(1);
         loop {
-            let (Some(key), Some(count)) = (self.keys.get(slot).copied(), self.counts.get_mut(slot)) else { return };
-            if key == hash {
-                *count = count.saturating_add(1);
-                self.kept = self.kept.saturating_add(1);
+            let Some(key) = self.keys.get_mut(slot & MASK) else { return };
+            if *key == hash {
+                if let Some(count) = self.counts.get_mut(slot & MASK) {
+                    *count = count.saturating_add(1);
+                }
                 self.repeats = self.repeats.saturating_add(1);
                 return;
             }
-            if key == 0 {
+            if *key == 0 {
+                *key = hash;
+                if let Some(count) = self.counts.get_mut(slot & MASK) {
+                    *count = 1;
+                }
                 break;
             }
-            slot = (slot + 1) % SLOTS;
-        }
-        if let (Some(key), Some(count)) = (self.keys.get_mut(slot), self.counts.get_mut(slot)) {
-            *key = hash;
-            *count = 1;
+            slot = slot.wrapping_add(1) & MASK;
         }
         self.used += 1;
-        self.kept = self.kept.saturating_add(1);
         if self.used > EXACT_DISTINCT {
             self.halve();
         }

@@ -108,6 +108,9 @@ struct State {
     stencil: Stencil,
     /// The event just read by the stencil has only the trailing null `usage` ([`Stencil::sole_null_usage`]).
     read_sole_null_usage: bool,
+    /// The event the fast path just read carries a `usage` that is not null (see
+    /// [`ValidatedJson::record`]).
+    read_usage_report: bool,
 }
 
 /// The last event the fast path read whole whose one string that counts is a single text member
@@ -222,10 +225,12 @@ impl ValidatedJson {
     }
 
     /// Kept only in the shape the stripper cuts without reading the members: a chunk ending in
-    /// `,"usage":null}` (OpenAI's with `include_usage`). Other events naming `usage` are rare (the
-    /// report itself), and a stream without the member pays one comparison an event, not a copy.
-    fn record(&mut self, data: &[u8], sole_null_usage: bool) {
-        if !data.ends_with(crate::rewrite::TRAILING_NULL_USAGE)
+    /// `,"usage":null}` (OpenAI's with `include_usage`), or the report itself (`usage_report`: the
+    /// event carries a `usage` that is not null, once an answer — the stripper validated it again,
+    /// ≈ 4,000 instructions an answer). A stream without the member pays one comparison an event,
+    /// not a copy.
+    fn record(&mut self, data: &[u8], sole_null_usage: bool, usage_report: bool) {
+        if !(usage_report || data.ends_with(crate::rewrite::TRAILING_NULL_USAGE))
             || self.ends.len() >= Self::MAX_EVENTS
             || self.bytes.len().saturating_add(data.len()) > Self::MAX_BYTES
         {
@@ -305,6 +310,7 @@ impl StreamObserver {
                 validated: None,
                 stencil: Stencil::default(),
                 read_sole_null_usage: false,
+                read_usage_report: false,
             },
         }
     }
@@ -533,9 +539,10 @@ impl State {
         if handled {
             // The OpenAI fast path read the whole text as JSON (the Anthropic one is not asked).
             let sole_null_usage = std::mem::take(&mut self.read_sole_null_usage);
+            let usage_report = std::mem::take(&mut self.read_usage_report);
             if matches!(self.kind, ApiKind::ChatCompletions | ApiKind::Completions) {
                 if let Some(v) = &mut self.validated {
-                    v.record(data.as_bytes(), sole_null_usage);
+                    v.record(data.as_bytes(), sole_null_usage, usage_report);
                 }
             }
             return;
@@ -549,7 +556,7 @@ impl State {
         // From the bytes, as core reads all its JSON: one serde_json reader type in each .wasm.
         let parsed = serde_json::from_slice::<Value>(data.as_bytes());
         if let (Ok(_), Some(v)) = (&parsed, &mut self.validated) {
-            v.record(data.as_bytes(), false);
+            v.record(data.as_bytes(), false, false);
         }
         let v = match parsed {
             Ok(v) if v.is_object() => v,
@@ -600,7 +607,8 @@ impl State {
         if let Some(text) = chunk.visible_text {
             text.feed(&mut self.repetition);
         }
-        if let Some(u) = chunk.usage.and_then(|raw| serde_json::from_slice::<Value>(raw).ok()).as_ref().and_then(Usage::from_openai) {
+        self.read_usage_report = chunk.usage.is_some();
+        if let Some(u) = chunk.usage.and_then(Usage::from_openai_text) {
             self.openai_usage = Some(u);
             out.usage_seen = true;
         }

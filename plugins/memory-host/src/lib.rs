@@ -399,7 +399,7 @@ impl Gateway {
             let vm_number = next_vm_number(&mut store);
             BudgetPolicy::new(p, "playground", now, vm_number)
         });
-        let vm = Vm { guard, router: router.map(Router::new), budget, metrics: metrics.map(MetricsPolicy::new), store, fx: Effects::default(), sink };
+        let vm = Vm { guard, router: router.map(Router::new), budget, metrics: metrics.map(MetricsPolicy::new), store, fx: Effects::without_counters(), sink };
         Gateway { vm, streams: VecMap::new(), sections_timer: Timer::default(), router_armed: false, next_token: 0, out: Vec::new() }
     }
 

@@ -116,16 +116,36 @@ pub enum Verdict {
 }
 
 /// The effects of one event, in order. A host keeps one and clears it after applying, so the hot
-/// path allocates no list per event.
+/// path allocates no list per event. The second field is set by [`Effects::without_counters`].
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Effects(pub Vec<Effect>);
+pub struct Effects(pub Vec<Effect>, bool);
 
 impl Effects {
+    /// Effects for a host that keeps no counter and no histogram (the memory host: the simulator
+    /// and the playground read stamps, gauges and logs): [`Effect::Count`] and [`Effect::Record`]
+    /// are dropped as they are pushed, and the flows skip building the samples only they carry
+    /// (llm-metrics' per-request series, ≈ 8,000 instructions a request). Gauges stay: breaker
+    /// states and budgets remaining are read from them.
+    pub fn without_counters() -> Effects {
+        Effects(Vec::new(), true)
+    }
+
+    /// Whether [`Effect::Count`] and [`Effect::Record`] reach the host (see [`Self::without_counters`]).
+    pub fn keeps_counters(&self) -> bool {
+        !self.1
+    }
+
     pub fn push(&mut self, effect: Effect) {
+        if self.1 && matches!(effect, Effect::Count { .. } | Effect::Record { .. }) {
+            return;
+        }
         self.0.push(effect);
     }
 
     pub fn count(&mut self, name: impl Into<String>, delta: i64) {
+        if self.1 {
+            return;
+        }
         self.0.push(Effect::Count { name: name.into(), delta });
     }
 

@@ -418,7 +418,9 @@ impl Measured {
 
     fn emit(&mut self, policy: &MetricsPolicy, record: &RequestRecord, fx: &mut Effects) {
         self.phase = Phase::Reported;
-        for sample in record.samples() {
+        // Counters and histograms only: not built for a host that keeps none.
+        let samples = if fx.keeps_counters() { record.samples() } else { Vec::new() };
+        for sample in samples {
             let value = i64::try_from(sample.value).unwrap_or(i64::MAX);
             fx.push(match sample.kind {
                 MetricKind::Histogram => Effect::Record { name: sample.name, value: sample.value },

@@ -206,3 +206,43 @@ fn the_summary_comment_is_appended_to_the_last_chunk_after_a_separator() {
     });
     assert_eq!(appended.as_deref(), Some("\n\n: sluice ttft_us=4000 tpot_us=- output_tokens=1 input_tokens=0 usage=estimated\n\n"));
 }
+
+/// For a host that keeps no counter or histogram, the same request gives the same stamp and
+/// gauges, and not one count or record: the effects are the counting host's with those taken out.
+#[test]
+fn a_host_without_counters_gets_the_same_stamp_and_gauges_and_no_counts() {
+    let run = |mut fx: Effects| -> Vec<String> {
+        let mut p = policy(r#"{"tenant":{"header":"x-sluice-tenant"},"tenants":["acme"]}"#);
+        let body = r#"{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        let mut view = chat_view(body);
+        let mut flow = MetricsFlow::default();
+        let mut seen = Vec::new();
+        flow.on_request_headers(&mut p, &mut view, 0, &mut fx);
+        flow.on_request_body(&mut p, &mut view, body.len(), true, &mut fx);
+        view.response_headers = vec![(":status".into(), "200".into()), ("content-type".into(), "text/event-stream".into())];
+        view.now_ns = MS;
+        flow.on_response_headers(&mut p, &mut view, false, &mut fx);
+        view.response_body =
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hello there\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n".to_vec();
+        let n = view.response_body.len();
+        flow.on_response_body(&mut p, &mut view, n, true, 70 * MS, &mut fx);
+        view.now_ns = 80 * MS;
+        flow.on_log(&mut p, &mut view, &mut fx);
+        seen.extend(names(&fx));
+        seen
+    };
+    let counting = run(Effects::default());
+    let without = run(Effects::without_counters());
+    assert!(counting.iter().any(|e| e.starts_with("count ")) && counting.iter().any(|e| e.starts_with("record ")), "{counting:?}");
+    let expected: Vec<String> = counting.into_iter().filter(|e| !e.starts_with("count ") && !e.starts_with("record ")).collect();
+    assert_eq!(without, expected);
+    assert!(expected.iter().any(|e| e.starts_with("state sluice_llm=")) && expected.iter().any(|e| e.starts_with("gauge ")), "{expected:?}");
+
+    // Pushed by any flow, counts and records are dropped; the rest is kept.
+    let mut fx = Effects::without_counters();
+    fx.count("sluice.shed_total", 1);
+    fx.push(Effect::Record { name: "sluice.x".into(), value: 3 });
+    fx.push(Effect::GaugeAdd { name: "sluice.in_flight".into(), delta: 1 });
+    fx.set_state("k", "v");
+    assert_eq!(names(&fx), ["gauge sluice.in_flight 1", "state k=v"]);
+}
