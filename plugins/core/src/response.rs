@@ -608,7 +608,7 @@ impl State {
             text.feed(&mut self.repetition);
         }
         self.read_usage_report = chunk.usage.is_some();
-        if let Some(u) = chunk.usage.and_then(Usage::from_openai_text) {
+        if let Some(u) = chunk.usage.and_then(|raw| serde_json::from_slice::<Value>(raw).ok()).as_ref().and_then(Usage::from_openai) {
             self.openai_usage = Some(u);
             out.usage_seen = true;
         }

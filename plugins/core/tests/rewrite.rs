@@ -777,6 +777,13 @@ fn the_observer_vouches_only_for_texts_it_read_as_json_in_its_last_push() {
     assert!(known.contains(data));
     assert!(known.contains(format!(" \t{}\r\n", std::str::from_utf8(data).unwrap()).as_bytes()), "JSON whitespace around it is the same text");
     assert!(!known.contains(&data[..data.len() - 1]), "a text cut short is another text");
+    // The usage report and a finish carrying usage, read whole by the fast path, are vouched for
+    // too (the stripper need not validate them again).
+    for case in &cases[1..3] {
+        observer.push(case);
+        let data = &case[b"data:".len()..case.len() - 2];
+        assert!(observer.validated().unwrap().contains(data), "{}", String::from_utf8_lossy(case));
+    }
     // Vouched for: what the observer read as JSON, byte for byte. Not: a broken text, one with a
     // number outside f64's range (malformed to the observer, as to serde_json's tree; the
     // stripper's own skipping parse still strips it, above), one with no-break spaces around it
