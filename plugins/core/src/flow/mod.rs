@@ -124,7 +124,7 @@ impl Effects {
     /// Effects for a host that keeps no counter and no histogram (the memory host: the simulator
     /// and the playground read stamps, gauges and logs): [`Effect::Count`] and [`Effect::Record`]
     /// are dropped as they are pushed, and the flows skip building the samples only they carry
-    /// (llm-metrics' per-request series, ≈ 8,000 instructions a request). Gauges stay: breaker
+    /// (llm-metrics' per-request series, ≈ 6,000 instructions a request). Gauges stay: breaker
     /// states and budgets remaining are read from them.
     pub fn without_counters() -> Effects {
         Effects(Vec::new(), true)
