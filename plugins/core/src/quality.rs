@@ -161,10 +161,12 @@ impl Repetition {
 
     fn trigram(&mut self, hash: u32) {
         self.trigrams = self.trigrams.saturating_add(1);
+        // 0 marks an empty slot: a hash of 0 is stored as 1.
+        let hash = hash.max(1);
         match &mut self.table {
-            Some(table) => table.add(hash.max(1)),
+            Some(table) => table.add(hash),
             // Out of line: once an answer.
-            None => self.first_trigram(hash.max(1)),
+            None => self.first_trigram(hash),
         }
     }
 
