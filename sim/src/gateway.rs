@@ -67,8 +67,10 @@ pub struct Native {
     /// The engine's filter numbers of the guard's filter and of the one with the other sections.
     guard_filter: usize,
     sections_filter: usize,
-    /// Shadow callouts in flight: deadline and what was sent.
-    callouts: BTreeMap<u32, (u64, Callout)>,
+    /// Shadow callouts in flight, by token: their deadlines.
+    callouts: BTreeMap<u32, u64>,
+    /// Callouts sent since the engine last looked: handed over once, not copied on every look.
+    sent: Vec<Callout>,
     happened: Vec<Happened>,
 }
 
@@ -101,6 +103,7 @@ impl Gateway {
             guard_filter,
             sections_filter,
             callouts: BTreeMap::new(),
+            sent: Vec::new(),
             happened: Vec::new(),
         })))
     }
@@ -205,7 +208,8 @@ impl Gateway {
         }
     }
 
-    /// The callouts waiting for an answer.
+    /// The callouts waiting for an answer that the engine may not have seen: on the wasm host every
+    /// one waiting, on the native host those sent since the last call and still waiting.
     pub fn callouts(&mut self) -> Vec<Callout> {
         match self {
             Gateway::Wasm(chain) => chain
@@ -221,7 +225,9 @@ impl Gateway {
                 .collect(),
             Gateway::Native(n) => {
                 n.collect();
-                n.callouts.values().map(|(_, c)| c.clone()).collect()
+                let mut sent = std::mem::take(&mut n.sent);
+                sent.retain(|c| n.callouts.contains_key(&c.token));
+                sent
             }
         }
     }
@@ -302,7 +308,7 @@ impl Native {
     fn advance_to(&mut self, t: u64) {
         loop {
             self.collect();
-            let timeout = self.callouts.iter().map(|(token, (deadline, _))| (*deadline, *token)).min();
+            let timeout = self.callouts.iter().map(|(token, deadline)| (*deadline, *token)).min();
             let tick = self.gateway.next_tick();
             match (timeout, tick) {
                 (Some((deadline, token)), tick) if deadline <= t && tick.is_none_or(|k| deadline < k) => {
@@ -345,8 +351,8 @@ impl Native {
                 }
                 Out::Shadow { token, cluster, path, body } => {
                     let deadline = self.now.saturating_add(shadow_timeout_ns());
-                    let callout = Callout { filter: self.sections_filter, token, upstream: cluster, path, body };
-                    self.callouts.insert(token, (deadline, callout));
+                    self.callouts.insert(token, deadline);
+                    self.sent.push(Callout { filter: self.sections_filter, token, upstream: cluster, path, body });
                 }
             }
         }
