@@ -560,8 +560,14 @@ impl<'a> Engine<'a> {
     }
 
     fn verdict(&self, flight: InFlight, properties: &[(String, Vec<u8>)]) -> Verdict {
-        let stamp = |name: &str| properties.iter().find(|(k, _)| k == name).and_then(|(_, v)| Stamp::parse(v));
-        let stamps = Stamps { sluice: stamp("sluice_llm"), budget: stamp("sluice_budget"), route: stamp("sluice_route"), latency: stamp("sluice_latency") };
+        // Each stamp checked and read once, for the members a verdict takes from it.
+        fn read<const N: usize>(properties: &[(String, Vec<u8>)], name: &str, keys: [&str; N]) -> (Option<Stamp>, [Option<Value>; N]) {
+            let bytes = properties.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice());
+            match bytes.and_then(|b| Stamp::parse_reading(b, keys)) {
+                Some((stamp, members)) => (Some(stamp), members),
+                None => (None, std::array::from_fn(|_| None)),
+            }
+        }
         let now = self.chain.now_ns();
         let refused_by = flight.local_reply.and_then(|(filter, status)| {
             // Of a filter's sections only tenant-budget answers requests itself (latency-guard
@@ -571,30 +577,33 @@ impl<'a> Engine<'a> {
             // A guard's 504 is a deadline, not a refusal.
             (status != 504).then_some(*kind)
         });
-        // Each stamp read once, for the members a verdict takes from it.
-        let [reject_code, budget_decision, budget_key] =
-            stamps.budget.as_ref().map_or_else(Default::default, |b| b.members(["reject_code", "decision", "key"]));
-        let [route_version, route_reason, route_shadow] = stamps.route.as_ref().map_or_else(Default::default, |r| r.members(["version", "reason", "shadow"]));
-        let [latency_outcome] = stamps.latency.as_ref().map_or_else(Default::default, |l| l.members(["outcome"]));
-        let [stamp_status, stamp_outcome, ttft_us, tpot_us, duration_us, input_tokens, output_tokens, cost_micro_usd, ctx, turn, model_version, finish_reason, content_chunks, repetition_per_mille] =
-            stamps.sluice.as_ref().map_or_else(Default::default, |s| {
-                s.members([
-                    "status",
-                    "outcome",
-                    "ttft_us",
-                    "tpot_us",
-                    "duration_us",
-                    "input_tokens",
-                    "output_tokens",
-                    "cost_micro_usd",
-                    "ctx",
-                    "turn",
-                    "model_version",
-                    "finish_reason",
-                    "content_chunks",
-                    "repetition_per_mille",
-                ])
-            });
+        let (budget, [reject_code, budget_decision, budget_key]) = read(properties, "sluice_budget", ["reject_code", "decision", "key"]);
+        let (route, [route_version, route_reason, route_shadow]) = read(properties, "sluice_route", ["version", "reason", "shadow"]);
+        let (latency, [latency_outcome]) = read(properties, "sluice_latency", ["outcome"]);
+        let (
+            sluice,
+            [stamp_status, stamp_outcome, ttft_us, tpot_us, duration_us, input_tokens, output_tokens, cost_micro_usd, ctx, turn, model_version, finish_reason, content_chunks, repetition_per_mille],
+        ) = read(
+            properties,
+            "sluice_llm",
+            [
+                "status",
+                "outcome",
+                "ttft_us",
+                "tpot_us",
+                "duration_us",
+                "input_tokens",
+                "output_tokens",
+                "cost_micro_usd",
+                "ctx",
+                "turn",
+                "model_version",
+                "finish_reason",
+                "content_chunks",
+                "repetition_per_mille",
+            ],
+        );
+        let stamps = Stamps { sluice, budget, route, latency };
         let num = |v: &Option<Value>| v.as_ref().and_then(Value::as_u64);
         fn str_of(v: &Option<Value>) -> Option<&str> {
             v.as_ref().and_then(Value::as_str)

@@ -316,6 +316,8 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
     let verdicts_path = out.join("verdicts.jsonl");
     let mut writer = BufWriter::new(File::create(&verdicts_path).with_context(|| format!("cannot create {}", verdicts_path.display()))?);
     let mut kept: Vec<Verdict> = Vec::new();
+    // One verdict line at a time, its buffer reused.
+    let mut line = Vec::new();
     let keep = !run.no_report;
     let mut trace_error: Option<anyhow::Error> = None;
     let limit = args.limit.unwrap_or(u64::MAX);
@@ -342,9 +344,10 @@ fn run_one(args: &TraceArgs, scenario_path: &Path, out: &Path, run: &RunArgs) ->
     }));
     let result = engine.run(
         requests,
-        |verdict| {
-            serde_json::to_writer(&mut writer, &verdict)?;
-            writer.write_all(b"\n")?;
+        |mut verdict| {
+            line.clear();
+            verdict.write_line(&mut line)?;
+            writer.write_all(&line)?;
             if keep {
                 kept.push(Verdict { stamps: Stamps::default(), ..verdict });
             }
@@ -451,12 +454,14 @@ fn observe(path: &Path, out: &Path, skip_malformed: bool) -> Result<(), Failure>
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut writer = BufWriter::new(File::create(out.join("verdicts.jsonl"))?);
     let mut verdicts = Vec::new();
+    let mut line = Vec::new();
     let mut malformed = 0u64;
     for item in read_access_log(BufReader::new(file)) {
         match item {
-            Ok(v) => {
-                serde_json::to_writer(&mut writer, &v)?;
-                writer.write_all(b"\n")?;
+            Ok(mut v) => {
+                line.clear();
+                v.write_line(&mut line)?;
+                writer.write_all(&line)?;
                 verdicts.push(Verdict { stamps: Stamps::default(), ..v });
             }
             Err(e) if skip_malformed => {

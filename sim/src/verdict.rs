@@ -89,6 +89,43 @@ pub struct Verdict {
     pub stamps: Stamps,
 }
 
+impl Verdict {
+    /// Appends the verdict's JSON (what `serde_json` writes for it) and a newline to `out`, the
+    /// stamps' texts copied as they are: they were checked when read, and `Stamp`'s `Serialize`
+    /// checks them again.
+    pub fn write_line(&mut self, out: &mut Vec<u8>) -> serde_json::Result<()> {
+        let stamps = std::mem::take(&mut self.stamps);
+        let start = out.len();
+        let written = serde_json::to_writer(&mut *out, &*self);
+        self.stamps = stamps;
+        written?;
+        // The stamps are the last member: `…,"stamps":{}}` becomes `…,"stamps":{<the stamps>}}`.
+        let Some(head) = out.len().checked_sub(3).filter(|at| *at >= start && out.get(*at..) == Some(b"{}}")) else {
+            out.truncate(start);
+            serde_json::to_writer(&mut *out, &*self)?;
+            out.push(b'\n');
+            return Ok(());
+        };
+        out.truncate(head.saturating_add(1));
+        let mut first = true;
+        for (name, stamp) in
+            [("sluice", &self.stamps.sluice), ("budget", &self.stamps.budget), ("route", &self.stamps.route), ("latency", &self.stamps.latency)]
+        {
+            let Some(stamp) = stamp else { continue };
+            if !first {
+                out.push(b',');
+            }
+            first = false;
+            out.push(b'"');
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b"\":");
+            out.extend_from_slice(stamp.text().as_bytes());
+        }
+        out.extend_from_slice(b"}}\n");
+        Ok(())
+    }
+}
+
 /// One whole answer as llm-metrics judged it (docs/metrics.md, "Output quality"): the figures of
 /// its stamp that feed `sluice_quality_*`, so a report counts what those series count.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,39 +204,62 @@ pub struct Stamps {
     pub latency: Option<Stamp>,
 }
 
-/// One plugin's stamp: its JSON text as the plugin wrote it, written out as it is. A verdict
-/// reads a few members of each stamp; parsing all four into trees, each member an allocation, and
-/// serialising them again was a tenth of a replay's time.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Stamp(Box<RawValue>);
+/// One plugin's stamp: its JSON text as the plugin wrote it (checked to be one JSON value when
+/// read), written out as it is. A verdict reads a few members of each stamp; parsing all four
+/// into trees, each member an allocation, and serialising them again was a tenth of a replay's
+/// time, and checking them with serde_json then reading the members in a second pass a twentieth.
+#[derive(Debug, Clone)]
+pub struct Stamp(Box<str>);
 
 impl Stamp {
     /// The stamp in `bytes`, when they are JSON.
     pub fn parse(bytes: &[u8]) -> Option<Stamp> {
-        // UTF-8 checked once here: read from the bytes, serde_json checks each string it reads and
-        // then the whole raw text again.
-        let text = std::str::from_utf8(bytes).ok()?;
-        serde_json::from_str(text).ok().map(Stamp)
+        Stamp::parse_reading(bytes, []).map(|(stamp, [])| stamp)
+    }
+
+    /// The stamp in `bytes`, when they are JSON, with its top-level members named `keys` (as
+    /// [`Stamp::members`] gives them), in one pass over the text where sluice-core's scanner is
+    /// sure of it (every stamp sluice writes), else checked and read by serde_json.
+    pub fn parse_reading<const N: usize>(bytes: &[u8], keys: [&str; N]) -> Option<(Stamp, [Option<Value>; N])> {
+        // The text without the whitespace around it, as serde_json's raw values keep it.
+        let text = std::str::from_utf8(bytes).ok()?.trim_matches([' ', '\t', '\n', '\r']);
+        if let Some(raw) = sluice_core::json::object_members(text, keys) {
+            return Some((Stamp(text.into()), raw.map(|member| member.map(member_value))));
+        }
+        let tree: Value = serde_json::from_str(text).ok()?;
+        Some((Stamp(text.into()), keys.map(|key| tree.get(key).cloned())))
     }
 
     /// A stamp holding `value`.
     pub fn from_value(value: &Value) -> Option<Stamp> {
-        serde_json::value::to_raw_value(value).ok().map(Stamp)
+        serde_json::to_string(value).ok().map(|text| Stamp(text.into()))
+    }
+
+    /// The stamp's JSON text.
+    pub fn text(&self) -> &str {
+        &self.0
     }
 
     /// The stamp as a tree.
     pub fn value(&self) -> Value {
-        serde_json::from_str(self.0.get()).unwrap_or(Value::Null)
+        serde_json::from_str(&self.0).unwrap_or(Value::Null)
     }
 
     /// The top-level members named `keys`, as a tree of the stamp would give them (the last of a
     /// repeated key); `None` for an absent key or a stamp that is not an object. One pass, only
     /// the members asked for built.
     pub fn members<const N: usize>(&self, keys: [&str; N]) -> [Option<Value>; N] {
+        match sluice_core::json::object_members(&self.0, keys) {
+            Some(raw) => raw.map(|member| member.map(member_value)),
+            None => self.members_by_tree(keys),
+        }
+    }
+
+    /// [`Stamp::members`] by serde_json, for the texts the scanner is not sure of.
+    fn members_by_tree<const N: usize>(&self, keys: [&str; N]) -> [Option<Value>; N] {
         let mut found: [Option<Value>; N] = std::array::from_fn(|_| None);
-        let mut de = serde_json::Deserializer::from_str(self.0.get());
-        // Not an object (the text is JSON: it was parsed as such): no members.
+        let mut de = serde_json::Deserializer::from_str(&self.0);
+        // Not an object (the text is JSON: it was checked as such): no members.
         let _ = serde::Deserializer::deserialize_any(&mut de, Members { keys: &keys, found: &mut found });
         found
     }
@@ -218,10 +278,43 @@ impl Stamp {
     }
 }
 
+/// A member's JSON text (checked by the scanner) as a tree: the stamps' plain strings and
+/// unsigned integers without serde_json's parser.
+fn member_value(raw: &str) -> Value {
+    let bytes = raw.as_bytes();
+    if let [b'"', inner @ .., b'"'] = bytes {
+        if !inner.contains(&b'\\') {
+            if let Some(text) = raw.get(1..raw.len() - 1) {
+                return Value::String(text.to_string());
+            }
+        }
+    } else if !bytes.is_empty() && bytes.iter().all(u8::is_ascii_digit) && (bytes.len() == 1 || bytes.first() != Some(&b'0')) {
+        if let Ok(n) = raw.parse::<u64>() {
+            return Value::from(n);
+        }
+    }
+    serde_json::from_str(raw).unwrap_or(Value::Null)
+}
+
+/// Written as its text, checked again (`RawValue`): the verdict lines the simulator writes by the
+/// thousand take [`Verdict::write_line`], which writes the text without that second check.
+impl Serialize for Stamp {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        RawValue::from_string(self.0.to_string()).map_err(serde::ser::Error::custom)?.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Stamp {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Stamp, D::Error> {
+        let raw = Box::<RawValue>::deserialize(deserializer)?;
+        Ok(Stamp(raw.get().into()))
+    }
+}
+
 /// Two stamps are equal when their JSON is, whatever its spacing or member order.
 impl PartialEq for Stamp {
     fn eq(&self, other: &Stamp) -> bool {
-        self.0.get() == other.0.get() || self.value() == other.value()
+        self.0 == other.0 || self.value() == other.value()
     }
 }
 
@@ -306,7 +399,7 @@ pub struct Transition {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use serde_json::json;
 
@@ -333,5 +426,59 @@ mod tests {
         // Written out as the plugin wrote it; equal to the same JSON spaced or ordered otherwise.
         assert_eq!(serde_json::to_string(&stamp).unwrap(), text);
         assert_eq!(Stamp::from_value(&json!({"b": 1, "a": 2})), Stamp::parse(br#"{ "a":2, "b":1 }"#));
+    }
+
+    /// A verdict line is what serde_json writes for the verdict, whichever stamps it has (none,
+    /// some, all four; objects, other JSON values, texts the scanner leaves to serde_json), and it
+    /// reads back as the same verdict.
+    #[test]
+    fn a_verdict_line_is_the_verdicts_json() {
+        let head = r#"{"line":2,"arrival_ms":0.0,"tenant":"t","key":"t","user":null,"api":"chat_completions","model":"m","prompt_tokens":374,"stream":true,"decision":"admitted","status":200,"code":null,"refused_by":null,"outcome":"completed","version":"v1","route_reason":"weight","shadow_version":null,"ttft_ms":71.166,"tpot_ms":22.0,"duration_ms":1017.166,"input_tokens":374,"output_tokens":44,"cost_usd":0.000256,"ctx":"1k","turn":"first","upstream_concurrency":1,"stamps":{}}"#;
+        let base: Verdict = serde_json::from_str(head).unwrap();
+        let texts = [r#"{"status":200,"outcome":"completed","ttft_us":71166}"#, r#"{"k\u0065y":"a","n":[1,{"x":null}]}"#, "[1,2]", r#""text""#, " { } "];
+        let stamp = |i: usize| Stamp::parse(texts[i % texts.len()].as_bytes()).unwrap();
+        let mut cases = vec![Stamps::default()];
+        for mask in 1u8..16 {
+            let pick = |bit: u8, i: usize| (mask & bit != 0).then(|| stamp(i + usize::from(mask)));
+            cases.push(Stamps { sluice: pick(1, 0), budget: pick(2, 1), route: pick(4, 2), latency: pick(8, 3) });
+        }
+        for stamps in cases {
+            let mut verdict = Verdict { stamps, ..base.clone() };
+            let mut line = b"before".to_vec();
+            verdict.write_line(&mut line).unwrap();
+            let want = format!("before{}\n", serde_json::to_string(&verdict).unwrap());
+            assert_eq!(String::from_utf8(line.clone()).unwrap(), want);
+            assert_eq!(serde_json::from_slice::<Verdict>(&line[6..]).unwrap(), verdict);
+        }
+    }
+
+    /// Read in one pass, a stamp's members are what a tree of it holds, for the texts the scanner
+    /// reads and for those it leaves to serde_json; what is not JSON is no stamp.
+    #[test]
+    fn a_stamp_read_in_one_pass_gives_the_trees_members() {
+        let keys = ["status", "outcome", "n", "big", "neg", "esc", "absent"];
+        for text in [
+            r#"{"status":200,"outcome":"completed","n":0,"big":18446744073709551616,"neg":-3,"esc":"a\"b\u00e9"}"#,
+            r#"{"status":200,"st\u0061tus":201,"outcome":"x"}"#,
+            r#"{"status":1,"status":2,"outcome":"\ud83d\ude00"}"#,
+            r#"{"n":1.5e3,"big":1e400}"#,
+            "[1]",
+            "null",
+        ] {
+            let tree: Option<Value> = serde_json::from_str(text).ok();
+            match Stamp::parse_reading(text.as_bytes(), keys) {
+                Some((stamp, members)) => {
+                    let tree = tree.unwrap();
+                    assert_eq!(stamp.text(), text);
+                    for (key, member) in keys.iter().zip(&members) {
+                        assert_eq!(member.as_ref(), tree.get(key), "{key} of {text}");
+                    }
+                    assert_eq!(stamp.members(keys), members);
+                }
+                None => assert!(tree.is_none(), "{text} is JSON"),
+            }
+        }
+        assert!(Stamp::parse_reading(b"{\"status\":2", ["status"]).is_none());
+        assert!(Stamp::parse_reading(b"{\"status\":\"\xff\"}", ["status"]).is_none());
     }
 }

@@ -84,6 +84,26 @@ pub(crate) fn error_message(v: &Value) -> Option<&str> {
     None
 }
 
+/// The texts of the top-level members named `keys` of the JSON object `text` (the last of a
+/// repeated key, as a tree keeps it; `None` for an absent one), once the whole of `text` is
+/// checked to be that one object: one pass, nothing built. `None` when `text` is not an object or
+/// the scanner is not sure of it (an escaped key, a surrogate escape, deep nesting, a number near
+/// `f64`'s range): the caller then asks serde_json, which reads what this reads wherever this
+/// answers. For readers of sluice's own stamps (the simulator reads four a request).
+pub fn object_members<'a, const N: usize>(text: &'a str, keys: [&str; N]) -> Option<[Option<&'a str>; N]> {
+    let mut found: [Option<&'a str>; N] = [None; N];
+    let mut scanner = crate::scan::Scanner::new(text);
+    scanner.object(|sc, key| {
+        let raw = sc.value()?;
+        if let Some(slot) = keys.iter().position(|k| key.is(k)).and_then(|i| found.get_mut(i)) {
+            let start = (raw.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+            *slot = Some(text.get(start..start.checked_add(raw.len())?)?);
+        }
+        Some(())
+    })?;
+    scanner.at_end().then_some(found)
+}
+
 /// Deserializes a configuration document. On failure the message starts with the path of the
 /// offending member (`versions[0].breaker: unknown field ...`), which serde alone does not give.
 pub fn parse_config<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
@@ -442,5 +462,67 @@ mod tests {
         assert_eq!(error_message(&json!({"error":null})), None);
         assert_eq!(error_message(&json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})), Some("Overloaded"));
         assert_eq!(error_message(&json!({"type":"error","code":"rate_limit","message":""})), Some("rate_limit"));
+    }
+
+    /// Texts built from members that may repeat, with escapes, nested values, floats and a
+    /// spacing: wherever `object_members` answers, serde_json takes the text as the same object
+    /// and gives each wanted member the same value; where serde_json refuses the text,
+    /// `object_members` does too.
+    mod object_members_agrees_with_the_tree {
+        use super::super::object_members;
+        use proptest::prelude::*;
+        use serde_json::Value;
+
+        fn member_value() -> impl Strategy<Value = String> {
+            let leaf = prop_oneof![
+                Just("null".to_string()),
+                Just("true".to_string()),
+                any::<i64>().prop_map(|n| n.to_string()),
+                any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| Value::from(f).to_string()),
+                "[a-z\\\"\\u{e9} ]{0,6}".prop_map(|t| Value::from(t).to_string()),
+                Just("\"\\u00e9\\n\"".to_string()),
+                Just("1e400".to_string()),
+                Just("\"\\ud83d\\ude00\"".to_string()),
+                Just("01".to_string()),
+                Just("\"open".to_string()),
+            ];
+            leaf.prop_recursive(3, 10, 3, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..3).prop_map(|v| format!("[{}]", v.join(","))),
+                    prop::collection::vec(("[a-c]", inner), 0..3)
+                        .prop_map(|m| format!("{{{}}}", m.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect::<Vec<_>>().join(","))),
+                ]
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn members_and_refusals(members in prop::collection::vec(("a|b|c|d|\\u0061", member_value()), 0..6), space in any::<bool>(), tail in prop_oneof![Just(""), Just(" "), Just(" x"), Just("}")]) {
+                let sep = if space { " , " } else { "," };
+                let text = format!("{{{}}}{tail}", members.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect::<Vec<_>>().join(sep));
+                let keys = ["a", "b", "c", "z"];
+                let tree = serde_json::from_str::<Value>(&text);
+                match object_members(&text, keys) {
+                    Some(found) => {
+                        let tree = tree.map_err(|e| TestCaseError::fail(format!("{text}: the scanner answered, serde refused: {e}")))?;
+                        for (key, raw) in keys.iter().zip(found) {
+                            let read = raw.map(|r| serde_json::from_str::<Value>(r).unwrap());
+                            prop_assert_eq!(read.as_ref(), tree.get(key), "{} in {}", key, text);
+                        }
+                    }
+                    // Declined: fine whatever serde says, but an escaped key, a surrogate, a huge
+                    // number or bad JSON must be what made it decline.
+                    None => prop_assert!(tree.is_err() || text.contains('\\') || text.contains("1e400"), "declined {}", text),
+                }
+            }
+        }
+
+        #[test]
+        fn not_an_object_is_none() {
+            for text in ["[1]", "\"a\"", "7", "null", "", "{\"a\":1", "{\"a\":1}{}"] {
+                assert_eq!(object_members(text, ["a"]), None, "{text}");
+            }
+            assert_eq!(object_members(r#" {"a":1,"b":{"a":2},"a":[3]} "#, ["a", "b"]), Some([Some("[3]"), Some(r#"{"a":2}"#)]));
+        }
     }
 }
