@@ -90,6 +90,7 @@ pub(crate) fn error_message(v: &Value) -> Option<&str> {
 /// the scanner is not sure of it (an escaped key, a surrogate escape, deep nesting, a number near
 /// `f64`'s range): the caller then asks serde_json, which reads what this reads wherever this
 /// answers. For readers of sluice's own stamps (the simulator reads four a request).
+#[cfg(feature = "object-members")]
 pub fn object_members<'a, const N: usize>(text: &'a str, keys: [&str; N]) -> Option<[Option<&'a str>; N]> {
     let mut found: [Option<&'a str>; N] = [None; N];
     let mut scanner = crate::scan::Scanner::new(text);
@@ -468,6 +469,7 @@ mod tests {
     /// spacing: wherever `object_members` answers, serde_json takes the text as the same object
     /// and gives each wanted member the same value; where serde_json refuses the text,
     /// `object_members` does too.
+    #[cfg(feature = "object-members")]
     mod object_members_agrees_with_the_tree {
         use super::super::object_members;
         use proptest::prelude::*;
