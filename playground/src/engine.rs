@@ -642,7 +642,7 @@ impl<'a> Engine<'a> {
                         self.free_slot(&name, at);
                     }
                 }
-                self.gateway.response_body(gateway_id(id), at, bytes, last);
+                self.gateway.response_body(gateway_id(id), at, &bytes, last);
             }
             Event::ShadowAnswer(token) => {
                 let (status, body) = match self.shadows.iter().position(|(t, _, _)| *t == token) {

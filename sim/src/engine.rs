@@ -191,6 +191,8 @@ pub struct Engine<'a> {
     callouts: HashSet<(usize, u32), BuildHasherDefault<IdHasher>>,
     callout_replies: IdMap<(usize, u32), CalloutReply>,
     filler: String,
+    /// The upstream's piece on its way to the gateway.
+    piece: Vec<u8>,
     result: RunResult,
     last_event_ns: u64,
 }
@@ -222,6 +224,7 @@ impl<'a> Engine<'a> {
             next_queue_ticket: 0,
             callouts: HashSet::default(),
             callout_replies: IdMap::default(),
+            piece: Vec::new(),
             filler: String::new(),
             result: RunResult { sample_every_ms: scenario.sample_every_ms, ..RunResult::default() },
             last_event_ns: options.start_ns,
@@ -469,8 +472,15 @@ impl<'a> Engine<'a> {
                 let Some(up) = flight.upstream.as_mut() else { return Ok(()) };
                 let Some(answer) = up.answer.as_mut() else { return Ok(()) };
                 let last = n + 1 == answer.pieces.len();
-                let Some((_, bytes)) = answer.pieces.get_mut(n) else { return Ok(()) };
-                let bytes = std::mem::take(bytes);
+                let Some(bytes) = answer.piece(n) else { return Ok(()) };
+                // Copied out (the upstream may start the next request's service below): into one
+                // buffer, reused piece after piece.
+                self.piece.clear();
+                self.piece.extend_from_slice(bytes);
+                if last {
+                    // Sent whole: its memory goes now, not when the request ends.
+                    answer.body = Vec::new();
+                }
                 // A piece reaches the client only while the gateway keeps the stream open: one
                 // that latency-guard ended at its deadline (during the ticks `advance` ran up to
                 // this piece) gets no first token, whatever the upstream still sends.
@@ -484,7 +494,7 @@ impl<'a> Engine<'a> {
                     self.free(&name);
                 }
                 if open {
-                    self.chain.response_body(stream, bytes, last)?;
+                    self.chain.response_body(stream, &self.piece, last)?;
                 }
             }
             Event::CalloutReply(filter, token) => {
@@ -519,8 +529,7 @@ impl<'a> Engine<'a> {
             let service = Service { ttft_ns: ms_to_ns(ttft_ms), itl_ns: ms_to_ns(tpot_ms), tokens, fail: None, running: running + 1 };
             let answer = upstream::answer(path, &body, &service, u64::MAX, self.scenario.tokens_per_event);
             let end = answer.pieces.last().map_or(0, |(t, _)| *t);
-            let body: Vec<u8> = answer.pieces.into_iter().flat_map(|(_, b)| b).collect();
-            self.callout_replies.insert((filter, token), CalloutReply { status: answer.status, headers: answer.headers, body });
+            self.callout_replies.insert((filter, token), CalloutReply { status: answer.status, headers: answer.headers, body: answer.body });
             self.schedule(now + end, Event::CalloutReply(filter, token));
         }
     }

@@ -171,9 +171,9 @@ impl Gateway {
     }
 
     /// A piece of the upstream's response body (`end`: the last).
-    pub fn response_body(&mut self, stream: StreamId, bytes: Vec<u8>, end: bool) -> Result<()> {
+    pub fn response_body(&mut self, stream: StreamId, bytes: &[u8], end: bool) -> Result<()> {
         match self {
-            Gateway::Wasm(chain) => chain.response_body(stream, bytes, end),
+            Gateway::Wasm(chain) => chain.response_body(stream, bytes.to_vec(), end),
             Gateway::Native(n) => {
                 if let Some(id) = native_id(stream) {
                     n.gateway.response_body(id, n.now, bytes, end);

@@ -59,8 +59,26 @@ pub fn api_of(path: &str) -> Option<Api> {
 pub struct Answer {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    /// Body pieces with their offsets; the last one ends the response.
-    pub pieces: Vec<(u64, Vec<u8>)>,
+    /// The whole body: the pieces one after the other, rendered into one buffer (a buffer a piece
+    /// was a twentieth of a 16-token replay's allocations).
+    pub body: Vec<u8>,
+    /// Each piece's time and where it ends in `body`; the last one ends the response.
+    pub pieces: Vec<(u64, usize)>,
+}
+
+impl Answer {
+    /// Piece `n`'s bytes.
+    pub fn piece(&self, n: usize) -> Option<&[u8]> {
+        let end = self.pieces.get(n)?.1;
+        let start = n.checked_sub(1).and_then(|p| self.pieces.get(p)).map_or(0, |(_, end)| *end);
+        self.body.get(start..end)
+    }
+
+    /// An answer of one piece.
+    fn whole(status: u16, headers: Vec<(String, String)>, at: u64, body: Vec<u8>) -> Answer {
+        let pieces = vec![(at, body.len())];
+        Answer { status, headers, body, pieces }
+    }
 }
 
 /// Renders the answer to `body` on `path` given `service`, with tokens batched into chunks of
@@ -79,25 +97,25 @@ pub fn answer(path: &str, body: &Body, service: &Service, chunk_ns: u64, tokens_
     let end_ns = service.ttft_ns + service.itl_ns * plan.tokens.saturating_sub(1);
     if !plan.stream {
         let body = plan.full_body().to_string().into_bytes();
-        return Answer { status: 200, headers: vec![("content-type".into(), "application/json".into())], pieces: vec![(end_ns, body)] };
+        return Answer::whole(200, vec![("content-type".into(), "application/json".into())], end_ns, body);
     }
     let mut seq = 0;
-    let mut pieces: Vec<(u64, Vec<u8>)> = Vec::new();
-    let mut preamble = Vec::new();
+    let per_event = tokens_per_event.max(1);
+    let template = plan.token_template();
+    // The body's bytes reserved once: the events' (the first token alone, then `per_event` an
+    // event) and a few hundred for the preamble and the epilogue.
+    let events = usize::try_from(plan.tokens.saturating_sub(1).div_ceil(per_event)).unwrap_or(0).saturating_add(1);
+    let mut bytes = Vec::with_capacity(template.size_hint(per_event).saturating_mul(events).saturating_add(1024));
+    let mut pieces: Vec<(u64, usize)> = Vec::new();
     for event in plan.preamble(&mut seq) {
-        event.render_into(false, &mut preamble);
+        event.render_into(false, &mut bytes);
     }
-    if !preamble.is_empty() {
-        pieces.push((0, preamble));
+    if !bytes.is_empty() {
+        pieces.push((0, bytes.len()));
     }
     // Chunk 0 is the first token alone; chunk k ≥ 1 holds the tokens whose offset after the first
     // lies in ((k − 1)·chunk, k·chunk], sent when its last token is due.
-    let mut current: Option<(u64, u64, Vec<u8>)> = None;
-    let per_event = tokens_per_event.max(1);
-    let template = plan.token_template();
-    // The events a chunk holds (the tokens due within one chunk's time, `per_event` an event), so
-    // that a chunk's bytes are reserved once instead of grown by every event appended.
-    let events_per_chunk = usize::try_from(chunk_ns / service.itl_ns.saturating_mul(per_event).max(1)).unwrap_or(usize::MAX).clamp(1, 64).saturating_add(1);
+    let mut current: Option<(u64, u64)> = None;
     let mut i = 0;
     while i < plan.tokens {
         // The first token alone, at the TTFT; then events of `per_event` tokens, each sent when
@@ -107,35 +125,28 @@ pub fn answer(path: &str, body: &Body, service: &Service, chunk_ns: u64, tokens_
         let at = service.ttft_ns + service.itl_ns * last;
         let chunk = if i == 0 { 0 } else { (at - service.ttft_ns).div_ceil(chunk_ns.max(1)) };
         match &mut current {
-            Some((k, t, bytes)) if *k == chunk => {
-                *t = at;
-                template.render(&plan, i, n, &mut seq, bytes);
-            }
+            Some((k, t)) if *k == chunk => *t = at,
             _ => {
-                if let Some((_, t, bytes)) = current.take() {
-                    pieces.push((t, bytes));
+                if let Some((_, t)) = current.take() {
+                    pieces.push((t, bytes.len()));
                 }
-                // The first chunk holds the first token alone.
-                let events = if i == 0 { 1 } else { events_per_chunk };
-                let mut bytes = Vec::with_capacity(template.size_hint(n).saturating_mul(events));
-                template.render(&plan, i, n, &mut seq, &mut bytes);
-                current = Some((chunk, at, bytes));
+                current = Some((chunk, at));
             }
         }
+        template.render(&plan, i, n, &mut seq, &mut bytes);
         i += n;
     }
     // The epilogue ends the last chunk, written into it.
-    let (t, mut bytes) = current.map_or((end_ns, Vec::new()), |(_, t, bytes)| (t, bytes));
+    let t = current.map_or(end_ns, |(_, t)| t);
     for event in plan.epilogue(&mut seq) {
         event.render_into(false, &mut bytes);
     }
-    pieces.push((t, bytes));
-    Answer { status: 200, headers: vec![("content-type".into(), "text/event-stream".into()), ("cache-control".into(), "no-cache".into())], pieces }
+    pieces.push((t, bytes.len()));
+    Answer { status: 200, headers: vec![("content-type".into(), "text/event-stream".into()), ("cache-control".into(), "no-cache".into())], body: bytes, pieces }
 }
 
 fn error_answer(path: &str, status: u16, message: &str, service: &Service) -> Answer {
     let body = error_body(path, status, message).to_string().into_bytes();
     // The engine sets a failing request's TTFT to the fixed part alone: refused without prefill.
-    let at = service.ttft_ns;
-    Answer { status, headers: vec![("content-type".into(), "application/json".into())], pieces: vec![(at, body)] }
+    Answer::whole(status, vec![("content-type".into(), "application/json".into())], service.ttft_ns, body)
 }

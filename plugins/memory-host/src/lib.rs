@@ -572,13 +572,14 @@ impl Gateway {
     }
 
     /// A piece of the upstream's response body; `end`: its last.
-    pub fn response_body(&mut self, id: u32, now: u64, bytes: Vec<u8>, end: bool) {
+    pub fn response_body(&mut self, id: u32, now: u64, bytes: &[u8], end: bool) {
         let Some(s) = self.streams.get_mut(&id) else { return };
-        s.ctl.data.chunk = bytes;
+        // Into the stream's chunk buffer, its allocation reused chunk after chunk.
+        s.ctl.data.chunk.clear();
+        s.ctl.data.chunk.extend_from_slice(bytes);
         self.vm.sections_response(s, now, Some(end));
         if s.ctl.held {
-            let chunk = std::mem::take(&mut s.ctl.data.chunk);
-            s.ctl.held_body.extend_from_slice(&chunk);
+            s.ctl.held_body.extend_from_slice(&s.ctl.data.chunk);
             s.ctl.held_end |= end;
         } else {
             self.vm.guard_response(s, now, Some(end));
