@@ -140,12 +140,21 @@ impl SharedStore for MemoryStore {
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-        let current = self.entries.get(key).map(|(_, c)| *c).unwrap_or(0);
-        if cas != 0 && cas != current {
-            return Err(StoreError::CasMismatch);
+        let next_cas = self.next_cas.wrapping_add(1).max(1);
+        match self.entries.get_mut(key) {
+            Some((_, current)) if cas != 0 && cas != *current => return Err(StoreError::CasMismatch),
+            // A key written again keeps its allocations (most writes are of keys that exist).
+            Some((stored, current)) => {
+                stored.clear();
+                stored.extend_from_slice(value);
+                *current = next_cas;
+            }
+            None if cas != 0 => return Err(StoreError::CasMismatch),
+            None => {
+                self.entries.insert(key.to_string(), (value.to_vec(), next_cas));
+            }
         }
-        self.next_cas = self.next_cas.wrapping_add(1).max(1);
-        self.entries.insert(key.to_string(), (value.to_vec(), self.next_cas));
+        self.next_cas = next_cas;
         Ok(())
     }
 }
