@@ -126,9 +126,8 @@ impl View for NativeView<'_, '_> {
     /// segment is another policy's filter state, `request.headers.<name>` a request header,
     /// `metadata.filter_metadata.<ns>.<key>` dynamic metadata, and `response.code_details` the
     /// stream attribute. Anything else is absent natively (logged at debug).
-    fn property(&mut self, path: &[String]) -> Option<String> {
-        let segments: Vec<&str> = path.iter().map(String::as_str).collect();
-        match segments.as_slice() {
+    fn property(&mut self, path: &[&str]) -> Option<String> {
+        match path {
             [key] => self.envoy.filter_state(&state_key(key)).map(text),
             ["request", "headers", name] => self.request_header(name),
             ["metadata", "filter_metadata", namespace, key] => self.envoy.dynamic_metadata_string(namespace, key).map(text),
@@ -180,7 +179,7 @@ impl View for HeldBody<'_> {
     fn body(&mut self, _dir: Dir, size: usize) -> Cow<'_, [u8]> {
         Cow::Borrowed(self.body.get(..size.min(self.body.len())).unwrap_or_default())
     }
-    fn property(&mut self, _path: &[String]) -> Option<String> {
+    fn property(&mut self, _path: &[&str]) -> Option<String> {
         None
     }
     fn gateway_reply(&mut self) -> Option<GatewayReply> {

@@ -66,7 +66,7 @@ impl Root {
         }
         log::info!("tenant-budget configured: {} keys, {} budget counters", policy.keys.len(), policy.counters.len());
         // Envoy 1.40 answers the node under the `xds` attributes (`node.id` finds nothing there).
-        let node = host::property(&["xds".into(), "node".into(), "id".into()]).or_else(|| host::property(&["node".into(), "id".into()])).unwrap_or_default();
+        let node = host::property(&["xds", "node", "id"]).or_else(|| host::property(&["node", "id"])).unwrap_or_default();
         let budget = BudgetPolicy::new(policy, &node, host::now_ns(), next_vm_number(&mut SharedData));
         if budget.needs_tick() {
             log::info!("tenant-budget: Redis hold ids of this proxy start with {} (node id {node:?})", budget.hold_prefix());

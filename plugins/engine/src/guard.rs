@@ -42,7 +42,7 @@ impl Root {
             log::error!("sluice latency-guard: {e}");
             return None;
         }
-        let vm_id = host::property(&["plugin_vm_id".to_string()]).unwrap_or_default();
+        let vm_id = host::property(&["plugin_vm_id"]).unwrap_or_default();
         let release_queue = register_release_queue();
         if let Err(status) = host::set_tick_period(Duration::from_nanos(deadline::IDLE_TICK_NS)) {
             log::error!("sluice latency-guard: cannot set the tick ({status:?}); deadlines would never fire");

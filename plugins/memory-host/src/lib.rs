@@ -238,15 +238,15 @@ impl View for StreamView<'_> {
         };
         std::borrow::Cow::Borrowed(body.get(..size.min(body.len())).unwrap_or_default())
     }
-    fn property(&mut self, path: &[String]) -> Option<String> {
+    fn property(&mut self, path: &[&str]) -> Option<String> {
         if let [key] = path {
             // Filter state; an empty value reads back as absent, as in Envoy.
-            return self.data.state.get(key).filter(|v| !v.is_empty()).map(|v| String::from_utf8_lossy(v).into_owned());
+            return self.data.state.get(*key).filter(|v| !v.is_empty()).map(|v| String::from_utf8_lossy(v).into_owned());
         }
-        if path.iter().map(String::as_str).eq(["response", "code_details"]) {
+        if path == ["response", "code_details"] {
             return self.data.code_details.map(str::to_string);
         }
-        self.data.metadata.iter().find(|(p, _)| p.as_slice() == path).map(|(_, v)| v.clone())
+        self.data.metadata.iter().find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied())).map(|(_, v)| v.clone())
     }
     fn gateway_reply(&mut self) -> Option<GatewayReply> {
         self.data.state.get(GATEWAY_REPLY_PROPERTY).and_then(|v| GatewayReply::decode(&String::from_utf8_lossy(v)))

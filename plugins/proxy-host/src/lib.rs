@@ -99,7 +99,7 @@ pub fn append_body(buffer: BufferType, current_size: usize, bytes: &[u8]) {
 /// A property (`["request", "headers", "traceparent"]`, `["xds", "node", "id"]`), decoded lossily.
 /// Through the ABI directly, as [`header`]: the SDK's `get_property` panics on a status it does not
 /// expect.
-pub fn property(path: &[String]) -> Option<String> {
+pub fn property(path: &[&str]) -> Option<String> {
     // The ABI's path: the segments, each ended by a NUL but the last.
     let mut serialized: Vec<u8> = Vec::with_capacity(path.iter().map(|p| p.len() + 1).sum());
     for (i, segment) in path.iter().enumerate() {
@@ -255,7 +255,7 @@ pub fn mark_gateway_reply(reply: sluice_core::contract::GatewayReply) {
 
 /// The gateway's own reply to this request, if a sluice plugin recorded one.
 pub fn gateway_reply() -> Option<sluice_core::contract::GatewayReply> {
-    property(&[sluice_core::contract::GATEWAY_REPLY_PROPERTY.to_string()]).and_then(|v| sluice_core::contract::GatewayReply::decode(&v))
+    property(&[sluice_core::contract::GATEWAY_REPLY_PROPERTY]).and_then(|v| sluice_core::contract::GatewayReply::decode(&v))
 }
 
 /// A reply the gateway decided on (refusal, deadline): recorded for the other plugins, then sent.
@@ -269,7 +269,7 @@ pub fn gateway_local_reply(end: sluice_core::contract::GatewayEnd, status: u32, 
 /// and flags ([`sluice_core::report::Outcome::of_unended`]). A reply the gateway generated itself is
 /// read separately ([`gateway_reply`]) and takes precedence.
 pub fn interrupted_outcome() -> sluice_core::report::Outcome {
-    let details = property(&["response".into(), "code_details".into()]).unwrap_or_default();
+    let details = property(&["response", "code_details"]).unwrap_or_default();
     sluice_core::report::Outcome::of_unended(&details, response_flags())
 }
 
@@ -496,7 +496,7 @@ impl sluice_core::flow::View for LiveView {
     fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
         std::borrow::Cow::Owned(stream::body(body_buffer(dir), size))
     }
-    fn property(&mut self, path: &[String]) -> Option<String> {
+    fn property(&mut self, path: &[&str]) -> Option<String> {
         property(path)
     }
     fn gateway_reply(&mut self) -> Option<sluice_core::contract::GatewayReply> {
@@ -531,7 +531,7 @@ impl sluice_core::flow::View for RequestHeadersView {
     fn body(&mut self, dir: sluice_core::flow::Dir, size: usize) -> std::borrow::Cow<'_, [u8]> {
         std::borrow::Cow::Owned(LiveView.body(dir, size).into_owned())
     }
-    fn property(&mut self, path: &[String]) -> Option<String> {
+    fn property(&mut self, path: &[&str]) -> Option<String> {
         LiveView.property(path)
     }
     fn gateway_reply(&mut self) -> Option<sluice_core::contract::GatewayReply> {
@@ -605,7 +605,7 @@ pub fn apply(effects: &mut sluice_core::flow::Effects, metrics: &mut Metrics, bo
 /// otherwise it notices at its next tick, milliseconds later.
 fn wake_guard() {
     use sluice_core::contract::{ReleaseAddress, RELEASE_PROPERTY};
-    let Some(release) = property(&[RELEASE_PROPERTY.to_string()]) else { return };
+    let Some(release) = property(&[RELEASE_PROPERTY]) else { return };
     let Some(ReleaseAddress { stream, queue, vm_id }) = ReleaseAddress::decode(&release) else { return };
     match hostcalls::resolve_shared_queue(vm_id, queue) {
         Ok(Some(queue_id)) => {

@@ -126,7 +126,7 @@ fn vm_token() -> Option<String> {
         t.borrow_mut()
             .get_or_insert_with(|| {
                 let n = sluice_core::store::counter_add(&mut crate::SharedData, "sluice/vm-sequence", 1).ok()?;
-                let vm_id = crate::property(&["plugin_vm_id".to_string()]).unwrap_or_default();
+                let vm_id = crate::property(&["plugin_vm_id"]).unwrap_or_default();
                 Some(format!("{vm_id}#{n}"))
             })
             .clone()
@@ -177,7 +177,7 @@ pub(crate) fn observer(kind: ApiKind) -> Observer {
 /// Finds the stream's shared observer through its filter state, or makes one for this filter's
 /// sections (a filter of one section then observes alone).
 fn resolve(slot: &mut Slot) -> Shared {
-    if let Some(address) = crate::property(&[OBSERVATION_PROPERTY.to_string()]) {
+    if let Some(address) = crate::property(&[OBSERVATION_PROPERTY]) {
         let ours = |(their_token, key): (&str, &str)| {
             let key = key.parse::<u32>().ok()?;
             (vm_token()? == their_token && REGISTRY.with(|r| r.borrow().contains_key(&key))).then_some(key)

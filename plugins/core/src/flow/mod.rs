@@ -28,6 +28,19 @@ pub enum Dir {
     Response,
 }
 
+/// [`View::property`] at a configured path (the policies keep their paths as owned segments): the
+/// segments borrowed in place, no vector a read.
+pub fn property_at(view: &mut dyn View, path: &[String]) -> Option<String> {
+    let mut segments = [""; 8];
+    if path.len() > segments.len() {
+        return view.property(&path.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+    for (slot, segment) in segments.iter_mut().zip(path) {
+        *slot = segment;
+    }
+    view.property(segments.get(..path.len()).unwrap_or_default())
+}
+
 /// What a flow may read from the host. A proxy-wasm host answers with a hostcall per read (or
 /// from a snapshot it already took); tests answer from maps ([`FixedView`]).
 pub trait View {
@@ -47,7 +60,7 @@ pub trait View {
     /// a copy where it must fetch them (a proxy-wasm hostcall).
     fn body(&mut self, dir: Dir, size: usize) -> std::borrow::Cow<'_, [u8]>;
     /// A host property (filter state, request attributes), as text.
-    fn property(&mut self, path: &[String]) -> Option<String>;
+    fn property(&mut self, path: &[&str]) -> Option<String>;
     /// The reply the gateway itself gave this request, if a sluice policy recorded one.
     fn gateway_reply(&mut self) -> Option<GatewayReply>;
     /// How a request that never saw its last response chunk ended (Envoy's response code details
@@ -208,13 +221,40 @@ impl View for FixedView {
         };
         std::borrow::Cow::Borrowed(body.get(..size.min(body.len())).unwrap_or_default())
     }
-    fn property(&mut self, path: &[String]) -> Option<String> {
-        self.properties.iter().find(|(p, _)| p.as_slice() == path).map(|(_, v)| v.clone())
+    fn property(&mut self, path: &[&str]) -> Option<String> {
+        self.properties.iter().find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied())).map(|(_, v)| v.clone())
     }
     fn gateway_reply(&mut self) -> Option<GatewayReply> {
         self.gateway_reply
     }
     fn unended_outcome(&mut self) -> Outcome {
         self.unended
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configured path reads the property at exactly those segments, at any length (past the
+    /// eight borrowed in place too), and no other.
+    #[test]
+    fn a_configured_path_reads_its_property() {
+        let long: Vec<String> = (0..11).map(|i| format!("s{i}")).collect();
+        let mut view = FixedView {
+            properties: vec![
+                (vec!["metadata".into(), "filter_metadata".into(), "sluice".into(), "tenant".into()], "acme".into()),
+                (long.clone(), "deep".into()),
+                (long[..8].to_vec(), "eight".into()),
+            ],
+            ..FixedView::default()
+        };
+        let path = |segments: &[&str]| segments.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(property_at(&mut view, &path(&["metadata", "filter_metadata", "sluice", "tenant"])).as_deref(), Some("acme"));
+        assert_eq!(property_at(&mut view, &long).as_deref(), Some("deep"));
+        assert_eq!(property_at(&mut view, &long[..8]).as_deref(), Some("eight"));
+        assert_eq!(property_at(&mut view, &long[..9]), None);
+        assert_eq!(property_at(&mut view, &path(&["metadata", "filter_metadata", "sluice"])), None);
+        assert_eq!(property_at(&mut view, &[]), None);
     }
 }

@@ -414,7 +414,7 @@ fn current_breaker(vp: &VersionPolicy, b: &BreakerPolicy, now: u64, store: &mut 
 
 /// llm-metrics' first-token mark of the current stream.
 fn first_token_mark(view: &mut dyn View) -> FirstTokenMark {
-    FirstTokenMark::parse(view.property(&[FIRST_TOKEN_PROPERTY.to_string()]).as_deref())
+    FirstTokenMark::parse(view.property(&[FIRST_TOKEN_PROPERTY]).as_deref())
 }
 
 /// A reply the gateway decided on (refusal, deadline): recorded for the other policies, then sent.
@@ -520,7 +520,7 @@ impl GuardFlow {
         let tenant = match &root.policy.tenant {
             None => None,
             Some(TenantSource::Header(name)) => view.request_header(name),
-            Some(TenantSource::Property(p)) => view.property(p),
+            Some(TenantSource::Property(p)) => crate::flow::property_at(view, p),
         };
         let (class, priority) = root.policy.classify(tenant.as_deref().map(str::trim).filter(|t| !t.is_empty()));
         let class = class.to_string();
@@ -883,10 +883,10 @@ impl GuardFlow {
 
 /// The version the request goes to: model-router's decision, else the model json_to_metadata read.
 fn final_version(view: &mut dyn View) -> Option<String> {
-    if let Some(version) = view.property(&[ROUTE_PROPERTY.to_string()]).and_then(|d| contract::route_version(&d)) {
+    if let Some(version) = view.property(&[ROUTE_PROPERTY]).and_then(|d| contract::route_version(&d)) {
         return Some(version);
     }
-    view.property(&MODEL_METADATA.map(String::from)).filter(|m| !m.is_empty())
+    view.property(&MODEL_METADATA).filter(|m| !m.is_empty())
 }
 
 /// The stamp of a request the guard refused.

@@ -439,7 +439,7 @@ impl View for CopyingView {
         self.body_reads += 1;
         std::borrow::Cow::Owned(self.inner.body(dir, size).into_owned())
     }
-    fn property(&mut self, path: &[String]) -> Option<String> {
+    fn property(&mut self, path: &[&str]) -> Option<String> {
         self.inner.property(path)
     }
     fn gateway_reply(&mut self) -> Option<GatewayReply> {

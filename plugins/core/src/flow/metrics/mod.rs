@@ -118,7 +118,7 @@ impl MetricsFlow {
         let tenant = match &policy.settings.tenant {
             TenantSource::None => None,
             TenantSource::Header(name) => view.request_header(name),
-            TenantSource::Property(path) => view.property(path),
+            TenantSource::Property(path) => crate::flow::property_at(view, path),
         };
         let tenant_label = match tenant.as_deref().map(str::trim) {
             None | Some("") => "anonymous".to_string(),

@@ -403,7 +403,7 @@ impl RouterFlow {
         }
         let path = view.request_header(":path").unwrap_or_default();
         let Some(kind) = ApiKind::from_path(&path) else { return };
-        let Some(model) = view.property(&MODEL_METADATA.map(String::from)) else {
+        let Some(model) = view.property(&MODEL_METADATA) else {
             fx.count(metrics::router_unrouted_total(Unrouted::NoModel), 1);
             return;
         };
@@ -426,7 +426,7 @@ impl RouterFlow {
             Vec::new()
         };
         let key = sticky_key(policy, view);
-        let forced = policy.override_property().and_then(|p| view.property(p));
+        let forced = policy.override_property().and_then(|p| crate::flow::property_at(view, p));
         // Versions whose cluster recently had no healthy upstream (marked by any worker).
         let mut unhealthy: Vec<&str> = entry
             .versions
@@ -436,7 +436,7 @@ impl RouterFlow {
             .collect();
         // latency-guard (in front) lists versions this request must not go to: their SLO breaker is
         // open and the tenant's class fails over. Filter state, so a client cannot forge it.
-        let avoid = view.property(&[AVOID_PROPERTY.to_string()]).map(|list| contract::decode_avoid_list(&list)).unwrap_or_default();
+        let avoid = view.property(&[AVOID_PROPERTY]).map(|list| contract::decode_avoid_list(&list)).unwrap_or_default();
         let only_unhealthy = unhealthy.clone();
         unhealthy.extend(avoid.iter().map(|(v, _)| v.as_str()));
         let decide = |forced: Option<&str>, unhealthy: &[&str]| policy.decide(index, key.as_deref(), request_id.as_bytes(), forced, now, unhealthy);
@@ -624,7 +624,7 @@ impl RouterFlow {
         let Some(r) = self.routed.as_mut() else { return };
         // Passive health: a version whose cluster has no healthy upstream is skipped for a while,
         // by every worker, and its traffic falls back in the policy's order.
-        let details = view.property(&["response".into(), "code_details".into()]).unwrap_or_default();
+        let details = view.property(&["response", "code_details"]).unwrap_or_default();
         if details.contains("no_healthy_upstream") {
             let until = now().saturating_add(UNHEALTHY_FOR_NS);
             // Unconditional: the latest mark wins, there is nothing to merge.
@@ -645,7 +645,7 @@ impl RouterFlow {
 fn sticky_key(policy: &RoutingPolicy, view: &mut dyn View) -> Option<Vec<u8>> {
     let view = std::cell::RefCell::new(view);
     let mut header = |name: &str| view.borrow_mut().request_header_bytes(name);
-    let mut property = |path: &[String]| view.borrow_mut().property(path).map(String::into_bytes);
+    let mut property = |path: &[String]| crate::flow::property_at(&mut **view.borrow_mut(), path).map(String::into_bytes);
     policy.sticky_key(&mut header, &mut property).map(|k| k.bytes)
 }
 
