@@ -223,11 +223,7 @@ impl Stamp {
     pub fn parse_reading<const N: usize>(bytes: &[u8], keys: [&str; N]) -> Option<(Stamp, [Option<Value>; N])> {
         // The text without the whitespace around it, as serde_json's raw values keep it.
         let text = std::str::from_utf8(bytes).ok()?.trim_matches([' ', '\t', '\n', '\r']);
-        if let Some(raw) = sluice_core::json::object_members(text, keys) {
-            return Some((Stamp(text.into()), raw.map(|member| member.map(member_value))));
-        }
-        let tree: Value = serde_json::from_str(text).ok()?;
-        Some((Stamp(text.into()), keys.map(|key| tree.get(key).cloned())))
+        read_members(text, keys).map(|members| (Stamp(text.into()), members))
     }
 
     /// A stamp holding `value`.
@@ -247,21 +243,10 @@ impl Stamp {
 
     /// The top-level members named `keys`, as a tree of the stamp would give them (the last of a
     /// repeated key); `None` for an absent key or a stamp that is not an object. One pass, only
-    /// the members asked for built.
+    /// the members asked for built, where core's scanner reads the text (else serde_json's tree).
     pub fn members<const N: usize>(&self, keys: [&str; N]) -> [Option<Value>; N] {
-        match sluice_core::json::object_members(&self.0, keys) {
-            Some(raw) => raw.map(|member| member.map(member_value)),
-            None => self.members_by_tree(keys),
-        }
-    }
-
-    /// [`Stamp::members`] by serde_json, for the texts the scanner is not sure of.
-    fn members_by_tree<const N: usize>(&self, keys: [&str; N]) -> [Option<Value>; N] {
-        let mut found: [Option<Value>; N] = std::array::from_fn(|_| None);
-        let mut de = serde_json::Deserializer::from_str(&self.0);
-        // Not an object (the text is JSON: it was checked as such): no members.
-        let _ = serde::Deserializer::deserialize_any(&mut de, Members { keys: &keys, found: &mut found });
-        found
+        // The text was checked as JSON when the stamp was made: `None` does not happen.
+        read_members(&self.0, keys).unwrap_or_else(|| std::array::from_fn(|_| None))
     }
 
     pub fn u64(&self, key: &str) -> Option<u64> {
@@ -276,6 +261,17 @@ impl Stamp {
             _ => None,
         }
     }
+}
+
+/// The top-level members named `keys` of the JSON text `text` (none of a text that is not an
+/// object), read by core's scanner where it is sure of the text (every stamp sluice writes), else
+/// from serde_json's tree; `None` when `text` is not JSON.
+fn read_members<const N: usize>(text: &str, keys: [&str; N]) -> Option<[Option<Value>; N]> {
+    if let Some(raw) = sluice_core::json::object_members(text, keys) {
+        return Some(raw.map(|member| member.map(member_value)));
+    }
+    let tree: Value = serde_json::from_str(text).ok()?;
+    Some(keys.map(|key| tree.get(key).cloned()))
 }
 
 /// A member's JSON text (checked by the scanner) as a tree: the stamps' plain strings and
@@ -315,63 +311,6 @@ impl<'de> Deserialize<'de> for Stamp {
 impl PartialEq for Stamp {
     fn eq(&self, other: &Stamp) -> bool {
         self.0 == other.0 || self.value() == other.value()
-    }
-}
-
-/// A member's key as its index in `keys` (`None`: not wanted), compared where the parser holds it
-/// (a `String` a key was an allocation per member).
-struct KeyIndex<'k, const N: usize> {
-    keys: &'k [&'k str; N],
-}
-
-impl<'de, const N: usize> serde::de::DeserializeSeed<'de> for KeyIndex<'_, N> {
-    type Value = Option<usize>;
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Option<usize>, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de, const N: usize> serde::de::Visitor<'de> for KeyIndex<'_, N> {
-    type Value = Option<usize>;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a member name")
-    }
-
-    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Option<usize>, E> {
-        Ok(self.keys.iter().position(|k| *k == key))
-    }
-}
-
-/// Reads an object's members named `keys` into `found`, skipping the others unbuilt.
-struct Members<'k, 'f, const N: usize> {
-    keys: &'k [&'k str; N],
-    found: &'f mut [Option<Value>; N],
-}
-
-impl<'de, const N: usize> serde::de::Visitor<'de> for Members<'_, '_, N> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a JSON object")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(wanted) = map.next_key_seed(KeyIndex { keys: self.keys })? {
-            match wanted {
-                Some(i) => {
-                    let value = map.next_value::<Value>()?;
-                    if let Some(slot) = self.found.get_mut(i) {
-                        *slot = Some(value);
-                    }
-                }
-                None => {
-                    map.next_value::<serde::de::IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(())
     }
 }
 
