@@ -130,9 +130,12 @@ fn push_token_texts(i: u64, n: u64, out: &mut Vec<u8>) {
     let count = i.saturating_add(n).saturating_sub(i);
     // Within the first tokens, one copy from their texts written out once (one append a token
     // and its count up were two fifths of the simulator's rendering of a 16-token event).
-    if let Some(texts) = first_token_texts().get(texts_offset(i)..texts_offset(i.saturating_add(count))).filter(|_| i.saturating_add(count) <= FIRST_TOKENS) {
-        out.extend_from_slice(texts);
-        return;
+    let end = i.saturating_add(count);
+    if end <= FIRST_TOKENS {
+        if let Some(texts) = first_token_texts().get(texts_offset(i)..texts_offset(end)) {
+            out.extend_from_slice(texts);
+            return;
+        }
     }
     let (mut text, mut start) = token_text_buffer(i);
     let space = text.len().saturating_sub(1);
