@@ -346,7 +346,7 @@ impl<'a> Engine<'a> {
             }
             for out in outs {
                 match out {
-                    Out::Upstream { id, headers, body } => self.reach_upstream(id as usize, now, &headers, &body),
+                    Out::Upstream { id, route, body } => self.reach_upstream(id as usize, now, route, &body),
                     Out::Ended { id, end } => self.finish(id as usize, now, &end),
                     Out::Shadow { token, cluster, path, body } => self.shadow(token, now, &cluster, &path, &body),
                 }
@@ -551,10 +551,8 @@ impl<'a> Engine<'a> {
     // The upstream (the simulator's service model)
     // -----------------------------------------------------------------------------------------
 
-    fn reach_upstream(&mut self, id: usize, now: u64, headers: &[(String, String)], body: &[u8]) {
+    fn reach_upstream(&mut self, id: usize, now: u64, route: Option<String>, body: &[u8]) {
         // The upstream a request reaches: the route model-router wrote, else its model.
-        let route_header = self.gateway.router_policy().map(|p| p.route_header().to_string());
-        let route = route_header.and_then(|h| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(&h)).map(|(_, v)| v.clone()));
         let Some(f) = self.flights.get_mut(id) else { return };
         let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let name = route.or_else(|| body.get("model").and_then(Value::as_str).map(str::to_string)).unwrap_or_else(|| "default".into());

@@ -207,9 +207,10 @@ impl<'a> Engine<'a> {
     pub fn new(scenario: &'a Scenario, plugins: &Plugins, options: &RunOptions) -> Result<Self> {
         let filters = filters(scenario);
         let kinds: Vec<Vec<PluginKind>> = filters.iter().map(|sections| sections.iter().map(|(kind, _)| *kind).collect()).collect();
+        let configs: Vec<String> = filters.iter().map(|sections| filter_config(sections)).collect();
         let chain = match &plugins.sluice {
-            Some(sluice) => Gateway::Wasm(Box::new(wasm_chain(sluice, &filters, options)?)),
-            None => Gateway::native(&filters.iter().map(|sections| filter_config(sections)).collect::<Vec<_>>(), options.start_ns)?,
+            Some(sluice) => Gateway::wasm(wasm_chain(sluice, &filters, options)?, &configs)?,
+            None => Gateway::native(&configs, options.start_ns)?,
         };
         let mut engine = Engine {
             scenario,

@@ -54,7 +54,8 @@ pub struct Callout {
 
 /// The chain of filters on one of the two hosts.
 pub enum Gateway {
-    Wasm(Box<Chain>),
+    /// The chain, and model-router's route header (its `route_header`) when a filter routes.
+    Wasm(Box<Chain>, Option<String>),
     Native(Box<Native>),
 }
 
@@ -108,9 +109,23 @@ impl Gateway {
         })))
     }
 
+    /// The wasm host: `chain`, whose filters have `configs` (read here for model-router's route
+    /// header, by the parser the chain's filters use).
+    pub fn wasm(chain: Chain, configs: &[String]) -> Result<Gateway> {
+        let mut route_header = None;
+        for config in configs {
+            for policy in parse_sections(config.as_bytes()).map_err(|e| anyhow!("{e}"))? {
+                if let Policy::ModelRouter(router) = policy {
+                    route_header = Some(router.route_header().to_string());
+                }
+            }
+        }
+        Ok(Gateway::Wasm(Box::new(chain), route_header))
+    }
+
     pub fn now_ns(&self) -> u64 {
         match self {
-            Gateway::Wasm(chain) => chain.now_ns(),
+            Gateway::Wasm(chain, _) => chain.now_ns(),
             Gateway::Native(n) => n.now,
         }
     }
@@ -118,7 +133,7 @@ impl Gateway {
     /// Moves the clock to `t`, firing the filters' ticks and callout timeouts due on the way.
     pub fn advance_to(&mut self, t: u64) -> Result<()> {
         match self {
-            Gateway::Wasm(chain) => chain.advance_to(t),
+            Gateway::Wasm(chain, _) => chain.advance_to(t),
             Gateway::Native(n) => {
                 n.advance_to(t);
                 Ok(())
@@ -129,7 +144,7 @@ impl Gateway {
     /// A client request, headers then its whole body, with the metadata `json_to_metadata` set.
     pub fn request(&mut self, headers: Vec<(String, String)>, metadata: &[(&[&str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
         match self {
-            Gateway::Wasm(chain) => {
+            Gateway::Wasm(chain, _) => {
                 let id = chain.stream(metadata);
                 chain.request_headers(id, Headers::from_pairs(&headers), false)?;
                 chain.request_body(id, body, true)?;
@@ -148,7 +163,7 @@ impl Gateway {
 
     pub fn is_open(&self, stream: StreamId) -> bool {
         match self {
-            Gateway::Wasm(chain) => chain.is_open(stream),
+            Gateway::Wasm(chain, _) => chain.is_open(stream),
             Gateway::Native(n) => native_id(stream).is_some_and(|id| n.gateway.is_open(id)),
         }
     }
@@ -156,7 +171,7 @@ impl Gateway {
     /// The upstream's response headers.
     pub fn response_headers(&mut self, stream: StreamId, status: u16, headers: &[(String, String)]) -> Result<()> {
         match self {
-            Gateway::Wasm(chain) => {
+            Gateway::Wasm(chain, _) => {
                 let mut all = vec![(":status".to_string(), status.to_string())];
                 all.extend(headers.iter().cloned());
                 chain.response_headers(stream, Headers::from_pairs(&all), false)
@@ -173,7 +188,7 @@ impl Gateway {
     /// A piece of the upstream's response body (`end`: the last).
     pub fn response_body(&mut self, stream: StreamId, bytes: &[u8], end: bool) -> Result<()> {
         match self {
-            Gateway::Wasm(chain) => chain.response_body(stream, bytes.to_vec(), end),
+            Gateway::Wasm(chain, _) => chain.response_body(stream, bytes.to_vec(), end),
             Gateway::Native(n) => {
                 if let Some(id) = native_id(stream) {
                     n.gateway.response_body(id, n.now, bytes, end);
@@ -186,12 +201,12 @@ impl Gateway {
     /// What happened since the last call, in order.
     pub fn take_happened(&mut self) -> Vec<Happened> {
         match self {
-            Gateway::Wasm(chain) => chain
+            Gateway::Wasm(chain, route_header) => chain
                 .take_events()
                 .into_iter()
                 .filter_map(|event| match event {
                     ChainEvent::UpstreamRequest { stream, headers, body } => {
-                        Some(Happened::Upstream { stream, route: headers.get("x-sluice-route").map(str::to_string), body })
+                        Some(Happened::Upstream { stream, route: route_header.as_deref().and_then(|h| headers.get(h)).map(str::to_string), body })
                     }
                     ChainEvent::LocalReply { stream, filter, reply } => {
                         Some(Happened::LocalReply { stream, filter, status: u16::try_from(reply.status).unwrap_or(0) })
@@ -212,7 +227,7 @@ impl Gateway {
     /// one waiting, on the native host those sent since the last call and still waiting.
     pub fn callouts(&mut self) -> Vec<Callout> {
         match self {
-            Gateway::Wasm(chain) => chain
+            Gateway::Wasm(chain, _) => chain
                 .http_calls()
                 .into_iter()
                 .map(|(filter, call)| Callout {
@@ -235,7 +250,7 @@ impl Gateway {
     /// Answers callout `token` of `filter`, if it still waits (it may have timed out).
     pub fn answer_callout(&mut self, filter: usize, token: u32, status: u16, headers: &[(String, String)], body: Vec<u8>) -> Result<()> {
         match self {
-            Gateway::Wasm(chain) => {
+            Gateway::Wasm(chain, _) => {
                 if !chain.http_calls().iter().any(|(f, c)| *f == filter && c.token == token) {
                     return Ok(());
                 }
@@ -257,7 +272,7 @@ impl Gateway {
     /// Every gauge whose name starts with `prefix`, with its value, in name order.
     pub fn gauges(&self, prefix: &str) -> Vec<(String, i64)> {
         let mut found: Vec<(String, i64)> = match self {
-            Gateway::Wasm(chain) => chain
+            Gateway::Wasm(chain, _) => chain
                 .gateways()
                 .iter()
                 .flat_map(|g| g.metric_names().into_iter().filter(|name| name.starts_with(prefix)).filter_map(|name| g.gauge(&name).map(|v| (name, v))))
@@ -272,7 +287,7 @@ impl Gateway {
     pub fn transitions(&self, start_ns: u64) -> Vec<Transition> {
         let t_ms = |at_ns: u64| at_ns.saturating_sub(start_ns) as f64 / 1e6;
         match self {
-            Gateway::Wasm(chain) => chain
+            Gateway::Wasm(chain, _) => chain
                 .gateways()
                 .iter()
                 .flat_map(|g| g.gauge_changes())
@@ -293,7 +308,7 @@ impl Gateway {
     /// The plugins' log lines at warning or above.
     pub fn warnings(&self) -> Vec<String> {
         match self {
-            Gateway::Wasm(chain) => chain.gateways().iter().flat_map(|g| g.logs()).map(|line| line.message).collect(),
+            Gateway::Wasm(chain, _) => chain.gateways().iter().flat_map(|g| g.logs()).map(|line| line.message).collect(),
             Gateway::Native(n) => n.gateway.warnings().to_vec(),
         }
     }
@@ -331,8 +346,7 @@ impl Native {
     fn collect(&mut self) {
         for out in self.gateway.take_out() {
             match out {
-                Out::Upstream { id, headers, body } => {
-                    let route = headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("x-sluice-route")).map(|(_, v)| v.clone());
+                Out::Upstream { id, route, body } => {
                     self.happened.push(Happened::Upstream { stream: StreamId(u64::from(id)), route, body });
                 }
                 Out::Ended { id, end } => {

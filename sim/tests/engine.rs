@@ -10,7 +10,7 @@
 
 use serde_json::{json, Value};
 use sluice_sim::engine::{Engine, Plugins, RunOptions, RunResult};
-use sluice_sim::scenario::Scenario;
+use sluice_sim::scenario::{PluginKind, Scenario};
 use sluice_sim::trace::{ApiKind, ReaderOptions, TraceReader, TraceRequest};
 use sluice_sim::verdict::{Decision, Stamp, Verdict};
 use std::path::{Path, PathBuf};
@@ -336,6 +336,36 @@ fn an_error_incident_answers_its_window_with_its_status() {
             // 30 + 200 / 10,000 s = 50 ms.
             assert_eq!((v.status, v.outcome.as_str(), v.output_tokens, v.ttft_ms), (200, "completed", 20, Some(50.0)), "{t} ms: {v:#?}");
         }
+    }
+}
+
+#[test]
+fn a_request_reaches_the_upstream_the_routers_configured_route_header_names() {
+    let mut s = scenario(json!({
+        "plugins": { "model_router": "../../policies/model-router.demo.json" },
+        "upstream": {
+            "llama-v1": { "ttft_base_ms": 40, "prefill_tokens_per_s": 10000, "tpot_ms": 20 },
+            "llama-v2": { "ttft_base_ms": 70, "prefill_tokens_per_s": 10000, "tpot_ms": 20 }
+        }
+    }));
+    // The demo router with its route header renamed and v2 alone (no shadow): Envoy's route picks
+    // the cluster by that header, so every request is served by llama-v2, not by the upstream its
+    // body's model (llama-3-70b-v2) names.
+    let (_, router) = s.plugins.iter_mut().find(|(kind, _)| *kind == PluginKind::ModelRouter).unwrap();
+    let mut policy: Value = serde_json::from_str(router).unwrap();
+    policy["route_header"] = "x-pick-upstream".into();
+    let model = &mut policy["models"][0];
+    model["versions"] = json!([model["versions"][1].clone()]);
+    model["fallback"] = json!(["v2"]);
+    model.as_object_mut().unwrap().remove("shadow");
+    *router = policy.to_string();
+    let trace: Vec<TraceRequest> = (0..4).map(|i| request(i + 1, i * 100, "acme", 500, 10, 10)).collect();
+    let (v, _) = run(&s, MINUTE_BOUNDARY_NS, trace);
+    for v in &v {
+        assert_eq!(v.version.as_deref(), Some("v2"), "{v:#?}");
+        assert_eq!(v.upstream.as_ref().map(|u| u.name.as_str()), Some("llama-v2"), "{v:#?}");
+        // 70 + 500 / 10,000 s = 120 ms: llama-v2's service, not the default upstream's.
+        assert_eq!(v.ttft_ms, Some(120.0), "{v:#?}");
     }
 }
 
