@@ -5,19 +5,25 @@
 //! day budgets that bind for the busiest tenants. Each at 1 and 16 tokens per SSE event, with
 //! `--no-report`, on each host of the flows (`--host wasm`: sluice.wasm under wasmtime; `--host
 //! native`: the flows compiled in; `cargo xtask bench --sim [REQUESTS] --host H` runs one); prints
-//! requests/s, wall time and the simulator's peak resident memory.
+//! requests/s, wall time and the simulator's peak resident memory — for the Azure trace the median
+//! of five runs and their spread, for the day one run.
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const DAY_MS: f64 = 86_400_000.0;
 /// The day's rate swings ±60 % around its mean: lowest at 03:00, highest at 15:00.
 const DIURNAL_AMPLITUDE: f64 = 0.6;
 const TENANTS: usize = 24;
+/// Runs of each Azure row (about a second each natively): single runs on a shared machine move by
+/// ±15 %, so the row gives their median and spread. The day (minutes) runs once.
+const AZURE_RUNS: usize = 5;
 
 pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
     crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
@@ -30,48 +36,88 @@ pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
     let day_scenario = day_scenario(root, &dir, demo.clone())?;
     let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
     let runs = [
-        ("azure", "Azure conversation trace (1 h), demo scenario", &azure, &demo),
-        ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario),
+        ("azure", "Azure conversation trace (1 h), demo scenario", &azure, &demo, AZURE_RUNS),
+        ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario, 1),
     ];
-    println!("| trace | tokens per event | host | requests | wall s | requests/s | peak RSS MiB |\n|---|---|---|---|---|---|---|");
-    for (stem, name, trace, scenario) in runs {
+    println!("| trace | tokens per event | host | requests | runs | wall s (median) | requests/s (median) | requests/s (min – max) | peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|");
+    for (stem, name, trace, scenario, runs) in runs {
         for (per_event, host) in [1u64, 16].into_iter().flat_map(|n| hosts.iter().map(move |h| (n, *h))) {
             let mut scenario = scenario.clone();
             scenario["tokens_per_event"] = per_event.into();
             let path = dir.join(format!("scenario-{stem}-{per_event}.json"));
             std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
             let out = dir.join("out");
-            let mut cmd = Command::new(root.join("target/release/sluice-sim"));
-            cmd.args(["run", "-q", "--no-report", "--host", host, "--scenario"]).arg(&path).arg("--trace").arg(trace).arg("--out").arg(&out);
-            let (seconds, peak_kib) = timed_with_peak_rss(&mut cmd).with_context(|| format!("sluice-sim on {name}"))?;
-            let n = std::fs::read_to_string(out.join("verdicts.jsonl"))?.lines().count();
-            println!("| {name} | {per_event} | {host} | {n} | {seconds:.1} | {:.0} | {:.0} |", n as f64 / seconds, peak_kib as f64 / 1024.0);
+            let (mut seconds, mut peak_kib, mut n) = (Vec::new(), 0u64, 0usize);
+            for _ in 0..runs {
+                let mut cmd = Command::new(root.join("target/release/sluice-sim"));
+                cmd.args(["run", "-q", "--no-report", "--host", host, "--scenario"]).arg(&path).arg("--trace").arg(trace).arg("--out").arg(&out);
+                let (s, kib) = timed_with_peak_rss(&mut cmd).with_context(|| format!("sluice-sim on {name}"))?;
+                seconds.push(s);
+                peak_kib = peak_kib.max(kib);
+                n = std::fs::read_to_string(out.join("verdicts.jsonl"))?.lines().count();
+            }
+            let Spread { median, min, max } = spread(&seconds).context("no run")?;
+            let rate = |s: f64| n as f64 / s;
+            println!(
+                "| {name} | {per_event} | {host} | {n} | {runs} | {median:.2} | {:.0} | {:.0} – {:.0} | {:.0} |",
+                rate(median),
+                rate(max),
+                rate(min),
+                peak_kib as f64 / 1024.0
+            );
         }
     }
     Ok(())
 }
 
-/// Runs `cmd` to its end; its wall time and peak resident set (`VmHWM`, a high-water mark the
-/// kernel keeps, read every 20 ms while it runs: only growth in its last 20 ms could be missed).
+/// Runs `cmd` to its end; its wall time (from spawning it to reaping it) and peak resident set
+/// (`VmHWM`, a high-water mark the kernel keeps, read every 20 ms by another thread while it runs:
+/// only growth in its last 20 ms could be missed).
 fn timed_with_peak_rss(cmd: &mut Command) -> Result<(f64, u64)> {
     let started = Instant::now();
     let mut child = cmd.spawn()?;
     let status_file = PathBuf::from(format!("/proc/{}/status", child.id()));
-    let mut peak_kib = 0u64;
-    let status = loop {
-        if let Some(kib) = std::fs::read_to_string(&status_file).ok().and_then(|s| vm_hwm_kib(&s)) {
-            peak_kib = peak_kib.max(kib);
-        }
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let done = Arc::clone(&done);
+        std::thread::spawn(move || {
+            let mut peak_kib = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                if let Some(kib) = std::fs::read_to_string(&status_file).ok().and_then(|s| vm_hwm_kib(&s)) {
+                    peak_kib = peak_kib.max(kib);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            peak_kib
+        })
     };
+    let status = child.wait();
     let seconds = started.elapsed().as_secs_f64();
+    done.store(true, Ordering::Relaxed);
+    let peak_kib = sampler.join().unwrap_or(0);
+    let status = status?;
     if !status.success() {
         bail!("exited with {status}");
     }
     Ok((seconds, peak_kib))
+}
+
+/// The median, least and greatest of some run times.
+#[derive(Debug, PartialEq)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+/// `None` for no runs; the median of an even count is the mean of the middle two.
+fn spread(seconds: &[f64]) -> Option<Spread> {
+    let mut sorted = seconds.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let (min, max) = (*sorted.first()?, *sorted.last()?);
+    let mid = sorted.len() / 2;
+    let median = if sorted.len() % 2 == 1 { sorted[mid] } else { (sorted[mid - 1] + sorted[mid]) / 2.0 };
+    Some(Spread { median, min, max })
 }
 
 fn vm_hwm_kib(status: &str) -> Option<u64> {
@@ -192,6 +238,14 @@ mod tests {
         assert!((afternoon / night - 4.0).abs() < 0.05, "{afternoon} / {night}");
         let median = arrival_at_quantile(0.5, 0.0);
         assert!((arrivals_by(median) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_rows_figure_is_the_median_of_its_runs() {
+        assert_eq!(spread(&[1.2, 0.9, 1.0]), Some(Spread { median: 1.0, min: 0.9, max: 1.2 }));
+        assert_eq!(spread(&[1.0, 0.8, 1.4, 0.9]), Some(Spread { median: 0.95, min: 0.8, max: 1.4 }));
+        assert_eq!(spread(&[0.7]), Some(Spread { median: 0.7, min: 0.7, max: 0.7 }));
+        assert_eq!(spread(&[]), None);
     }
 
     #[test]
