@@ -18,6 +18,8 @@ use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
+use sluice_core::contract::ROUTE_PROPERTY;
+use sluice_core::flow::guard::STAMP_PROPERTY as GUARD_STAMP;
 use sluice_core::metrics::{BUDGET_REMAINING_PREFIX, LATENCY_BREAKER_STATE_PREFIX};
 use sluice_host::{Chain, IdHasher, IdMap, LogLevel, Plugin, PluginSpec, StreamId};
 use sluice_memory_host::breaker_state;
@@ -26,7 +28,7 @@ use sluice_workload::draw::{mix, unit};
 use sluice_workload::request::{prompt_text, request_body};
 use sluice_workload::upstream::{active_incidents, failure, ms_to_ns, service_times};
 
-use crate::gateway::{Callout, Gateway, Happened, Host};
+use crate::gateway::{Callout, Gateway, Happened, Host, Names};
 use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
@@ -179,6 +181,8 @@ struct Upstreamed {
 pub struct Engine<'a> {
     scenario: &'a Scenario,
     chain: Gateway,
+    /// The stamps' keys (and the route header) the policies set.
+    names: Names,
     /// The sections of each filter, in filter order.
     kinds: Vec<Vec<PluginKind>>,
     start_ns: u64,
@@ -208,13 +212,15 @@ impl<'a> Engine<'a> {
         let filters = filters(scenario);
         let kinds: Vec<Vec<PluginKind>> = filters.iter().map(|sections| sections.iter().map(|(kind, _)| *kind).collect()).collect();
         let configs: Vec<String> = filters.iter().map(|sections| filter_config(sections)).collect();
+        let names = Names::of(&configs)?;
         let chain = match &plugins.sluice {
-            Some(sluice) => Gateway::wasm(wasm_chain(sluice, &filters, options)?, &configs)?,
+            Some(sluice) => Gateway::wasm(wasm_chain(sluice, &filters, options)?, names.route_header.clone()),
             None => Gateway::native(&configs, options.start_ns)?,
         };
         let mut engine = Engine {
             scenario,
             chain,
+            names,
             kinds,
             start_ns: options.start_ns,
             events: BinaryHeap::new(),
@@ -587,15 +593,15 @@ impl<'a> Engine<'a> {
             // A guard's 504 is a deadline, not a refusal.
             (status != 504).then_some(*kind)
         });
-        let (budget, [reject_code, budget_decision, budget_key]) = read(properties, "sluice_budget", ["reject_code", "decision", "key"]);
-        let (route, [route_version, route_reason, route_shadow]) = read(properties, "sluice_route", ["version", "reason", "shadow"]);
-        let (latency, [latency_outcome]) = read(properties, "sluice_latency", ["outcome"]);
+        let (budget, [reject_code, budget_decision, budget_key]) = read(properties, &self.names.budget_stamp, ["reject_code", "decision", "key"]);
+        let (route, [route_version, route_reason, route_shadow]) = read(properties, ROUTE_PROPERTY, ["version", "reason", "shadow"]);
+        let (latency, [latency_outcome]) = read(properties, GUARD_STAMP, ["outcome"]);
         let (
             sluice,
             [stamp_status, stamp_outcome, ttft_us, tpot_us, duration_us, input_tokens, output_tokens, cost_micro_usd, ctx, turn, model_version, finish_reason, content_chunks, repetition_per_mille],
         ) = read(
             properties,
-            "sluice_llm",
+            &self.names.metrics_stamp,
             [
                 "status",
                 "outcome",

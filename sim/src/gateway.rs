@@ -42,6 +42,36 @@ pub enum Happened {
     Ended { stream: StreamId, properties: Vec<(String, Vec<u8>)> },
 }
 
+/// What the engine reads by a name the policies may change: model-router's `route_header` (the
+/// header Envoy's route picks the upstream by), and the filter-state keys of llm-metrics' and
+/// tenant-budget's stamps (their `filter_state_key`s).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    /// `None` when no filter routes.
+    pub route_header: Option<String>,
+    pub metrics_stamp: String,
+    pub budget_stamp: String,
+}
+
+impl Names {
+    /// The names `configs` (each filter's `sluice.wasm` configuration) set, by the parser the
+    /// filters use; a policy's default where its section is absent (it then writes no stamp).
+    pub fn of(configs: &[String]) -> Result<Names> {
+        let mut names = Names { route_header: None, metrics_stamp: "sluice_llm".into(), budget_stamp: "sluice_budget".into() };
+        for config in configs {
+            for policy in parse_sections(config.as_bytes()).map_err(|e| anyhow!("{e}"))? {
+                match policy {
+                    Policy::ModelRouter(p) => names.route_header = Some(p.route_header().to_string()),
+                    Policy::LlmMetrics(p) => names.metrics_stamp = p.settings.filter_state_key,
+                    Policy::TenantBudget(p) => names.budget_stamp = p.filter_state_key.clone(),
+                    Policy::LatencyGuard(_) => {}
+                }
+            }
+        }
+        Ok(names)
+    }
+}
+
 /// A callout a filter sent (model-router's shadow copies).
 #[derive(Debug, Clone)]
 pub struct Callout {
@@ -109,18 +139,9 @@ impl Gateway {
         })))
     }
 
-    /// The wasm host: `chain`, whose filters have `configs` (read here for model-router's route
-    /// header, by the parser the chain's filters use).
-    pub fn wasm(chain: Chain, configs: &[String]) -> Result<Gateway> {
-        let mut route_header = None;
-        for config in configs {
-            for policy in parse_sections(config.as_bytes()).map_err(|e| anyhow!("{e}"))? {
-                if let Policy::ModelRouter(router) = policy {
-                    route_header = Some(router.route_header().to_string());
-                }
-            }
-        }
-        Ok(Gateway::Wasm(Box::new(chain), route_header))
+    /// The wasm host: `chain`, whose model-router (if any) routes by `route_header`.
+    pub fn wasm(chain: Chain, route_header: Option<String>) -> Gateway {
+        Gateway::Wasm(Box::new(chain), route_header)
     }
 
     pub fn now_ns(&self) -> u64 {

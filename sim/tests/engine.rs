@@ -560,6 +560,36 @@ fn minute_tokens(tokens: u64) -> Value {
 }
 
 #[test]
+fn stamps_are_read_under_the_filter_state_keys_the_policies_set() {
+    // 40 + 800 / 8,000 s = 140 ms to the first token, then 12 ms a token; a minute of 10,000
+    // tokens: the first request fits, the second's prompt alone (12,000 tokens) does not.
+    let mut s = budget_and_metrics(
+        minute_tokens(10_000),
+        json!({ "filter_state_key": "acme.budget" }),
+        json!({ "default_upstream": { "ttft_base_ms": 40, "prefill_tokens_per_s": 8000, "tpot_ms": 12 } }),
+    );
+    let (_, metrics) = s.plugins.iter_mut().find(|(kind, _)| *kind == PluginKind::LlmMetrics).unwrap();
+    let mut policy: Value = serde_json::from_str(metrics).unwrap();
+    policy["filter_state_key"] = "acme_llm".into();
+    *metrics = policy.to_string();
+    let (v, _) = run(&s, MINUTE_BOUNDARY_NS, vec![request(1, 0, "k1", 800, 64, 25), request(2, 1_000, "k1", 12_000, 64, 25)]);
+    let admitted = line(&v, 1);
+    assert_eq!(
+        (admitted.status, admitted.outcome.as_str(), admitted.decision, admitted.code.as_deref()),
+        (200, "completed", Decision::Admitted, None),
+        "{admitted:#?}"
+    );
+    assert_eq!((admitted.ttft_ms, admitted.tpot_ms, admitted.output_tokens), (Some(140.0), Some(12.0), 25), "{admitted:#?}");
+    assert_eq!(stamp_u64(&admitted.stamps.budget, "charged_tokens"), Some(825), "{admitted:#?}");
+    assert_eq!(stamp_u64(&admitted.stamps.sluice, "output_tokens"), Some(25), "{admitted:#?}");
+    assert_eq!((admitted.ctx.as_deref(), admitted.turn.as_deref()), (Some("1k"), Some("first")), "{admitted:#?}");
+    let refused = line(&v, 2);
+    assert_eq!((refused.status, refused.decision, refused.refused_by.as_deref()), (429, Decision::Refused, Some("tenant-budget")), "{refused:#?}");
+    assert_eq!(refused.code.as_deref(), Some("key:k1:minute:total_tokens"), "{refused:#?}");
+    assert_eq!(refused.outcome, "refused", "{refused:#?}");
+}
+
+#[test]
 fn every_api_streamed_or_whole_is_measured_exactly() {
     // 40 + 800 / 8,000 s = 140 ms to the first token, then 12 ms a token.
     let s = budget_and_metrics(
