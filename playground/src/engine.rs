@@ -392,10 +392,9 @@ impl<'a> Engine<'a> {
         if request.api == ApiKind::AnthropicMessages {
             headers.push(pair("anthropic-version", "2023-06-01".into()));
         }
-        let path_of = |p: [&str; 4]| p.iter().map(|s| s.to_string()).collect::<Vec<String>>();
-        let mut metadata = vec![(path_of(MODEL_METADATA), model)];
+        let mut metadata: Vec<(&'static [&'static str], String)> = vec![(&MODEL_METADATA, model)];
         if let Some(u) = &user {
-            metadata.push((path_of(USER_METADATA), u.clone()));
+            metadata.push((&USER_METADATA, u.clone()));
         }
         self.flights.push(Flight {
             arrival_ns: now,

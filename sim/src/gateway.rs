@@ -163,7 +163,7 @@ impl Gateway {
     }
 
     /// A client request, headers then its whole body, with the metadata `json_to_metadata` set.
-    pub fn request(&mut self, headers: Vec<(String, String)>, metadata: &[(&[&str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
+    pub fn request(&mut self, headers: Vec<(String, String)>, metadata: &[(&'static [&'static str], &[u8])], body: Vec<u8>) -> Result<StreamId> {
         match self {
             Gateway::Wasm(chain, _) => {
                 let id = chain.stream(metadata);
@@ -174,8 +174,7 @@ impl Gateway {
             Gateway::Native(n) => {
                 n.next_id = n.next_id.wrapping_add(1);
                 let id = n.next_id;
-                let metadata =
-                    metadata.iter().map(|(path, value)| (path.iter().map(|p| p.to_string()).collect(), String::from_utf8_lossy(value).into_owned())).collect();
+                let metadata = metadata.iter().map(|(path, value)| (*path, String::from_utf8_lossy(value).into_owned())).collect();
                 n.gateway.request(id, n.now, headers, metadata, body);
                 Ok(StreamId(u64::from(id)))
             }

@@ -196,8 +196,8 @@ impl Sink {
 struct Data {
     request_headers: Vec<(String, String)>,
     request_body: Vec<u8>,
-    /// Attributes set before the first filter (json_to_metadata's).
-    metadata: Vec<(Vec<String>, String)>,
+    /// Attributes set before the first filter (json_to_metadata's), by their fixed paths.
+    metadata: Vec<(&'static [&'static str], String)>,
     state: VecMap<String, Vec<u8>>,
     response_headers: Vec<(String, String)>,
     /// The response chunk being passed.
@@ -247,7 +247,7 @@ impl View for StreamView<'_> {
         if path == ["response", "code_details"] {
             return self.data.code_details.map(str::to_string);
         }
-        self.data.metadata.iter().find(|(p, _)| p.iter().map(String::as_str).eq(path.iter().copied())).map(|(_, v)| v.clone())
+        self.data.metadata.iter().find(|(p, _)| *p == path).map(|(_, v)| v.clone())
     }
     fn gateway_reply(&mut self) -> Option<GatewayReply> {
         self.data.state.get(GATEWAY_REPLY_PROPERTY).and_then(|v| GatewayReply::decode(&String::from_utf8_lossy(v)))
@@ -470,7 +470,7 @@ impl Gateway {
 
     /// A client request (headers, then its whole body) through the filters; it reaches the
     /// upstream ([`Out::Upstream`]) unless a filter answers it.
-    pub fn request(&mut self, id: u32, now: u64, headers: Vec<(String, String)>, metadata: Vec<(Vec<String>, String)>, body: Vec<u8>) {
+    pub fn request(&mut self, id: u32, now: u64, headers: Vec<(String, String)>, metadata: Vec<(&'static [&'static str], String)>, body: Vec<u8>) {
         let mut stream = Stream::default();
         stream.ctl.data.request_headers = headers;
         stream.ctl.data.metadata = metadata;
