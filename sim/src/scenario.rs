@@ -73,6 +73,51 @@ fn as_local_ledger(text: &str) -> Option<String> {
     Some(policy.to_string())
 }
 
+/// A note for each policy that reads a request's tenant from somewhere the simulated clients do
+/// not put it: they send it in `traffic.tenant_header` and nowhere else (no API key, no JWT), so a
+/// policy reading another header sees no tenant on any request — a what-if of that policy would
+/// silently measure its no-tenant path.
+fn tenant_header_notes(plugins: &[(PluginKind, String)], tenant_header: &str) -> Vec<String> {
+    let mut notes = Vec::new();
+    for (kind, text) in plugins {
+        let Ok(policy) = serde_json::from_str::<Value>(text) else { continue };
+        let field = |path: &str| format!("plugins.{}: {path}", kind.section());
+        // Where each reads it; `None`: the budget's identity reads no header at all.
+        let mut reads: Vec<(String, Option<&str>)> = Vec::new();
+        match kind {
+            PluginKind::LatencyGuard | PluginKind::LlmMetrics => {
+                if let Some(header) = policy.pointer("/tenant/header").and_then(Value::as_str) {
+                    reads.push((field("tenant.header"), Some(header)));
+                }
+            }
+            PluginKind::TenantBudget => {
+                if let Some(identity) = policy.get("identity") {
+                    reads.push((field("identity.header"), identity.get("header").and_then(Value::as_str)));
+                }
+            }
+            PluginKind::ModelRouter => {
+                for (i, model) in policy.get("models").and_then(Value::as_array).into_iter().flatten().enumerate() {
+                    if let Some(header) = model.pointer("/shadow/tenant_header").and_then(Value::as_str) {
+                        reads.push((field(&format!("models[{i}].shadow.tenant_header")), Some(header)));
+                    }
+                }
+            }
+        }
+        for (field, header) in reads {
+            match header {
+                Some(h) if h.eq_ignore_ascii_case(tenant_header) => {}
+                Some(h) => notes.push(format!(
+                    "{field} is {h:?}, but the simulated clients send their tenant in {tenant_header:?} (traffic.tenant_header) and nowhere else: no request has a tenant there"
+                )),
+                None => notes.push(format!(
+                    "{field} is not set: the budget identifies keys by API key or JWT claim, which the simulated clients do not send (their tenant goes in {tenant_header:?}, traffic.tenant_header): every request is an unknown key"
+                )),
+            }
+        }
+    }
+    notes
+}
+
 /// The four plugins, in the gateway's filter order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum PluginKind {
@@ -268,6 +313,7 @@ impl Scenario {
             return Err(invalid("plugins", "names no plugin: give at least one of latency_guard, model_router, tenant_budget, llm_metrics".into()));
         }
         let traffic = file.traffic.unwrap_or_else(default_traffic);
+        notes.extend(tenant_header_notes(&plugins, &traffic.tenant_header));
         for (i, t) in traffic.tenants.iter().enumerate() {
             if let Some(share) = t.share {
                 if !(share.is_finite() && share > 0.0) {

@@ -242,6 +242,35 @@ fn budget_admits_what_fits_and_refreshes_with_the_window() {
 }
 
 #[test]
+fn a_policy_reading_the_tenant_where_the_clients_do_not_send_it_gets_a_note() {
+    let demo = scenario(json!({ "plugins": demo_plugins() }));
+    assert!(demo.notes.is_empty(), "every demo policy reads x-sluice-tenant, as the clients send it: {:?}", demo.notes);
+    // The clients send their tenant in x-org: the demo's four policies read x-sluice-tenant.
+    let moved = scenario(json!({ "plugins": demo_plugins(), "traffic": { "tenant_header": "X-Org" } }));
+    let fields: Vec<&str> = moved.notes.iter().map(|n| n.split(" is ").next().unwrap_or_default()).collect();
+    assert_eq!(
+        fields,
+        [
+            "plugins.latency_guard: tenant.header",
+            "plugins.model_router: models[0].shadow.tenant_header",
+            "plugins.tenant_budget: identity.header",
+            "plugins.llm_metrics: tenant.header"
+        ],
+        "{:?}",
+        moved.notes
+    );
+    assert!(moved.notes.iter().all(|n| n.contains("\"x-sluice-tenant\", but the simulated clients send their tenant in \"X-Org\"")), "{:?}", moved.notes);
+    // A budget that identifies by API key alone: no request the simulator sends has one.
+    let keyed = budget_and_metrics(minute_tokens(1_000), json!({ "identity": { "api_key": true } }), json!({}));
+    assert_eq!(keyed.notes.len(), 1, "{:?}", keyed.notes);
+    assert!(
+        keyed.notes[0].starts_with("plugins.tenant_budget: identity.header is not set") && keyed.notes[0].contains("every request is an unknown key"),
+        "{:?}",
+        keyed.notes
+    );
+}
+
+#[test]
 fn a_redis_ledger_runs_as_the_local_ledger_and_the_scenario_says_so() {
     const PROMPT: u64 = 100;
     const MAX: u64 = 200;
