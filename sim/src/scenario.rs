@@ -118,6 +118,20 @@ fn tenant_header_notes(plugins: &[(PluginKind, String)], tenant_header: &str) ->
     notes
 }
 
+/// A note when model-router routes no model matching `traffic.model`, the model of every request
+/// whose trace record names none: such requests pass the router untouched and reach the upstream
+/// named after their model (or `default_upstream`), so a routing what-if would not route them.
+fn unrouted_model_note(plugins: &[(PluginKind, String)], model: &str) -> Option<String> {
+    let (_, text) = plugins.iter().find(|(kind, _)| *kind == PluginKind::ModelRouter)?;
+    // A policy the parser refuses is reported when the run starts, in the parser's words.
+    let policy = sluice_core::routing::RoutingPolicy::from_json(text.as_bytes()).ok()?;
+    policy.model_for(model).is_none().then(|| {
+        format!(
+            "plugins.model_router: no model of the policy matches {model:?} (traffic.model): requests whose trace record names no model are not routed; they reach the upstream named after their model, else default_upstream"
+        )
+    })
+}
+
 /// The four plugins, in the gateway's filter order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum PluginKind {
@@ -314,6 +328,7 @@ impl Scenario {
         }
         let traffic = file.traffic.unwrap_or_else(default_traffic);
         notes.extend(tenant_header_notes(&plugins, &traffic.tenant_header));
+        notes.extend(unrouted_model_note(&plugins, &traffic.model));
         for (i, t) in traffic.tenants.iter().enumerate() {
             if let Some(share) = t.share {
                 if !(share.is_finite() && share > 0.0) {

@@ -271,6 +271,28 @@ fn a_policy_reading_the_tenant_where_the_clients_do_not_send_it_gets_a_note() {
 }
 
 #[test]
+fn a_default_model_the_router_does_not_route_gets_a_note() {
+    let routed = scenario(json!({ "plugins": demo_plugins(), "traffic": { "model": "llama-3-70b" } }));
+    assert!(routed.notes.is_empty(), "{:?}", routed.notes);
+    let unrouted = scenario(json!({ "plugins": demo_plugins(), "traffic": { "model": "gpt-4o" } }));
+    assert_eq!(unrouted.notes.len(), 1, "{:?}", unrouted.notes);
+    assert!(unrouted.notes[0].starts_with("plugins.model_router: no model of the policy matches \"gpt-4o\" (traffic.model)"), "{:?}", unrouted.notes);
+    // And so it is: the request goes to the upstream its model names, with no routing decision.
+    let s = scenario(json!({
+        "plugins": { "model_router": "../../policies/model-router.demo.json" },
+        "traffic": { "model": "gpt-4o" },
+        "upstream": { "gpt-4o": { "ttft_base_ms": 70, "prefill_tokens_per_s": 10000, "tpot_ms": 20 } }
+    }));
+    let (v, _) = run(&s, MINUTE_BOUNDARY_NS, vec![request(1, 0, "acme", 500, 10, 10)]);
+    assert_eq!(
+        (v[0].route_reason.as_deref(), v[0].upstream.as_ref().map(|u| u.name.as_str()), v[0].ttft_ms),
+        (None, Some("gpt-4o"), Some(120.0)),
+        "{:#?}",
+        v[0]
+    );
+}
+
+#[test]
 fn a_redis_ledger_runs_as_the_local_ledger_and_the_scenario_says_so() {
     const PROMPT: u64 = 100;
     const MAX: u64 = 200;
