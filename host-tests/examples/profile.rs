@@ -12,7 +12,7 @@
 
 use sluice_host::{Chain, Headers, SLUICE_GATEWAY};
 
-const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+use sluice_core::contract::MODEL_METADATA;
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_host::{Chain, ChainEvent, Headers, StreamId};
 
-const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+use sluice_core::contract::MODEL_METADATA;
 
 /// The two shapes of the full gateway, and the filter position of tenant-budget in each.
 fn chains() -> [(&'static str, Chain, usize); 2] {

@@ -16,7 +16,8 @@ use serde_json::Value;
 use sluice_core::api::ApiKind;
 use sluice_core::budget::ledger;
 use sluice_core::contract::{route_version, ROUTE_PROPERTY};
-use sluice_core::flow::guard::{MODEL_METADATA, STAMP_PROPERTY as GUARD_STAMP};
+use sluice_core::contract::{MODEL_METADATA, USER_METADATA};
+use sluice_core::flow::guard::STAMP_PROPERTY as GUARD_STAMP;
 use sluice_core::latency::{breaker, LatencyPolicy};
 use sluice_core::report::Outcome;
 use sluice_core::routing::{Reason, RoutingPolicy};
@@ -31,8 +32,6 @@ use crate::answer::{answer, prompt_tokens, CHUNK_NS};
 use crate::workload::{Request, Workload};
 use sluice_memory_host::{shadow_timeout_ns, Ended, Filter, Gateway, Out};
 
-/// Where json_to_metadata puts the body's user (the shipped gateways' configuration).
-const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
 const MS: u64 = 1_000_000;
 
 /// The compiled policies of one run; a plugin without a policy is not in the chain.

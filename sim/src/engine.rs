@@ -18,7 +18,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
-use sluice_core::contract::ROUTE_PROPERTY;
+use sluice_core::contract::{MODEL_METADATA, ROUTE_PROPERTY, USER_METADATA};
 use sluice_core::flow::guard::STAMP_PROPERTY as GUARD_STAMP;
 use sluice_core::metrics::{BUDGET_REMAINING_PREFIX, LATENCY_BREAKER_STATE_PREFIX};
 use sluice_host::{Chain, IdHasher, IdMap, LogLevel, Plugin, PluginSpec, StreamId};
@@ -33,9 +33,6 @@ use crate::scenario::{MaxTokens, PluginKind, Scenario};
 use crate::trace::{ApiKind, TraceRequest};
 use crate::upstream::{self, Service, VersionLoad};
 use crate::verdict::{Decision, Quality, Sample, Stamp, Stamps, Transition, UpstreamPlan, Verdict};
-
-const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
-const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
 
 /// What runs the flows: `sluice.wasm` compiled once (every run starts fresh VMs from it), or the
 /// flows compiled into the simulator.

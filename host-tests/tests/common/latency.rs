@@ -38,7 +38,7 @@ pub const ROUTE: &str = "sluice_route";
 /// The guard's access-log stamp.
 pub const STAMP: &str = "sluice_latency";
 /// Where `json_to_metadata` puts the body's `model`.
-pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+pub use sluice_core::contract::MODEL_METADATA;
 
 /// Tenants of the classes of [`policy`]: `crit-*` critical, `std-*` standard, `batch-*` sheddable
 /// (and anyone else falls in the built-in class `other`, sheddable).

@@ -12,7 +12,7 @@ use sluice_host::{workspace_wasm, Gateway, Headers, Plugin, PluginSpec, Stream};
 use super::llm::{self, chat, Call};
 
 /// Where `json_to_metadata` puts the body's `model` (envoy/templates/router-gateway.yaml).
-pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+pub use sluice_core::contract::MODEL_METADATA;
 /// The demo policy's trusted override property (jwt_authn metadata in the demo gateway).
 pub const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
 /// `policies/model-router.demo.json`, as shipped.

@@ -19,6 +19,12 @@ pub const OBSERVATION_PROPERTY: &str = "sluice_observation";
 /// latency-guard → model-router: versions to avoid and their fallbacks, `v1>v2,v3>`;
 /// [`encode_avoid_list`], [`decode_avoid_list`].
 pub const AVOID_PROPERTY: &str = "sluice_latency_avoid";
+/// Where the gateway's lift of the request body (Envoy's `json_to_metadata` in the shipped
+/// gateways, `sluice-body-metadata` natively) puts the body's `model`: Envoy routes on headers,
+/// before a filter can see the body, so latency-guard and model-router read it here.
+pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+/// Where the same lift puts the body's `user` (model-router's `{"body_user": true}` sticky source).
+pub const USER_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
 /// model-router's decision and access-log stamp (JSON with at least `version`; [`route_version`]).
 pub const ROUTE_PROPERTY: &str = "sluice_route";
 /// Whichever plugin answers a request itself (refusal or deadline) writes [`GatewayReply`] here

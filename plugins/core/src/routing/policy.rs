@@ -22,7 +22,7 @@ pub const MAX_YEAR: u64 = 2500;
 
 /// The property `{"body_user": true}` reads: where Envoy's `json_to_metadata` filter is expected to
 /// put the request body's `user` field.
-pub const BODY_USER_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice", "user"];
+pub const BODY_USER_PROPERTY: [&str; 4] = crate::contract::USER_METADATA;
 
 // ---------------------------------------------------------------------------------------------
 // As written.

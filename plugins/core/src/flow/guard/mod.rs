@@ -40,8 +40,8 @@ use watchlist::Watchlist;
 
 mod watchlist;
 
-/// Metadata json_to_metadata lifts the request's model into (used when no router decided).
-pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+/// Read for the request's model when no router decided.
+pub use crate::contract::MODEL_METADATA;
 /// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
 pub const STAMP_PROPERTY: &str = "sluice_latency";
 /// How often each worker looks at open breakers (their way to half-open is time alone).

@@ -35,9 +35,7 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-/// Where Envoy's `json_to_metadata` puts the body's `model` (see envoy/templates/router-gateway.yaml):
-/// Envoy routes on headers, before a filter can see the body.
-pub const MODEL_METADATA: [&str; 4] = ["metadata", "filter_metadata", "sluice", "model"];
+pub use crate::contract::MODEL_METADATA;
 /// Bytes of a streamed primary response kept to compare texts (figures come from the stream itself).
 pub const TEXT_CAPTURE_BYTES: usize = 64 * 1024;
 /// Largest whole response body (non-streamed primary, or any shadow answer) read for its figures.
