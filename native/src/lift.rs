@@ -22,8 +22,8 @@
 //! type it is sent as, and the lift reads what they read.
 
 use sluice_core::api::ApiKind;
+use sluice_core::contract::USER_METADATA;
 use sluice_core::request::inspect_request_with_kind;
-use sluice_core::routing::policy::BODY_USER_PROPERTY;
 
 use crate::filter::{log, log_enabled, BodyKind, BodyStatus, Envoy, Filter, FilterConfig, HeadersStatus, LogLevel};
 
@@ -108,7 +108,7 @@ impl Filter for Lift {
                 }
                 // `user` as json_to_metadata's rule lifts it: top-level, so not Anthropic's.
                 if let (Some(user), false) = (&info.user, kind == ApiKind::AnthropicMessages) {
-                    envoy.set_dynamic_metadata_string(NAMESPACE, BODY_USER_PROPERTY[3], user);
+                    envoy.set_dynamic_metadata_string(NAMESPACE, USER_METADATA[3], user);
                 }
                 self.kind = None;
                 self.body = Vec::new();
@@ -135,8 +135,7 @@ mod tests {
 
     #[test]
     fn it_writes_where_model_router_reads() {
-        let model = sluice_core::flow::router::MODEL_METADATA;
-        assert_eq!(["metadata", "filter_metadata", NAMESPACE, MODEL_KEY], model);
-        assert_eq!(["metadata", "filter_metadata", NAMESPACE], [BODY_USER_PROPERTY[0], BODY_USER_PROPERTY[1], BODY_USER_PROPERTY[2]]);
+        assert_eq!(["metadata", "filter_metadata", NAMESPACE, MODEL_KEY], sluice_core::contract::MODEL_METADATA);
+        assert_eq!(["metadata", "filter_metadata", NAMESPACE], [USER_METADATA[0], USER_METADATA[1], USER_METADATA[2]]);
     }
 }

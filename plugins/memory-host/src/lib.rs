@@ -404,10 +404,6 @@ impl Gateway {
         Gateway { vm, streams: VecMap::new(), sections_timer: Timer::default(), router_armed: false, next_token: 0, out: Vec::new() }
     }
 
-    pub fn router_policy(&self) -> Option<&RoutingPolicy> {
-        self.vm.router.as_ref().map(|r| &r.policy)
-    }
-
     /// The guard and budget policies with the shared data, for the engine's samples.
     pub fn shared(&mut self) -> (Option<&LatencyPolicy>, Option<&Policy>, &mut MemoryStore) {
         (self.vm.guard.as_ref().map(GuardRoot::policy), self.vm.budget.as_ref().map(|b| &b.policy), &mut self.vm.store)

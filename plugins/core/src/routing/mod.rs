@@ -26,7 +26,7 @@ pub mod hash;
 pub mod policy;
 pub mod similarity;
 
-pub use policy::{ModelRoute, RampStep, RoutingPolicy, RoutingPolicyError, Shadow, ShadowVersion, StickySource, Version, BODY_USER_PROPERTY, MAX_WEIGHT};
+pub use policy::{ModelRoute, RampStep, RoutingPolicy, RoutingPolicyError, Shadow, ShadowVersion, StickySource, Version, MAX_WEIGHT};
 
 use crate::price::glob_match;
 use hash::Fnv1a;

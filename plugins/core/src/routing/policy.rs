@@ -20,10 +20,6 @@ pub const MAX_MODELS: usize = 1024;
 /// Latest year a ramp step may name (nanoseconds since the epoch fit a `u64` until 2554).
 pub const MAX_YEAR: u64 = 2500;
 
-/// The property `{"body_user": true}` reads: where Envoy's `json_to_metadata` filter is expected to
-/// put the request body's `user` field.
-pub const BODY_USER_PROPERTY: [&str; 4] = crate::contract::USER_METADATA;
-
 // ---------------------------------------------------------------------------------------------
 // As written.
 
@@ -62,7 +58,7 @@ pub struct StickyKeyConfig {
     #[serde(default)]
     pub property: Option<Vec<String>>,
     /// The body's `user` field, as extracted to metadata by `json_to_metadata`
-    /// ([`BODY_USER_PROPERTY`]).
+    /// ([`crate::contract::USER_METADATA`]).
     #[serde(default)]
     pub body_user: Option<bool>,
 }
@@ -173,7 +169,7 @@ pub enum StickySource {
     Header(String),
     /// The API key, by its lowercase hex SHA-256 ([`crate::identity::sha256_hex`]).
     ApiKey,
-    /// A host property path (`{"body_user": true}` compiles to [`BODY_USER_PROPERTY`]).
+    /// A host property path (`{"body_user": true}` compiles to [`crate::contract::USER_METADATA`]).
     Property(Vec<String>),
 }
 
@@ -375,7 +371,7 @@ impl RoutingPolicy {
                 (Some(h), ..) => StickySource::Header(header_name(&format!("{f}.header"), h)?),
                 (_, Some(true), ..) => StickySource::ApiKey,
                 (_, _, Some(p), _) => StickySource::Property(property_path(&format!("{f}.property"), p)?),
-                (.., Some(true)) => StickySource::Property(BODY_USER_PROPERTY.iter().map(|s| (*s).to_string()).collect()),
+                (.., Some(true)) => StickySource::Property(crate::contract::USER_METADATA.iter().map(|s| (*s).to_string()).collect()),
                 (_, Some(false), ..) => return Err(invalid(format!("{f}.api_key"), "only `true` is meaningful; remove the entry instead")),
                 _ => return Err(invalid(format!("{f}.body_user"), "only `true` is meaningful; remove the entry instead")),
             };

@@ -40,8 +40,7 @@ use watchlist::Watchlist;
 
 mod watchlist;
 
-/// Read for the request's model when no router decided.
-pub use crate::contract::MODEL_METADATA;
+use crate::contract::MODEL_METADATA;
 /// Access-log stamp: `%FILTER_STATE(wasm.sluice_latency:PLAIN)%`.
 pub const STAMP_PROPERTY: &str = "sluice_latency";
 /// How often each worker looks at open breakers (their way to half-open is time alone).

@@ -35,7 +35,7 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-pub use crate::contract::MODEL_METADATA;
+use crate::contract::MODEL_METADATA;
 /// Bytes of a streamed primary response kept to compare texts (figures come from the stream itself).
 pub const TEXT_CAPTURE_BYTES: usize = 64 * 1024;
 /// Largest whole response body (non-streamed primary, or any shadow answer) read for its figures.
