@@ -11,7 +11,13 @@ Under valgrind Envoy runs some 50 times slower: what happens on a timer (the nat
 flush every 100 ms) happens once per a few requests here, where at full speed it covers hundreds —
 the figures say what a slow stream of requests costs.
 
-Usage: benches/envoy_instructions.py [--config "native full chain"] [--requests 100,600]
+`--floor` measures the table of docs/native.md's "The floor under the goal": the references the
+native goal names (the Lua filter, the no-op ext_proc), the floor of a dynamic-module filter
+(libsluice.so's `floor`: none of sluice's work, only the calls a sluice request makes of Envoy,
+each on its own and together) and the native chain, with each row's addition over "no filter" and
+its ratio to the no-op ext_proc's (about 25 minutes at `--requests 10,60`).
+
+Usage: benches/envoy_instructions.py [--config "native full chain"[,…] | --floor] [--requests 100,600]
        [--native-dir DIR]   (an earlier build of libsluice.so, for a before/after pair)
        [--template FILE]    (another template for the configuration, e.g. an earlier revision's)
        [--tokens N --itl-ms MS] [--keep DIR]
@@ -43,6 +49,47 @@ METRIC_CALLBACKS = re.compile(r"envoy_dynamic_module_callback_http_filter_(confi
                               r"(increment_counter|record_histogram_value|set_gauge|increment_gauge|decrement_gauge)\b")
 
 
+# The floor of a dynamic-module filter (envoy/bench/native-floor.yaml, native/src/floor.rs), by
+# row name (no commas: `--config` takes a list): how many `floor` instances, and the calls each
+# makes per request (none: it only is).
+FLOORS = {
+    "native floor": (1, ""),
+    "native floor ×3": (3, ""),
+    "native floor + hold": (1, "hold"),
+    "native floor + chunks": (1, "chunks"),
+    "native floor + 4 states": (1, "states=4"),
+    "native floor + 6 histograms": (1, "histograms=6"),
+    "native floor + 6 unlabelled histograms": (1, "bare_histograms=6"),
+    "native floor + sluice's calls": (1, "hold,chunks,histograms=6,states=4"),
+}
+FLOOR_TEMPLATE = load.ROOT / "envoy/bench/native-floor.yaml"
+
+
+def floor_filters(instances, calls):
+    """The `floor` filter entries of a FLOORS row, for the template's FLOOR_FILTERS block."""
+    entry = ("- name: envoy.filters.http.dynamic_modules\n"
+             "  typed_config:\n"
+             "    \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n"
+             "    dynamic_module_config: { name: sluice, do_not_close: true }\n"
+             "    filter_name: floor\n"
+             f"    filter_config: {{ \"@type\": type.googleapis.com/google.protobuf.StringValue, value: \"{calls}\" }}\n")
+    return entry * instances
+
+
+def slowed(policy):
+    """A latency-guard policy with every `*_ms` time 100 times longer, up to the hour the policy
+    allows. Under valgrind Envoy runs some 50 times slower: the first request (the module's first
+    calls) outlasted the demo's 2 s TTFT deadline and was answered 504, which at full speed no
+    request is. The guard's work per request is the same (its deadlines are armed either way)."""
+    def scale(v):
+        if isinstance(v, dict):
+            return {k: min(x * 100, 3_600_000) if k.endswith("_ms") and isinstance(x, int) else scale(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [scale(x) for x in v]
+        return v
+    return json.dumps(scale(json.loads(policy)))
+
+
 def request_body():
     script = load.WRK_SCRIPT
     return re.search(r"wrk.body = '(.*)'", script).group(1)
@@ -63,12 +110,21 @@ def send(port, count, tokens, itl_ms):
     conn.close()
 
 
-def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0):
+def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0, extra=None):
     """Total instructions of Envoy serving `requests` requests, and its metric callback calls."""
     mock_port = load.free_port()
     mock = subprocess.Popen([str(load.MOCK), "--listen", f"127.0.0.1:{mock_port}"], stdout=subprocess.DEVNULL)
+    # The no-op external processor, for its row (its own instructions are not Envoy's: not counted).
+    extproc_port = load.free_port()
+    extproc = None
+    if "ext_proc" in name:
+        if not load.EXTPROC.exists():
+            raise RuntimeError(f"{load.EXTPROC} is not built (`cargo xtask bench` builds it)")
+        extproc = subprocess.Popen([str(load.EXTPROC), f"127.0.0.1:{extproc_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         load.wait_port(mock_port)
+        if extproc:
+            load.wait_port(extproc_port)
         port, admin = load.free_port(), load.free_port()
         path = Path(tmp) / "envoy.yaml"
         path.write_text(load.render(config.read_text(), {
@@ -77,9 +133,9 @@ def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0):
             "PLUGIN_CONFIG": load.yaml_string_body((load.ROOT / "policies/llm-metrics.demo.json").read_text()),
             "BUDGET_CONFIG": load.yaml_string_body((load.ROOT / "policies/tenant-budget.bench.json").read_text()),
             "ROUTER_CONFIG": load.yaml_string_body(load.router_policy(None if name.startswith("native") else 0.0)),
-            "LATENCY_CONFIG": load.yaml_string_body((load.ROOT / "policies/latency-guard.demo.json").read_text()),
+            "LATENCY_CONFIG": load.yaml_string_body(slowed((load.ROOT / "policies/latency-guard.demo.json").read_text())),
             "UPSTREAM_PORT_V2": str(mock_port), "SHADOW_PORT": str(mock_port), "FLOOR_CONFIG": "",
-            "LEDGER_PORT": "1", "EXTPROC_PORT": "1"}))
+            "LEDGER_PORT": "1", "EXTPROC_PORT": str(extproc_port), **(extra or {})}))
         out = Path(tmp) / f"callgrind.{requests}"
         envoy = subprocess.Popen(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--trace-children=no",
@@ -104,8 +160,10 @@ def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0):
                                                                                r"(?:increment_counter|record_histogram_value|set_gauge|increment_gauge|decrement_gauge)\b", inclusive, re.M))
         return total, calls, config_calls
     finally:
-        mock.terminate()
-        mock.wait()
+        for process in (mock, extproc):
+            if process:
+                process.terminate()
+                process.wait()
 
 
 def metric_calls(out):
@@ -129,9 +187,48 @@ def metric_calls(out):
     return calls
 
 
+# `--floor`: the rows that say where the native goal's bound lies against what the ABI charges —
+# the references the goal names, the floor's rows, and the native chain itself.
+FLOOR_TABLE = ["no filter", "trivial wasm filter", "Lua TTFT stamp", "no-op ext_proc", "native gateway shell"] + list(FLOORS) + [
+    "native llm-metrics", "native full chain"]
+
+
+def measure(name, args, few, many):
+    """One configuration's instructions per request (and its metric calls), printed as it ends."""
+    config, extra = dict(load.CONFIGS).get(name), None
+    if name in FLOORS:
+        config, extra = FLOOR_TEMPLATE, {"FLOOR_FILTERS": floor_filters(*FLOORS[name])}
+    if config is None:
+        sys.exit(f"no configuration {name!r}; one of: {', '.join([n for n, _ in load.CONFIGS] + list(FLOORS))}")
+    if args.template:
+        config = Path(args.template)
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.time()
+        (low, low_calls, low_config), (high, high_calls, high_config) = (run(name, config, n, args.native_dir, tmp, args.tokens, args.itl_ms, extra) for n in (few, many))
+        if args.keep:
+            keep = Path(args.keep) / re.sub(r"[^a-z0-9]+", "-", name.lower()) if "," in args.config or args.floor else Path(args.keep)
+            keep.mkdir(parents=True, exist_ok=True)
+            for n in (few, many):
+                shutil.copy(Path(tmp) / f"callgrind.{n}", keep / f"callgrind.{n}")
+    span = many - few
+    per_request = (high - low) / span
+    print(f"{name} ({args.native_dir}, {args.tokens} tokens, {args.itl_ms} ms apart): {low:,} instructions with {few} requests, {high:,} with {many}: "
+          f"{per_request:,.0f} per request ({time.time() - started:.0f} s); "
+          f"of which configuration-level metric calls {(high_config - low_config) / span:,.0f}", flush=True)
+    for key in sorted(set(low_calls) | set(high_calls)):
+        print(f"  {key}: {(high_calls.get(key, 0) - low_calls.get(key, 0)) / span:.2f} calls per request")
+    json.dump({"config": name, "per_request": per_request, "config_metric_calls_per_request": (high_config - low_config) / span,
+               "calls_per_request": {k: (high_calls.get(k, 0) - low_calls.get(k, 0)) / span for k in set(low_calls) | set(high_calls)}},
+              sys.stderr)
+    sys.stderr.write("\n")
+    return per_request
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="native full chain", help="a configuration name of benches/envoy_load.py")
+    ap.add_argument("--config", default="native full chain", help="a configuration name of benches/envoy_load.py or a floor row "
+                    "(FLOORS); several, comma-separated, give a table")
+    ap.add_argument("--floor", action="store_true", help="the floor table: the goal's references, the floor's rows, the native chain")
     ap.add_argument("--requests", default="100,600")
     ap.add_argument("--native-dir", default=str(load.NATIVE_DIR))
     ap.add_argument("--tokens", type=int, default=1, help="content tokens a response streams")
@@ -141,29 +238,18 @@ def main():
                     "(e.g. an earlier revision's, for a before/after pair)")
     ap.add_argument("--keep", default="", help="a directory to copy the callgrind files to (for callgrind_annotate)")
     args = ap.parse_args()
-    config = dict(load.CONFIGS).get(args.config)
-    if config is None:
-        sys.exit(f"no configuration {args.config!r}; one of: {', '.join(n for n, _ in load.CONFIGS)}")
-    if args.template:
-        config = Path(args.template)
     few, many = (int(n) for n in args.requests.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
-        started = time.time()
-        (low, low_calls, low_config), (high, high_calls, high_config) = (run(args.config, config, n, args.native_dir, tmp, args.tokens, args.itl_ms) for n in (few, many))
-        if args.keep:
-            Path(args.keep).mkdir(parents=True, exist_ok=True)
-            for n in (few, many):
-                shutil.copy(Path(tmp) / f"callgrind.{n}", Path(args.keep) / f"callgrind.{n}")
-    span = many - few
-    print(f"{args.config} ({args.native_dir}, {args.tokens} tokens, {args.itl_ms} ms apart): {low:,} instructions with {few} requests, {high:,} with {many}: "
-          f"{(high - low) / span:,.0f} per request ({time.time() - started:.0f} s); "
-          f"of which configuration-level metric calls {(high_config - low_config) / span:,.0f}")
-    for key in sorted(set(low_calls) | set(high_calls)):
-        print(f"  {key}: {(high_calls.get(key, 0) - low_calls.get(key, 0)) / span:.2f} calls per request")
-    json.dump({"config": args.config, "per_request": (high - low) / span, "config_metric_calls_per_request": (high_config - low_config) / span,
-               "calls_per_request": {k: (high_calls.get(k, 0) - low_calls.get(k, 0)) / span for k in set(low_calls) | set(high_calls)}},
-              sys.stderr)
-    sys.stderr.write("\n")
+    names = FLOOR_TABLE if args.floor else [n.strip() for n in args.config.split(",")]
+    figures = {name: measure(name, args, few, many) for name in names}
+    if len(names) == 1:
+        return
+    base = figures.get("no filter")
+    extproc = figures.get("no-op ext_proc")
+    print(f"\n| configuration | instructions per request | added over no filter | × the no-op ext_proc's addition |\n|---|---:|---:|---:|")
+    for name, value in figures.items():
+        added = f"{value - base:+,.0f}" if base is not None and name != "no filter" else "—"
+        ratio = f"{(value - base) / (extproc - base):.3f}" if base is not None and extproc is not None and name != "no filter" else "—"
+        print(f"| {name} | {value:,.0f} | {added} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,9 @@ CONFIGS = [
     # row was first measured, so that runs compare), tenant-budget (the bench policy, local mode), llm-metrics in one instance;
     # no buffer filter (the native budget holds the headers while it reads the body).
     ("native full chain", ROOT / "envoy/templates/native-full-gateway.yaml"),
+    # The native full gateway without its three sluice filters: its access log, decompressors,
+    # routes and stats settings alone (what the chain's rows add that is not sluice's).
+    ("native gateway shell", ROOT / "envoy/bench/native-shell.yaml"),
     # The same with tracing on (`cargo xtask render --otlp`): Envoy's OpenTelemetry tracer, every
     # request sampled, sluice's span attributes as custom tags, spans exported over OTLP/HTTP to a
     # sink on loopback that answers 200 and drops them.

@@ -255,6 +255,16 @@ fn a_broken_plugin_configuration_is_refused_with_the_field_named() {
     assert!(message.contains("path_prefixes[0]: must start with '/'"), "{message}");
 }
 
+/// A `floor` filter entry of envoy/bench/native-floor.yaml's FLOOR_FILTERS block, making every call
+/// it can (benches/envoy_instructions.py writes one per instance).
+const NATIVE_FLOOR_FILTER: &str = "- name: envoy.filters.http.dynamic_modules
+  typed_config:
+    \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
+    dynamic_module_config: { name: sluice, do_not_close: true }
+    filter_name: floor
+    filter_config: { \"@type\": type.googleapis.com/google.protobuf.StringValue, value: \"hold,chunks,histograms=6,bare_histograms=1,states=4\" }
+";
+
 /// The load-bench configs (envoy/bench/) validate. The gateway templates are covered by
 /// shipped_configs.rs (their rendered copies validated) and by the tests that start each of them.
 #[test]
@@ -278,13 +288,19 @@ fn the_bench_envoy_configs_validate() {
             ("WASM_DIR", wasm.as_str()),
             ("EXTPROC_PORT", "18100"),
             ("FLOOR_CONFIG", "get_header=1"),
+            // native-shell.yaml's (the native full gateway's) and native-floor.yaml's.
+            ("ACCESS_LOG", "/dev/null"),
+            ("UPSTREAM_PORT_V2", "18001"),
+            ("SHADOW_PORT", "18002"),
+            ("FLOOR_FILTERS", NATIVE_FLOOR_FILTER),
         ];
         let rendered = render_config(&std::fs::read_to_string(&path).unwrap(), &vars).unwrap();
         let out = dir.join(path.file_name().unwrap());
         std::fs::write(&out, rendered).unwrap();
-        Envoy::validate(&out).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
+        // The native floor's libsluice.so is loaded from the workspace's target/native.
+        Envoy::validate_in(&out, Some(&sluice_e2e::tools::workspace_root())).unwrap_or_else(|e| panic!("{} does not validate: {e:#}", path.display()));
         checked += 1;
     }
-    assert!(checked >= 5, "expected the bench configs (none, floor, floor4, lua, extproc), checked {checked}");
+    assert!(checked >= 7, "expected the bench configs (none, floor, floor4, lua, extproc, native-shell, native-floor), checked {checked}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,7 +1,8 @@
 //! `libsluice.so`: sluice as an Envoy dynamic module (issue 27): its binding to Envoy 1.40.0's
 //! dynamic-module ABI, the engine (filter `sluice`, configured as `sluice.wasm` is; [`engine`]) and
 //! the lift of the request body's model into metadata for model-router (filter
-//! `sluice-body-metadata`; [`lift`]) and a proof filter (`proof`, `proof-hold`; [`proof`]).
+//! `sluice-body-metadata`; [`lift`]), a proof filter (`proof`, `proof-hold`; [`proof`]) and the
+//! benches' floor (`floor`; [`floor`]).
 //!
 //! - [`abi`] (private) is the only module with `unsafe` code: the ABI's types, the callbacks the
 //!   module calls (resolved by name when Envoy loads it), the event hooks Envoy calls, and safe
@@ -21,6 +22,7 @@
 mod abi;
 pub mod engine;
 pub mod filter;
+pub mod floor;
 pub mod lift;
 pub mod proof;
 
@@ -35,8 +37,11 @@ fn new_filter_config(name: &[u8], config: &[u8], context: &mut filter::ConfigCon
     if name == lift::FILTER_NAME.as_bytes() {
         return lift::new_config(config).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>);
     }
+    if name == floor::FILTER_NAME.as_bytes() {
+        return floor::new_config(config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>);
+    }
     proof::new_config(name, config, context).map(|config| Box::new(config) as Box<dyn filter::FilterConfig>)
 }
 
 /// Every filter name this module answers to.
-pub const FILTER_NAMES: &[&str] = &[engine::FILTER_NAME, lift::FILTER_NAME, "proof", "proof-hold"];
+pub const FILTER_NAMES: &[&str] = &[engine::FILTER_NAME, lift::FILTER_NAME, "proof", "proof-hold", floor::FILTER_NAME];

@@ -150,7 +150,7 @@ mod tests {
     fn anything_else_is_refused_with_the_reason() {
         assert_eq!(
             validate(b"router", b""),
-            Err("unknown filter_name \"router\" (this module has: sluice, sluice-body-metadata, proof, proof-hold)".to_string())
+            Err("unknown filter_name \"router\" (this module has: sluice, sluice-body-metadata, proof, proof-hold, floor)".to_string())
         );
         assert_eq!(validate(b"proof", br#"{"model":"x"}"#), Err(r#"filter "proof" takes no configuration yet; got 13 bytes: "{\"model\":\"x\"}""#.to_string()));
     }

@@ -432,7 +432,7 @@ fn an_unrecognised_configuration_is_refused() {
         (
             "router",
             "",
-            r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: sluice, sluice-body-metadata, proof, proof-hold)"#,
+            r#"sluice-native: filter configuration refused: unknown filter_name "router" (this module has: sluice, sluice-body-metadata, proof, proof-hold, floor)"#,
         ),
     ] {
         let Started::Exited { code, log } = start_envoy(&module_dir(None), name, config, 9) else {
