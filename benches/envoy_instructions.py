@@ -127,7 +127,7 @@ def run(name, config, requests, native_dir, tmp, tokens=1, itl_ms=0, extra=None)
             load.wait_port(extproc_port)
         port, admin = load.free_port(), load.free_port()
         path = Path(tmp) / "envoy.yaml"
-        path.write_text(load.render(config.read_text(), {
+        path.write_text(load.render(load.template_of(name, config.read_text()), {
             "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
             "WASM_DIR": str(load.WASM_DIR), "ACCESS_LOG": "/dev/null",
             "PLUGIN_CONFIG": load.yaml_string_body((load.ROOT / "policies/llm-metrics.demo.json").read_text()),

@@ -81,8 +81,9 @@ CONFIGS = [
     # no buffer filter (the native budget holds the headers while it reads the body).
     ("native full chain", ROOT / "envoy/templates/native-full-gateway.yaml"),
     # The native full gateway without its three sluice filters: its access log, decompressors,
-    # routes and stats settings alone (what the chain's rows add that is not sluice's).
-    ("native gateway shell", ROOT / "envoy/bench/native-shell.yaml"),
+    # routes and stats settings alone (what the chain's rows add that is not sluice's). Rendered
+    # from the gateway's own template (WITHOUT_MODULE_FILTERS), so the two cannot drift apart.
+    ("native gateway shell", ROOT / "envoy/templates/native-full-gateway.yaml"),
     # The same with tracing on (`cargo xtask render --otlp`): Envoy's OpenTelemetry tracer, every
     # request sampled, sluice's span attributes as custom tags, spans exported over OTLP/HTTP to a
     # sink on loopback that answers 200 and drops them.
@@ -140,6 +141,30 @@ def yaml_string_body(text):
 # Block placeholders a template may leave without a value (tracing, off unless given): as in
 # sluice_envoy_render, a line that is only `{{NAME}}` takes the value's lines at its indentation.
 OPTIONAL_BLOCKS = ("TRACING", "TRACING_CLUSTER")
+
+
+# Rows whose template is another row's with its dynamic-module filters taken out.
+WITHOUT_MODULE_FILTERS = {"native gateway shell"}
+
+
+def template_of(name, text):
+    """Row `name`'s template, from its file's `text`: every `envoy.filters.http.dynamic_modules`
+    entry of its filter list removed for a row of WITHOUT_MODULE_FILTERS (an entry ends where a line
+    as little indented as its `- name:` begins), `text` itself otherwise."""
+    if name not in WITHOUT_MODULE_FILTERS:
+        return text
+    kept, entry_indent = [], None
+    for line in text.splitlines(keepends=True):
+        indent = len(line) - len(line.lstrip(" "))
+        if entry_indent is not None:
+            if not line.strip() or indent > entry_indent:
+                continue
+            entry_indent = None
+        if line.strip() == "- name: envoy.filters.http.dynamic_modules":
+            entry_indent = indent
+            continue
+        kept.append(line)
+    return "".join(kept)
 
 
 def render(template, vars_):
@@ -310,7 +335,7 @@ def main():
                     if name.endswith("(before)") and args.before_ref:
                         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before_ref}:{config.relative_to(ROOT)}"],
                                               capture_output=True, text=True, check=True).stdout
-                    path.write_text(render(text, {
+                    path.write_text(render(template_of(name, text), {
                         "LISTEN_PORT": str(port), "ADMIN_PORT": str(admin), "UPSTREAM_PORT": str(mock_port),
                         "WASM_DIR": args.before if name.endswith("(before)") else str(WASM_DIR),
                         "ACCESS_LOG": "/dev/null", "PLUGIN_CONFIG": plugin_config,

@@ -49,8 +49,7 @@ const CHECKPOINT: usize = 200;
 /// the dynamic caps fill within the first period, and [`CHECKPOINT`] covers three periods.
 const PERIOD: usize = 60;
 
-use sluice_core::contract::MODEL_METADATA;
-use sluice_core::contract::USER_METADATA;
+use sluice_core::contract::{MODEL_METADATA, USER_METADATA};
 const FORCE_PROPERTY: [&str; 4] = ["metadata", "filter_metadata", "sluice_trusted", "force_version"];
 const GATEWAY_REPLY: &str = "sluice_gateway_reply";
 const AVOID: &str = "sluice_latency_avoid";

@@ -34,7 +34,7 @@ pub struct Calls {
     pub chunks: bool,
     pub histograms: u32,
     pub bare_histograms: u32,
-    pub states: usize,
+    pub states: u32,
 }
 
 /// Reads the configuration (see the module's documentation); refused with the reason.
@@ -44,26 +44,16 @@ pub fn parse(config: &[u8]) -> Result<Calls, String> {
     if text.is_empty() || text == "{}" {
         return Ok(calls);
     }
+    let count = |name: &str, value: &str, max: u32| {
+        value.parse::<u32>().ok().filter(|&n| n <= max).ok_or_else(|| format!("filter \"floor\": {name}={value}: a count from 0 to {max}"))
+    };
     for item in text.split(',').map(str::trim) {
-        let count = |value: &str, max: u64| value.parse::<u64>().ok().filter(|&n| n <= max);
         match item.split_once('=') {
             None if item == "hold" => calls.hold = true,
             None if item == "chunks" => calls.chunks = true,
-            Some(("histograms", n)) => {
-                calls.histograms = count(n, MAX_HISTOGRAMS.into())
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("filter \"floor\": histograms={n}: a count from 0 to {MAX_HISTOGRAMS}"))?;
-            }
-            Some(("bare_histograms", n)) => {
-                calls.bare_histograms = count(n, MAX_HISTOGRAMS.into())
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("filter \"floor\": bare_histograms={n}: a count from 0 to {MAX_HISTOGRAMS}"))?;
-            }
-            Some(("states", n)) => {
-                calls.states = count(n, STATE_KEYS.len() as u64)
-                    .and_then(|n| usize::try_from(n).ok())
-                    .ok_or_else(|| format!("filter \"floor\": states={n}: a count from 0 to {}", STATE_KEYS.len()))?;
-            }
+            Some(("histograms", n)) => calls.histograms = count("histograms", n, MAX_HISTOGRAMS)?,
+            Some(("bare_histograms", n)) => calls.bare_histograms = count("bare_histograms", n, MAX_HISTOGRAMS)?,
+            Some(("states", n)) => calls.states = count("states", n, STATE_KEYS.len() as u32)?,
             _ => return Err(format!("filter \"floor\": unknown call {item:?} (hold, chunks, histograms=N, bare_histograms=N, states=N)")),
         }
     }
@@ -127,7 +117,7 @@ impl Filter for Floor {
     }
 
     fn on_stream_complete(&mut self, envoy: &mut Envoy<'_>) {
-        for key in STATE_KEYS.iter().take(self.calls.states) {
+        for key in STATE_KEYS.iter().take(self.calls.states as usize) {
             if !envoy.set_filter_state(key, b"{\"floor\":true}") {
                 log(LogLevel::Warn, "sluice-native floor: could not set filter state");
             }
