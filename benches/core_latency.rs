@@ -8,7 +8,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sluice_core::latency::breaker::{self, BreakerConfig};
-use sluice_core::latency::window::{self, RollingWindow, WindowConfig, WindowStats};
+use sluice_core::latency::window::{self, RollingWindow, Sample, WindowCache, WindowConfig, WindowStats};
 use sluice_core::latency::{should_shed, InFlightLimit, LatencyPolicy, Priority, QuantileSketch, SketchParams};
 use sluice_core::store::MemoryStore;
 use std::hint::black_box;
@@ -138,6 +138,19 @@ fn window_and_request(c: &mut Criterion) {
             let w = window::update(&mut store, "w", &cfg, now, Some(black_box(240_000)), Some(black_box(31_000)), false).unwrap();
             let stats = w.snapshot(now);
             breaker::update(&mut store, "b", &bcfg, now, &stats).unwrap()
+        })
+    });
+    // The completion path as latency-guard runs it: through the worker's window cache, which
+    // finds its own bytes in the store (no other worker wrote), encodes only the slot written and
+    // takes the sample into its last snapshot.
+    g.bench_function("completion_path_cached", |b| {
+        let mut now = T0;
+        let mut cache = WindowCache::default();
+        b.iter(|| {
+            now += 50_000;
+            let sample = Sample::Finished { ttft_us: Some(black_box(240_000)), tpot_us: Some(black_box(31_000)), error: false };
+            let stats = cache.update(&mut store, "w", &cfg, now, sample).unwrap();
+            breaker::update(&mut store, "b", &bcfg, now, stats).unwrap()
         })
     });
     // A stream's first token: its TTFT into the window, the breaker judged (the end of the same

@@ -94,6 +94,25 @@ impl<K: Ord, V> VecMap<K, V> {
         &mut self.entries[i].1
     }
 
+    /// [`get_or_insert_with`](VecMap::get_or_insert_with) by a borrowed key, made owned only when
+    /// it is inserted.
+    pub fn get_or_insert_with_borrowed<Q>(&mut self, key: &Q, make: impl FnOnce() -> V) -> &mut V
+    where
+        K: Borrow<Q>,
+        Q: Ord + ToOwned<Owned = K> + ?Sized,
+    {
+        let i = match self.find(key) {
+            Ok(i) => i,
+            Err(i) => {
+                self.entries.insert(i, (key.to_owned(), make()));
+                i
+            }
+        };
+        // In bounds: found or just inserted there.
+        #[allow(clippy::indexing_slicing)]
+        &mut self.entries[i].1
+    }
+
     /// Keeps the entries `keep` returns `true` for, in order.
     pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
         self.entries.retain_mut(|(k, v)| keep(k, v));

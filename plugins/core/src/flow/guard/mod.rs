@@ -262,7 +262,7 @@ impl GuardRoot {
                 }
                 deadline::Effect::Release => fx.push(Effect::ResumeResponse),
                 deadline::Effect::RecordTtft { ttft_us } => {
-                    self.update_window_and_judge(&version, now, store, fx, |windows, store, key, config| windows.update_ttft(store, key, config, now, ttft_us));
+                    self.update_window_and_judge(&version, now, store, fx, latency::window::Sample::Ttft(ttft_us));
                 }
                 // Nothing to do on the host: the tick comes back when the wait ends.
                 deadline::Effect::AwaitChunk { .. } => {}
@@ -320,23 +320,11 @@ impl GuardRoot {
 
     /// Applies `update` to the version's shared window (when it has a breaker) and judges the
     /// breaker on the window as written.
-    fn update_window_and_judge(
-        &mut self,
-        version: &str,
-        now: u64,
-        store: &mut dyn SharedStore,
-        fx: &mut Effects,
-        update: impl FnOnce(
-            &mut latency::window::WindowCache,
-            &mut dyn SharedStore,
-            &str,
-            &latency::WindowConfig,
-        ) -> Result<latency::WindowStats, latency::UpdateError>,
-    ) {
+    fn update_window_and_judge(&mut self, version: &str, now: u64, store: &mut dyn SharedStore, fx: &mut Effects, sample: latency::window::Sample) {
         let Some(vp) = self.policy.version(version) else { return };
         let Some(b) = &vp.breaker else { return };
-        match update(&mut self.windows, store, &vp.window_key(), &b.window) {
-            Ok(stats) => judge(vp, b, now, &stats, store, fx),
+        match self.windows.update(store, &vp.window_key(), &b.window, now, sample) {
+            Ok(stats) => judge(vp, b, now, stats, store, fx),
             Err(e) => fx.log(LogLevel::Warn, format!("sluice latency-guard: window of {version} not updated: {e}")),
         }
     }
@@ -780,9 +768,7 @@ impl GuardFlow {
             // Says nothing about the version's latency.
             return;
         }
-        root.update_window_and_judge(&a.version, now, store, fx, |windows, store, key, config| {
-            windows.update(store, key, config, now, window_ttft_us, tpot_us, error)
-        });
+        root.update_window_and_judge(&a.version, now, store, fx, latency::window::Sample::Finished { ttft_us: window_ttft_us, tpot_us, error });
     }
 
     /// The final version is known (model-router decided in its header phase): admit or refuse.
