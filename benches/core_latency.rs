@@ -140,17 +140,24 @@ fn window_and_request(c: &mut Criterion) {
             breaker::update(&mut store, "b", &bcfg, now, &stats).unwrap()
         })
     });
-    // The completion path as latency-guard runs it: through the worker's window cache, which
-    // finds its own bytes in the store (no other worker wrote), encodes only the slot written and
-    // takes the sample into its last snapshot.
-    g.bench_function("completion_path_cached", |b| {
-        let mut now = T0;
+    // The completion path as latency-guard runs it, through the worker's window cache (it finds
+    // its own bytes in the store: no other worker wrote), on a busy window: 20 requests a second
+    // of spread latencies, so the window holds a minute of them (the benches above add one value
+    // 20,000 times a second, and their window soon holds a few buckets).
+    g.bench_function("completion_path_cached_busy", |b| {
+        let (ttft, tpot) = (samples(1200, 250_000.0, 0.5, 1), samples(1200, 30_000.0, 0.3, 2));
+        let mut busy = MemoryStore::default();
+        store_set(&mut busy, "w", &bytes);
+        breaker::ensure(&mut busy, "b").unwrap();
         let mut cache = WindowCache::default();
+        let (mut now, mut i) = (T0, 0usize);
         b.iter(|| {
-            now += 50_000;
-            let sample = Sample::Finished { ttft_us: Some(black_box(240_000)), tpot_us: Some(black_box(31_000)), error: false };
-            let stats = cache.update(&mut store, "w", &cfg, now, sample).unwrap();
-            breaker::update(&mut store, "b", &bcfg, now, stats).unwrap()
+            now += S / 20;
+            i += 1;
+            let k = i % 1200;
+            let stats =
+                cache.update(&mut busy, "w", &cfg, now, Sample::Finished { ttft_us: Some(ttft[k]), tpot_us: Some(tpot[k]), error: k % 100 == 0 }).unwrap();
+            breaker::update(&mut busy, "b", &bcfg, now, stats).unwrap()
         })
     });
     // A stream's first token: its TTFT into the window, the breaker judged (the end of the same
