@@ -168,11 +168,14 @@ impl Sink {
     /// A gauge's new value; a change of a breaker's state gauge is a transition (0 closed, 1 open,
     /// 2 half-open; a gauge never set reads 0, as Envoy's).
     fn gauge(&mut self, name: String, value: i64, now: u64) {
-        let before = self.gauges.get(&name).copied().unwrap_or(0);
-        if let Some((version, from, to)) = breaker_change(&name, before, value) {
+        // One search where the gauge exists (every set but its first).
+        let before = self.gauges.get_mut(name.as_str()).map(|v| std::mem::replace(v, value));
+        if let Some((version, from, to)) = breaker_change(&name, before.unwrap_or(0), value) {
             self.transitions.push(Transition { at_ns: now, version: version.to_string(), from, to, reason: String::new() });
         }
-        self.gauges.insert(name, value);
+        if before.is_none() {
+            self.gauges.insert(name, value);
+        }
     }
 
     /// The guard's warning that follows a transition's gauge (`… breaker of <version> <from> → <to>:

@@ -155,7 +155,7 @@ impl GuardRoot {
 
     /// The watched streams a tick at `now` acts on ([`StreamWatch::tick_due`]), in ascending id
     /// order; the tick of any other would be a no-op.
-    pub fn due_ids(&self, now: u64) -> Vec<u32> {
+    pub fn due_ids(&self, now: u64) -> impl Iterator<Item = u32> {
         self.watched.due_ids(now)
     }
 
