@@ -629,7 +629,11 @@ fn run_envoy_matrix(root: &Path, phases: &mut Phases, versions: &[&str]) -> Resu
 
 fn bench(root: &Path, extra: &[String]) -> Result<()> {
     if let Some(at) = extra.iter().position(|a| a == "--sim") {
-        const USAGE: &str = "cargo xtask bench --sim [REQUESTS] [--host wasm|native]";
+        const USAGE: &str = "cargo xtask bench --sim [REQUESTS] [--host wasm|native] | cargo xtask bench --sim --instructions";
+        if extra.iter().any(|a| a == "--instructions") {
+            ensure_debian_packages(&[("valgrind", "valgrind")])?;
+            return simbench::instructions(root);
+        }
         let requests = match extra.get(at + 1).filter(|a| !a.starts_with("--")).map(|n| n.parse::<u64>()) {
             Some(Ok(n)) => n,
             Some(Err(_)) => bail!("{USAGE}: REQUESTS must be a number"),

@@ -7,6 +7,10 @@
 //! native`: the flows compiled in; `cargo xtask bench --sim [REQUESTS] --host H` runs one); prints
 //! requests/s, wall time and the simulator's peak resident memory — for the Azure trace the median
 //! of five runs and their spread, for the day one run.
+//!
+//! `cargo xtask bench --sim --instructions` instead counts what the native host executes for the
+//! whole Azure hour at 1 and 16 tokens per event (valgrind's count): the figure that does not move
+//! with the machine's pace from one hour to the next, as its wall time does.
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -72,6 +76,55 @@ pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--instructions`: the instructions the native host executes for the whole Azure hour under the
+/// demo scenario at 1 and 16 tokens per event (`valgrind --tool=cachegrind --cache-sim=no`, which
+/// counts without simulating caches; a few minutes), and per request. The same on every run of one
+/// build on one machine, so two builds compare without pairing runs.
+pub fn instructions(root: &Path) -> Result<()> {
+    crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
+    let dir = root.join("target/sim-bench");
+    std::fs::create_dir_all(&dir)?;
+    let demo: Value = serde_json::from_str(&std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?)?;
+    let demo = absolute_policy_paths(root, demo);
+    let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
+    println!("| trace | tokens per event | host | requests | instructions | per request |\n|---|---|---|---|---|---|");
+    for per_event in [1u64, 16] {
+        let mut scenario = demo.clone();
+        scenario["tokens_per_event"] = per_event.into();
+        let path = dir.join(format!("scenario-azure-{per_event}.json"));
+        std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
+        let out = dir.join("out-instructions");
+        remove_if_present(&out.join("verdicts.jsonl"))?;
+        let run = Command::new("valgrind")
+            .args(["--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"])
+            .arg(root.join("target/release/sluice-sim"))
+            .args(["run", "-q", "--no-report", "--host", "native", "--scenario"])
+            .arg(&path)
+            .arg("--trace")
+            .arg(&azure)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .context("running valgrind")?;
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        if !run.status.success() {
+            bail!("sluice-sim under valgrind exited with {}: {stderr}", run.status);
+        }
+        let count = instruction_count(&stderr).with_context(|| format!("no instruction count in valgrind's output: {stderr}"))?;
+        let n = count_lines(&out.join("verdicts.jsonl"))?;
+        println!("| Azure conversation trace (1 h), demo scenario | {per_event} | native | {n} | {count} | {:.0} |", count as f64 / n.max(1) as f64);
+    }
+    Ok(())
+}
+
+/// The count in cachegrind's summary line (`==PID== I   refs:      9,183,276,656`).
+fn instruction_count(valgrind_stderr: &str) -> Option<u64> {
+    valgrind_stderr.lines().find_map(|line| {
+        let (label, count) = line.split_once("refs:")?;
+        label.trim_end().ends_with(" I").then(|| count.trim().replace(',', "").parse().ok()).flatten()
+    })
 }
 
 /// Runs `cmd` to its end; its wall time (from spawning it to reaping it) and peak resident set
@@ -252,6 +305,15 @@ fn arrival_at_quantile(q: f64, from: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_instruction_count_is_read_from_cachegrinds_summary() {
+        let stderr = "==23656== Cachegrind, a high-precision tracing profiler\n==23656== \n==23656== I   refs:      9,183,276,656\n";
+        assert_eq!(instruction_count(stderr), Some(9_183_276_656));
+        assert_eq!(instruction_count("==1== D   refs:      12\n"), None);
+        assert_eq!(instruction_count("==1== I   refs:      many\n"), None);
+        assert_eq!(instruction_count(""), None);
+    }
 
     #[test]
     fn the_day_is_diurnal_and_whole() {
