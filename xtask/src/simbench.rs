@@ -29,27 +29,43 @@ const TENANTS: usize = 24;
 /// ±15 %, so the row gives their median and spread. The day (minutes) runs once.
 const AZURE_RUNS: usize = 5;
 
-pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
+const AZURE_ROW: &str = "Azure conversation trace (1 h), demo scenario";
+
+/// What both benches start from: the simulator built, its bench directory, the demo scenario (its
+/// policies' paths made absolute), the Azure trace.
+struct Setup {
+    dir: PathBuf,
+    demo: Value,
+    azure: PathBuf,
+}
+
+fn setup(root: &Path) -> Result<Setup> {
     crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
     let dir = root.join("target/sim-bench");
     std::fs::create_dir_all(&dir)?;
+    let demo: Value = serde_json::from_str(&std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?)?;
+    Ok(Setup { dir, demo: absolute_policy_paths(root, demo), azure: root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv") })
+}
+
+/// `scenario` at `per_event` tokens per SSE event, written as `scenario-<stem>-<per_event>.json`.
+fn write_scenario(dir: &Path, stem: &str, scenario: &Value, per_event: u64) -> Result<PathBuf> {
+    let mut scenario = scenario.clone();
+    scenario["tokens_per_event"] = per_event.into();
+    let path = dir.join(format!("scenario-{stem}-{per_event}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
+    Ok(path)
+}
+
+pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
+    let Setup { dir, demo, azure } = setup(root)?;
     let day = dir.join("synthetic-day.jsonl");
     write_synthetic_day(&day, requests)?;
-    let demo: Value = serde_json::from_str(&std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?)?;
-    let demo = absolute_policy_paths(root, demo);
     let day_scenario = day_scenario(root, &dir, demo.clone())?;
-    let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
-    let runs = [
-        ("azure", "Azure conversation trace (1 h), demo scenario", &azure, &demo, AZURE_RUNS),
-        ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario, 1),
-    ];
+    let runs = [("azure", AZURE_ROW, &azure, &demo, AZURE_RUNS), ("day", "synthetic day (24 h, 24 tenants, diurnal, incident)", &day, &day_scenario, 1)];
     println!("| trace | tokens per event | host | requests | runs | wall s (median) | requests/s (median) | requests/s (min – max) | peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|");
     for (stem, name, trace, scenario, runs) in runs {
         for (per_event, host) in [1u64, 16].into_iter().flat_map(|n| hosts.iter().map(move |h| (n, *h))) {
-            let mut scenario = scenario.clone();
-            scenario["tokens_per_event"] = per_event.into();
-            let path = dir.join(format!("scenario-{stem}-{per_event}.json"));
-            std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
+            let path = write_scenario(&dir, stem, scenario, per_event)?;
             let out = dir.join("out");
             let (mut seconds, mut peak_kib) = (Vec::new(), 0u64);
             for _ in 0..runs {
@@ -83,18 +99,10 @@ pub fn bench_sim(root: &Path, requests: u64, hosts: &[&str]) -> Result<()> {
 /// counts without simulating caches; a few minutes), and per request. The same on every run of one
 /// build on one machine, so two builds compare without pairing runs.
 pub fn instructions(root: &Path) -> Result<()> {
-    crate::run(crate::cargo().current_dir(root).args(["build", "--release", "--package", "sluice-sim"]))?;
-    let dir = root.join("target/sim-bench");
-    std::fs::create_dir_all(&dir)?;
-    let demo: Value = serde_json::from_str(&std::fs::read_to_string(root.join("examples/sim/demo.scenario.json"))?)?;
-    let demo = absolute_policy_paths(root, demo);
-    let azure = root.join("sim/traces/azure-2023-conv/azure-2023-conv.csv");
+    let Setup { dir, demo, azure } = setup(root)?;
     println!("| trace | tokens per event | host | requests | instructions | per request |\n|---|---|---|---|---|---|");
     for per_event in [1u64, 16] {
-        let mut scenario = demo.clone();
-        scenario["tokens_per_event"] = per_event.into();
-        let path = dir.join(format!("scenario-azure-{per_event}.json"));
-        std::fs::write(&path, serde_json::to_string_pretty(&scenario)?)?;
+        let path = write_scenario(&dir, "azure", &demo, per_event)?;
         let out = dir.join("out-instructions");
         remove_if_present(&out.join("verdicts.jsonl"))?;
         let run = Command::new("valgrind")
@@ -114,7 +122,7 @@ pub fn instructions(root: &Path) -> Result<()> {
         }
         let count = instruction_count(&stderr).with_context(|| format!("no instruction count in valgrind's output: {stderr}"))?;
         let n = count_lines(&out.join("verdicts.jsonl"))?;
-        println!("| Azure conversation trace (1 h), demo scenario | {per_event} | native | {n} | {count} | {:.0} |", count as f64 / n.max(1) as f64);
+        println!("| {AZURE_ROW} | {per_event} | native | {n} | {count} | {:.0} |", count as f64 / n.max(1) as f64);
     }
     Ok(())
 }

@@ -318,7 +318,7 @@ impl GuardRoot {
         }
     }
 
-    /// Applies `update` to the version's shared window (when it has a breaker) and judges the
+    /// Records `sample` in the version's shared window (when it has a breaker) and judges the
     /// breaker on the window as written.
     fn update_window_and_judge(&mut self, version: &str, now: u64, store: &mut dyn SharedStore, fx: &mut Effects, sample: latency::window::Sample) {
         let Some(vp) = self.policy.version(version) else { return };
